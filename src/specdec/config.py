@@ -1,0 +1,66 @@
+"""Typed configuration shared by the library, the CLI, the benchmark and the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from specdec.errors import ConfigError
+
+MAX_K = 32
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen. ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"top_k must be >= 1 or unset, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """One generation request: speculation depth, length, stopping and sampling."""
+
+    k: int = 4
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    stop_on_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k <= MAX_K:
+            raise ConfigError(f"k (draft tokens per step) must be between 1 and {MAX_K}, got {self.k}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty")
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p")
+
+
+def with_overrides(config: GenerationConfig, **overrides: object) -> GenerationConfig:
+    """A copy of ``config`` with flat keyword overrides (sampling keys go into ``config.sampling``)."""
+    sampling = {key: overrides.pop(key) for key in SAMPLING_FIELDS if key in overrides}
+    unknown = set(overrides) - {f.name for f in fields(GenerationConfig)}
+    if unknown:
+        raise ConfigError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
+    if "stop" in overrides and isinstance(overrides["stop"], str):
+        overrides["stop"] = (overrides["stop"],)
+    elif "stop" in overrides:
+        overrides["stop"] = tuple(overrides["stop"])  # type: ignore[arg-type]
+    return replace(config, sampling=replace(config.sampling, **sampling), **overrides)  # type: ignore[arg-type]

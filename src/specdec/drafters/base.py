@@ -1,0 +1,56 @@
+"""The drafter protocol: propose candidate tokens; learn how many were accepted.
+
+Every drafter (no model, n-gram, small model, ...) implements these three
+methods and nothing else, so new drafters plug into the engine untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdec.config import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Candidate tokens for each batch row.
+
+    ``probs`` holds the shaped distribution each token was drawn from, needed for
+    exact rejection sampling; None means the drafter is deterministic (its
+    distribution is one-hot on the proposed token), and in greedy mode.
+    """
+
+    tokens: torch.Tensor  # [B, k] long
+    lengths: torch.Tensor  # [B] long: how many of the k tokens each row proposes
+    probs: torch.Tensor | None = None  # [B, k, V] float
+
+    @staticmethod
+    def empty(batch: int, device: torch.device | str = "cpu") -> "Proposal":
+        return Proposal(
+            torch.zeros(batch, 0, dtype=torch.long, device=device),
+            torch.zeros(batch, dtype=torch.long, device=device),
+        )
+
+
+class Drafter(Protocol):
+    """Proposes up to k next tokens for the current context."""
+
+    #: logits width for model drafters (checked against the target's); None for vocabulary-free drafters
+    vocab_size: int | None
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        """Start a new sequence from ``prompt`` [B, T]."""
+        ...
+
+    def propose(
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Proposal:
+        """Propose up to ``k`` tokens following ``context`` [B, T] (every token so far)."""
+        ...
+
+    def accepted(self, counts: torch.Tensor) -> None:
+        """Learn how many tokens [B] of the last proposal the target accepted."""
+        ...

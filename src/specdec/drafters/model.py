@@ -1,0 +1,54 @@
+"""A smaller causal LM sharing the target's vocabulary drafts autoregressively with its own KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.config import SamplingConfig
+from specdec.drafters.base import Proposal
+from specdec.models.backend import Backend
+from specdec.verification.shaping import to_probs
+
+
+class ModelDrafter:
+    """Drafts k tokens with a small model; its cache keeps exactly the accepted prefix between steps."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.vocab_size: int | None = backend.vocab_size
+        self._context_length = 0
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        self.backend.reset()
+        self._context_length = 0
+
+    @torch.inference_mode()
+    def propose(
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Proposal:
+        batch = context.shape[0]
+        # Feed whatever the cache has not seen yet: the tokens accepted since the last step.
+        logits = self.backend.forward(context[:, self.backend.cached_length :], all_logits=False)[:, -1]
+        self._context_length = context.shape[1]
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for i in range(k):
+            if sampling.greedy:
+                token = logits.argmax(dim=-1)
+            else:
+                dist = to_probs(logits, sampling)
+                token = torch.multinomial(dist, 1, generator=generator).squeeze(1)
+                probs.append(dist)
+            tokens.append(token)
+            if i + 1 < k:
+                logits = self.backend.forward(token[:, None], all_logits=False)[:, -1]
+        return Proposal(
+            tokens=torch.stack(tokens, dim=1),
+            lengths=torch.full((batch,), k, dtype=torch.long, device=context.device),
+            probs=torch.stack(probs, dim=1) if probs else None,
+        )
+
+    def accepted(self, counts: torch.Tensor) -> None:
+        # The cache holds the context plus the first k-1 drafts; keep the context plus the accepted ones.
+        keep = self._context_length + int(counts.max())
+        self.backend.truncate(min(keep, self.backend.cached_length))

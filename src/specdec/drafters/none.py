@@ -1,0 +1,23 @@
+"""No drafting: the engine then runs plain target-only decoding, the baseline of every speed-up."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.config import SamplingConfig
+from specdec.drafters.base import Proposal
+
+
+class NoDrafter:
+    vocab_size = None
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        pass
+
+    def propose(
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Proposal:
+        return Proposal.empty(context.shape[0], context.device)
+
+    def accepted(self, counts: torch.Tensor) -> None:
+        pass

@@ -1,0 +1,107 @@
+"""The speculative decoding loop: draft, verify in one target forward, keep the accepted prefix."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import GenerationConfig
+from specdec.drafters.base import Drafter, Proposal
+from specdec.models.backend import Backend
+from specdec.verification import verify
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one generation; derived rates are properties."""
+
+    new_tokens: int = 0
+    steps: int = 0
+    target_forwards: int = 0  # verification forwards plus the prefill
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    wall_s: float = 0.0
+    ttft_s: float = 0.0
+    accepted_per_step: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.draft_tokens_accepted / self.draft_tokens_proposed if self.draft_tokens_proposed else 0.0
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        return self.draft_tokens_accepted / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s else 0.0
+
+    def as_dict(self) -> dict[str, float | int | list[int]]:
+        keys = (
+            "new_tokens steps target_forwards draft_tokens_proposed draft_tokens_accepted acceptance_rate "
+            "mean_accepted_per_step tokens_per_step tokens_per_s wall_s ttft_s prefill_s draft_s verify_s"
+        ).split()
+        return {key: getattr(self, key) for key in keys} | {"accepted_per_step": list(self.accepted_per_step)}
+
+
+def speculative_decode(
+    target: Backend,
+    drafter: Drafter,
+    prompt: torch.Tensor,
+    config: GenerationConfig,
+    stats: DecodeStats,
+    generator: torch.Generator | None = None,
+) -> Iterator[torch.Tensor]:
+    """Yield the tokens [n] accepted at each step for a single sequence ``prompt`` [1, T].
+
+    Invariant between steps: the target's cache holds every token but the last
+    one (the pending token, whose logits start the next step), and the drafter
+    has been told how many of its tokens survived. The caller stops iteration
+    early for EOS or stop strings; the loop itself stops at max_new_tokens or
+    the model's context length.
+    """
+    start = time.perf_counter()
+    target.reset()
+    drafter.begin(prompt)
+    if prompt.shape[1] > 1:
+        target.forward(prompt[:, :-1], all_logits=False)
+        stats.target_forwards += 1
+    stats.prefill_s = time.perf_counter() - start
+    tokens = prompt
+    while stats.new_tokens < config.max_new_tokens and tokens.shape[1] < target.max_context:
+        # Every step yields accepted drafts plus one target token: never draft past the limits.
+        k = min(config.k, config.max_new_tokens - stats.new_tokens - 1, target.max_context - tokens.shape[1])
+        t0 = time.perf_counter()
+        proposal = drafter.propose(tokens, k, config.sampling, generator) if k > 0 else Proposal.empty(1)
+        t1 = time.perf_counter()
+        logits = target.forward(torch.cat([tokens[:, -1:], proposal.tokens], dim=1))
+        verdict = verify(proposal.tokens, proposal.lengths, logits, proposal.probs, config.sampling, generator)
+        accepted = int(verdict.accepted[0])
+        target.truncate(tokens.shape[1] + accepted)
+        drafter.accepted(verdict.accepted)
+        new = torch.cat([proposal.tokens[0, :accepted], verdict.next_token])
+        tokens = torch.cat([tokens, new[None]], dim=1)
+        t2 = time.perf_counter()
+
+        stats.steps += 1
+        stats.target_forwards += 1
+        stats.draft_tokens_proposed += int(proposal.lengths[0])
+        stats.draft_tokens_accepted += accepted
+        stats.accepted_per_step.append(accepted)
+        stats.new_tokens += new.shape[0]
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.wall_s = t2 - start
+        if stats.steps == 1:
+            stats.ttft_s = stats.wall_s
+        yield new

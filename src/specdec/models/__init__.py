@@ -1,0 +1,17 @@
+"""Model loading and the backends through which the engine runs a model."""
+
+from specdec.models.backend import Backend, TransformersBackend
+from specdec.models.loading import LoadedModel, load_model, parse_dtype
+from specdec.models.registry import ALIASES, DEFAULT_TARGET, ModelSource, resolve
+
+__all__ = [
+    "ALIASES",
+    "DEFAULT_TARGET",
+    "Backend",
+    "LoadedModel",
+    "ModelSource",
+    "TransformersBackend",
+    "load_model",
+    "parse_dtype",
+    "resolve",
+]

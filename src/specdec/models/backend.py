@@ -1,0 +1,81 @@
+"""The narrow interface through which the engine runs a model, and its transformers implementation.
+
+The engine needs two operations from a model runtime: score a run of new
+tokens (appending them to the KV cache) and return logits for each position;
+and keep only the first n cached positions after a rejection. Any runtime
+(transformers, llama.cpp, ...) that offers these plugs into the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+class Backend(Protocol):
+    """A model with a KV cache over one token sequence per batch row."""
+
+    vocab_size: int
+    max_context: int
+
+    @property
+    def cached_length(self) -> int:
+        """Positions currently held in the cache."""
+        ...
+
+    def forward(self, tokens: torch.Tensor, all_logits: bool = True) -> torch.Tensor:
+        """Append ``tokens`` [B, n] to the cache; return logits [B, n, V] (or [B, 1, V] for the last only)."""
+        ...
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` cached positions."""
+        ...
+
+    def reset(self) -> None:
+        """Empty the cache for a new sequence."""
+        ...
+
+
+class TransformersBackend:
+    """Runs any transformers causal LM with a DynamicCache that can be rolled back."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.max_context: int = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31
+        self.device = next(model.parameters()).device
+        self.reset()
+
+    @property
+    def cached_length(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        self._cache = DynamicCache(config=self.model.config)
+        for layer in self._cache.layers:
+            # Sliding-window layers drop old states unless told to keep them until the next crop.
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+        self._length = 0
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, all_logits: bool = True) -> torch.Tensor:
+        batch, n = tokens.shape
+        positions = torch.arange(self._length, self._length + n, device=self.device).expand(batch, n)
+        out = self.model(
+            input_ids=tokens.to(self.device),
+            position_ids=positions,
+            cache=self._cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
+        self._length += n
+        return out.logits
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a cache of {self._length} positions to {length}")
+        self._cache.crop(length - self._length)  # a negative count removes that many positions
+        self._length = length

@@ -1,0 +1,111 @@
+"""Load a target or draft model and its tokenizer, converting GGUF files once.
+
+transformers de-quantizes a GGUF file to float on every load, which takes tens
+of seconds; the float copy is saved as safetensors under the cache folder and
+loaded from there afterwards.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from specdec.errors import ConfigError, ModelNotFoundError
+from specdec.models.registry import ALIASES, ModelSource, converted_path, is_cached, resolve
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for inference, with the tokenizer that goes with it."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    source: ModelSource
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
+    """Load a model by name (alias, folder, .gguf file or hub id) in eval mode."""
+    torch_dtype = parse_dtype(dtype)
+    source = resolve(name)
+    folder = _materialize(source)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    except OSError as exc:
+        if source.kind == "hub":
+            raise ModelNotFoundError(
+                f"could not load '{name}' from the Hugging Face hub ({_first_line(exc)}): "
+                "without network access pass a local folder, a .gguf file or a bundled alias"
+            ) from exc
+        raise ModelNotFoundError(f"could not load model '{name}' from {folder}: {_first_line(exc)}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError):
+        tokenizer = None  # a weights-only folder still works with token ids
+    model.to(device).eval()
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, source=source)
+
+
+def _materialize(source: ModelSource) -> str:
+    """A folder or hub id that ``from_pretrained`` can read, converting GGUF sources on first use."""
+    if source.kind in ("folder", "hub"):
+        return source.location
+    target = converted_path(source)
+    assert target is not None
+    if not is_cached(source):
+        gguf = ALIASES[source.location].locate_gguf() if source.kind == "alias" else Path(source.location)
+        _convert_gguf(gguf, target)
+    return str(target)
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """De-quantize a GGUF file into a safetensors folder (written atomically)."""
+    from rich.console import Console
+
+    with Console(stderr=True).status(f"converting {gguf.name} to safetensors (once; cached in {target})"):
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # The weights are already float; drop the GGUF quantizer marker so transformers will serialize them.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        try:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+# Loading a cached model is quick; transformers' per-load progress bars and notes would only be noise.
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()

@@ -1,0 +1,90 @@
+"""Exact speculative verification (Leviathan et al. 2023; Chen et al. 2023), vectorised over the batch.
+
+Greedy: a draft token is accepted while it equals the target's argmax.
+Sampling: draft token y, drawn from q, is accepted with probability
+min(1, p(y) / q(y)); at the first rejection the next token is drawn from
+norm(max(0, p - q)); if every draft token passes, a bonus token is drawn from
+p at the next position. The produced tokens then follow p exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import SamplingConfig
+from specdec.verification.shaping import to_probs
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Per-row outcome of one verification step."""
+
+    accepted: torch.Tensor  # [B] long: draft tokens accepted, 0..draft_lengths
+    next_token: torch.Tensor  # [B] long: the target's token after the accepted prefix
+
+
+def verify(
+    draft_tokens: torch.Tensor,
+    draft_lengths: torch.Tensor,
+    target_logits: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Decide acceptance for a batch of draft runs.
+
+    Args:
+        draft_tokens: [B, k] proposed tokens (entries past a row's length are ignored).
+        draft_lengths: [B] how many of the k tokens each row really proposed.
+        target_logits: [B, k + 1, V] target logits; position i scores draft token i,
+            position k gives the bonus token.
+        draft_probs: [B, k, V] the (shaped) distributions the drafts were drawn from,
+            or None when the drafter is deterministic (one-hot q).
+        sampling: the shaping applied to the target logits (and already to draft_probs).
+        generator: random source, for reproducible runs.
+    """
+    k = draft_tokens.shape[1]
+    in_range = torch.arange(k, device=draft_tokens.device)[None, :] < draft_lengths[:, None]
+    if sampling.greedy:
+        choice = target_logits.argmax(dim=-1)
+        ok = (draft_tokens == choice[:, :k]) & in_range
+        accepted = _leading_true(ok)
+        return Verdict(accepted, choice.gather(1, accepted[:, None]).squeeze(1))
+
+    p = to_probs(target_logits, sampling)
+    p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    q_draft = (
+        torch.ones_like(p_draft)
+        if draft_probs is None
+        else draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    )
+    u = torch.rand(p_draft.shape, generator=generator, device=p.device)
+    ok = (u * q_draft < p_draft) & in_range  # u < p/q without dividing by zero
+    accepted = _leading_true(ok)
+
+    rows = torch.arange(p.shape[0], device=p.device)
+    p_next = p[rows, accepted]
+    rejected = accepted < draft_lengths
+    if rejected.any():
+        at = accepted.clamp(max=max(k - 1, 0))
+        if draft_probs is None:
+            q_next = torch.zeros_like(p_next).scatter_(1, draft_tokens[rows, at][:, None], 1.0)
+        else:
+            q_next = draft_probs[rows, at]
+        p_next = torch.where(rejected[:, None], residual_distribution(p_next, q_next), p_next)
+    next_token = torch.multinomial(p_next, 1, generator=generator).squeeze(1)
+    return Verdict(accepted, next_token)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) per row; falls back to p where p <= q everywhere (then p == q)."""
+    residual = (p - q).clamp(min=0)
+    total = residual.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp(min=1e-30), p)
+
+
+def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """Length of the all-True prefix of each row."""
+    return mask.long().cumprod(dim=1).sum(dim=1)

@@ -1,0 +1,37 @@
+"""Temperature, top-k and top-p applied identically to target and draft logits.
+
+Rejection sampling preserves the *shaped* target distribution, so both sides
+must be shaped by the same function before verification.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.config import SamplingConfig
+
+
+def shape_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Return float32 logits divided by the temperature, with filtered entries at -inf.
+
+    ``logits`` has the vocabulary as its last dimension; any leading shape is kept.
+    Must not be called in greedy mode (temperature 0), where only the argmax matters.
+    """
+    logits = logits.float() / sampling.temperature
+    vocab = logits.shape[-1]
+    if sampling.top_k is not None and sampling.top_k < vocab:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the top token always stays.
+        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= sampling.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Shaped probability distribution (float32) over the last dimension."""
+    return shape_logits(logits, sampling).softmax(dim=-1)
