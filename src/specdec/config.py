@@ -63,4 +63,5 @@ def with_overrides(config: GenerationConfig, **overrides: object) -> GenerationC
         overrides["stop"] = (overrides["stop"],)
     elif "stop" in overrides:
         overrides["stop"] = tuple(overrides["stop"])  # type: ignore[arg-type]
-    return replace(config, sampling=replace(config.sampling, **sampling), **overrides)  # type: ignore[arg-type]
+    base = overrides.pop("sampling", config.sampling)
+    return replace(config, sampling=replace(base, **sampling), **overrides)  # type: ignore[arg-type]

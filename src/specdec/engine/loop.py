@@ -68,7 +68,7 @@ def speculative_decode(
     one (the pending token, whose logits start the next step), and the drafter
     has been told how many of its tokens survived. The caller stops iteration
     early for EOS or stop strings; the loop itself stops at max_new_tokens or
-    the model's context length.
+    the model's context length (prompt plus output never exceed it).
     """
     start = time.perf_counter()
     target.reset()
@@ -79,8 +79,8 @@ def speculative_decode(
     stats.prefill_s = time.perf_counter() - start
     tokens = prompt
     while stats.new_tokens < config.max_new_tokens and tokens.shape[1] < target.max_context:
-        # Every step yields accepted drafts plus one target token: never draft past the limits.
-        k = min(config.k, config.max_new_tokens - stats.new_tokens - 1, target.max_context - tokens.shape[1])
+        # Every step yields accepted drafts plus one target token: never draft past either limit.
+        k = min(config.k, config.max_new_tokens - stats.new_tokens - 1, target.max_context - tokens.shape[1] - 1)
         t0 = time.perf_counter()
         proposal = drafter.propose(tokens, k, config.sampling, generator) if k > 0 else Proposal.empty(1)
         t1 = time.perf_counter()

@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny random-weight models (fast, any shape) and the real bundled Gemma target."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import Gemma3TextConfig, Gemma3ForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specdec.models import LoadedModel, ModelSource
+
+torch.set_num_threads(2)
+
+CHARS = string.ascii_letters + string.digits + " .,;:!?'\"()-\n"
+SPECIALS = ["<unk>", "<bos>", "<eos>"]
+
+
+def tiny_llama(seed: int, vocab: int = 96, layers: int = 2, scale: float = 0.3) -> LlamaForCausalLM:
+    """A random Llama whose logits are peaked enough that greedy ties are negligible."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=scale,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_gemma3(seed: int, vocab: int = 96, sliding_window: int = 6) -> Gemma3ForCausalLM:
+    """A random Gemma-3 with a tiny sliding window, so cache rollback crosses the window edge."""
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        initializer_range=0.3,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,  # tied random embeddings make the model copy its last token forever
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
+def perturbed(model, noise: float, seed: int = 0):
+    """A copy of ``model`` with Gaussian noise on every weight: a draft that agrees only sometimes."""
+    import copy
+
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn_like(param) * noise * param.std().clamp(min=1e-3))
+    return draft
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>")
+
+
+def loaded(model, name: str = "tiny", tokenizer=None) -> LoadedModel:
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, source=ModelSource(name, "folder", name))
+
+
+@pytest.fixture
+def tiny_folder(tmp_path: Path) -> Path:
+    """A saved tiny Llama with a character tokenizer: a real local model folder."""
+    tokenizer = char_tokenizer()
+    model = tiny_llama(0, vocab=len(tokenizer))
+    folder = tmp_path / "tiny-llama"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def gemma() -> LoadedModel:
+    from specdec.models import load_model
+
+    return load_model("gemma-3-270m")

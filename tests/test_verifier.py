@@ -1,0 +1,85 @@
+"""The verifier alone: greedy acceptance, and the exactness of rejection sampling in distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec.config import SamplingConfig
+from specdec.verification import rejection, verify
+
+ALPHA = 1e-3  # significance level of every distribution test here
+
+
+def test_greedy_accepts_longest_matching_prefix() -> None:
+    logits = torch.full((3, 4, 5), -1.0)
+    argmax = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3], [4, 4, 4, 4]])
+    logits.scatter_(2, argmax[..., None], 5.0)
+    drafts = torch.tensor([[0, 1, 2], [0, 3, 2], [1, 4, 4]])
+    lengths = torch.tensor([3, 3, 3])
+    verdict = verify(drafts, lengths, logits, None, SamplingConfig())
+    assert verdict.accepted.tolist() == [3, 1, 0]
+    assert verdict.next_token.tolist() == [3, 1, 4]
+
+
+def test_draft_length_caps_acceptance() -> None:
+    logits = torch.zeros(1, 4, 5)
+    logits[0, :, 2] = 5.0
+    verdict = verify(torch.tensor([[2, 2, 2]]), torch.tensor([1]), logits, None, SamplingConfig())
+    assert verdict.accepted.tolist() == [1]
+    assert verdict.next_token.tolist() == [2]
+
+
+def _first_token_samples(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, seed: int) -> torch.Tensor:
+    """The first output token of a one-step verification, for a batch of independent rows."""
+    batch, vocab = draft.shape[0], p.shape[-1]
+    logits = p.log().expand(batch, 2, vocab)
+    probs = None if q is None else q.expand(batch, 1, vocab)
+    gen = torch.Generator().manual_seed(seed)
+    verdict = verify(draft[:, None], torch.ones(batch, dtype=torch.long), logits, probs, SamplingConfig(temperature=1.0), gen)
+    return torch.where(verdict.accepted > 0, draft, verdict.next_token)
+
+
+def _pvalue(samples: torch.Tensor, p: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=p.shape[0]).double()
+    return float(chisquare(counts.numpy(), (p.double() * counts.sum()).numpy()).pvalue)
+
+
+P = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+Q = torch.tensor([0.05, 0.05, 0.10, 0.20, 0.30, 0.30])  # deliberately poor: mass on the target's unlikely tokens
+N = 200_000
+
+
+def test_rejection_sampling_keeps_target_distribution() -> None:
+    gen = torch.Generator().manual_seed(1)
+    draft = torch.multinomial(Q, N, replacement=True, generator=gen)
+    samples = _first_token_samples(P, Q, draft, seed=2)
+    assert _pvalue(samples, P) > ALPHA
+
+
+def test_deterministic_draft_keeps_target_distribution() -> None:
+    # A one-hot drafter (prompt lookup) always proposes token 4, which the target rarely wants.
+    draft = torch.full((N,), 4)
+    samples = _first_token_samples(P, None, draft, seed=3)
+    assert _pvalue(samples, P) > ALPHA
+
+
+def test_wrong_residual_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: resampling from p instead of norm(max(0, p - q)) must fail the same test."""
+    monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
+    gen = torch.Generator().manual_seed(1)
+    draft = torch.multinomial(Q, N, replacement=True, generator=gen)
+    samples = _first_token_samples(P, Q, draft, seed=2)
+    assert _pvalue(samples, P) < 1e-6
+
+
+def test_all_accepted_gives_bonus_from_last_position() -> None:
+    logits = torch.zeros(1, 3, 4)
+    logits[0, 2] = torch.tensor([-50.0, -50.0, 50.0, -50.0])
+    probs = torch.zeros(1, 2, 4)
+    probs[0, :, 1] = 1.0
+    logits[0, :2, 1] = 50.0  # target agrees with the draft at both positions
+    verdict = verify(torch.tensor([[1, 1]]), torch.tensor([2]), logits, probs, SamplingConfig(temperature=1.0))
+    assert verdict.accepted.tolist() == [2]
+    assert verdict.next_token.tolist() == [2]
