@@ -1,0 +1,153 @@
+"""`specdec` commands. They parse options into the shared config types and call the library."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import sys
+from collections.abc import Callable
+from typing import Annotated, Optional, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from specdec.config import GenerationConfig, SamplingConfig
+from specdec.drafters import DRAFT_SPECS
+from specdec.errors import SpecDecError
+from specdec.models import ALIASES, DEFAULT_TARGET
+from specdec.models.loading import DTYPES
+
+app = typer.Typer(help="Lossless speculative decoding for LLM text generation.", no_args_is_help=True, add_completion=False)
+err = Console(stderr=True)
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def user_errors(fn: F) -> F:
+    """Turn a SpecDecError into one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: object, **kwargs: object) -> None:
+        try:
+            fn(*args, **kwargs)
+        except SpecDecError as exc:
+            err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+Target = Annotated[str, typer.Option("--target", "-t", help="Bundled alias, model folder, .gguf file or hub id.")]
+Draft = Annotated[str, typer.Option("--draft", "-d", help=f"Drafter: {DRAFT_SPECS}.")]
+Dtype = Annotated[str, typer.Option(help=f"Weights dtype: {', '.join(DTYPES)}.")]
+
+
+@app.command()
+@user_errors
+def generate(
+    prompt: Annotated[str, typer.Argument(help="Text to continue.")],
+    target: Target = DEFAULT_TARGET,
+    draft: Draft = "prompt-lookup",
+    k: Annotated[int, typer.Option(help="Draft tokens per step (1-32).")] = 4,
+    max_new_tokens: Annotated[int, typer.Option(help="Most new tokens to generate.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = 0.0,
+    top_k: Annotated[Optional[int], typer.Option(help="Keep only the k most likely tokens.")] = None,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed, for reproducible sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    dtype: Dtype = "float32",
+    stream: Annotated[bool, typer.Option(help="Print text as it is accepted.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text, token_ids and stats.")] = False,
+) -> None:
+    """Generate a continuation of PROMPT with speculative decoding."""
+    from specdec import Generator
+
+    config = GenerationConfig(
+        k=k,
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
+        stop=tuple(stop or ()),
+        seed=seed,
+    )
+    if not prompt.strip():
+        raise SpecDecError("the prompt is empty: pass some text to continue")
+    with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
+        generator = Generator(target, draft, config, dtype=dtype)
+    if stream and not as_json:
+        run = generator.stream(prompt)
+        for piece in run:
+            print(piece, end="", flush=True)
+        print()
+        return
+    result = generator.generate(prompt)
+    if as_json:
+        print(json.dumps(result.to_dict()))
+        return
+    print(result.text)
+    s = result.stats
+    err.print(
+        f"[dim]{s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.1f} tok/s), {s.target_forwards} target forwards, "
+        f"acceptance {s.acceptance_rate:.0%}, finish: {result.finish_reason}[/dim]"
+    )
+
+
+DEMO_PROMPT = (
+    "def bubble_sort(items):\n    n = len(items)\n    for i in range(n):\n        for j in range(n - i - 1):\n"
+    "            if items[j] > items[j + 1]:\n                items[j], items[j + 1] = items[j + 1], items[j]\n"
+    "    return items\n\n\n# The same function with type hints and a docstring:\ndef bubble_sort("
+)
+
+
+@app.command()
+@user_errors
+def demo(
+    target: Target = DEFAULT_TARGET,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate in each run.")] = 64,
+    k: Annotated[int, typer.Option(help="Draft tokens per step.")] = 8,
+) -> None:
+    """Generate once without and once with speculation (prompt lookup) and print the speed-up."""
+    from specdec import Generator
+    from specdec.models import load_model
+
+    with err.status(f"loading {target} (the first run converts the GGUF file once, about a minute)"):
+        model = load_model(target)
+    config = GenerationConfig(k=k, max_new_tokens=max_new_tokens)
+    runs = {}
+    for spec in ("none", "prompt-lookup"):
+        with err.status(f"generating with draft={spec}"):
+            generator = Generator(model, spec, config)
+            generator.generate(DEMO_PROMPT, max_new_tokens=4)  # warm-up
+            runs[spec] = generator.generate(DEMO_PROMPT)
+    base, spec_run = runs["none"], runs["prompt-lookup"]
+    err.print(f"[bold]prompt[/bold] ({target}):\n{DEMO_PROMPT}")
+    err.print(f"[bold]output[/bold]:\n{spec_run.text}\n")
+    table = Table("draft", "tokens", "tok/s", "target forwards", "acceptance")
+    for spec, r in runs.items():
+        s = r.stats
+        table.add_row(spec, str(s.new_tokens), f"{s.tokens_per_s:.1f}", str(s.target_forwards), f"{s.acceptance_rate:.0%}")
+    Console().print(table)
+    same = "identical" if base.token_ids == spec_run.token_ids else "DIFFERENT"
+    Console().print(
+        f"speed-up: [bold]{spec_run.stats.tokens_per_s / base.stats.tokens_per_s:.2f}x[/bold]; "
+        f"output {same} to target-only greedy"
+    )
+
+
+@app.command()
+def models() -> None:
+    """List the bundled model aliases, where their files are, and whether they are converted and cached."""
+    from specdec.models.registry import cache_root, converted_path, is_cached, resolve
+
+    table = Table("alias", "description", "package", "converted copy")
+    for alias in ALIASES.values():
+        installed = importlib.util.find_spec(alias.package.replace("-", "_")) is not None
+        source = resolve(alias.name)
+        cached = f"cached: {converted_path(source)}" if is_cached(source) else "not yet (converted on first use)"
+        table.add_row(alias.name, alias.description, "installed" if installed else f"missing: {alias.install}", cached)
+    Console().print(table)
+    Console().print(f"cache folder: {cache_root()} (set SPECDEC_CACHE to move it)")
+
+
+def main() -> None:
+    app(sys.argv[1:])

@@ -1,0 +1,57 @@
+"""The engine on the real bundled models (Gemma-3-270M target, SmolLM2-135M)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec import Generator
+from specdec.cli.main import app
+from specdec.models import load_model
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "def is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n"
+    "        if n % d == 0:\n            return False\n    return True\n\n\ndef primes_below(limit):\n",
+    "The meeting is on Tuesday at 10am in room 4B. Attendees: Ana, Bo, Chen. Agenda: budget, hiring.\n"
+    "Summary: The meeting is on",
+    "Q: What is the capital of France?\nA: The capital of France is Paris.\nQ: What is the capital of Spain?\nA:",
+]
+
+
+def test_gemma_prompt_lookup_greedy_is_identical(gemma) -> None:
+    baseline = Generator(gemma, "none")
+    lookup = Generator(gemma, "prompt-lookup")
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = baseline.generate(prompt, max_new_tokens=32)
+        got = lookup.generate(prompt, max_new_tokens=32, k=4)
+        assert got.token_ids == expected.token_ids
+        assert got.text == expected.text
+        assert got.stats.target_forwards <= expected.stats.target_forwards
+        accepted += got.stats.draft_tokens_accepted
+    assert accepted > 0, "prompt lookup should find something to copy in these prompts"
+
+
+def test_gguf_conversion_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    start = time.perf_counter()
+    first = load_model("smollm2-135m-instruct")
+    convert_s = time.perf_counter() - start
+    start = time.perf_counter()
+    second = load_model("smollm2-135m-instruct")
+    cached_s = time.perf_counter() - start
+    assert (tmp_path / "models" / first.source.cache_key / "config.json").exists()
+    assert cached_s < convert_s / 4, f"cached load {cached_s:.1f}s vs conversion {convert_s:.1f}s"
+    result = Generator(second, "prompt-lookup").generate("The capital of France is", max_new_tokens=8)
+    assert len(result.token_ids) >= 1 and result.text.strip()
+
+
+def test_demo_runs_on_the_default_model(gemma) -> None:
+    out = CliRunner().invoke(app, ["demo", "--max-new-tokens", "24"])
+    assert out.exit_code == 0, out.output
+    assert "speed-up" in out.stdout and "identical" in out.stdout
