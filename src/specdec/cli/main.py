@@ -7,6 +7,7 @@ import importlib.util
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Optional, TypeVar
 
 import typer
@@ -18,6 +19,7 @@ from specdec.drafters import DRAFT_SPECS
 from specdec.errors import SpecDecError
 from specdec.models import ALIASES, DEFAULT_TARGET
 from specdec.models.loading import DTYPES
+from specdec.bench.runner import DEFAULT_METHODS
 
 app = typer.Typer(help="Lossless speculative decoding for LLM text generation.", no_args_is_help=True, add_completion=False)
 err = Console(stderr=True)
@@ -132,6 +134,66 @@ def demo(
         f"speed-up: [bold]{spec_run.stats.tokens_per_s / base.stats.tokens_per_s:.2f}x[/bold]; "
         f"output {same} to target-only greedy"
     )
+
+
+@app.command()
+@user_errors
+def bench(
+    prompts: Annotated[str, typer.Option(help="JSONL prompt file: one {id, category, prompt} per line.")] = "benchmarks/prompts/default.jsonl",
+    target: Target = DEFAULT_TARGET,
+    methods: Annotated[str, typer.Option(help="Comma-separated: drafters (none, prompt-lookup, model:M), oracle, hf-greedy, hf-prompt-lookup, hf-assisted:M, llamacpp-greedy, llamacpp-prompt-lookup.")] = ",".join(DEFAULT_METHODS),
+    k: Annotated[str, typer.Option(help="Draft tokens per step; a comma-separated list sweeps k.")] = "4",
+    max_new_tokens: Annotated[int, typer.Option(help="New tokens per prompt.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy (outputs are compared with none's).")] = 0.0,
+    repeats: Annotated[int, typer.Option(help="Timed passes over all prompts, in rotated method order.")] = 1,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    dtype: Dtype = "float32",
+    out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and plots.")] = Path("bench-out"),
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+    strict: Annotated[bool, typer.Option(help="Fail (exit 1) if any greedy output differs from none's.")] = False,
+    quick: Annotated[bool, typer.Option(help="Two prompts, 16 tokens: a smoke test.")] = False,
+) -> None:
+    """Benchmark methods side by side on the same prompts; write results.json, report.md and plots."""
+    from rich.progress import Progress
+
+    from specdec.bench.prompts import load_prompts
+    from specdec.bench.report import write_report
+    from specdec.bench.runner import BenchConfig, GreedyMismatchError, run_benchmark
+    from specdec.bench.methods import check_method
+
+    if out.exists() and not overwrite:
+        raise SpecDecError(f"output folder '{out}' exists: pass --overwrite or choose another --out")
+    try:
+        ks = tuple(int(x) for x in k.split(","))
+    except ValueError:
+        raise SpecDecError(f"--k must be an integer or a comma-separated list of integers, got '{k}'") from None
+    for value in ks:
+        GenerationConfig(k=value)  # validates the range
+    config = BenchConfig(
+        prompts=prompts, target=target, methods=tuple(m.strip() for m in methods.split(",") if m.strip()), ks=ks,
+        max_new_tokens=max_new_tokens, temperature=temperature, repeats=repeats, seed=seed, dtype=dtype,
+        strict=strict, quick=quick,
+    )
+    count = 2 if quick else len(load_prompts(prompts))
+    runnable = {m for m in config.methods if check_method(m) is None} | {"none"}
+    total = sum(len(ks) if m not in ("none", "hf-greedy", "llamacpp-greedy") else 1 for m in runnable) * count * repeats
+    with Progress(console=err) as progress:
+        task = progress.add_task("loading models", total=total)
+        try:
+            results = run_benchmark(config, lambda name: progress.update(task, advance=1, description=name))
+        except GreedyMismatchError as exc:
+            err.print(f"[red]strict:[/red] {exc}")
+            raise typer.Exit(1) from None
+    write_report(results, out)
+    for note in results["notes"]:
+        err.print(f"[yellow]note:[/yellow] {note}")
+    overall = {name: m["categories"]["overall"] for name, m in results["methods"].items()}
+    table = Table("method", "tok/s", "vs none", "acceptance", "identical")
+    for name, row in overall.items():
+        acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}"
+        table.add_row(name, f"{row['tokens_per_s']:.2f}", f"{row['speedup_vs_none']:.2f}x", acc, f"{results['greedy_identical_share'][name]:.0%}")
+    Console().print(table)
+    Console().print(f"report: {out / 'report.md'}")
 
 
 @app.command()

@@ -1,0 +1,154 @@
+"""Benchmark methods: specdec drafters, an oracle, and peer baselines, behind one small interface."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specdec.config import GenerationConfig, SamplingConfig
+from specdec.drafters import DRAFT_SPECS, build_drafter
+from specdec.drafters.base import Proposal
+from specdec.engine import Generator
+from specdec.errors import ConfigError
+from specdec.models import LoadedModel, load_model
+
+PEER_METHODS = "hf-greedy, hf-prompt-lookup, hf-assisted:MODEL, llamacpp-greedy, llamacpp-prompt-lookup"
+
+
+@dataclass
+class RunRecord:
+    """One generation of one prompt by one method."""
+
+    token_ids: list[int]
+    wall_s: float
+    ttft_s: float | None = None
+    draft_tokens_proposed: int | None = None
+    draft_tokens_accepted: int | None = None
+    target_steps: int | None = None  # verification forwards (no prefill)
+    draft_s: float | None = None
+    verify_s: float | None = None
+    accepted_per_step: list[int] = field(default_factory=list)
+
+
+class Method(Protocol):
+    name: str
+    family: str  # "specdec", "transformers" or "llama.cpp"
+    k: int | None
+
+    def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
+        """Generate from ``prompt_ids``; ``reference`` is the target's own greedy output (for the oracle)."""
+        ...
+
+
+class OracleDrafter:
+    """Proposes the target's own greedy continuation, computed beforehand: the engine's ceiling."""
+
+    vocab_size = None
+
+    def __init__(self) -> None:
+        self.reference: list[int] = []
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        pass
+
+    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+        length = context.shape[1]
+        if context[0].tolist() != self.reference[:length]:
+            return Proposal.empty(1, context.device)
+        tokens = torch.tensor([self.reference[length : length + k]], dtype=torch.long, device=context.device)
+        return Proposal(tokens, torch.tensor([tokens.shape[1]], device=context.device))
+
+    def accepted(self, counts: torch.Tensor) -> None:
+        pass
+
+
+class SpecdecMethod:
+    family = "specdec"
+
+    def __init__(self, spec: str, target: LoadedModel, config: GenerationConfig, dtype: str) -> None:
+        self.k = config.k if spec != "none" else None
+        self.name = spec if self.k is None else f"{spec}@k{config.k}"
+        self.oracle = OracleDrafter() if spec == "oracle" else None
+        drafter = self.oracle or build_drafter(spec, dtype=dtype)
+        self.generator = Generator(target, drafter, config)
+
+    def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
+        if self.oracle is not None:
+            self.oracle.reference = prompt_ids + (reference or [])
+        result = self.generator.generate(prompt_ids)
+        s = result.stats
+        return RunRecord(
+            token_ids=result.token_ids,
+            wall_s=s.wall_s,
+            ttft_s=s.ttft_s,
+            draft_tokens_proposed=s.draft_tokens_proposed,
+            draft_tokens_accepted=s.draft_tokens_accepted,
+            target_steps=s.steps,
+            draft_s=s.draft_s,
+            verify_s=s.verify_s,
+            accepted_per_step=list(s.accepted_per_step),
+        )
+
+
+class TransformersMethod:
+    """transformers' own `generate`: greedy, prompt lookup, or assisted by a draft model."""
+
+    family = "transformers"
+
+    def __init__(self, spec: str, target: LoadedModel, config: GenerationConfig, dtype: str) -> None:
+        self.target = target
+        self.config = config
+        self.kwargs: dict[str, object] = {}
+        self.k = None
+        if spec == "hf-greedy":
+            self.name = spec
+        elif spec == "hf-prompt-lookup":
+            self.k = config.k
+            self.kwargs = {"prompt_lookup_num_tokens": config.k}
+        else:  # hf-assisted:MODEL
+            self.k = config.k
+            assistant = load_model(spec.split(":", 1)[1], dtype=dtype)
+            self.kwargs = {"assistant_model": assistant.model}
+            if assistant.vocab_size != target.vocab_size:  # transformers' universal assisted decoding
+                self.kwargs |= {"tokenizer": target.tokenizer, "assistant_tokenizer": assistant.tokenizer}
+            assistant.model.generation_config.num_assistant_tokens = config.k
+            assistant.model.generation_config.num_assistant_tokens_schedule = "constant"
+        self.name = spec if self.k is None else f"{spec}@k{self.k}"
+
+    @torch.inference_mode()
+    def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
+        sampling = self.config.sampling
+        options: dict[str, object] = {"do_sample": False}
+        if not sampling.greedy:
+            options = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0}
+        ids = torch.tensor([prompt_ids])
+        start = time.perf_counter()
+        out = self.target.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.config.max_new_tokens, **options, **self.kwargs
+        )
+        wall = time.perf_counter() - start
+        return RunRecord(token_ids=out[0, len(prompt_ids) :].tolist(), wall_s=wall)
+
+
+def build_method(spec: str, target: LoadedModel, config: GenerationConfig, dtype: str) -> Method:
+    """Build a method whose name :func:`check_method` accepted."""
+    if spec.startswith("hf-"):
+        return TransformersMethod(spec, target, config, dtype)
+    return SpecdecMethod(spec, target, config, dtype)
+
+
+def check_method(spec: str) -> str | None:
+    """Validate a method name before loading anything; return a note when it must be skipped."""
+    if spec in ("none", "oracle", "prompt-lookup", "hf-greedy", "hf-prompt-lookup"):
+        return None
+    if (spec.startswith("model:") and len(spec) > 6) or (spec.startswith("hf-assisted:") and len(spec) > 12):
+        return None
+    if spec in ("llamacpp-greedy", "llamacpp-prompt-lookup"):
+        if importlib.util.find_spec("llama_cpp") is None:
+            return f"{spec} skipped: llama-cpp-python is not installed (pip install llama-cpp-python; it builds llama.cpp, about 4 minutes)"
+        return f"{spec} skipped: the llama.cpp runtime is not wired into specdec yet (it comes with the llama.cpp backend)"
+    raise ConfigError(f"unknown method '{spec}': use a drafter ({DRAFT_SPECS}), oracle, or a peer ({PEER_METHODS})")

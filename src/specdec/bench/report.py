@@ -1,0 +1,131 @@
+"""Write a benchmark's results: results.json, report.md and matplotlib plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PLOTS = ("speedup_by_category.png", "accepted_per_step.png", "tokens_per_s_vs_k.png")
+
+
+def write_report(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "report.md").write_text(markdown(results))
+    _plot_speedups(results, out / PLOTS[0])
+    _plot_histograms(results, out / PLOTS[1])
+    _plot_k(results, out / PLOTS[2])
+
+
+def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def markdown(results: dict) -> str:
+    machine, cfg = results["machine"], results["config"]
+    lines = [
+        "# specdec benchmark",
+        "",
+        f"Target `{cfg['target']}` ({machine['dtype']}), {cfg['prompt_count']} prompts from `{cfg['prompts']}`, "
+        f"{cfg['max_new_tokens_used']} new tokens, temperature {cfg['temperature']}, {cfg['repeats']} repeat(s).",
+        f"Machine: {machine['device']}, {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}.",
+        "",
+        "Speed-up is tokens/s against specdec's target-only `none` in the same run; peers also against their own greedy.",
+        "Predicted: Leviathan et al. expected tokens per step over step cost (ideal: verification costs one step;",
+        "measured: this machine's verification cost). Identical: share of prompts whose output equals `none`'s.",
+        "",
+    ]
+    header = "| method | tok/s (median, min-max) | vs none | vs own greedy | predicted (ideal / measured) | acceptance | tokens/step | fwd/token | TTFT s | peak mem Δ MB | identical |"
+    for category in results["categories"]:
+        lines += [f"## {category}", "", header, "|" + "---|" * 11]
+        for name, m in results["methods"].items():
+            r = m["categories"][category]
+            lines.append(
+                f"| {name} | {r['tokens_per_s']:.2f} ({r['tokens_per_s_min']:.2f}-{r['tokens_per_s_max']:.2f}) "
+                f"| {r['speedup_vs_none']:.2f}x | {_fmt(r['speedup_vs_own_greedy'], '{:.2f}x')} "
+                f"| {_fmt(r['predicted_speedup'], '{:.2f}x')} / {_fmt(r['predicted_speedup_measured_costs'], '{:.2f}x')} "
+                f"| {_fmt(r['acceptance_rate'], '{:.0%}')} | {_fmt(r['tokens_per_step'])} | {_fmt(r['target_forwards_per_token'])} "
+                f"| {_fmt(r['ttft_s'])} | {m['peak_memory_increase_vs_none_mb']:+.0f} "
+                f"| {results['greedy_identical_share'][name]:.0%} |"
+            )
+        lines.append("")
+    best = max(
+        (n for n, m in results["methods"].items() if m["family"] == "specdec" and n != "none" and not n.startswith("oracle")),
+        key=lambda n: results["methods"][n]["categories"]["overall"]["speedup_vs_none"],
+        default=None,
+    )
+    if best:
+        m = results["methods"][best]
+        base_mb = results["methods"]["none"]["peak_memory_mb"]
+        increase = m["peak_memory_increase_vs_none_mb"] / base_mb if base_mb else 0
+        lines += [
+            "## Hardware row (seed format, best specdec method overall)",
+            "",
+            "| device | method | speed-up | peak memory increase |",
+            "|---|---|---|---|",
+            f"| {machine['device']} ({machine['cpu']}) | {best} | {m['categories']['overall']['speedup_vs_none']:.2f}x | {increase:+.0%} |",
+            "",
+        ]
+    if results["greedy_mismatches"]:
+        lines += ["## Greedy mismatches", ""] + [
+            f"- {x['method']} on `{x['prompt']}`: first difference at token {x['first_difference']}" for x in results["greedy_mismatches"]
+        ] + [""]
+    if results["notes"]:
+        lines += ["## Notes", ""] + [f"- {note}" for note in results["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def _plot_speedups(results: dict, path: Path) -> None:
+    names = [n for n in results["methods"] if n != "none"]
+    categories = results["categories"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) * max(1, len(names)) / 2), 4))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        values = [results["methods"][name]["categories"][c]["speedup_vs_none"] for c in categories]
+        ax.bar([j + i * width for j in range(len(categories))], values, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(categories))], categories)
+    ax.set_ylabel("speed-up vs target-only (none)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _plot_histograms(results: dict, path: Path) -> None:
+    names = [n for n, m in results["methods"].items() if m["accepted_per_step_histogram"] and n != "none"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in names:
+        hist = {int(k): v for k, v in results["methods"][name]["accepted_per_step_histogram"].items()}
+        total = sum(hist.values())
+        ax.plot(sorted(hist), [hist[k] / total for k in sorted(hist)], marker="o", label=name)
+    ax.set_xlabel("draft tokens accepted in a step")
+    ax.set_ylabel("share of steps")
+    if names:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _plot_k(results: dict, path: Path) -> None:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for name, m in results["methods"].items():
+        if m["k"] is not None:
+            series.setdefault(name.rsplit("@k", 1)[0], []).append((m["k"], m["categories"]["overall"]["tokens_per_s"]))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, points in series.items():
+        points.sort()
+        ax.plot([k for k, _ in points], [v for _, v in points], marker="o", label=name)
+    ax.axhline(results["methods"]["none"]["categories"]["overall"]["tokens_per_s"], color="black", linestyle="--", label="none")
+    ax.set_xlabel("k (draft tokens per step)")
+    ax.set_ylabel("tokens/s (overall)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,226 @@
+"""Run every method on the same prompts in one process and aggregate honest figures.
+
+Methods run in rotated order across repeats so that machine drift falls evenly;
+model loading and one warm-up generation per method are excluded from timings.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from specdec.bench.memory import PeakMemory, current_bytes
+from specdec.bench.methods import Method, RunRecord, build_method, check_method
+from specdec.bench.prompts import BenchPrompt, load_prompts
+from specdec.config import GenerationConfig, SamplingConfig
+from specdec.errors import ConfigError, SpecDecError
+from specdec.models import DEFAULT_TARGET, load_model
+
+DEFAULT_METHODS = ("none", "prompt-lookup", "oracle", "hf-greedy", "hf-prompt-lookup", "llamacpp-greedy", "llamacpp-prompt-lookup")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    prompts: str
+    target: str = DEFAULT_TARGET
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    ks: tuple[int, ...] = (4,)
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    repeats: int = 1
+    seed: int = 0
+    dtype: str = "float32"
+    strict: bool = False
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
+        if not self.methods:
+            raise ConfigError("no methods given: pass --methods none,prompt-lookup,...")
+
+
+class GreedyMismatchError(SpecDecError):
+    """--strict: a method's greedy output differed from target-only output."""
+
+
+@dataclass
+class MethodRuns:
+    method: Method
+    static_bytes: int  # memory its own models added when built
+    peak_bytes: int = 0  # peak above the idle level while it ran
+    records: dict[int, list[tuple[BenchPrompt, RunRecord]]] = field(default_factory=dict)  # repeat -> runs
+
+
+def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _: None) -> dict:
+    """Run the benchmark; ``advance`` is called once per generation (for a progress bar)."""
+    notes = [note for spec in config.methods if (note := check_method(spec))]
+    specs = ["none"] + [s for s in config.methods if s != "none" and check_method(s) is None]
+    prompts = load_prompts(config.prompts)
+    max_new = config.max_new_tokens
+    if config.quick:
+        prompts, max_new = prompts[:2], min(max_new, 16)
+
+    target = load_model(config.target, dtype=config.dtype)
+    if target.tokenizer is None:
+        raise ConfigError(f"target '{config.target}' has no tokenizer; the benchmark needs one to encode prompts")
+    prompt_ids = {p.id: target.tokenizer(p.prompt)["input_ids"] for p in prompts}
+    sampling = SamplingConfig(temperature=config.temperature)
+
+    runs: list[MethodRuns] = []
+    for spec in specs:
+        for k in config.ks if spec not in ("none", "hf-greedy", "llamacpp-greedy") else config.ks[:1]:
+            gen_config = GenerationConfig(k=k, max_new_tokens=max_new, sampling=sampling, seed=config.seed)
+            before = current_bytes()
+            method = build_method(spec, target, gen_config, config.dtype)
+            notes += [method.note] if getattr(method, "note", None) else []
+            runs.append(MethodRuns(method, max(0, current_bytes() - before)))
+
+    baseline = runs[0].method
+    references = {p.id: baseline.run(prompt_ids[p.id], None).token_ids for p in prompts}  # also warms up `none`
+    for entry in runs[1:]:
+        entry.method.run(prompt_ids[prompts[0].id], references[prompts[0].id])  # warm-up
+    for repeat in range(config.repeats):
+        shift = repeat % len(runs)
+        for entry in runs[shift:] + runs[:shift]:
+            idle = current_bytes()
+            with PeakMemory() as peak:
+                records = []
+                for p in prompts:
+                    records.append((p, entry.method.run(prompt_ids[p.id], references[p.id])))
+                    advance(entry.method.name)
+            entry.records[repeat] = records
+            entry.peak_bytes = max(entry.peak_bytes, peak.peak - idle)
+
+    results = _aggregate(config, runs, prompts, max_new)
+    results["notes"] = notes
+    if config.strict and sampling.greedy:
+        bad = [m for m in results["greedy_mismatches"] if m["method"] != "none"]
+        if bad:
+            first = bad[0]
+            raise GreedyMismatchError(
+                f"{len(bad)} greedy output(s) differ from target-only decoding, first: {first['method']} on "
+                f"prompt '{first['prompt']}' at token {first['first_difference']}"
+            )
+    return results
+
+
+def machine_info(dtype: str) -> dict[str, object]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    cuda = torch.cuda.is_available()
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "dtype": dtype,
+        "python": platform.python_version(),
+    }
+
+
+def _summary(entry: MethodRuns, items: set[str]) -> dict[str, object]:
+    """Figures of one method over the prompts whose ids are in ``items``."""
+    per_repeat = []
+    everything: list[RunRecord] = []
+    for records in entry.records.values():
+        chosen = [r for p, r in records if p.id in items]
+        everything += chosen
+        per_repeat.append(sum(len(r.token_ids) for r in chosen) / max(sum(r.wall_s for r in chosen), 1e-9))
+    tokens = sum(len(r.token_ids) for r in everything)
+    proposed = sum(r.draft_tokens_proposed or 0 for r in everything)
+    accepted = sum(r.draft_tokens_accepted or 0 for r in everything)
+    steps = sum(r.target_steps or 0 for r in everything)
+    spec = everything[0].target_steps is not None
+    ttfts = [r.ttft_s for r in everything if r.ttft_s is not None]
+    return {
+        "tokens_per_s": statistics.median(per_repeat),
+        "tokens_per_s_min": min(per_repeat),
+        "tokens_per_s_max": max(per_repeat),
+        "new_tokens": tokens // len(entry.records),
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "mean_accepted_per_step": accepted / steps if spec and steps else None,
+        "tokens_per_step": tokens / steps if spec and steps else None,
+        "target_forwards_per_token": steps / tokens if spec and tokens else None,
+        "ttft_s": statistics.median(ttfts) if ttfts else None,
+        "draft_s_per_token": sum(r.draft_s or 0 for r in everything) / proposed if proposed else None,
+        "verify_s_per_step": sum(r.verify_s or 0 for r in everything) / steps if spec and steps else None,
+        "mean_proposed_per_step": proposed / steps if spec and steps else None,
+    }
+
+
+def _predicted(row: dict, base: dict) -> tuple[float | None, float | None]:
+    """Leviathan et al. (2023): expected tokens per step over the cost of a step.
+
+    The first figure uses the paper's idealisation (verifying k tokens costs one
+    target step); the second uses this machine's measured verification cost.
+    """
+    a, k = row["acceptance_rate"], row["mean_proposed_per_step"]
+    if a is None or k is None or not base["verify_s_per_step"]:
+        return None, None
+    expected = (k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+    c = row["draft_s_per_token"] / base["verify_s_per_step"]
+    verify_ratio = row["verify_s_per_step"] / base["verify_s_per_step"]
+    return expected / (k * c + 1), expected / (k * c + verify_ratio)
+
+
+def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchPrompt], max_new: int) -> dict:
+    categories = {"overall": {p.id for p in prompts}}
+    for p in prompts:
+        categories.setdefault(p.category, set()).add(p.id)
+    base, own_greedy = runs[0], {"transformers": "hf-greedy", "llama.cpp": "llamacpp-greedy"}
+    by_name = {e.method.name: e for e in runs}
+    methods = {}
+    for entry in runs:
+        m = entry.method
+        rows = {}
+        for category, items in categories.items():
+            row = _summary(entry, items)
+            base_row = _summary(base, items)
+            row["speedup_vs_none"] = row["tokens_per_s"] / base_row["tokens_per_s"]
+            peer = by_name.get(own_greedy.get(m.family, ""))
+            row["speedup_vs_own_greedy"] = row["tokens_per_s"] / _summary(peer, items)["tokens_per_s"] if peer else None
+            row["predicted_speedup"], row["predicted_speedup_measured_costs"] = _predicted(row, base_row)
+            rows[category] = row
+        histogram: dict[int, int] = {}
+        for records in entry.records.values():
+            for _, r in records:
+                for n in r.accepted_per_step:
+                    histogram[n] = histogram.get(n, 0) + 1
+        methods[m.name] = {
+            "family": m.family,
+            "k": m.k,
+            "peak_memory_mb": (entry.static_bytes + entry.peak_bytes) / 2**20,
+            "peak_memory_increase_vs_none_mb": (entry.static_bytes + entry.peak_bytes - base.static_bytes - base.peak_bytes) / 2**20,
+            "accepted_per_step_histogram": dict(sorted(histogram.items())),
+            "categories": rows,
+        }
+    mismatches = []
+    first_repeat = {p.id: r.token_ids for p, r in base.records[0]}
+    for entry in runs:
+        for p, r in entry.records[0]:
+            expected = first_repeat[p.id]
+            if r.token_ids != expected:
+                diff = next((i for i, (a, b) in enumerate(zip(r.token_ids, expected)) if a != b), min(len(r.token_ids), len(expected)))
+                mismatches.append({"method": entry.method.name, "prompt": p.id, "first_difference": diff})
+    identical = {
+        e.method.name: sum(1 for m in mismatches if m["method"] == e.method.name) for e in runs
+    }
+    return {
+        "config": asdict(config) | {"max_new_tokens_used": max_new, "prompt_count": len(prompts)},
+        "machine": machine_info(config.dtype),
+        "categories": sorted(categories, key=lambda c: (c != "overall", c)),
+        "methods": methods,
+        "greedy_mismatches": mismatches,
+        "greedy_identical_share": {name: 1 - bad / len(prompts) for name, bad in identical.items()},
+    }

@@ -1,0 +1,117 @@
+"""`specdec bench` end to end on a tiny model folder: outputs, the greedy check, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from specdec.bench.report import PLOTS
+from specdec.cli.main import app
+from specdec.verification import Verdict
+
+runner = CliRunner()
+
+SUMMARY_KEYS = {
+    "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "new_tokens", "acceptance_rate", "mean_accepted_per_step",
+    "tokens_per_step", "target_forwards_per_token", "ttft_s", "draft_s_per_token", "verify_s_per_step",
+    "mean_proposed_per_step", "speedup_vs_none", "speedup_vs_own_greedy", "predicted_speedup",
+    "predicted_speedup_measured_costs",
+}
+
+
+@pytest.fixture
+def prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    rows = [
+        {"id": "a", "category": "code", "prompt": "abc abc abc abc"},
+        {"id": "b", "category": "chat", "prompt": "hello there, hello there"},
+        {"id": "c", "category": "chat", "prompt": "unused in quick mode"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _bench(tiny_folder: Path, prompts: Path, out: Path, *extra: str):
+    args = ["bench", "--target", str(tiny_folder), "--prompts", str(prompts), "--out", str(out), "--quick"]
+    return runner.invoke(app, args + list(extra))
+
+
+def test_quick_bench_writes_every_output(tiny_folder: Path, prompts: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    methods = f"none,prompt-lookup,oracle,model:{tiny_folder},hf-greedy,hf-prompt-lookup,llamacpp-greedy"
+    result = _bench(tiny_folder, prompts, out, "--methods", methods, "--k", "2,4", "--repeats", "2", "--strict")
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "results.json").read_text())
+    assert set(data) == {"config", "machine", "categories", "methods", "greedy_mismatches", "greedy_identical_share", "notes"}
+    assert data["categories"] == ["overall", "chat", "code"]
+    assert set(data["machine"]) >= {"device", "cpu", "cores", "torch", "dtype"}
+    assert {"none", "prompt-lookup@k2", "prompt-lookup@k4", "oracle@k4", "hf-greedy", "hf-prompt-lookup@k2"} <= set(data["methods"])
+    for method in data["methods"].values():
+        assert set(method) >= {"family", "k", "peak_memory_mb", "peak_memory_increase_vs_none_mb", "accepted_per_step_histogram"}
+        for row in method["categories"].values():
+            assert set(row) == SUMMARY_KEYS
+    assert data["greedy_mismatches"] == []
+    assert all(share == 1.0 for share in data["greedy_identical_share"].values())
+    oracle = data["methods"]["oracle@k4"]["categories"]["overall"]
+    assert oracle["acceptance_rate"] == 1.0
+    assert data["methods"]["hf-prompt-lookup@k4"]["categories"]["overall"]["speedup_vs_own_greedy"] > 0
+    report = (out / "report.md").read_text()
+    assert "## code" in report and "Hardware row" in report
+    for plot in PLOTS:
+        assert (out / plot).stat().st_size > 1000
+    if data["notes"]:  # llama-cpp-python is an optional extra
+        assert "llamacpp-greedy skipped" in data["notes"][0]
+
+
+def test_greedy_check_catches_a_broken_engine(tiny_folder: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import specdec.engine.loop as loop
+
+    real_verify = loop.verify
+
+    def accept_everything(draft_tokens, draft_lengths, target_logits, *args, **kwargs) -> Verdict:
+        verdict = real_verify(draft_tokens, draft_lengths, target_logits, *args, **kwargs)
+        rows = torch.arange(draft_tokens.shape[0])
+        return Verdict(draft_lengths, target_logits[rows, draft_lengths].argmax(-1) if draft_tokens.shape[1] else verdict.next_token)
+
+    monkeypatch.setattr(loop, "verify", accept_everything)
+    loose = _bench(tiny_folder, prompts, tmp_path / "loose", "--methods", "none,prompt-lookup")
+    assert loose.exit_code == 0, loose.output
+    data = json.loads((tmp_path / "loose" / "results.json").read_text())
+    assert any(m["method"] == "prompt-lookup@k4" for m in data["greedy_mismatches"])
+    strict = _bench(tiny_folder, prompts, tmp_path / "strict", "--methods", "none,prompt-lookup", "--strict")
+    assert strict.exit_code == 1 and "differ from target-only" in strict.output
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ("", "has no prompts"),
+        ('{"id": "a", "category": "code", "prompt": "x"}\nnot json\n', ":2 is not valid JSON"),
+        ('{"id": "a", "category": "code"}\n', ":1 lacks a non-empty string for prompt"),
+        ('[1, 2]\n', ":1 is not a JSON object"),
+        ('{"id": "a", "category": "c", "prompt": "x"}\n{"id": "a", "category": "c", "prompt": "y"}\n', "repeats the id"),
+    ],
+)
+def test_bad_prompt_files(content: str, words: str, tiny_folder: Path, tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    result = _bench(tiny_folder, path, tmp_path / "out")
+    assert result.exit_code == 2 and words in result.output
+    assert "Traceback" not in result.output
+
+
+def test_bench_argument_errors(tiny_folder: Path, prompts: Path, tmp_path: Path) -> None:
+    missing = _bench(tiny_folder, tmp_path / "nope.jsonl", tmp_path / "o1")
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+    unknown = _bench(tiny_folder, prompts, tmp_path / "o2", "--methods", "none,warp-drive")
+    assert unknown.exit_code == 2 and "unknown method 'warp-drive'" in unknown.output
+    existing = tmp_path / "exists"
+    existing.mkdir()
+    refused = _bench(tiny_folder, prompts, existing)
+    assert refused.exit_code == 2 and "--overwrite" in refused.output
+    bad_k = _bench(tiny_folder, prompts, tmp_path / "o3", "--k", "2,x")
+    assert bad_k.exit_code == 2 and "--k" in bad_k.output
