@@ -59,6 +59,7 @@ def test_quick_bench_writes_every_output(tiny_folder: Path, prompts: Path, tmp_p
     oracle = data["methods"]["oracle@k4"]["categories"]["overall"]
     assert oracle["acceptance_rate"] == 1.0
     assert data["methods"]["hf-prompt-lookup@k4"]["categories"]["overall"]["speedup_vs_own_greedy"] > 0
+    assert data["methods"]["hf-greedy"]["categories"]["overall"]["ttft_s"] > 0
     report = (out / "report.md").read_text()
     assert "## code" in report and "Hardware row" in report
     for plot in PLOTS:

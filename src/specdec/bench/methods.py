@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from specdec.config import GenerationConfig, SamplingConfig
 from specdec.drafters import DRAFT_SPECS, build_drafter
@@ -126,12 +127,30 @@ class TransformersMethod:
         if not sampling.greedy:
             options = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0}
         ids = torch.tensor([prompt_ids])
-        start = time.perf_counter()
+        clock = _FirstTokenClock()
         out = self.target.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.config.max_new_tokens, **options, **self.kwargs
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.config.max_new_tokens, streamer=clock,
+            **options, **self.kwargs,
         )
-        wall = time.perf_counter() - start
-        return RunRecord(token_ids=out[0, len(prompt_ids) :].tolist(), wall_s=wall)
+        wall = time.perf_counter() - clock.start
+        return RunRecord(token_ids=out[0, len(prompt_ids) :].tolist(), wall_s=wall, ttft_s=clock.ttft_s)
+
+
+class _FirstTokenClock(BaseStreamer):
+    """A transformers streamer that only notes when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.calls = 0
+        self.ttft_s: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1  # the first call carries the prompt, the second the first new token(s)
+        if self.calls == 2:
+            self.ttft_s = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
 
 
 def build_method(spec: str, target: LoadedModel, config: GenerationConfig, dtype: str) -> Method:

@@ -50,5 +50,6 @@ class ModelDrafter:
 
     def accepted(self, counts: torch.Tensor) -> None:
         # The cache holds the context plus the first k-1 drafts; keep the context plus the accepted ones.
-        keep = self._context_length + int(counts.max())
+        # One cache length serves every row: the single-sequence engine passes one row.
+        keep = self._context_length + int(counts[0])
         self.backend.truncate(min(keep, self.backend.cached_length))
