@@ -19,7 +19,7 @@ SUMMARY_KEYS = {
     "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "new_tokens", "acceptance_rate", "mean_accepted_per_step",
     "tokens_per_step", "target_forwards_per_token", "ttft_s", "draft_s_per_token", "verify_s_per_step",
     "mean_proposed_per_step", "speedup_vs_none", "speedup_vs_own_greedy", "predicted_speedup",
-    "predicted_speedup_measured_costs",
+    "predicted_speedup_measured_costs", "identical_share",
 }
 
 

@@ -29,9 +29,9 @@ class RunRecord:
     ttft_s: float | None = None
     draft_tokens_proposed: int | None = None
     draft_tokens_accepted: int | None = None
-    target_steps: int | None = None  # verification forwards (no prefill)
+    target_steps: int | None = None  # target forwards, one per step
     draft_s: float | None = None
-    verify_s: float | None = None
+    verify_s: float | None = None  # the steps after the first, which also reads the prompt
     accepted_per_step: list[int] = field(default_factory=list)
 
 

@@ -51,7 +51,7 @@ def markdown(results: dict) -> str:
                 f"| {_fmt(r['predicted_speedup'], '{:.2f}x')} / {_fmt(r['predicted_speedup_measured_costs'], '{:.2f}x')} "
                 f"| {_fmt(r['acceptance_rate'], '{:.0%}')} | {_fmt(r['tokens_per_step'])} | {_fmt(r['target_forwards_per_token'])} "
                 f"| {_fmt(r['ttft_s'])} | {m['peak_memory_increase_vs_none_mb']:+.0f} "
-                f"| {results['greedy_identical_share'][name]:.0%} |"
+                f"| {r['identical_share']:.0%} |"
             )
         lines.append("")
     best = max(

@@ -141,6 +141,7 @@ def _summary(entry: MethodRuns, items: set[str]) -> dict[str, object]:
     proposed = sum(r.draft_tokens_proposed or 0 for r in everything)
     accepted = sum(r.draft_tokens_accepted or 0 for r in everything)
     steps = sum(r.target_steps or 0 for r in everything)
+    later_steps = sum(max((r.target_steps or 0) - 1, 0) for r in everything)  # verify_s leaves out the first step
     spec = everything[0].target_steps is not None
     ttfts = [r.ttft_s for r in everything if r.ttft_s is not None]
     return {
@@ -154,7 +155,7 @@ def _summary(entry: MethodRuns, items: set[str]) -> dict[str, object]:
         "target_forwards_per_token": steps / tokens if spec and tokens else None,
         "ttft_s": statistics.median(ttfts) if ttfts else None,
         "draft_s_per_token": sum(r.draft_s or 0 for r in everything) / proposed if proposed else None,
-        "verify_s_per_step": sum(r.verify_s or 0 for r in everything) / steps if spec and steps else None,
+        "verify_s_per_step": sum(r.verify_s or 0 for r in everything) / later_steps if spec and later_steps else None,
         "mean_proposed_per_step": proposed / steps if spec and steps else None,
     }
 
@@ -208,19 +209,20 @@ def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchP
     mismatches = []
     first_repeat = {p.id: r.token_ids for p, r in base.records[0]}
     for entry in runs:
+        differing = set()
         for p, r in entry.records[0]:
             expected = first_repeat[p.id]
             if r.token_ids != expected:
+                differing.add(p.id)
                 diff = next((i for i, (a, b) in enumerate(zip(r.token_ids, expected)) if a != b), min(len(r.token_ids), len(expected)))
                 mismatches.append({"method": entry.method.name, "prompt": p.id, "first_difference": diff})
-    identical = {
-        e.method.name: sum(1 for m in mismatches if m["method"] == e.method.name) for e in runs
-    }
+        for category, items in categories.items():
+            methods[entry.method.name]["categories"][category]["identical_share"] = 1 - len(differing & items) / len(items)
     return {
         "config": asdict(config) | {"max_new_tokens_used": max_new, "prompt_count": len(prompts)},
         "machine": machine_info(config.dtype),
         "categories": sorted(categories, key=lambda c: (c != "overall", c)),
         "methods": methods,
         "greedy_mismatches": mismatches,
-        "greedy_identical_share": {name: 1 - bad / len(prompts) for name, bad in identical.items()},
+        "greedy_identical_share": {name: m["categories"]["overall"]["identical_share"] for name, m in methods.items()},
     }

@@ -28,7 +28,7 @@ class ModelDrafter:
     ) -> Proposal:
         batch = context.shape[0]
         # Feed whatever the cache has not seen yet: the tokens accepted since the last step.
-        logits = self.backend.forward(context[:, self.backend.cached_length :], all_logits=False)[:, -1]
+        logits = self.backend.forward(context[:, self.backend.cached_length :], last=1)[:, -1]
         self._context_length = context.shape[1]
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
@@ -41,7 +41,7 @@ class ModelDrafter:
                 probs.append(dist)
             tokens.append(token)
             if i + 1 < k:
-                logits = self.backend.forward(token[:, None], all_logits=False)[:, -1]
+                logits = self.backend.forward(token[:, None], last=1)[:, -1]
         return Proposal(
             tokens=torch.stack(tokens, dim=1),
             lengths=torch.full((batch,), k, dtype=torch.long, device=context.device),

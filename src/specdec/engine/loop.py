@@ -20,15 +20,18 @@ class DecodeStats:
 
     new_tokens: int = 0
     steps: int = 0
-    target_forwards: int = 0  # verification forwards plus the prefill
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # the first target forward, which also reads the prompt
     draft_s: float = 0.0
-    verify_s: float = 0.0
+    verify_s: float = 0.0  # target forwards and verification after the first step
     wall_s: float = 0.0
     ttft_s: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)
+
+    @property
+    def target_forwards(self) -> int:
+        return self.steps  # one target forward per step; the first also reads the prompt
 
     @property
     def acceptance_rate(self) -> float:
@@ -64,19 +67,17 @@ def speculative_decode(
 ) -> Iterator[torch.Tensor]:
     """Yield the tokens [n] accepted at each step for a single sequence ``prompt`` [1, T].
 
-    Invariant between steps: the target's cache holds every token but the last
-    one (the pending token, whose logits start the next step), and the drafter
-    has been told how many of its tokens survived. The caller stops iteration
-    early for EOS or stop strings; the loop itself stops at max_new_tokens or
-    the model's context length (prompt plus output never exceed it).
+    Each step feeds the target every token its cache lacks (the whole prompt at
+    the first step, afterwards only the pending token, the last one produced)
+    followed by the k draft tokens, in ONE forward pass. Invariant between
+    steps: the target's cache holds every token but the pending one, and the
+    drafter has been told how many of its tokens survived. The caller stops
+    iteration early for EOS or stop strings; the loop itself stops at
+    max_new_tokens or the model's context length (prompt plus output never exceed it).
     """
     start = time.perf_counter()
     target.reset()
     drafter.begin(prompt)
-    if prompt.shape[1] > 1:
-        target.forward(prompt[:, :-1], all_logits=False)
-        stats.target_forwards += 1
-    stats.prefill_s = time.perf_counter() - start
     tokens = prompt
     while stats.new_tokens < config.max_new_tokens and tokens.shape[1] < target.max_context:
         # Every step yields accepted drafts plus one target token: never draft past either limit.
@@ -84,7 +85,9 @@ def speculative_decode(
         t0 = time.perf_counter()
         proposal = drafter.propose(tokens, k, config.sampling, generator) if k > 0 else Proposal.empty(1)
         t1 = time.perf_counter()
-        logits = target.forward(torch.cat([tokens[:, -1:], proposal.tokens], dim=1))
+        n_draft = proposal.tokens.shape[1]
+        feed = torch.cat([tokens[:, target.cached_length :], proposal.tokens], dim=1)
+        logits = target.forward(feed, last=n_draft + 1)
         verdict = verify(proposal.tokens, proposal.lengths, logits, proposal.probs, config.sampling, generator)
         accepted = int(verdict.accepted[0])
         target.truncate(tokens.shape[1] + accepted)
@@ -94,14 +97,15 @@ def speculative_decode(
         t2 = time.perf_counter()
 
         stats.steps += 1
-        stats.target_forwards += 1
         stats.draft_tokens_proposed += int(proposal.lengths[0])
         stats.draft_tokens_accepted += accepted
         stats.accepted_per_step.append(accepted)
         stats.new_tokens += new.shape[0]
         stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
         stats.wall_s = t2 - start
         if stats.steps == 1:
             stats.ttft_s = stats.wall_s
+            stats.prefill_s = t2 - t1
+        else:
+            stats.verify_s += t2 - t1
         yield new

@@ -25,8 +25,8 @@ class Backend(Protocol):
         """Positions currently held in the cache."""
         ...
 
-    def forward(self, tokens: torch.Tensor, all_logits: bool = True) -> torch.Tensor:
-        """Append ``tokens`` [B, n] to the cache; return logits [B, n, V] (or [B, 1, V] for the last only)."""
+    def forward(self, tokens: torch.Tensor, last: int | None = None) -> torch.Tensor:
+        """Append ``tokens`` [B, n] to the cache; return logits [B, n, V], or only for the ``last`` positions."""
         ...
 
     def truncate(self, length: int) -> None:
@@ -61,7 +61,7 @@ class TransformersBackend:
         self._length = 0
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, all_logits: bool = True) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, last: int | None = None) -> torch.Tensor:
         batch, n = tokens.shape
         positions = torch.arange(self._length, self._length + n, device=self.device).expand(batch, n)
         out = self.model(
@@ -69,7 +69,7 @@ class TransformersBackend:
             position_ids=positions,
             cache=self._cache,
             use_cache=True,
-            logits_to_keep=0 if all_logits else 1,
+            logits_to_keep=last or 0,  # the output head is costly: skip positions nobody reads
         )
         self._length += n
         return out.logits
