@@ -61,8 +61,7 @@ def markdown(results: dict) -> str:
     )
     if best:
         m = results["methods"][best]
-        base_mb = results["methods"]["none"]["peak_memory_mb"]
-        increase = m["peak_memory_increase_vs_none_mb"] / base_mb if base_mb else 0
+        increase = m["peak_memory_increase_vs_none"]
         lines += [
             "## Hardware row (seed format, best specdec method overall)",
             "",

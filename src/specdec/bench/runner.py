@@ -71,6 +71,7 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
         raise ConfigError(f"target '{config.target}' has no tokenizer; the benchmark needs one to encode prompts")
     prompt_ids = {p.id: target.tokenizer(p.prompt)["input_ids"] for p in prompts}
     sampling = SamplingConfig(temperature=config.temperature)
+    loaded_bytes = current_bytes()  # the process with the target loaded: every method's floor
 
     runs: list[MethodRuns] = []
     for spec in specs:
@@ -97,7 +98,7 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
             entry.records[repeat] = records
             entry.peak_bytes = max(entry.peak_bytes, peak.peak - idle)
 
-    results = _aggregate(config, runs, prompts, max_new)
+    results = _aggregate(config, runs, prompts, max_new, loaded_bytes)
     results["notes"] = notes
     if config.strict and sampling.greedy:
         bad = [m for m in results["greedy_mismatches"] if m["method"] != "none"]
@@ -175,7 +176,7 @@ def _predicted(row: dict, base: dict) -> tuple[float | None, float | None]:
     return expected / (k * c + 1), expected / (k * c + verify_ratio)
 
 
-def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchPrompt], max_new: int) -> dict:
+def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchPrompt], max_new: int, loaded_bytes: int) -> dict:
     categories = {"overall": {p.id for p in prompts}}
     for p in prompts:
         categories.setdefault(p.category, set()).add(p.id)
@@ -198,11 +199,14 @@ def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchP
             for _, r in records:
                 for n in r.accepted_per_step:
                     histogram[n] = histogram.get(n, 0) + 1
+        peak = loaded_bytes + entry.static_bytes + entry.peak_bytes
+        base_peak = loaded_bytes + base.static_bytes + base.peak_bytes
         methods[m.name] = {
             "family": m.family,
             "k": m.k,
-            "peak_memory_mb": (entry.static_bytes + entry.peak_bytes) / 2**20,
-            "peak_memory_increase_vs_none_mb": (entry.static_bytes + entry.peak_bytes - base.static_bytes - base.peak_bytes) / 2**20,
+            "peak_memory_mb": peak / 2**20,
+            "peak_memory_increase_vs_none_mb": (peak - base_peak) / 2**20,
+            "peak_memory_increase_vs_none": (peak - base_peak) / base_peak,
             "accepted_per_step_histogram": dict(sorted(histogram.items())),
             "categories": rows,
         }
