@@ -1,6 +1,6 @@
 """Run every method on the same prompts in one process and aggregate honest figures.
 
-Methods run in rotated order across repeats so that machine drift falls evenly;
+Methods take turns prompt by prompt, in an order rotated per prompt and repeat, so that machine drift falls evenly;
 model loading and one warm-up generation per method are excluded from timings.
 """
 
@@ -86,17 +86,17 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
     references = {p.id: baseline.run(prompt_ids[p.id], None).token_ids for p in prompts}  # also warms up `none`
     for entry in runs[1:]:
         entry.method.run(prompt_ids[prompts[0].id], references[prompts[0].id])  # warm-up
+    # Methods take turns on each prompt, in an order rotated per prompt and repeat, so drift hits all alike.
     for repeat in range(config.repeats):
-        shift = repeat % len(runs)
-        for entry in runs[shift:] + runs[:shift]:
-            idle = current_bytes()
-            with PeakMemory() as peak:
-                records = []
-                for p in prompts:
-                    records.append((p, entry.method.run(prompt_ids[p.id], references[p.id])))
-                    advance(entry.method.name)
-            entry.records[repeat] = records
-            entry.peak_bytes = max(entry.peak_bytes, peak.peak - idle)
+        for index, p in enumerate(prompts):
+            shift = (repeat + index) % len(runs)
+            for entry in runs[shift:] + runs[:shift]:
+                idle = current_bytes()
+                with PeakMemory() as peak:
+                    record = entry.method.run(prompt_ids[p.id], references[p.id])
+                entry.records.setdefault(repeat, []).append((p, record))
+                entry.peak_bytes = max(entry.peak_bytes, peak.peak - idle)
+                advance(entry.method.name)
 
     results = _aggregate(config, runs, prompts, max_new, loaded_bytes)
     results["notes"] = notes
