@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -15,7 +16,9 @@ from specdec.drafters import DRAFT_SPECS, build_drafter
 from specdec.drafters.base import Proposal
 from specdec.engine import Generator
 from specdec.errors import ConfigError
-from specdec.models import LoadedModel, load_model
+from specdec.models import LoadedModel, Target, load_model, resolve
+from specdec.models.llamacpp import INSTALL
+from specdec.models.target import gguf_path
 
 PEER_METHODS = "hf-greedy, hf-prompt-lookup, hf-assisted:MODEL, llamacpp-greedy, llamacpp-prompt-lookup"
 
@@ -70,11 +73,11 @@ class OracleDrafter:
 class SpecdecMethod:
     family = "specdec"
 
-    def __init__(self, spec: str, target: LoadedModel, config: GenerationConfig, dtype: str) -> None:
+    def __init__(self, spec: str, target: Target, config: GenerationConfig, dtype: str, threads: int | None) -> None:
         self.k = config.k if spec != "none" else None
         self.name = spec if self.k is None else f"{spec}@k{config.k}"
         self.oracle = OracleDrafter() if spec == "oracle" else None
-        drafter = self.oracle or build_drafter(spec, dtype=dtype)
+        drafter = self.oracle or build_drafter(spec, dtype=dtype, threads=threads)
         self.generator = Generator(target, drafter, config)
 
     def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
@@ -153,21 +156,65 @@ class _FirstTokenClock(BaseStreamer):
         pass
 
 
-def build_method(spec: str, target: LoadedModel, config: GenerationConfig, dtype: str) -> Method:
+class LlamaCppMethod:
+    """llama-cpp-python's own generation on the target's GGUF file: greedy, or its prompt lookup."""
+
+    family = "llama.cpp"
+
+    def __init__(self, spec: str, gguf: str, config: GenerationConfig, threads: int | None) -> None:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        from specdec.models.llamacpp import require_llama_cpp
+
+        llama_cpp = require_llama_cpp()
+        self.config = config
+        self.k = config.k if spec == "llamacpp-prompt-lookup" else None
+        self.name = spec if self.k is None else f"{spec}@k{self.k}"
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=config.k) if self.k else None
+        threads = threads or os.cpu_count() or 1
+        self.llama = llama_cpp.Llama(
+            model_path=gguf, n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False
+        )
+        self.eog = {t for t in range(self.llama.n_vocab()) if llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(self.llama.model), t)}
+
+    def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
+        sampling = self.config.sampling
+        options = {"temp": 0.0} if sampling.greedy else {"temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0}
+        self.llama.reset()
+        tokens: list[int] = []
+        ttft = None
+        start = time.perf_counter()
+        for token in self.llama.generate(prompt_ids, reset=True, repeat_penalty=1.0, min_p=0.0, **options):
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+            tokens.append(token)
+            if token in self.eog or len(tokens) >= self.config.max_new_tokens:
+                break
+        return RunRecord(token_ids=tokens, wall_s=time.perf_counter() - start, ttft_s=ttft)
+
+
+def build_method(
+    spec: str, target: Target, hf_model: LoadedModel | None, config: GenerationConfig, dtype: str, threads: int | None
+) -> Method:
     """Build a method whose name :func:`check_method` accepted."""
     if spec.startswith("hf-"):
-        return TransformersMethod(spec, target, config, dtype)
-    return SpecdecMethod(spec, target, config, dtype)
+        assert hf_model is not None
+        return TransformersMethod(spec, hf_model, config, dtype)
+    if spec.startswith("llamacpp-"):
+        return LlamaCppMethod(spec, gguf_path(target.name), config, threads)
+    return SpecdecMethod(spec, target, config, dtype, threads)
 
 
-def check_method(spec: str) -> str | None:
+def check_method(spec: str, target: str) -> str | None:
     """Validate a method name before loading anything; return a note when it must be skipped."""
+    kind, _, model = spec.partition(":")
     if spec in ("none", "oracle", "prompt-lookup", "hf-greedy", "hf-prompt-lookup"):
         return None
-    if (spec.startswith("model:") and len(spec) > 6) or (spec.startswith("hf-assisted:") and len(spec) > 12):
+    if kind in ("model", "gguf", "hf-assisted") and model:
         return None
     if spec in ("llamacpp-greedy", "llamacpp-prompt-lookup"):
         if importlib.util.find_spec("llama_cpp") is None:
-            return f"{spec} skipped: llama-cpp-python is not installed (pip install llama-cpp-python; it builds llama.cpp, about 4 minutes)"
-        return f"{spec} skipped: the llama.cpp runtime is not wired into specdec yet (it comes with the llama.cpp backend)"
+            return f"{spec} skipped: llama-cpp-python is not installed ({INSTALL})"
+        if resolve(target).kind not in ("alias", "gguf"):
+            return f"{spec} skipped: llama.cpp runs GGUF files, and the target '{target}' is not one"
+        return None
     raise ConfigError(f"unknown method '{spec}': use a drafter ({DRAFT_SPECS}), oracle, or a peer ({PEER_METHODS})")

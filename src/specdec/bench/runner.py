@@ -19,7 +19,7 @@ from specdec.bench.methods import Method, RunRecord, build_method, check_method
 from specdec.bench.prompts import BenchPrompt, load_prompts
 from specdec.config import GenerationConfig, SamplingConfig
 from specdec.errors import ConfigError, SpecDecError
-from specdec.models import DEFAULT_TARGET, load_model
+from specdec.models import DEFAULT_TARGET, load_model, open_target
 
 DEFAULT_METHODS = ("none", "prompt-lookup", "oracle", "hf-greedy", "hf-prompt-lookup", "llamacpp-greedy", "llamacpp-prompt-lookup")
 
@@ -35,6 +35,8 @@ class BenchConfig:
     repeats: int = 1
     seed: int = 0
     dtype: str = "float32"
+    backend: str = "transformers"  # the runtime of specdec's methods
+    threads: int | None = None
     strict: bool = False
     quick: bool = False
 
@@ -59,14 +61,16 @@ class MethodRuns:
 
 def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _: None) -> dict:
     """Run the benchmark; ``advance`` is called once per generation (for a progress bar)."""
-    notes = [note for spec in config.methods if (note := check_method(spec))]
-    specs = ["none"] + [s for s in config.methods if s != "none" and check_method(s) is None]
+    notes = [note for spec in config.methods if (note := check_method(spec, config.target))]
+    specs = ["none"] + [s for s in config.methods if s != "none" and check_method(s, config.target) is None]
     prompts = load_prompts(config.prompts)
     max_new = config.max_new_tokens
     if config.quick:
         prompts, max_new = prompts[:2], min(max_new, 16)
 
-    target = load_model(config.target, dtype=config.dtype)
+    needs_hf = config.backend == "transformers" or any(s.startswith("hf-") for s in specs)
+    hf_model = load_model(config.target, dtype=config.dtype) if needs_hf else None
+    target = open_target(hf_model if config.backend == "transformers" else config.target, config.backend, config.dtype, config.threads)
     if target.tokenizer is None:
         raise ConfigError(f"target '{config.target}' has no tokenizer; the benchmark needs one to encode prompts")
     prompt_ids = {p.id: target.tokenizer(p.prompt)["input_ids"] for p in prompts}
@@ -78,8 +82,7 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
         for k in config.ks if spec not in ("none", "hf-greedy", "llamacpp-greedy") else config.ks[:1]:
             gen_config = GenerationConfig(k=k, max_new_tokens=max_new, sampling=sampling, seed=config.seed)
             before = current_bytes()
-            method = build_method(spec, target, gen_config, config.dtype)
-            notes += [method.note] if getattr(method, "note", None) else []
+            method = build_method(spec, target, hf_model, gen_config, config.dtype, config.threads)
             runs.append(MethodRuns(method, max(0, current_bytes() - before)))
 
     baseline = runs[0].method
@@ -111,7 +114,7 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
     return results
 
 
-def machine_info(dtype: str) -> dict[str, object]:
+def machine_info(dtype: str, backend: str) -> dict[str, object]:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
@@ -126,6 +129,7 @@ def machine_info(dtype: str) -> dict[str, object]:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "dtype": dtype,
+        "backend": backend,
         "python": platform.python_version(),
     }
 
@@ -224,7 +228,7 @@ def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchP
             methods[entry.method.name]["categories"][category]["identical_share"] = 1 - len(differing & items) / len(items)
     return {
         "config": asdict(config) | {"max_new_tokens_used": max_new, "prompt_count": len(prompts)},
-        "machine": machine_info(config.dtype),
+        "machine": machine_info(config.dtype, config.backend),
         "categories": sorted(categories, key=lambda c: (c != "overall", c)),
         "methods": methods,
         "greedy_mismatches": mismatches,

@@ -17,7 +17,7 @@ from rich.table import Table
 from specdec.config import GenerationConfig, SamplingConfig
 from specdec.drafters import DRAFT_SPECS
 from specdec.errors import SpecDecError
-from specdec.models import ALIASES, DEFAULT_TARGET
+from specdec.models import ALIASES, DEFAULT_TARGET, RUNTIMES
 from specdec.models.loading import DTYPES
 from specdec.bench.runner import DEFAULT_METHODS
 
@@ -42,7 +42,9 @@ def user_errors(fn: F) -> F:
 
 Target = Annotated[str, typer.Option("--target", "-t", help="Bundled alias, model folder, .gguf file or hub id.")]
 Draft = Annotated[str, typer.Option("--draft", "-d", help=f"Drafter: {DRAFT_SPECS}.")]
-Dtype = Annotated[str, typer.Option(help=f"Weights dtype: {', '.join(DTYPES)}.")]
+Dtype = Annotated[str, typer.Option(help=f"Weights dtype (transformers backend): {', '.join(DTYPES)}.")]
+BackendOpt = Annotated[str, typer.Option("--backend", help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases).")]
+Threads = Annotated[Optional[int], typer.Option(help="CPU threads for llama.cpp (default: all cores).")]
 
 
 @app.command()
@@ -59,6 +61,8 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Random seed, for reproducible sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     dtype: Dtype = "float32",
+    backend: BackendOpt = "transformers",
+    threads: Threads = None,
     stream: Annotated[bool, typer.Option(help="Print text as it is accepted.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text, token_ids and stats.")] = False,
 ) -> None:
@@ -75,7 +79,7 @@ def generate(
     if not prompt.strip():
         raise SpecDecError("the prompt is empty: pass some text to continue")
     with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
-        generator = Generator(target, draft, config, dtype=dtype)
+        generator = Generator(target, draft, config, dtype=dtype, backend=backend, threads=threads)
     if stream and not as_json:
         run = generator.stream(prompt)
         for piece in run:
@@ -148,6 +152,8 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Timed passes over all prompts, in rotated method order.")] = 1,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     dtype: Dtype = "float32",
+    backend: BackendOpt = "transformers",
+    threads: Threads = None,
     out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and plots.")] = Path("bench-out"),
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
     strict: Annotated[bool, typer.Option(help="Fail (exit 1) if any greedy output differs from none's.")] = False,
@@ -172,10 +178,10 @@ def bench(
     config = BenchConfig(
         prompts=prompts, target=target, methods=tuple(m.strip() for m in methods.split(",") if m.strip()), ks=ks,
         max_new_tokens=max_new_tokens, temperature=temperature, repeats=repeats, seed=seed, dtype=dtype,
-        strict=strict, quick=quick,
+        backend=backend, threads=threads, strict=strict, quick=quick,
     )
     count = 2 if quick else len(load_prompts(prompts))
-    runnable = {m for m in config.methods if check_method(m) is None} | {"none"}
+    runnable = {m for m in config.methods if check_method(m, target) is None} | {"none"}
     total = sum(len(ks) if m not in ("none", "hf-greedy", "llamacpp-greedy") else 1 for m in runnable) * count * repeats
     with Progress(console=err) as progress:
         task = progress.add_task("loading models", total=total)

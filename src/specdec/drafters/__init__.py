@@ -9,19 +9,21 @@ from specdec.drafters.model import ModelDrafter
 from specdec.drafters.none import NoDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError
-from specdec.models import TransformersBackend, load_model
+from specdec.models import open_target
 
-DRAFT_SPECS = "none, prompt-lookup, model:MODEL"
+DRAFT_SPECS = "none, prompt-lookup, model:MODEL (transformers), gguf:MODEL (llama.cpp)"
 
 
-def build_drafter(spec: str, dtype: str | torch.dtype = "float32") -> Drafter:
+def build_drafter(spec: str, dtype: str | torch.dtype = "float32", threads: int | None = None) -> Drafter:
     """Build a drafter from its command-line spec (see DRAFT_SPECS)."""
+    kind, _, model = spec.partition(":")
     if spec == "none":
         return NoDrafter()
     if spec == "prompt-lookup":
         return PromptLookupDrafter()
-    if spec.startswith("model:") and spec[len("model:") :]:
-        return ModelDrafter(TransformersBackend(load_model(spec[len("model:") :], dtype=dtype).model))
+    if kind in ("model", "gguf") and model:
+        runtime = "transformers" if kind == "model" else "llama.cpp"
+        return ModelDrafter(open_target(model, runtime, dtype, threads).backend)
     raise ConfigError(f"unknown draft '{spec}': use one of {DRAFT_SPECS}")
 
 

@@ -14,7 +14,7 @@ from specdec.drafters import Drafter, build_drafter
 from specdec.engine.loop import DecodeStats, speculative_decode
 from specdec.engine.text import TextTracker
 from specdec.errors import ConfigError, PromptError, VocabularyMismatchError
-from specdec.models import DEFAULT_TARGET, LoadedModel, TransformersBackend, load_model
+from specdec.models import DEFAULT_TARGET, LoadedModel, Target, open_target
 
 FinishReason = Literal["length", "eos", "stop", "context"]
 
@@ -39,29 +39,32 @@ class Generator:
     """Speculative text generation whose output is the target's own.
 
     ``target`` and ``drafter`` are names (``"gemma-3-270m"``, ``"prompt-lookup"``,
-    ``"model:PATH"``) or ready objects; ``config`` holds the defaults that
+    ``"model:PATH"``) or ready objects; ``backend`` picks the target's runtime
+    (``"transformers"`` or ``"llama.cpp"``); ``config`` holds the defaults that
     keyword arguments of :meth:`generate` and :meth:`stream` override.
     """
 
     def __init__(
         self,
-        target: str | LoadedModel = DEFAULT_TARGET,
+        target: str | LoadedModel | Target = DEFAULT_TARGET,
         drafter: str | Drafter = "none",
         config: GenerationConfig | None = None,
         dtype: str | torch.dtype = "float32",
+        backend: str = "transformers",
+        threads: int | None = None,
     ) -> None:
         self.config = config or GenerationConfig()
-        self.target = load_model(target, dtype=dtype) if isinstance(target, str) else target
+        self.target = target if isinstance(target, Target) else open_target(target, backend, dtype, threads)
         self.tokenizer = self.target.tokenizer
-        self.backend = TransformersBackend(self.target.model)
-        self.drafter = build_drafter(drafter, dtype=dtype) if isinstance(drafter, str) else drafter
+        self.backend = self.target.backend
+        self.drafter = build_drafter(drafter, dtype=dtype, threads=threads) if isinstance(drafter, str) else drafter
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != self.backend.vocab_size:
             raise VocabularyMismatchError(
                 f"the draft model's vocabulary has {self.drafter.vocab_size} tokens but the target's has "
                 f"{self.backend.vocab_size}: use a draft from the target's family (same tokenizer), "
                 "or --draft prompt-lookup"
             )
-        self.eos_ids = _eos_ids(self.target)
+        self.eos_ids = self.target.eos_ids
 
     def generate(self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object) -> GenerationResult:
         """Generate a completion of ``prompt`` (text, or token ids) and return it with stats."""
@@ -113,8 +116,8 @@ class _Run:
     def __iter__(self) -> Iterator[str]:
         gen = self.generator
         seed = self.config.seed if self.config.seed is not None else random.randrange(2**63)
-        rng = torch.Generator(device=gen.backend.device).manual_seed(seed)
-        prompt = torch.tensor([self.prompt_ids], dtype=torch.long, device=gen.backend.device)
+        rng = torch.Generator().manual_seed(seed)
+        prompt = torch.tensor([self.prompt_ids], dtype=torch.long)
         steps = speculative_decode(gen.backend, gen.drafter, prompt, self.config, self.stats, rng)
         for new in steps:
             ids = new.tolist()
@@ -144,13 +147,3 @@ class _Run:
     def result(self) -> GenerationResult:
         text = self.text.text if self.text is not None else ""
         return GenerationResult(text, self.token_ids, self.stats, self.finish_reason)
-
-
-def _eos_ids(target: LoadedModel) -> set[int]:
-    ids: set[int] = set()
-    for source in (target.model.generation_config, target.model.config):
-        eos = getattr(source, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if target.tokenizer is not None and target.tokenizer.eos_token_id is not None:
-        ids.add(target.tokenizer.eos_token_id)
-    return ids

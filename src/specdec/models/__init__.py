@@ -3,6 +3,7 @@
 from specdec.models.backend import Backend, TransformersBackend
 from specdec.models.loading import LoadedModel, load_model, parse_dtype
 from specdec.models.registry import ALIASES, DEFAULT_TARGET, ModelSource, resolve
+from specdec.models.target import RUNTIMES, Target, Tokenizer, open_target
 
 __all__ = [
     "ALIASES",
@@ -10,8 +11,12 @@ __all__ = [
     "Backend",
     "LoadedModel",
     "ModelSource",
+    "RUNTIMES",
+    "Target",
+    "Tokenizer",
     "TransformersBackend",
     "load_model",
+    "open_target",
     "parse_dtype",
     "resolve",
 ]

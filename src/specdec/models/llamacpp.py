@@ -1,0 +1,111 @@
+"""The llama.cpp backend: a GGUF model run by llama.cpp through llama-cpp-python's C bindings.
+
+llama.cpp is the fastest CPU runtime for these models; running the engine on it
+lets drafters and the verifier multiply its speed. Logits come back as float32
+arrays for only the positions verification reads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import torch
+
+from specdec.errors import MissingPackageError
+
+INSTALL = 'pip install -e ".[llamacpp]"  (builds llama.cpp from source: about 5-15 minutes on 2 cores)'
+
+
+def require_llama_cpp():
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise MissingPackageError(f"the llama.cpp backend needs llama-cpp-python: run `{INSTALL}`")
+    import llama_cpp
+
+    return llama_cpp
+
+
+class LlamaCppTokenizer:
+    """llama.cpp's own tokenizer behind the small interface the engine uses."""
+
+    def __init__(self, llama) -> None:
+        self.llama = llama
+        self.eos_token_id: int = llama.token_eos()
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": self.llama.tokenize(text.encode("utf-8"), add_bos=True, special=True)}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.llama.detokenize(ids, special=not skip_special_tokens).decode("utf-8", errors="replace")
+
+
+class LlamaCppBackend:
+    """One sequence (id 0) in a llama.cpp context; rollback removes cache positions past the accepted prefix."""
+
+    def __init__(self, gguf: str, threads: int | None = None, context: int = 4096, batch: int = 512) -> None:
+        llama_cpp = require_llama_cpp()
+        threads = threads or os.cpu_count() or 1
+        self._lib = llama_cpp
+        # swa_full keeps every position of sliding-window layers, so that a rejected run can be removed.
+        self.llama = llama_cpp.Llama(
+            model_path=gguf, n_ctx=context, n_batch=batch, n_ubatch=batch, n_threads=threads,
+            n_threads_batch=threads, swa_full=True, verbose=False,
+        )
+        self.threads = threads
+        self.vocab_size: int = self.llama.n_vocab()
+        self.max_context: int = self.llama.n_ctx()
+        self._batch_size = batch
+        self._batch = llama_cpp.llama_batch_init(batch, 0, 1)
+        self._memory = llama_cpp.llama_get_memory(self.llama.ctx)
+        self._length = 0
+        vocab = llama_cpp.llama_model_get_vocab(self.llama.model)
+        self.eos_ids = frozenset(t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, t))
+        self.tokenizer = LlamaCppTokenizer(self.llama)
+
+    def __del__(self) -> None:
+        if getattr(self, "_batch", None) is not None:
+            self._lib.llama_batch_free(self._batch)
+            self._batch = None
+
+    @property
+    def cached_length(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        self._lib.llama_memory_clear(self._memory, True)
+        self._length = 0
+
+    def forward(self, tokens: torch.Tensor, last: int | None = None) -> torch.Tensor:
+        ids = tokens[0].tolist()
+        count = len(ids)
+        wanted = count if last is None else min(last, count)
+        logits = np.empty((wanted, self.vocab_size), dtype=np.float32)
+        row, batch = 0, self._batch
+        for start in range(0, count, self._batch_size):
+            chunk = ids[start : start + self._batch_size]
+            batch.n_tokens = len(chunk)
+            outputs = 0
+            for i, token in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = self._length + start + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = wants = start + i >= count - wanted
+                outputs += wants
+            status = self._lib.llama_decode(self.llama.ctx, batch)
+            if status != 0:
+                raise RuntimeError(f"llama_decode failed (status {status}) at position {self._length + start}")
+            if outputs:
+                view = np.ctypeslib.as_array(self._lib.llama_get_logits(self.llama.ctx), shape=(outputs, self.vocab_size))
+                logits[row : row + outputs] = view
+                row += outputs
+        self._length += count
+        return torch.from_numpy(logits)[None]
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a cache of {self._length} positions to {length}")
+        if length < self._length and not self._lib.llama_memory_seq_rm(self._memory, 0, length, -1):
+            raise RuntimeError("llama.cpp could not remove rejected positions from this model's cache")
+        self._length = length

@@ -1,0 +1,69 @@
+"""A target as the engine sees it: a backend, a tokenizer, and the tokens that end generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from specdec.errors import ConfigError
+from specdec.models.backend import Backend, TransformersBackend
+from specdec.models.loading import LoadedModel, load_model
+from specdec.models.registry import ALIASES, resolve
+
+Runtime = Literal["transformers", "llama.cpp"]
+RUNTIMES: tuple[str, ...] = ("transformers", "llama.cpp")
+
+
+class Tokenizer(Protocol):
+    """The part of a tokenizer the engine uses (transformers tokenizers fit it)."""
+
+    def __call__(self, text: str) -> dict[str, list[int]]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class Target:
+    name: str
+    backend: Backend
+    tokenizer: Tokenizer | None
+    eos_ids: frozenset[int]
+
+
+def open_target(
+    model: str | LoadedModel, runtime: str = "transformers", dtype: str | torch.dtype = "float32", threads: int | None = None
+) -> Target:
+    """Open a target on a runtime: transformers (any causal LM) or llama.cpp (GGUF files and bundled aliases)."""
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"unknown backend '{runtime}': use one of {', '.join(RUNTIMES)}")
+    if runtime == "llama.cpp":
+        from specdec.models.llamacpp import LlamaCppBackend
+
+        if isinstance(model, LoadedModel):
+            model = model.name
+        backend = LlamaCppBackend(gguf_path(model), threads=threads)
+        return Target(model, backend, backend.tokenizer, backend.eos_ids)
+    loaded = load_model(model, dtype=dtype) if isinstance(model, str) else model
+    return Target(loaded.name, TransformersBackend(loaded.model), loaded.tokenizer, eos_ids(loaded))
+
+
+def gguf_path(name: str) -> str:
+    """The GGUF file behind a model name, for runtimes that read GGUF directly."""
+    source = resolve(name)
+    if source.kind == "alias":
+        return str(ALIASES[source.location].locate_gguf())
+    if source.kind == "gguf":
+        return source.location
+    raise ConfigError(f"the llama.cpp backend reads GGUF files: '{name}' is a {source.kind}; pass a .gguf file or a bundled alias")
+
+
+def eos_ids(model: LoadedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (model.model.generation_config, model.model.config):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+        ids.add(model.tokenizer.eos_token_id)
+    return frozenset(ids)
