@@ -50,6 +50,30 @@ class GenerationConfig:
             raise ConfigError("stop strings must be non-empty")
 
 
+RUNTIMES = ("transformers", "llama.cpp")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and how models run: the target's runtime, weight dtype, threads, llama.cpp micro-batch."""
+
+    backend: str = "transformers"
+    dtype: str = "float32"  # transformers weights
+    threads: int | None = None  # llama.cpp threads; None = every core
+    ubatch: int | None = None  # llama.cpp micro-batch; 1 = verification bit-identical to one-token decoding
+
+    def __post_init__(self) -> None:
+        if self.backend not in RUNTIMES:
+            raise ConfigError(f"unknown backend '{self.backend}': use one of {', '.join(RUNTIMES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype '{self.dtype}': use one of {', '.join(DTYPES)}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.ubatch is not None and self.ubatch < 1:
+            raise ConfigError(f"ubatch must be >= 1, got {self.ubatch}")
+
+
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p")
 
 

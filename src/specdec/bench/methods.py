@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from specdec.config import GenerationConfig, SamplingConfig
+from specdec.config import GenerationConfig, RuntimeConfig, SamplingConfig
 from specdec.drafters import DRAFT_SPECS, build_drafter
 from specdec.drafters.base import Proposal
 from specdec.engine import Generator
@@ -73,11 +73,11 @@ class OracleDrafter:
 class SpecdecMethod:
     family = "specdec"
 
-    def __init__(self, spec: str, target: Target, config: GenerationConfig, dtype: str, threads: int | None) -> None:
+    def __init__(self, spec: str, target: Target, config: GenerationConfig, runtime: RuntimeConfig) -> None:
         self.k = config.k if spec != "none" else None
         self.name = spec if self.k is None else f"{spec}@k{config.k}"
         self.oracle = OracleDrafter() if spec == "oracle" else None
-        drafter = self.oracle or build_drafter(spec, dtype=dtype, threads=threads)
+        drafter = self.oracle or build_drafter(spec, runtime)
         self.generator = Generator(target, drafter, config)
 
     def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
@@ -103,7 +103,7 @@ class TransformersMethod:
 
     family = "transformers"
 
-    def __init__(self, spec: str, target: LoadedModel, config: GenerationConfig, dtype: str) -> None:
+    def __init__(self, spec: str, target: LoadedModel, config: GenerationConfig, runtime: RuntimeConfig) -> None:
         self.target = target
         self.config = config
         self.kwargs: dict[str, object] = {}
@@ -115,7 +115,7 @@ class TransformersMethod:
             self.kwargs = {"prompt_lookup_num_tokens": config.k}
         else:  # hf-assisted:MODEL
             self.k = config.k
-            assistant = load_model(spec.split(":", 1)[1], dtype=dtype)
+            assistant = load_model(spec.split(":", 1)[1], dtype=runtime.dtype)
             self.kwargs = {"assistant_model": assistant.model}
             if assistant.vocab_size != target.vocab_size:  # transformers' universal assisted decoding
                 self.kwargs |= {"tokenizer": target.tokenizer, "assistant_tokenizer": assistant.tokenizer}
@@ -161,7 +161,7 @@ class LlamaCppMethod:
 
     family = "llama.cpp"
 
-    def __init__(self, spec: str, gguf: str, config: GenerationConfig, threads: int | None) -> None:
+    def __init__(self, spec: str, gguf: str, config: GenerationConfig, runtime: RuntimeConfig) -> None:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         from specdec.models.llamacpp import require_llama_cpp
@@ -171,7 +171,7 @@ class LlamaCppMethod:
         self.k = config.k if spec == "llamacpp-prompt-lookup" else None
         self.name = spec if self.k is None else f"{spec}@k{self.k}"
         draft = LlamaPromptLookupDecoding(num_pred_tokens=config.k) if self.k else None
-        threads = threads or os.cpu_count() or 1
+        threads = runtime.threads or os.cpu_count() or 1
         self.llama = llama_cpp.Llama(
             model_path=gguf, n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False
         )
@@ -193,15 +193,15 @@ class LlamaCppMethod:
 
 
 def build_method(
-    spec: str, target: Target, hf_model: LoadedModel | None, config: GenerationConfig, dtype: str, threads: int | None
+    spec: str, target: Target, hf_model: LoadedModel | None, config: GenerationConfig, runtime: RuntimeConfig
 ) -> Method:
     """Build a method whose name :func:`check_method` accepted."""
     if spec.startswith("hf-"):
         assert hf_model is not None
-        return TransformersMethod(spec, hf_model, config, dtype)
+        return TransformersMethod(spec, hf_model, config, runtime)
     if spec.startswith("llamacpp-"):
-        return LlamaCppMethod(spec, gguf_path(target.name), config, threads)
-    return SpecdecMethod(spec, target, config, dtype, threads)
+        return LlamaCppMethod(spec, gguf_path(target.name), config, runtime)
+    return SpecdecMethod(spec, target, config, runtime)
 
 
 def check_method(spec: str, target: str) -> str | None:

@@ -17,7 +17,7 @@ import torch
 from specdec.bench.memory import PeakMemory, current_bytes
 from specdec.bench.methods import Method, RunRecord, build_method, check_method
 from specdec.bench.prompts import BenchPrompt, load_prompts
-from specdec.config import GenerationConfig, SamplingConfig
+from specdec.config import GenerationConfig, RuntimeConfig, SamplingConfig
 from specdec.errors import ConfigError, SpecDecError
 from specdec.models import DEFAULT_TARGET, load_model, open_target
 
@@ -34,9 +34,7 @@ class BenchConfig:
     temperature: float = 0.0
     repeats: int = 1
     seed: int = 0
-    dtype: str = "float32"
-    backend: str = "transformers"  # the runtime of specdec's methods
-    threads: int | None = None
+    runtime: RuntimeConfig = RuntimeConfig()  # where specdec's methods run the target
     strict: bool = False
     quick: bool = False
 
@@ -68,9 +66,10 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
     if config.quick:
         prompts, max_new = prompts[:2], min(max_new, 16)
 
-    needs_hf = config.backend == "transformers" or any(s.startswith("hf-") for s in specs)
-    hf_model = load_model(config.target, dtype=config.dtype) if needs_hf else None
-    target = open_target(hf_model if config.backend == "transformers" else config.target, config.backend, config.dtype, config.threads)
+    runtime = config.runtime
+    needs_hf = runtime.backend == "transformers" or any(s.startswith("hf-") for s in specs)
+    hf_model = load_model(config.target, dtype=runtime.dtype) if needs_hf else None
+    target = open_target(hf_model if hf_model is not None and runtime.backend == "transformers" else config.target, runtime)
     if target.tokenizer is None:
         raise ConfigError(f"target '{config.target}' has no tokenizer; the benchmark needs one to encode prompts")
     prompt_ids = {p.id: target.tokenizer(p.prompt)["input_ids"] for p in prompts}
@@ -82,7 +81,7 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
         for k in config.ks if spec not in ("none", "hf-greedy", "llamacpp-greedy") else config.ks[:1]:
             gen_config = GenerationConfig(k=k, max_new_tokens=max_new, sampling=sampling, seed=config.seed)
             before = current_bytes()
-            method = build_method(spec, target, hf_model, gen_config, config.dtype, config.threads)
+            method = build_method(spec, target, hf_model, gen_config, runtime)
             runs.append(MethodRuns(method, max(0, current_bytes() - before)))
 
     baseline = runs[0].method
@@ -114,7 +113,7 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
     return results
 
 
-def machine_info(dtype: str, backend: str) -> dict[str, object]:
+def machine_info(runtime: RuntimeConfig) -> dict[str, object]:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
@@ -128,8 +127,9 @@ def machine_info(dtype: str, backend: str) -> dict[str, object]:
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "dtype": dtype,
-        "backend": backend,
+        "dtype": runtime.dtype,
+        "backend": runtime.backend,
+        "threads": runtime.threads,
         "python": platform.python_version(),
     }
 
@@ -228,7 +228,7 @@ def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchP
             methods[entry.method.name]["categories"][category]["identical_share"] = 1 - len(differing & items) / len(items)
     return {
         "config": asdict(config) | {"max_new_tokens_used": max_new, "prompt_count": len(prompts)},
-        "machine": machine_info(config.dtype, config.backend),
+        "machine": machine_info(config.runtime),
         "categories": sorted(categories, key=lambda c: (c != "overall", c)),
         "methods": methods,
         "greedy_mismatches": mismatches,

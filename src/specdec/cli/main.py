@@ -14,11 +14,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from specdec.config import GenerationConfig, SamplingConfig
+from specdec.config import DTYPES, RUNTIMES, GenerationConfig, RuntimeConfig, SamplingConfig
 from specdec.drafters import DRAFT_SPECS
 from specdec.errors import SpecDecError
-from specdec.models import ALIASES, DEFAULT_TARGET, RUNTIMES
-from specdec.models.loading import DTYPES
+from specdec.models import ALIASES, DEFAULT_TARGET
 from specdec.bench.runner import DEFAULT_METHODS
 
 app = typer.Typer(help="Lossless speculative decoding for LLM text generation.", no_args_is_help=True, add_completion=False)
@@ -45,6 +44,7 @@ Draft = Annotated[str, typer.Option("--draft", "-d", help=f"Drafter: {DRAFT_SPEC
 Dtype = Annotated[str, typer.Option(help=f"Weights dtype (transformers backend): {', '.join(DTYPES)}.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases).")]
 Threads = Annotated[Optional[int], typer.Option(help="CPU threads for llama.cpp (default: all cores).")]
+Ubatch = Annotated[Optional[int], typer.Option(help="llama.cpp micro-batch; 1 makes greedy verification bit-identical to one-token decoding (slower).")]
 
 
 @app.command()
@@ -63,6 +63,7 @@ def generate(
     dtype: Dtype = "float32",
     backend: BackendOpt = "transformers",
     threads: Threads = None,
+    ubatch: Ubatch = None,
     stream: Annotated[bool, typer.Option(help="Print text as it is accepted.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text, token_ids and stats.")] = False,
 ) -> None:
@@ -79,7 +80,7 @@ def generate(
     if not prompt.strip():
         raise SpecDecError("the prompt is empty: pass some text to continue")
     with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
-        generator = Generator(target, draft, config, dtype=dtype, backend=backend, threads=threads)
+        generator = Generator(target, draft, config, RuntimeConfig(backend, dtype, threads, ubatch))
     if stream and not as_json:
         run = generator.stream(prompt)
         for piece in run:
@@ -154,6 +155,7 @@ def bench(
     dtype: Dtype = "float32",
     backend: BackendOpt = "transformers",
     threads: Threads = None,
+    ubatch: Ubatch = None,
     out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and plots.")] = Path("bench-out"),
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
     strict: Annotated[bool, typer.Option(help="Fail (exit 1) if any greedy output differs from none's.")] = False,
@@ -177,8 +179,8 @@ def bench(
         GenerationConfig(k=value)  # validates the range
     config = BenchConfig(
         prompts=prompts, target=target, methods=tuple(m.strip() for m in methods.split(",") if m.strip()), ks=ks,
-        max_new_tokens=max_new_tokens, temperature=temperature, repeats=repeats, seed=seed, dtype=dtype,
-        backend=backend, threads=threads, strict=strict, quick=quick,
+        max_new_tokens=max_new_tokens, temperature=temperature, repeats=repeats, seed=seed,
+        runtime=RuntimeConfig(backend, dtype, threads, ubatch), strict=strict, quick=quick,
     )
     count = 2 if quick else len(load_prompts(prompts))
     runnable = {m for m in config.methods if check_method(m, target) is None} | {"none"}

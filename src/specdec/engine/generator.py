@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from specdec.config import GenerationConfig, with_overrides
+from specdec.config import GenerationConfig, RuntimeConfig, with_overrides
 from specdec.drafters import Drafter, build_drafter
 from specdec.engine.loop import DecodeStats, speculative_decode
 from specdec.engine.text import TextTracker
@@ -39,9 +39,9 @@ class Generator:
     """Speculative text generation whose output is the target's own.
 
     ``target`` and ``drafter`` are names (``"gemma-3-270m"``, ``"prompt-lookup"``,
-    ``"model:PATH"``) or ready objects; ``backend`` picks the target's runtime
-    (``"transformers"`` or ``"llama.cpp"``); ``config`` holds the defaults that
-    keyword arguments of :meth:`generate` and :meth:`stream` override.
+    ``"model:PATH"``) or ready objects; ``runtime`` says where named models run
+    (transformers or llama.cpp, dtype, threads); ``config`` holds the defaults
+    that keyword arguments of :meth:`generate` and :meth:`stream` override.
     """
 
     def __init__(
@@ -49,15 +49,13 @@ class Generator:
         target: str | LoadedModel | Target = DEFAULT_TARGET,
         drafter: str | Drafter = "none",
         config: GenerationConfig | None = None,
-        dtype: str | torch.dtype = "float32",
-        backend: str = "transformers",
-        threads: int | None = None,
+        runtime: RuntimeConfig = RuntimeConfig(),
     ) -> None:
         self.config = config or GenerationConfig()
-        self.target = target if isinstance(target, Target) else open_target(target, backend, dtype, threads)
+        self.target = target if isinstance(target, Target) else open_target(target, runtime)
         self.tokenizer = self.target.tokenizer
         self.backend = self.target.backend
-        self.drafter = build_drafter(drafter, dtype=dtype, threads=threads) if isinstance(drafter, str) else drafter
+        self.drafter = build_drafter(drafter, runtime) if isinstance(drafter, str) else drafter
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != self.backend.vocab_size:
             raise VocabularyMismatchError(
                 f"the draft model's vocabulary has {self.drafter.vocab_size} tokens but the target's has "

@@ -3,7 +3,7 @@
 from specdec.models.backend import Backend, TransformersBackend
 from specdec.models.loading import LoadedModel, load_model, parse_dtype
 from specdec.models.registry import ALIASES, DEFAULT_TARGET, ModelSource, resolve
-from specdec.models.target import RUNTIMES, Target, Tokenizer, open_target
+from specdec.models.target import Target, Tokenizer, open_target
 
 __all__ = [
     "ALIASES",
@@ -11,7 +11,6 @@ __all__ = [
     "Backend",
     "LoadedModel",
     "ModelSource",
-    "RUNTIMES",
     "Target",
     "Tokenizer",
     "TransformersBackend",

@@ -41,15 +41,22 @@ class LlamaCppTokenizer:
 
 
 class LlamaCppBackend:
-    """One sequence (id 0) in a llama.cpp context; rollback removes cache positions past the accepted prefix."""
+    """One sequence (id 0) in a llama.cpp context; rollback removes cache positions past the accepted prefix.
 
-    def __init__(self, gguf: str, threads: int | None = None, context: int = 4096, batch: int = 512) -> None:
+    ``ubatch`` is llama.cpp's micro-batch: the most tokens one kernel call
+    computes. Its quantized kernels round a many-token forward slightly
+    differently from a one-token forward, which can flip a near-tie in greedy
+    decoding; ``ubatch=1`` makes verification compute exactly what one-token
+    decoding computes (bit-identical greedy output) at the price of the batching speed-up.
+    """
+
+    def __init__(self, gguf: str, threads: int | None = None, context: int = 4096, batch: int = 512, ubatch: int | None = None) -> None:
         llama_cpp = require_llama_cpp()
         threads = threads or os.cpu_count() or 1
         self._lib = llama_cpp
         # swa_full keeps every position of sliding-window layers, so that a rejected run can be removed.
         self.llama = llama_cpp.Llama(
-            model_path=gguf, n_ctx=context, n_batch=batch, n_ubatch=batch, n_threads=threads,
+            model_path=gguf, n_ctx=context, n_batch=batch, n_ubatch=ubatch or batch, n_threads=threads,
             n_threads_batch=threads, swa_full=True, verbose=False,
         )
         self.threads = threads

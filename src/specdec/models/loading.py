@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 from specdec.errors import ConfigError, ModelNotFoundError
 from specdec.models.registry import ALIASES, ModelSource, converted_path, is_cached, resolve
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -39,9 +39,9 @@ class LoadedModel:
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    if dtype not in TORCH_DTYPES:
+        raise ConfigError(f"unknown dtype '{dtype}': use one of {', '.join(TORCH_DTYPES)}")
+    return TORCH_DTYPES[dtype]
 
 
 def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:

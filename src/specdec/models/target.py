@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
-import torch
-
+from specdec.config import RuntimeConfig
 from specdec.errors import ConfigError
 from specdec.models.backend import Backend, TransformersBackend
 from specdec.models.loading import LoadedModel, load_model
 from specdec.models.registry import ALIASES, resolve
-
-Runtime = Literal["transformers", "llama.cpp"]
-RUNTIMES: tuple[str, ...] = ("transformers", "llama.cpp")
 
 
 class Tokenizer(Protocol):
@@ -32,20 +28,15 @@ class Target:
     eos_ids: frozenset[int]
 
 
-def open_target(
-    model: str | LoadedModel, runtime: str = "transformers", dtype: str | torch.dtype = "float32", threads: int | None = None
-) -> Target:
-    """Open a target on a runtime: transformers (any causal LM) or llama.cpp (GGUF files and bundled aliases)."""
-    if runtime not in RUNTIMES:
-        raise ConfigError(f"unknown backend '{runtime}': use one of {', '.join(RUNTIMES)}")
-    if runtime == "llama.cpp":
+def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
+    """Open a model on a runtime: transformers (any causal LM) or llama.cpp (GGUF files and bundled aliases)."""
+    if runtime.backend == "llama.cpp":
         from specdec.models.llamacpp import LlamaCppBackend
 
-        if isinstance(model, LoadedModel):
-            model = model.name
-        backend = LlamaCppBackend(gguf_path(model), threads=threads)
-        return Target(model, backend, backend.tokenizer, backend.eos_ids)
-    loaded = load_model(model, dtype=dtype) if isinstance(model, str) else model
+        name = model.name if isinstance(model, LoadedModel) else model
+        backend = LlamaCppBackend(gguf_path(name), threads=runtime.threads, ubatch=runtime.ubatch)
+        return Target(name, backend, backend.tokenizer, backend.eos_ids)
+    loaded = load_model(model, dtype=runtime.dtype) if isinstance(model, str) else model
     return Target(loaded.name, TransformersBackend(loaded.model), loaded.tokenizer, eos_ids(loaded))
 
 

@@ -1,0 +1,92 @@
+"""The llama.cpp backend on the real bundled Gemma GGUF (runs where the llamacpp extra is installed; CI installs it)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from specdec import Generator, RuntimeConfig
+from specdec.cli.main import app
+from specdec.errors import MissingPackageError
+from specdec.models import open_target
+
+HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+needs_llama_cpp = pytest.mark.skipif(not HAS_LLAMA_CPP, reason='llama-cpp-python is not installed (pip install -e ".[llamacpp]")')
+
+PROMPTS = [
+    "def is_even(n):\n    return n % 2 == 0\n\n\ndef is_odd(n):\n",
+    "Name: Ana. City: Lisbon. Job: pilot.\nName: Bo. City: Oslo. Job: chef.\nName: Chen. City:",
+    "The three primary colours are red, yellow and blue. The three primary colours are",
+]
+
+
+def test_missing_package_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    with pytest.raises(MissingPackageError) as exc:
+        open_target("gemma-3-270m", RuntimeConfig(backend="llama.cpp"))
+    assert ".[llamacpp]" in str(exc.value) and "\n" not in str(exc.value)
+    out = CliRunner().invoke(app, ["generate", "hi", "--backend", "llama.cpp"])
+    assert out.exit_code == 2 and "llama-cpp-python" in out.output
+
+
+def test_non_gguf_target_is_refused(tiny_folder) -> None:
+    out = CliRunner().invoke(app, ["generate", "hi", "--backend", "llama.cpp", "--target", str(tiny_folder)])
+    assert out.exit_code == 2 and "GGUF" in out.output
+
+
+@pytest.fixture(scope="module")
+def exact_target():
+    return open_target("gemma-3-270m", RuntimeConfig(backend="llama.cpp", threads=2, ubatch=1))
+
+
+@needs_llama_cpp
+@pytest.mark.real_model
+def test_rollback_matches_fresh_decoding(exact_target) -> None:
+    backend = exact_target.backend
+    seq = torch.tensor([exact_target.tokenizer(PROMPTS[0])["input_ids"]])
+    backend.reset()
+    backend.forward(seq[:, :10], last=1)
+    for end in (13, 16, seq.shape[1]):
+        accepted = seq[:, backend.cached_length : end - 1]
+        backend.forward(torch.cat([accepted, torch.tensor([[5, 6, 7]])], dim=1), last=1)  # a wrong guess after them
+        backend.truncate(end - 1)
+        got = backend.forward(seq[:, end - 1 : end])[0, -1].clone()
+        keep = backend.cached_length
+        backend.reset()
+        fresh = backend.forward(seq[:, :end], last=1)[0, -1]
+        torch.testing.assert_close(got, fresh, rtol=0, atol=0)  # ubatch=1: every token computed alike
+        backend.reset()
+        backend.forward(seq[:, :keep], last=1)
+
+
+@needs_llama_cpp
+@pytest.mark.real_model
+def test_greedy_on_llama_cpp_is_identical_with_exact_batches(exact_target) -> None:
+    baseline = Generator(exact_target, "none")
+    lookup = Generator(exact_target, "prompt-lookup")
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = baseline.generate(prompt, max_new_tokens=40)
+        got = lookup.generate(prompt, max_new_tokens=40, k=4)
+        assert got.token_ids == expected.token_ids
+        accepted += got.stats.draft_tokens_accepted
+    assert accepted > 0
+
+
+@needs_llama_cpp
+@pytest.mark.real_model
+def test_mixed_runtimes_and_sampling_on_llama_cpp(tiny_folder) -> None:
+    fast = open_target("gemma-3-270m", RuntimeConfig(backend="llama.cpp", threads=2))
+    result = Generator(fast, "prompt-lookup").generate(PROMPTS[1], max_new_tokens=24, k=4, temperature=0.8, seed=3)
+    again = Generator(fast, "prompt-lookup").generate(PROMPTS[1], max_new_tokens=24, k=4, temperature=0.8, seed=3)
+    assert result.token_ids == again.token_ids and len(result.token_ids) >= 1
+    # A GGUF draft on llama.cpp (here the target's own file: every token accepted) with a llama.cpp target.
+    self_draft = Generator(fast, "gguf:gemma-3-270m").generate(PROMPTS[0], max_new_tokens=16, k=3)
+    assert self_draft.stats.acceptance_rate > 0.9
+    # A torch draft with another vocabulary is refused against a llama.cpp target, naming both sizes.
+    out = CliRunner().invoke(app, ["generate", "hi", "--backend", "llama.cpp", "--draft", f"model:{tiny_folder}"])
+    assert out.exit_code == 2 and "262144" in out.output
