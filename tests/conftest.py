@@ -84,6 +84,22 @@ def loaded(model, name: str = "tiny", tokenizer=None) -> LoadedModel:
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, source=ModelSource(name, "folder", name))
 
 
+def assert_lookup_matches_greedy(target, prompts: list[str], max_new_tokens: int, k: int = 4) -> int:
+    """Prompt lookup must reproduce target-only greedy output on every prompt; returns draft tokens accepted."""
+    from specdec import Generator
+
+    baseline, lookup = Generator(target, "none"), Generator(target, "prompt-lookup")
+    accepted = 0
+    for prompt in prompts:
+        expected = baseline.generate(prompt, max_new_tokens=max_new_tokens)
+        got = lookup.generate(prompt, max_new_tokens=max_new_tokens, k=k)
+        assert got.token_ids == expected.token_ids, prompt
+        assert got.text == expected.text
+        assert got.stats.target_forwards <= expected.stats.target_forwards
+        accepted += got.stats.draft_tokens_accepted
+    return accepted
+
+
 @pytest.fixture
 def tiny_folder(tmp_path: Path) -> Path:
     """A saved tiny Llama with a character tokenizer: a real local model folder."""

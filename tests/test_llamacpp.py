@@ -8,6 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from conftest import assert_lookup_matches_greedy
 from specdec import Generator, RuntimeConfig
 from specdec.cli.main import app
 from specdec.errors import MissingPackageError
@@ -66,15 +67,7 @@ def test_rollback_matches_fresh_decoding(exact_target) -> None:
 @needs_llama_cpp
 @pytest.mark.real_model
 def test_greedy_on_llama_cpp_is_identical_with_exact_batches(exact_target) -> None:
-    baseline = Generator(exact_target, "none")
-    lookup = Generator(exact_target, "prompt-lookup")
-    accepted = 0
-    for prompt in PROMPTS:
-        expected = baseline.generate(prompt, max_new_tokens=40)
-        got = lookup.generate(prompt, max_new_tokens=40, k=4)
-        assert got.token_ids == expected.token_ids
-        accepted += got.stats.draft_tokens_accepted
-    assert accepted > 0
+    assert assert_lookup_matches_greedy(exact_target, PROMPTS, max_new_tokens=40) > 0
 
 
 @needs_llama_cpp

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from conftest import assert_lookup_matches_greedy
 from specdec import Generator
 from specdec.cli.main import app
 from specdec.models import load_model
@@ -24,16 +25,7 @@ PROMPTS = [
 
 
 def test_gemma_prompt_lookup_greedy_is_identical(gemma) -> None:
-    baseline = Generator(gemma, "none")
-    lookup = Generator(gemma, "prompt-lookup")
-    accepted = 0
-    for prompt in PROMPTS:
-        expected = baseline.generate(prompt, max_new_tokens=32)
-        got = lookup.generate(prompt, max_new_tokens=32, k=4)
-        assert got.token_ids == expected.token_ids
-        assert got.text == expected.text
-        assert got.stats.target_forwards <= expected.stats.target_forwards
-        accepted += got.stats.draft_tokens_accepted
+    accepted = assert_lookup_matches_greedy(gemma, PROMPTS, max_new_tokens=32)
     assert accepted > 0, "prompt lookup should find something to copy in these prompts"
 
 

@@ -90,7 +90,7 @@ def _plot_speedups(results: dict, path: Path) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(categories))], categories)
     ax.set_ylabel("speed-up vs target-only (none)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over them
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
