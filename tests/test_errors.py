@@ -138,6 +138,9 @@ def test_draft_with_another_vocabulary() -> None:
         (["generate", "hi", "--top-p", "1.2"], "top_p"),
         (["generate", "hi", "--draft", "magic"], "unknown draft"),
         (["generate", "hi", "--dtype", "float7"], "unknown dtype"),
+        (["generate", "hi", "--backend", "vllm"], "unknown backend"),
+        (["generate", "hi", "--threads", "0"], "threads"),
+        (["generate", "hi", "--ubatch", "0"], "ubatch"),
     ],
 )
 def test_cli_errors_are_one_line_exit_2(args: list[str], words: str, tiny_folder: Path) -> None:
