@@ -46,7 +46,11 @@ def test_quick_bench_writes_every_output(tiny_folder: Path, prompts: Path, tmp_p
     result = _bench(tiny_folder, prompts, out, "--methods", methods, "--k", "2,4", "--repeats", "2", "--strict")
     assert result.exit_code == 0, result.output
     data = json.loads((out / "results.json").read_text())
-    assert set(data) == {"config", "machine", "categories", "methods", "greedy_mismatches", "greedy_identical_share", "notes"}
+    assert set(data) == {
+        "config", "machine", "categories", "methods", "greedy_mismatches", "greedy_identical_share", "notes", "target_forward_cost_ms",
+    }
+    assert list(data["target_forward_cost_ms"]) == ["1", "2", "3", "5", "9", "13", "17"]
+    assert all(ms > 0 for ms in data["target_forward_cost_ms"].values())
     assert data["categories"] == ["overall", "chat", "code"]
     assert set(data["machine"]) >= {"device", "cpu", "cores", "torch", "dtype"}
     assert {"none", "prompt-lookup@k2", "prompt-lookup@k4", "oracle@k4", "hf-greedy", "hf-prompt-lookup@k2"} <= set(data["methods"])

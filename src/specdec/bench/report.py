@@ -70,6 +70,16 @@ def markdown(results: dict) -> str:
             f"| {machine['device']} ({machine['cpu']}) | {best} | {m['categories']['overall']['speedup_vs_none']:.2f}x | {increase:+.0%} |",
             "",
         ]
+    curve = results["target_forward_cost_ms"]
+    lines += [
+        "## Target forward cost on this machine (n tokens after 64 cached)",
+        "",
+        "| n | " + " | ".join(str(n) for n in curve) + " |",
+        "|---|" + "---|" * len(curve),
+        "| ms | " + " | ".join(f"{ms:.1f}" for ms in curve.values()) + " |",
+        "| vs n = 1 | " + " | ".join(f"{ms / next(iter(curve.values())):.2f}x" for ms in curve.values()) + " |",
+        "",
+    ]
     if results["greedy_mismatches"]:
         lines += ["## Greedy mismatches", ""] + [
             f"- {x['method']} on `{x['prompt']}`: first difference at token {x['first_difference']}" for x in results["greedy_mismatches"]

@@ -18,6 +18,7 @@ from specdec.bench.memory import PeakMemory, current_bytes
 from specdec.bench.methods import Method, RunRecord, build_method, check_method
 from specdec.bench.prompts import BenchPrompt, load_prompts
 from specdec.config import GenerationConfig, RuntimeConfig, SamplingConfig
+from specdec.engine.costs import forward_cost_curve
 from specdec.errors import ConfigError, SpecDecError
 from specdec.models import DEFAULT_TARGET, load_model, open_target
 
@@ -84,6 +85,7 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
             method = build_method(spec, target, hf_model, gen_config, runtime)
             runs.append(MethodRuns(method, max(0, current_bytes() - before)))
 
+    cost_curve = forward_cost_curve(target.backend)  # measured before any method runs, on a quiet process
     baseline = runs[0].method
     references = {p.id: baseline.run(prompt_ids[p.id], None).token_ids for p in prompts}  # also warms up `none`
     for entry in runs[1:]:
@@ -102,6 +104,7 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
 
     results = _aggregate(config, runs, prompts, max_new, loaded_bytes)
     results["notes"] = notes
+    results["target_forward_cost_ms"] = {n: 1000 * seconds for n, seconds in cost_curve.items()}
     if config.strict and sampling.greedy:
         bad = [m for m in results["greedy_mismatches"] if m["method"] != "none"]
         if bad:
