@@ -17,7 +17,7 @@ from specdec.drafters.base import Proposal
 from specdec.engine import Generator
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel, Target, load_model, resolve
-from specdec.models.llamacpp import INSTALL
+from specdec.models.llamacpp import INSTALL, end_of_generation_ids
 from specdec.models.target import gguf_path
 
 PEER_METHODS = "hf-greedy, hf-prompt-lookup, hf-assisted:MODEL, llamacpp-greedy, llamacpp-prompt-lookup"
@@ -175,7 +175,7 @@ class LlamaCppMethod:
         self.llama = llama_cpp.Llama(
             model_path=gguf, n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False
         )
-        self.eog = {t for t in range(self.llama.n_vocab()) if llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(self.llama.model), t)}
+        self.eog = end_of_generation_ids(self.llama)
 
     def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
         sampling = self.config.sampling

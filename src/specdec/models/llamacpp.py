@@ -26,6 +26,13 @@ def require_llama_cpp():
     return llama_cpp
 
 
+def end_of_generation_ids(llama) -> frozenset[int]:
+    """Every token llama.cpp treats as ending generation (EOS, end-of-turn, ...)."""
+    llama_cpp = require_llama_cpp()
+    vocab = llama_cpp.llama_model_get_vocab(llama.model)
+    return frozenset(t for t in range(llama.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t))
+
+
 class LlamaCppTokenizer:
     """llama.cpp's own tokenizer behind the small interface the engine uses."""
 
@@ -66,8 +73,7 @@ class LlamaCppBackend:
         self._batch = llama_cpp.llama_batch_init(batch, 0, 1)
         self._memory = llama_cpp.llama_get_memory(self.llama.ctx)
         self._length = 0
-        vocab = llama_cpp.llama_model_get_vocab(self.llama.model)
-        self.eos_ids = frozenset(t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, t))
+        self.eos_ids = end_of_generation_ids(self.llama)
         self.tokenizer = LlamaCppTokenizer(self.llama)
 
     def __del__(self) -> None:
