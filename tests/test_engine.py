@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 import torch
+from conftest import char_tokenizer, loaded, perturbed, tiny_gemma3, tiny_llama
 from scipy.stats import chisquare
 
-from conftest import char_tokenizer, loaded, perturbed, tiny_gemma3, tiny_llama
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
 from specdec.engine import DecodeStats, speculative_decode

@@ -6,9 +6,9 @@ import importlib
 from pathlib import Path
 
 import pytest
+from conftest import loaded, tiny_llama
 from typer.testing import CliRunner
 
-from conftest import loaded, tiny_llama
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.cli.main import app
 from specdec.drafters import ModelDrafter, build_drafter

@@ -6,9 +6,9 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import assert_lookup_matches_greedy
 from typer.testing import CliRunner
 
-from conftest import assert_lookup_matches_greedy
 from specdec import Generator, RuntimeConfig
 from specdec.cli.main import app
 from specdec.errors import MissingPackageError

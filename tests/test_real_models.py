@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import assert_lookup_matches_greedy
 from typer.testing import CliRunner
 
-from conftest import assert_lookup_matches_greedy
 from specdec import Generator
 from specdec.cli.main import app
 from specdec.models import load_model

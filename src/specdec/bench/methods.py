@@ -21,6 +21,7 @@ from specdec.models.llamacpp import INSTALL, end_of_generation_ids
 from specdec.models.target import gguf_path
 
 PEER_METHODS = "hf-greedy, hf-prompt-lookup, hf-assisted:MODEL, llamacpp-greedy, llamacpp-prompt-lookup"
+K_FREE_METHODS = ("none", "hf-greedy", "llamacpp-greedy")  # run once, whatever --k lists
 
 
 @dataclass

@@ -15,7 +15,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from specdec.bench.memory import PeakMemory, current_bytes
-from specdec.bench.methods import Method, RunRecord, build_method, check_method
+from specdec.bench.methods import (
+    K_FREE_METHODS,
+    Method,
+    RunRecord,
+    build_method,
+    check_method,
+)
 from specdec.bench.prompts import BenchPrompt, load_prompts
 from specdec.config import GenerationConfig, RuntimeConfig, SamplingConfig
 from specdec.engine.costs import forward_cost_curve
@@ -79,7 +85,7 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
 
     runs: list[MethodRuns] = []
     for spec in specs:
-        for k in config.ks if spec not in ("none", "hf-greedy", "llamacpp-greedy") else config.ks[:1]:
+        for k in config.ks if spec not in K_FREE_METHODS else config.ks[:1]:
             gen_config = GenerationConfig(k=k, max_new_tokens=max_new, sampling=sampling, seed=config.seed)
             before = current_bytes()
             method = build_method(spec, target, hf_model, gen_config, runtime)

@@ -14,11 +14,18 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from specdec.config import DTYPES, RUNTIMES, GenerationConfig, RuntimeConfig, SamplingConfig
+from specdec.bench.methods import PEER_METHODS
+from specdec.bench.runner import DEFAULT_METHODS
+from specdec.config import (
+    DTYPES,
+    RUNTIMES,
+    GenerationConfig,
+    RuntimeConfig,
+    SamplingConfig,
+)
 from specdec.drafters import DRAFT_SPECS
 from specdec.errors import SpecDecError
 from specdec.models import ALIASES, DEFAULT_TARGET
-from specdec.bench.runner import DEFAULT_METHODS
 
 app = typer.Typer(help="Lossless speculative decoding for LLM text generation.", no_args_is_help=True, add_completion=False)
 err = Console(stderr=True)
@@ -146,11 +153,11 @@ def demo(
 def bench(
     prompts: Annotated[str, typer.Option(help="JSONL prompt file: one {id, category, prompt} per line.")] = "benchmarks/prompts/default.jsonl",
     target: Target = DEFAULT_TARGET,
-    methods: Annotated[str, typer.Option(help="Comma-separated: drafters (none, prompt-lookup, model:M), oracle, hf-greedy, hf-prompt-lookup, hf-assisted:M, llamacpp-greedy, llamacpp-prompt-lookup.")] = ",".join(DEFAULT_METHODS),
+    methods: Annotated[str, typer.Option(help=f"Comma-separated: drafters ({DRAFT_SPECS}), oracle, peers ({PEER_METHODS}).")] = ",".join(DEFAULT_METHODS),
     k: Annotated[str, typer.Option(help="Draft tokens per step; a comma-separated list sweeps k.")] = "4",
     max_new_tokens: Annotated[int, typer.Option(help="New tokens per prompt.")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy (outputs are compared with none's).")] = 0.0,
-    repeats: Annotated[int, typer.Option(help="Timed passes over all prompts, in rotated method order.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed passes over all prompts (methods take turns per prompt, order rotated).")] = 1,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     dtype: Dtype = "float32",
     backend: BackendOpt = "transformers",
@@ -164,10 +171,10 @@ def bench(
     """Benchmark methods side by side on the same prompts; write results.json, report.md and plots."""
     from rich.progress import Progress
 
+    from specdec.bench.methods import K_FREE_METHODS, check_method
     from specdec.bench.prompts import load_prompts
     from specdec.bench.report import write_report
     from specdec.bench.runner import BenchConfig, GreedyMismatchError, run_benchmark
-    from specdec.bench.methods import check_method
 
     if out.exists() and not overwrite:
         raise SpecDecError(f"output folder '{out}' exists: pass --overwrite or choose another --out")
@@ -184,7 +191,7 @@ def bench(
     )
     count = 2 if quick else len(load_prompts(prompts))
     runnable = {m for m in config.methods if check_method(m, target) is None} | {"none"}
-    total = sum(len(ks) if m not in ("none", "hf-greedy", "llamacpp-greedy") else 1 for m in runnable) * count * repeats
+    total = sum(len(ks) if m not in K_FREE_METHODS else 1 for m in runnable) * count * repeats
     with Progress(console=err) as progress:
         task = progress.add_task("loading models", total=total)
         try:

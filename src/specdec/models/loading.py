@@ -13,11 +13,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils import logging as hf_logging
 
 from specdec.errors import ConfigError, ModelNotFoundError
-from specdec.models.registry import ALIASES, ModelSource, converted_path, is_cached, resolve
+from specdec.models.registry import (
+    ALIASES,
+    ModelSource,
+    converted_path,
+    is_cached,
+    resolve,
+)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
