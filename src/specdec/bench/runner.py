@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -66,8 +67,9 @@ class MethodRuns:
 
 def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _: None) -> dict:
     """Run the benchmark; ``advance`` is called once per generation (for a progress bar)."""
-    notes = [note for spec in config.methods if (note := check_method(spec, config.target))]
-    specs = ["none"] + [s for s in config.methods if s != "none" and check_method(s, config.target) is None]
+    skipped = {spec: check_method(spec, config.target) for spec in config.methods}
+    notes = [note for note in skipped.values() if note]
+    specs = ["none"] + [s for s, note in skipped.items() if s != "none" and note is None]
     prompts = load_prompts(config.prompts)
     max_new = config.max_new_tokens
     if config.quick:
@@ -194,24 +196,18 @@ def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchP
     for p in prompts:
         categories.setdefault(p.category, set()).add(p.id)
     base, own_greedy = runs[0], {"transformers": "hf-greedy", "llama.cpp": "llamacpp-greedy"}
-    by_name = {e.method.name: e for e in runs}
+    summaries = {e.method.name: {c: _summary(e, items) for c, items in categories.items()} for e in runs}
+    base_rows = summaries[base.method.name]
     methods = {}
     for entry in runs:
         m = entry.method
-        rows = {}
-        for category, items in categories.items():
-            row = _summary(entry, items)
-            base_row = _summary(base, items)
-            row["speedup_vs_none"] = row["tokens_per_s"] / base_row["tokens_per_s"]
-            peer = by_name.get(own_greedy.get(m.family, ""))
-            row["speedup_vs_own_greedy"] = row["tokens_per_s"] / _summary(peer, items)["tokens_per_s"] if peer else None
-            row["predicted_speedup"], row["predicted_speedup_measured_costs"] = _predicted(row, base_row)
-            rows[category] = row
-        histogram: dict[int, int] = {}
-        for records in entry.records.values():
-            for _, r in records:
-                for n in r.accepted_per_step:
-                    histogram[n] = histogram.get(n, 0) + 1
+        rows = summaries[m.name]
+        peer_rows = summaries.get(own_greedy.get(m.family, ""))
+        for category, row in rows.items():
+            row["speedup_vs_none"] = row["tokens_per_s"] / base_rows[category]["tokens_per_s"]
+            row["speedup_vs_own_greedy"] = row["tokens_per_s"] / peer_rows[category]["tokens_per_s"] if peer_rows else None
+            row["predicted_speedup"], row["predicted_speedup_measured_costs"] = _predicted(row, base_rows[category])
+        histogram = Counter(n for records in entry.records.values() for _, r in records for n in r.accepted_per_step)
         peak = loaded_bytes + entry.static_bytes + entry.peak_bytes
         base_peak = loaded_bytes + base.static_bytes + base.peak_bytes
         methods[m.name] = {

@@ -21,6 +21,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from specdec.config import DTYPES
 from specdec.errors import ConfigError, ModelNotFoundError
 from specdec.models.registry import (
     ALIASES,
@@ -30,7 +31,7 @@ from specdec.models.registry import (
     resolve,
 )
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 @dataclass
