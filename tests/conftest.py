@@ -90,7 +90,7 @@ def loaded(model, name: str = "tiny", tokenizer=None) -> LoadedModel:
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, source=ModelSource(name, "folder", name))
 
 
-def assert_lookup_matches_greedy(target, prompts: list[str], max_new_tokens: int, k: int = 4) -> int:
+def assert_lookup_matches_greedy(target, prompts: list[str], max_new_tokens: int, k: int = 4, k_policy: str = "fixed") -> int:
     """Prompt lookup must reproduce target-only greedy output on every prompt; returns draft tokens accepted."""
     from specdec import Generator
 
@@ -98,7 +98,7 @@ def assert_lookup_matches_greedy(target, prompts: list[str], max_new_tokens: int
     accepted = 0
     for prompt in prompts:
         expected = baseline.generate(prompt, max_new_tokens=max_new_tokens)
-        got = lookup.generate(prompt, max_new_tokens=max_new_tokens, k=k)
+        got = lookup.generate(prompt, max_new_tokens=max_new_tokens, k=k, k_policy=k_policy)
         assert got.token_ids == expected.token_ids, prompt
         assert got.text == expected.text
         assert got.stats.target_forwards <= expected.stats.target_forwards

@@ -16,10 +16,23 @@ from specdec.verification import Verdict
 runner = CliRunner()
 
 SUMMARY_KEYS = {
-    "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "new_tokens", "acceptance_rate", "mean_accepted_per_step",
-    "tokens_per_step", "target_forwards_per_token", "ttft_s", "draft_s_per_token", "verify_s_per_step",
-    "mean_proposed_per_step", "speedup_vs_none", "speedup_vs_own_greedy", "predicted_speedup",
-    "predicted_speedup_measured_costs", "identical_share",
+    "tokens_per_s",
+    "tokens_per_s_min",
+    "tokens_per_s_max",
+    "new_tokens",
+    "acceptance_rate",
+    "mean_accepted_per_step",
+    "tokens_per_step",
+    "target_forwards_per_token",
+    "ttft_s",
+    "draft_s_per_token",
+    "verify_s_per_step",
+    "mean_proposed_per_step",
+    "speedup_vs_none",
+    "speedup_vs_own_greedy",
+    "predicted_speedup",
+    "predicted_speedup_measured_costs",
+    "identical_share",
 }
 
 
@@ -47,7 +60,14 @@ def test_quick_bench_writes_every_output(tiny_folder: Path, prompts: Path, tmp_p
     assert result.exit_code == 0, result.output
     data = json.loads((out / "results.json").read_text())
     assert set(data) == {
-        "config", "machine", "categories", "methods", "greedy_mismatches", "greedy_identical_share", "notes", "target_forward_cost_ms",
+        "config",
+        "machine",
+        "categories",
+        "methods",
+        "greedy_mismatches",
+        "greedy_identical_share",
+        "notes",
+        "target_forward_cost_ms",
     }
     assert list(data["target_forward_cost_ms"]) == ["1", "2", "3", "5", "9", "13", "17"]
     assert all(ms > 0 for ms in data["target_forward_cost_ms"].values())
@@ -55,7 +75,14 @@ def test_quick_bench_writes_every_output(tiny_folder: Path, prompts: Path, tmp_p
     assert set(data["machine"]) >= {"device", "cpu", "cores", "torch", "dtype"}
     assert {"none", "prompt-lookup@k2", "prompt-lookup@k4", "oracle@k4", "hf-greedy", "hf-prompt-lookup@k2"} <= set(data["methods"])
     for method in data["methods"].values():
-        assert set(method) >= {"family", "k", "peak_memory_mb", "peak_memory_increase_vs_none_mb", "peak_memory_increase_vs_none", "accepted_per_step_histogram"}
+        assert set(method) >= {
+            "family",
+            "k",
+            "peak_memory_mb",
+            "peak_memory_increase_vs_none_mb",
+            "peak_memory_increase_vs_none",
+            "accepted_per_step_histogram",
+        }
         assert method["peak_memory_mb"] > 100  # the whole process, target included
         for row in method["categories"].values():
             assert set(row) == SUMMARY_KEYS
@@ -97,7 +124,7 @@ def test_greedy_check_catches_a_broken_engine(tiny_folder: Path, prompts: Path, 
         ("", "has no prompts"),
         ('{"id": "a", "category": "code", "prompt": "x"}\nnot json\n', ":2 is not valid JSON"),
         ('{"id": "a", "category": "code"}\n', ":1 lacks a non-empty string for prompt"),
-        ('[1, 2]\n', ":1 is not a JSON object"),
+        ("[1, 2]\n", ":1 is not a JSON object"),
         ('{"id": "a", "category": "c", "prompt": "x"}\n{"id": "a", "category": "c", "prompt": "y"}\n', "repeats the id"),
     ],
 )

@@ -13,6 +13,7 @@ from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
 from specdec.engine import DecodeStats, speculative_decode
 from specdec.models import TransformersBackend
+from specdec.scheduling import FixedK
 
 PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 12], [1, 40, 41, 42, 43, 40, 41], [1, 7]]
 
@@ -115,7 +116,7 @@ def test_engine_keeps_caches_at_accepted_prefix() -> None:
     prompt = torch.tensor([[1, 4, 8, 15, 16, 23, 42]])
     stats = DecodeStats()
     tokens = prompt
-    for new in speculative_decode(target, drafter, prompt, GenerationConfig(k=4, max_new_tokens=40), stats):
+    for new in speculative_decode(target, drafter, FixedK(4), prompt, GenerationConfig(k=4, max_new_tokens=40), stats):
         tokens = torch.cat([tokens, new[None]], dim=1)
         assert target.cached_length == tokens.shape[1] - 1  # all but the pending token
         assert draft.cached_length <= tokens.shape[1] - 1

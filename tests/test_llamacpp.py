@@ -72,6 +72,25 @@ def test_greedy_on_llama_cpp_is_identical_with_exact_batches(exact_target) -> No
 
 @needs_llama_cpp
 @pytest.mark.real_model
+def test_cost_model_k_follows_the_measured_costs(exact_target, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ubatch=1 prices n tokens at n one-token forwards, so drafting never pays; batched verification makes it pay."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    batched = open_target("gemma-3-270m", RuntimeConfig(backend="llama.cpp", threads=2))
+    chosen = {}
+    for name, target in (("exact", exact_target), ("batched", batched)):
+        generator = Generator(target, "prompt-lookup")
+        curve = generator.costs()
+        result = generator.generate(PROMPTS[1], max_new_tokens=40, k=8, k_policy="cost-model")
+        chosen[name] = result.stats.k_per_step
+        assert all(0 <= k <= 8 for k in chosen[name])
+        assert curve(9) > curve(1) > 0
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2  # one curve per runtime setting, cached
+    assert sum(chosen["exact"]) < sum(chosen["batched"])
+    assert max(chosen["batched"]) > 0
+
+
+@needs_llama_cpp
+@pytest.mark.real_model
 def test_mixed_runtimes_and_sampling_on_llama_cpp(tiny_folder) -> None:
     fast = open_target("gemma-3-270m", RuntimeConfig(backend="llama.cpp", threads=2))
     result = Generator(fast, "prompt-lookup").generate(PROMPTS[1], max_new_tokens=24, k=4, temperature=0.8, seed=3)

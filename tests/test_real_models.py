@@ -18,8 +18,7 @@ pytestmark = pytest.mark.real_model
 PROMPTS = [
     "def is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n"
     "        if n % d == 0:\n            return False\n    return True\n\n\ndef primes_below(limit):\n",
-    "The meeting is on Tuesday at 10am in room 4B. Attendees: Ana, Bo, Chen. Agenda: budget, hiring.\n"
-    "Summary: The meeting is on",
+    "The meeting is on Tuesday at 10am in room 4B. Attendees: Ana, Bo, Chen. Agenda: budget, hiring.\nSummary: The meeting is on",
     "Q: What is the capital of France?\nA: The capital of France is Paris.\nQ: What is the capital of Spain?\nA:",
 ]
 
@@ -27,6 +26,12 @@ PROMPTS = [
 def test_gemma_prompt_lookup_greedy_is_identical(gemma) -> None:
     accepted = assert_lookup_matches_greedy(gemma, PROMPTS, max_new_tokens=32)
     assert accepted > 0, "prompt lookup should find something to copy in these prompts"
+
+
+def test_gemma_cost_model_k_is_identical(gemma, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # measure this machine's cost curve afresh
+    accepted = assert_lookup_matches_greedy(gemma, PROMPTS, max_new_tokens=32, k=8, k_policy="cost-model")
+    assert accepted > 0, "in float32 verifying 5-17 tokens costs twice one token here: long copies pay"
 
 
 def test_gguf_conversion_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from specdec.errors import ConfigError
 
 MAX_K = 32
+K_POLICIES = ("fixed", "cost-model")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class SamplingConfig:
 class GenerationConfig:
     """One generation request: speculation depth, length, stopping and sampling."""
 
-    k: int = 4
+    k: int = 4  # draft tokens per step; the most per step for adaptive k policies
+    k_policy: str = "fixed"
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
@@ -44,6 +46,8 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.k <= MAX_K:
             raise ConfigError(f"k (draft tokens per step) must be between 1 and {MAX_K}, got {self.k}")
+        if self.k_policy not in K_POLICIES:
+            raise ConfigError(f"unknown k policy '{self.k_policy}': use one of {', '.join(K_POLICIES)}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop):

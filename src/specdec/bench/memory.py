@@ -24,7 +24,7 @@ class PeakMemory:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         self.peak = current_bytes()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()

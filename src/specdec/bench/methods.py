@@ -22,6 +22,7 @@ from specdec.models.target import gguf_path
 
 PEER_METHODS = "hf-greedy, hf-prompt-lookup, hf-assisted:MODEL, llamacpp-greedy, llamacpp-prompt-lookup"
 K_FREE_METHODS = ("none", "hf-greedy", "llamacpp-greedy")  # run once, whatever --k lists
+PEER_PREFIXES = ("hf-", "llamacpp-")  # peers' own k schedules: run once per k, with no k policy
 
 
 @dataclass
@@ -37,12 +38,14 @@ class RunRecord:
     draft_s: float | None = None
     verify_s: float | None = None  # the steps after the first, which also reads the prompt
     accepted_per_step: list[int] = field(default_factory=list)
+    k_per_step: list[int] = field(default_factory=list)
 
 
 class Method(Protocol):
     name: str
     family: str  # "specdec", "transformers" or "llama.cpp"
     k: int | None
+    k_policy: str | None
 
     def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
         """Generate from ``prompt_ids``; ``reference`` is the target's own greedy output (for the oracle)."""
@@ -76,7 +79,12 @@ class SpecdecMethod:
 
     def __init__(self, spec: str, target: Target, config: GenerationConfig, runtime: RuntimeConfig) -> None:
         self.k = config.k if spec != "none" else None
-        self.name = spec if self.k is None else f"{spec}@k{config.k}"
+        self.k_policy = config.k_policy if spec != "none" else None
+        if self.k is None:
+            self.name = spec
+        else:  # fixed k: "prompt-lookup@k4"; adaptive, with k its maximum: "prompt-lookup@cost-model-k8"
+            policy = "" if config.k_policy == "fixed" else f"{config.k_policy}-"
+            self.name = f"{spec}@{policy}k{config.k}"
         self.oracle = OracleDrafter() if spec == "oracle" else None
         drafter = self.oracle or build_drafter(spec, runtime)
         self.generator = Generator(target, drafter, config)
@@ -96,6 +104,7 @@ class SpecdecMethod:
             draft_s=s.draft_s,
             verify_s=s.verify_s,
             accepted_per_step=list(s.accepted_per_step),
+            k_per_step=list(s.k_per_step),
         )
 
 
@@ -103,6 +112,7 @@ class TransformersMethod:
     """transformers' own `generate`: greedy, prompt lookup, or assisted by a draft model."""
 
     family = "transformers"
+    k_policy = None
 
     def __init__(self, spec: str, target: LoadedModel, config: GenerationConfig, runtime: RuntimeConfig) -> None:
         self.target = target
@@ -133,8 +143,12 @@ class TransformersMethod:
         ids = torch.tensor([prompt_ids])
         clock = _FirstTokenClock()
         out = self.target.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.config.max_new_tokens, streamer=clock,
-            **options, **self.kwargs,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=self.config.max_new_tokens,
+            streamer=clock,
+            **options,
+            **self.kwargs,
         )
         wall = time.perf_counter() - clock.start
         return RunRecord(token_ids=out[0, len(prompt_ids) :].tolist(), wall_s=wall, ttft_s=clock.ttft_s)
@@ -161,6 +175,7 @@ class LlamaCppMethod:
     """llama-cpp-python's own generation on the target's GGUF file: greedy, or its prompt lookup."""
 
     family = "llama.cpp"
+    k_policy = None
 
     def __init__(self, spec: str, gguf: str, config: GenerationConfig, runtime: RuntimeConfig) -> None:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -180,7 +195,9 @@ class LlamaCppMethod:
 
     def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
         sampling = self.config.sampling
-        options = {"temp": 0.0} if sampling.greedy else {"temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0}
+        options = (
+            {"temp": 0.0} if sampling.greedy else {"temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0}
+        )
         self.llama.reset()
         tokens: list[int] = []
         ttft = None
@@ -193,14 +210,12 @@ class LlamaCppMethod:
         return RunRecord(token_ids=tokens, wall_s=time.perf_counter() - start, ttft_s=ttft)
 
 
-def build_method(
-    spec: str, target: Target, hf_model: LoadedModel | None, config: GenerationConfig, runtime: RuntimeConfig
-) -> Method:
+def build_method(spec: str, target: Target, hf_model: LoadedModel | None, config: GenerationConfig, runtime: RuntimeConfig) -> Method:
     """Build a method whose name :func:`check_method` accepted."""
-    if spec.startswith("hf-"):
+    if spec.startswith(PEER_PREFIXES[0]):
         assert hf_model is not None
         return TransformersMethod(spec, hf_model, config, runtime)
-    if spec.startswith("llamacpp-"):
+    if spec.startswith(PEER_PREFIXES[1]):
         return LlamaCppMethod(spec, gguf_path(target.name), config, runtime)
     return SpecdecMethod(spec, target, config, runtime)
 

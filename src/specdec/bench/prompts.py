@@ -32,7 +32,7 @@ def load_prompts(path: str | Path) -> list[BenchPrompt]:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{where} is not valid JSON ({exc.msg}): each line must be one object") from None
         if not isinstance(item, dict):
-            raise ConfigError(f"{where} is not a JSON object: each line must be {{\"id\", \"category\", \"prompt\"}}")
+            raise ConfigError(f'{where} is not a JSON object: each line must be {{"id", "category", "prompt"}}')
         missing = [key for key in ("id", "category", "prompt") if not isinstance(item.get(key), str) or not item[key]]
         if missing:
             raise ConfigError(f"{where} lacks a non-empty string for {', '.join(missing)}")

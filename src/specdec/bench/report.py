@@ -81,9 +81,14 @@ def markdown(results: dict) -> str:
         "",
     ]
     if results["greedy_mismatches"]:
-        lines += ["## Greedy mismatches", ""] + [
-            f"- {x['method']} on `{x['prompt']}`: first difference at token {x['first_difference']}" for x in results["greedy_mismatches"]
-        ] + [""]
+        lines += (
+            ["## Greedy mismatches", ""]
+            + [
+                f"- {x['method']} on `{x['prompt']}`: first difference at token {x['first_difference']}"
+                for x in results["greedy_mismatches"]
+            ]
+            + [""]
+        )
     if results["notes"]:
         lines += ["## Notes", ""] + [f"- {note}" for note in results["notes"]] + [""]
     return "\n".join(lines)

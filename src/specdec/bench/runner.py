@@ -18,6 +18,7 @@ import torch
 from specdec.bench.memory import PeakMemory, current_bytes
 from specdec.bench.methods import (
     K_FREE_METHODS,
+    PEER_PREFIXES,
     Method,
     RunRecord,
     build_method,
@@ -38,6 +39,7 @@ class BenchConfig:
     target: str = DEFAULT_TARGET
     methods: tuple[str, ...] = DEFAULT_METHODS
     ks: tuple[int, ...] = (4,)
+    k_policies: tuple[str, ...] = ("fixed",)  # specdec's drafters run once per k and policy
     max_new_tokens: int = 64
     temperature: float = 0.0
     repeats: int = 1
@@ -51,6 +53,19 @@ class BenchConfig:
             raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
         if not self.methods:
             raise ConfigError("no methods given: pass --methods none,prompt-lookup,...")
+        for k in self.ks:
+            for policy in self.k_policies:
+                GenerationConfig(k=k, k_policy=policy)  # validates both
+
+
+def method_plan(config: BenchConfig, specs: list[str]) -> list[tuple[str, int, str]]:
+    """(method, k, k policy) for every method that runs: k-free ones once, peers once per k, specdec's per k and policy."""
+    plan = []
+    for spec in specs:
+        ks = config.ks[:1] if spec in K_FREE_METHODS else config.ks
+        policies = config.k_policies if spec not in K_FREE_METHODS and not spec.startswith(PEER_PREFIXES) else ("fixed",)
+        plan += [(spec, k, policy) for k in ks for policy in policies]
+    return plan
 
 
 class GreedyMismatchError(SpecDecError):
@@ -86,12 +101,11 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
     loaded_bytes = current_bytes()  # the process with the target loaded: every method's floor
 
     runs: list[MethodRuns] = []
-    for spec in specs:
-        for k in config.ks if spec not in K_FREE_METHODS else config.ks[:1]:
-            gen_config = GenerationConfig(k=k, max_new_tokens=max_new, sampling=sampling, seed=config.seed)
-            before = current_bytes()
-            method = build_method(spec, target, hf_model, gen_config, runtime)
-            runs.append(MethodRuns(method, max(0, current_bytes() - before)))
+    for spec, k, policy in method_plan(config, specs):
+        gen_config = GenerationConfig(k=k, k_policy=policy, max_new_tokens=max_new, sampling=sampling, seed=config.seed)
+        before = current_bytes()
+        method = build_method(spec, target, hf_model, gen_config, runtime)
+        runs.append(MethodRuns(method, max(0, current_bytes() - before)))
 
     cost_curve = forward_cost_curve(target.backend)  # measured before any method runs, on a quiet process
     baseline = runs[0].method
@@ -208,6 +222,7 @@ def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchP
             row["speedup_vs_own_greedy"] = row["tokens_per_s"] / peer_rows[category]["tokens_per_s"] if peer_rows else None
             row["predicted_speedup"], row["predicted_speedup_measured_costs"] = _predicted(row, base_rows[category])
         histogram = Counter(n for records in entry.records.values() for _, r in records for n in r.accepted_per_step)
+        k_histogram = Counter(n for records in entry.records.values() for _, r in records for n in r.k_per_step)
         peak = loaded_bytes + entry.static_bytes + entry.peak_bytes
         base_peak = loaded_bytes + base.static_bytes + base.peak_bytes
         methods[m.name] = {
@@ -216,7 +231,9 @@ def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchP
             "peak_memory_mb": peak / 2**20,
             "peak_memory_increase_vs_none_mb": (peak - base_peak) / 2**20,
             "peak_memory_increase_vs_none": (peak - base_peak) / base_peak,
+            "k_policy": m.k_policy,
             "accepted_per_step_histogram": dict(sorted(histogram.items())),
+            "k_histogram": dict(sorted(k_histogram.items())),
             "categories": rows,
         }
     mismatches = []
@@ -227,7 +244,9 @@ def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchP
             expected = first_repeat[p.id]
             if r.token_ids != expected:
                 differing.add(p.id)
-                diff = next((i for i, (a, b) in enumerate(zip(r.token_ids, expected)) if a != b), min(len(r.token_ids), len(expected)))
+                diff = next(
+                    (i for i, (a, b) in enumerate(zip(r.token_ids, expected, strict=False)) if a != b), min(len(r.token_ids), len(expected))
+                )
                 mismatches.append({"method": entry.method.name, "prompt": p.id, "first_difference": diff})
         for category, items in categories.items():
             methods[entry.method.name]["categories"][category]["identical_share"] = 1 - len(differing & items) / len(items)

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional, TypeVar
+from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
@@ -18,6 +18,7 @@ from specdec.bench.methods import PEER_METHODS
 from specdec.bench.runner import DEFAULT_METHODS
 from specdec.config import (
     DTYPES,
+    K_POLICIES,
     RUNTIMES,
     GenerationConfig,
     RuntimeConfig,
@@ -49,9 +50,16 @@ def user_errors(fn: F) -> F:
 Target = Annotated[str, typer.Option("--target", "-t", help="Bundled alias, model folder, .gguf file or hub id.")]
 Draft = Annotated[str, typer.Option("--draft", "-d", help=f"Drafter: {DRAFT_SPECS}.")]
 Dtype = Annotated[str, typer.Option(help=f"Weights dtype (transformers backend): {', '.join(DTYPES)}.")]
-BackendOpt = Annotated[str, typer.Option("--backend", help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases).")]
-Threads = Annotated[Optional[int], typer.Option(help="CPU threads for llama.cpp (default: all cores).")]
-Ubatch = Annotated[Optional[int], typer.Option(help="llama.cpp micro-batch; 1 makes greedy verification bit-identical to one-token decoding (slower).")]
+BackendOpt = Annotated[
+    str, typer.Option("--backend", help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases).")
+]
+Threads = Annotated[int | None, typer.Option(help="CPU threads for llama.cpp (default: all cores).")]
+KPolicyOpt = Annotated[
+    str, typer.Option(help=f"How k is chosen per step: {', '.join(K_POLICIES)} (cost-model prices this machine's target forwards).")
+]
+Ubatch = Annotated[
+    int | None, typer.Option(help="llama.cpp micro-batch; 1 makes greedy verification bit-identical to one-token decoding (slower).")
+]
 
 
 @app.command()
@@ -60,13 +68,14 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="Text to continue.")],
     target: Target = DEFAULT_TARGET,
     draft: Draft = "prompt-lookup",
-    k: Annotated[int, typer.Option(help="Draft tokens per step (1-32).")] = 4,
+    k: Annotated[int, typer.Option(help="Draft tokens per step (1-32); the most per step for an adaptive --k-policy.")] = 4,
+    k_policy: KPolicyOpt = "fixed",
     max_new_tokens: Annotated[int, typer.Option(help="Most new tokens to generate.")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = 0.0,
-    top_k: Annotated[Optional[int], typer.Option(help="Keep only the k most likely tokens.")] = None,
+    top_k: Annotated[int | None, typer.Option(help="Keep only the k most likely tokens.")] = None,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed, for reproducible sampling.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed, for reproducible sampling.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     dtype: Dtype = "float32",
     backend: BackendOpt = "transformers",
     threads: Threads = None,
@@ -79,6 +88,7 @@ def generate(
 
     config = GenerationConfig(
         k=k,
+        k_policy=k_policy,
         max_new_tokens=max_new_tokens,
         sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
         stop=tuple(stop or ()),
@@ -143,18 +153,22 @@ def demo(
     Console().print(table)
     same = "identical" if base.token_ids == spec_run.token_ids else "DIFFERENT"
     Console().print(
-        f"speed-up: [bold]{spec_run.stats.tokens_per_s / base.stats.tokens_per_s:.2f}x[/bold]; "
-        f"output {same} to target-only greedy"
+        f"speed-up: [bold]{spec_run.stats.tokens_per_s / base.stats.tokens_per_s:.2f}x[/bold]; output {same} to target-only greedy"
     )
 
 
 @app.command()
 @user_errors
 def bench(
-    prompts: Annotated[str, typer.Option(help="JSONL prompt file: one {id, category, prompt} per line.")] = "benchmarks/prompts/default.jsonl",
+    prompts: Annotated[
+        str, typer.Option(help="JSONL prompt file: one {id, category, prompt} per line.")
+    ] = "benchmarks/prompts/default.jsonl",
     target: Target = DEFAULT_TARGET,
-    methods: Annotated[str, typer.Option(help=f"Comma-separated: drafters ({DRAFT_SPECS}), oracle, peers ({PEER_METHODS}).")] = ",".join(DEFAULT_METHODS),
+    methods: Annotated[str, typer.Option(help=f"Comma-separated: drafters ({DRAFT_SPECS}), oracle, peers ({PEER_METHODS}).")] = ",".join(
+        DEFAULT_METHODS
+    ),
     k: Annotated[str, typer.Option(help="Draft tokens per step; a comma-separated list sweeps k.")] = "4",
+    k_policy: Annotated[str, typer.Option(help=f"k policies for specdec's drafters, comma-separated ({', '.join(K_POLICIES)}).")] = "fixed",
     max_new_tokens: Annotated[int, typer.Option(help="New tokens per prompt.")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy (outputs are compared with none's).")] = 0.0,
     repeats: Annotated[int, typer.Option(help="Timed passes over all prompts (methods take turns per prompt, order rotated).")] = 1,
@@ -171,10 +185,10 @@ def bench(
     """Benchmark methods side by side on the same prompts; write results.json, report.md and plots."""
     from rich.progress import Progress
 
-    from specdec.bench.methods import K_FREE_METHODS, check_method
+    from specdec.bench.methods import check_method
     from specdec.bench.prompts import load_prompts
     from specdec.bench.report import write_report
-    from specdec.bench.runner import BenchConfig, GreedyMismatchError, run_benchmark
+    from specdec.bench.runner import BenchConfig, GreedyMismatchError, method_plan, run_benchmark
 
     if out.exists() and not overwrite:
         raise SpecDecError(f"output folder '{out}' exists: pass --overwrite or choose another --out")
@@ -182,16 +196,23 @@ def bench(
         ks = tuple(int(x) for x in k.split(","))
     except ValueError:
         raise SpecDecError(f"--k must be an integer or a comma-separated list of integers, got '{k}'") from None
-    for value in ks:
-        GenerationConfig(k=value)  # validates the range
     config = BenchConfig(
-        prompts=prompts, target=target, methods=tuple(m.strip() for m in methods.split(",") if m.strip()), ks=ks,
-        max_new_tokens=max_new_tokens, temperature=temperature, repeats=repeats, seed=seed,
-        runtime=RuntimeConfig(backend, dtype, threads, ubatch), strict=strict, quick=quick,
+        prompts=prompts,
+        target=target,
+        methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+        ks=ks,
+        k_policies=tuple(p.strip() for p in k_policy.split(",") if p.strip()),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        repeats=repeats,
+        seed=seed,
+        runtime=RuntimeConfig(backend, dtype, threads, ubatch),
+        strict=strict,
+        quick=quick,
     )
     count = 2 if quick else len(load_prompts(prompts))
-    runnable = {m for m in config.methods if check_method(m, target) is None} | {"none"}
-    total = sum(len(ks) if m not in K_FREE_METHODS else 1 for m in runnable) * count * repeats
+    runnable = ["none"] + [m for m in config.methods if m != "none" and check_method(m, target) is None]
+    total = len(method_plan(config, runnable)) * count * repeats
     with Progress(console=err) as progress:
         task = progress.add_task("loading models", total=total)
         try:
@@ -206,7 +227,9 @@ def bench(
     table = Table("method", "tok/s", "vs none", "acceptance", "identical")
     for name, row in overall.items():
         acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}"
-        table.add_row(name, f"{row['tokens_per_s']:.2f}", f"{row['speedup_vs_none']:.2f}x", acc, f"{results['greedy_identical_share'][name]:.0%}")
+        table.add_row(
+            name, f"{row['tokens_per_s']:.2f}", f"{row['speedup_vs_none']:.2f}x", acc, f"{results['greedy_identical_share'][name]:.0%}"
+        )
     Console().print(table)
     Console().print(f"report: {out / 'report.md'}")
 

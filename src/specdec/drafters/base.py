@@ -28,7 +28,7 @@ class Proposal:
     probs: torch.Tensor | None = None  # [B, k, V] float
 
     @staticmethod
-    def empty(batch: int, device: torch.device | str = "cpu") -> "Proposal":
+    def empty(batch: int, device: torch.device | str = "cpu") -> Proposal:
         return Proposal(
             torch.zeros(batch, 0, dtype=torch.long, device=device),
             torch.zeros(batch, dtype=torch.long, device=device),
@@ -45,9 +45,7 @@ class Drafter(Protocol):
         """Start a new sequence from ``prompt`` [B, T]."""
         ...
 
-    def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> Proposal:
+    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         """Propose up to ``k`` tokens following ``context`` [B, T] (every token so far)."""
         ...
 

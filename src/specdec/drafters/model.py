@@ -23,9 +23,7 @@ class ModelDrafter:
         self._context_length = 0
 
     @torch.inference_mode()
-    def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> Proposal:
+    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         batch = context.shape[0]
         # Feed whatever the cache has not seen yet: the tokens accepted since the last step.
         logits = self.backend.forward(context[:, self.backend.cached_length :], last=1)[:, -1]

@@ -14,9 +14,7 @@ class NoDrafter:
     def begin(self, prompt: torch.Tensor) -> None:
         pass
 
-    def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> Proposal:
+    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         return Proposal.empty(context.shape[0], context.device)
 
     def accepted(self, counts: torch.Tensor) -> None:

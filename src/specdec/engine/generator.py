@@ -11,10 +11,12 @@ import torch
 
 from specdec.config import GenerationConfig, RuntimeConfig, with_overrides
 from specdec.drafters import Drafter, build_drafter
+from specdec.engine.costs import machine_cost_curve
 from specdec.engine.loop import DecodeStats, speculative_decode
 from specdec.engine.text import TextTracker
 from specdec.errors import ConfigError, PromptError, VocabularyMismatchError
 from specdec.models import DEFAULT_TARGET, LoadedModel, Target, open_target
+from specdec.scheduling import CostCurve, build_k_policy
 
 FinishReason = Literal["length", "eos", "stop", "context"]
 
@@ -63,6 +65,13 @@ class Generator:
                 "or --draft prompt-lookup"
             )
         self.eos_ids = self.target.eos_ids
+        self._costs: CostCurve | None = None
+
+    def costs(self) -> CostCurve:
+        """The target's forward cost curve on this machine (measured on first use, cached on disk)."""
+        if self._costs is None:
+            self._costs = machine_cost_curve(self.backend)
+        return self._costs
 
     def generate(self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object) -> GenerationResult:
         """Generate a completion of ``prompt`` (text, or token ids) and return it with stats."""
@@ -116,7 +125,8 @@ class _Run:
         seed = self.config.seed if self.config.seed is not None else random.randrange(2**63)
         rng = torch.Generator().manual_seed(seed)
         prompt = torch.tensor([self.prompt_ids], dtype=torch.long)
-        steps = speculative_decode(gen.backend, gen.drafter, prompt, self.config, self.stats, rng)
+        policy = build_k_policy(self.config.k_policy, self.config.k, gen.costs)
+        steps = speculative_decode(gen.backend, gen.drafter, policy, prompt, self.config, self.stats, rng)
         for new in steps:
             ids = new.tolist()
             if self.config.stop_on_eos:

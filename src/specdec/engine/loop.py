@@ -11,6 +11,7 @@ import torch
 from specdec.config import GenerationConfig
 from specdec.drafters.base import Drafter, Proposal
 from specdec.models.backend import Backend
+from specdec.scheduling import KPolicy
 from specdec.verification import verify
 
 
@@ -28,6 +29,7 @@ class DecodeStats:
     wall_s: float = 0.0
     ttft_s: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)
+    k_per_step: list[int] = field(default_factory=list)  # the k chosen by the policy (before length limits)
 
     @property
     def target_forwards(self) -> int:
@@ -54,12 +56,16 @@ class DecodeStats:
             "new_tokens steps target_forwards draft_tokens_proposed draft_tokens_accepted acceptance_rate "
             "mean_accepted_per_step tokens_per_step tokens_per_s wall_s ttft_s prefill_s draft_s verify_s"
         ).split()
-        return {key: getattr(self, key) for key in keys} | {"accepted_per_step": list(self.accepted_per_step)}
+        return {key: getattr(self, key) for key in keys} | {
+            "accepted_per_step": list(self.accepted_per_step),
+            "k_per_step": list(self.k_per_step),
+        }
 
 
 def speculative_decode(
     target: Backend,
     drafter: Drafter,
+    policy: KPolicy,
     prompt: torch.Tensor,
     config: GenerationConfig,
     stats: DecodeStats,
@@ -69,7 +75,7 @@ def speculative_decode(
 
     Each step feeds the target every token its cache lacks (the whole prompt at
     the first step, afterwards only the pending token, the last one produced)
-    followed by the k draft tokens, in ONE forward pass. Invariant between
+    followed by the k draft tokens (k chosen by ``policy``), in ONE forward pass. Invariant between
     steps: the target's cache holds every token but the pending one, and the
     drafter has been told how many of its tokens survived. The caller stops
     iteration early for EOS or stop strings; the loop itself stops at
@@ -80,8 +86,9 @@ def speculative_decode(
     drafter.begin(prompt)
     tokens = prompt
     while stats.new_tokens < config.max_new_tokens and tokens.shape[1] < target.max_context:
+        chosen = policy.choose()
         # Every step yields accepted drafts plus one target token: never draft past either limit.
-        k = min(config.k, config.max_new_tokens - stats.new_tokens - 1, target.max_context - tokens.shape[1] - 1)
+        k = min(chosen, config.max_new_tokens - stats.new_tokens - 1, target.max_context - tokens.shape[1] - 1)
         t0 = time.perf_counter()
         proposal = drafter.propose(tokens, k, config.sampling, generator) if k > 0 else Proposal.empty(1)
         t1 = time.perf_counter()
@@ -92,6 +99,7 @@ def speculative_decode(
         accepted = int(verdict.accepted[0])
         target.truncate(tokens.shape[1] + accepted)
         drafter.accepted(verdict.accepted)
+        policy.observe(int(proposal.lengths[0]), accepted, t1 - t0)
         new = torch.cat([proposal.tokens[0, :accepted], verdict.next_token])
         tokens = torch.cat([tokens, new[None]], dim=1)
         t2 = time.perf_counter()
@@ -100,6 +108,7 @@ def speculative_decode(
         stats.draft_tokens_proposed += int(proposal.lengths[0])
         stats.draft_tokens_accepted += accepted
         stats.accepted_per_step.append(accepted)
+        stats.k_per_step.append(chosen)
         stats.new_tokens += new.shape[0]
         stats.draft_s += t1 - t0
         stats.wall_s = t2 - start

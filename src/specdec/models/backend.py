@@ -21,6 +21,11 @@ class Backend(Protocol):
     max_context: int
 
     @property
+    def identity(self) -> str:
+        """What decides this backend's speed (runtime, weights, dtype, threads): the key of its measured costs."""
+        ...
+
+    @property
     def cached_length(self) -> int:
         """Positions currently held in the cache."""
         ...
@@ -47,6 +52,12 @@ class TransformersBackend:
         self.max_context: int = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31
         self.device = next(model.parameters()).device
         self.reset()
+
+    @property
+    def identity(self) -> str:
+        config = self.model.config
+        weights = sum(p.numel() for p in self.model.parameters())
+        return f"transformers|{config.name_or_path or config.model_type}|{weights}|{self.model.dtype}|{self.device}|threads={torch.get_num_threads()}"
 
     @property
     def cached_length(self) -> int:

@@ -63,10 +63,17 @@ class LlamaCppBackend:
         self._lib = llama_cpp
         # swa_full keeps every position of sliding-window layers, so that a rejected run can be removed.
         self.llama = llama_cpp.Llama(
-            model_path=gguf, n_ctx=context, n_batch=batch, n_ubatch=ubatch or batch, n_threads=threads,
-            n_threads_batch=threads, swa_full=True, verbose=False,
+            model_path=gguf,
+            n_ctx=context,
+            n_batch=batch,
+            n_ubatch=ubatch or batch,
+            n_threads=threads,
+            n_threads_batch=threads,
+            swa_full=True,
+            verbose=False,
         )
         self.threads = threads
+        self.identity = f"llama.cpp|{os.path.abspath(gguf)}|{os.path.getsize(gguf)}|threads={threads}|ubatch={ubatch or batch}"
         self.vocab_size: int = self.llama.n_vocab()
         self.max_context: int = self.llama.n_ctx()
         self._batch_size = batch
@@ -90,31 +97,38 @@ class LlamaCppBackend:
         self._length = 0
 
     def forward(self, tokens: torch.Tensor, last: int | None = None) -> torch.Tensor:
+        """Logits for the ``last`` positions; when they all come from one llama_decode call they are
+        returned without a copy, as a view of llama.cpp's buffer that stays valid until the next forward."""
         ids = tokens[0].tolist()
         count = len(ids)
         wanted = count if last is None else min(last, count)
-        logits = np.empty((wanted, self.vocab_size), dtype=np.float32)
-        row, batch = 0, self._batch
+        pieces = []
         for start in range(0, count, self._batch_size):
-            chunk = ids[start : start + self._batch_size]
-            batch.n_tokens = len(chunk)
-            outputs = 0
-            for i, token in enumerate(chunk):
-                batch.token[i] = token
-                batch.pos[i] = self._length + start + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = wants = start + i >= count - wanted
-                outputs += wants
-            status = self._lib.llama_decode(self.llama.ctx, batch)
-            if status != 0:
-                raise RuntimeError(f"llama_decode failed (status {status}) at position {self._length + start}")
+            outputs = self._decode(ids[start : start + self._batch_size], start, first_output=count - wanted)
             if outputs:
                 view = np.ctypeslib.as_array(self._lib.llama_get_logits(self.llama.ctx), shape=(outputs, self.vocab_size))
-                logits[row : row + outputs] = view
-                row += outputs
+                final = start + self._batch_size >= count
+                pieces.append(view if final else view.copy())  # the next chunk's decode overwrites the buffer
         self._length += count
+        logits = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         return torch.from_numpy(logits)[None]
+
+    def _decode(self, chunk: list[int], start: int, first_output: int) -> int:
+        """Append one batch of tokens at positions after the cache; return how many logits rows it produced."""
+        batch = self._batch
+        batch.n_tokens = len(chunk)
+        outputs = 0
+        for i, token in enumerate(chunk):
+            batch.token[i] = token
+            batch.pos[i] = self._length + start + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = wants = start + i >= first_output
+            outputs += wants
+        status = self._lib.llama_decode(self.llama.ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed (status {status}) at position {self._length + start}")
+        return outputs
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:

@@ -11,9 +11,10 @@ import importlib
 import importlib.util
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import platformdirs
 

@@ -1,0 +1,24 @@
+"""Scheduling decisions of the decode loop: how many tokens to draft at each step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from specdec.config import K_POLICIES
+from specdec.errors import ConfigError
+from specdec.scheduling.k_policy import CostCurve, CostModelK, FixedK, KPolicy
+
+
+def build_k_policy(name: str, k: int, costs: Callable[[], CostCurve]) -> KPolicy:
+    """A fresh policy for one sequence; ``k`` is the fixed k or the adaptive policies' maximum.
+
+    ``costs`` is called only by policies that price target forwards (it may measure them).
+    """
+    if name == "fixed":
+        return FixedK(k)
+    if name == "cost-model":
+        return CostModelK(k, costs())
+    raise ConfigError(f"unknown k policy '{name}': use one of {', '.join(K_POLICIES)}")
+
+
+__all__ = ["K_POLICIES", "CostCurve", "CostModelK", "FixedK", "KPolicy", "build_k_policy"]

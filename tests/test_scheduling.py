@@ -1,0 +1,108 @@
+"""k policies: pricing, convergence to the best fixed k, adaptation, bounds, losslessness, the cost cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import loaded, perturbed, tiny_llama
+
+from specdec import Generator
+from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
+from specdec.engine import costs as cost_module
+from specdec.errors import ConfigError
+from specdec.models import TransformersBackend
+from specdec.scheduling import CostCurve, CostModelK, build_k_policy
+
+# Measured on the development machine (seconds per target forward over n tokens, Gemma-3-270M).
+LLAMA_CPP = CostCurve({1: 0.013, 2: 0.025, 3: 0.030, 5: 0.051, 9: 0.069, 13: 0.083, 17: 0.095})
+BF16 = CostCurve({1: 0.059, 2: 0.061, 3: 0.056, 5: 0.074, 9: 0.073, 13: 0.077, 17: 0.072})
+
+
+def expected_rate(a: float, k: int, costs: CostCurve) -> float:
+    return (1 - a ** (k + 1)) / (1 - a) / costs(k + 1)
+
+
+def simulate(policy, accept_rate, steps: int, rng: random.Random, costs: CostCurve) -> tuple[list[int], float, float]:
+    """Run ``policy`` against a drafter whose every token is accepted with probability accept_rate(step)."""
+    chosen, tokens, seconds = [], 0, 0.0
+    for step in range(steps):
+        k = policy.choose()
+        accepted = 0
+        while accepted < k and rng.random() < accept_rate(step):
+            accepted += 1
+        policy.observe(k, accepted, 0.0)
+        chosen.append(k)
+        tokens += accepted + 1
+        seconds += costs(k + 1)
+    return chosen, tokens, seconds
+
+
+def test_cost_curve_interpolates_and_extrapolates() -> None:
+    curve = CostCurve({1: 1.0, 3: 2.0, 5: 4.0})
+    assert curve(1) == 1.0 and curve(2) == 1.5 and curve(4) == 3.0
+    assert curve(7) == 6.0  # the last segment's slope, extended
+    with pytest.raises(ValueError):
+        CostCurve({2: 1.0})
+
+
+@pytest.mark.parametrize("costs", [LLAMA_CPP, BF16], ids=["llama.cpp", "bfloat16"])
+@pytest.mark.parametrize("a", [0.3, 0.6, 0.8, 0.95])
+def test_cost_model_converges_to_the_best_fixed_k(costs: CostCurve, a: float) -> None:
+    max_k = 16
+    best_k = max(range(max_k + 1), key=lambda k: expected_rate(a, k, costs))
+    best_rate = expected_rate(a, best_k, costs)
+    policy = CostModelK(max_k, costs)
+    _, tokens, seconds = simulate(policy, lambda _: a, 4000, random.Random(0), costs)
+    assert tokens / seconds >= 0.92 * best_rate, f"best fixed k={best_k}"
+    assert all(0 <= k <= max_k for k in policy_choices(policy, a, costs))
+
+
+def policy_choices(policy: CostModelK, a: float, costs: CostCurve) -> list[int]:
+    chosen, _, _ = simulate(policy, lambda _: a, 200, random.Random(1), costs)
+    return chosen
+
+
+def test_cost_model_adapts_between_easy_and_hard_stretches() -> None:
+    policy = CostModelK(8, LLAMA_CPP)
+    stretch = 100
+    chosen, _, _ = simulate(policy, lambda step: 0.97 if (step // stretch) % 2 == 0 else 0.1, 4 * stretch, random.Random(2), LLAMA_CPP)
+    easy = chosen[stretch // 2 : stretch] + chosen[2 * stretch + stretch // 2 : 3 * stretch]
+    hard = chosen[stretch + stretch // 2 : 2 * stretch] + chosen[3 * stretch + stretch // 2 :]
+    assert sum(easy) / len(easy) >= 4  # long drafts where nearly every token is accepted
+    assert sum(k == 0 for k in hard) / len(hard) >= 0.8  # mostly plain steps where drafts fail
+    assert any(k > 0 for k in hard)  # ... but it keeps probing
+
+
+def test_unknown_policy_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="cost-model"):
+        build_k_policy("sometimes", 4, lambda: LLAMA_CPP)
+    with pytest.raises(ConfigError, match="k policy"):
+        Generator(loaded(tiny_llama(0)), NoDrafter()).generate([1, 2], k_policy="sometimes")
+
+
+def test_cost_model_policy_is_lossless_and_within_bounds(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    target = loaded(tiny_llama(0))
+    prompt = [1, 5, 9, 5, 9, 5, 9, 12]
+    expected = Generator(target, NoDrafter()).generate(prompt, max_new_tokens=40, stop_on_eos=False).token_ids
+    for drafter in (PromptLookupDrafter(), ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.5)))):
+        got = Generator(target, drafter).generate(prompt, max_new_tokens=40, k=6, k_policy="cost-model", stop_on_eos=False)
+        assert got.token_ids == expected
+        assert len(got.stats.k_per_step) == got.stats.steps
+        assert all(0 <= k <= 6 for k in got.stats.k_per_step)
+
+
+def test_machine_cost_curve_is_measured_once(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    calls = []
+    real = cost_module.forward_cost_curve
+    monkeypatch.setattr(cost_module, "forward_cost_curve", lambda backend: calls.append(1) or real(backend, sizes=(1, 2, 3), repeats=1))
+    backend = TransformersBackend(tiny_llama(0))
+    first = cost_module.machine_cost_curve(backend)
+    second = cost_module.machine_cost_curve(backend)
+    assert calls == [1] and first == second and first(1) > 0
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1
+    other = TransformersBackend(tiny_llama(0, layers=3))  # other weights: measured separately
+    cost_module.machine_cost_curve(other)
+    assert calls == [1, 1]
