@@ -10,10 +10,11 @@ from conftest import char_tokenizer, loaded, perturbed, tiny_gemma3, tiny_llama
 from scipy.stats import chisquare
 
 from specdec import GenerationConfig, Generator, SamplingConfig
-from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
+from specdec.drafters import ModelDrafter, NgramDrafter, NoDrafter, PromptLookupDrafter
 from specdec.engine import DecodeStats, speculative_decode
 from specdec.models import TransformersBackend
 from specdec.scheduling import FixedK
+from specdec.training.ngram import NgramCounter
 
 PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 12], [1, 40, 41, 42, 43, 40, 41], [1, 7]]
 
@@ -59,15 +60,30 @@ def _exact_two_token_distribution(model, prompt: list[int], sampling: SamplingCo
     return (first[:, None] * second).flatten()
 
 
+def _random_ngram_drafter(vocab: int) -> NgramDrafter:
+    """An n-gram table counted over random token sequences: a non-degenerate, poorly matched draft distribution."""
+    counter = NgramCounter(order=2, vocab_size=vocab, max_entries=10_000)
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        counter.add(torch.randint(0, vocab, (40,), generator=rng).tolist())
+    return NgramDrafter(counter.table({}))
+
+
+DRAFTERS = {
+    "model": lambda vocab: ModelDrafter(TransformersBackend(tiny_llama(4, vocab=vocab, scale=0.4))),
+    "ngram": _random_ngram_drafter,
+}
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
 @pytest.mark.parametrize(
     "sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=6, top_p=0.9)], ids=["plain", "shaped"]
 )
-def test_sampling_matches_target_distribution(sampling: SamplingConfig) -> None:
+def test_sampling_matches_target_distribution(sampling: SamplingConfig, drafter: str) -> None:
     """Two-token continuations through the whole engine with a poor draft follow the exact target law."""
     vocab = 8
     target = loaded(tiny_llama(3, vocab=vocab, scale=0.15))
-    draft = ModelDrafter(TransformersBackend(tiny_llama(4, vocab=vocab, scale=0.4)))
-    gen = Generator(target, draft)
+    gen = Generator(target, DRAFTERS[drafter](vocab))
     prompt = [1, 5, 3]
     expected = _exact_two_token_distribution(target.model, prompt, sampling)
     n = 4000

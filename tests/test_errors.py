@@ -20,7 +20,7 @@ from specdec.errors import (
     SpecDecError,
     VocabularyMismatchError,
 )
-from specdec.models import TransformersBackend, load_model, resolve
+from specdec.models import TransformersBackend, load_model, open_target, resolve
 
 runner = CliRunner()
 
@@ -80,7 +80,7 @@ def test_unknown_names() -> None:
             resolve(name)
         _one_line(exc)
     with pytest.raises(ConfigError) as exc:
-        build_drafter("magic")
+        build_drafter("magic", open_target(loaded(tiny_llama(0))))
     assert "prompt-lookup" in _one_line(exc)
 
 
@@ -137,6 +137,10 @@ def test_draft_with_another_vocabulary() -> None:
         (["generate", "hi", "--top-p", "0"], "top_p"),
         (["generate", "hi", "--top-p", "1.2"], "top_p"),
         (["generate", "hi", "--draft", "magic"], "unknown draft"),
+        (["generate", "hi", "--draft", "layerskip:two"], "layer count"),
+        (["generate", "hi", "--draft", "layerskip:9"], "1 <= L < 2"),
+        (["generate", "hi", "--draft", "ngram:missing.npz"], "specdec ngram build"),
+        (["generate", "hi", "--k-policy", "sometimes"], "unknown k policy"),
         (["generate", "hi", "--dtype", "float7"], "unknown dtype"),
         (["generate", "hi", "--backend", "vllm"], "unknown backend"),
         (["generate", "hi", "--threads", "0"], "threads"),

@@ -99,6 +99,6 @@ def test_mixed_runtimes_and_sampling_on_llama_cpp(tiny_folder) -> None:
     # A GGUF draft on llama.cpp (here the target's own file: every token accepted) with a llama.cpp target.
     self_draft = Generator(fast, "gguf:gemma-3-270m").generate(PROMPTS[0], max_new_tokens=16, k=3)
     assert self_draft.stats.acceptance_rate > 0.9
-    # A torch draft with another vocabulary is refused against a llama.cpp target, naming both sizes.
-    out = CliRunner().invoke(app, ["generate", "hi", "--backend", "llama.cpp", "--draft", f"model:{tiny_folder}"])
-    assert out.exit_code == 2 and "262144" in out.output
+    # A torch draft with another tokenizer (a tiny character-level model) is re-tokenized for a llama.cpp target.
+    out = CliRunner().invoke(app, ["generate", "hi", "--backend", "llama.cpp", "--draft", f"model:{tiny_folder}", "--max-new-tokens", "8"])
+    assert out.exit_code == 0, out.output

@@ -34,6 +34,26 @@ def test_gemma_cost_model_k_is_identical(gemma, tmp_path: Path, monkeypatch: pyt
     assert accepted > 0, "in float32 verifying 5-17 tokens costs twice one token here: long copies pay"
 
 
+def test_gemma_layer_skip_and_ngram_drafts_are_identical(gemma, tmp_path: Path) -> None:
+    from specdec.training.ngram import NgramBuildConfig, build_ngram_table
+
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text(PROMPTS[0] + "    return [n for n in range(limit) if is_prime(n)]\n" * 3)
+    tokenize = lambda texts: gemma.tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    table = build_ngram_table([str(corpus)], tokenize, gemma.vocab_size, NgramBuildConfig(order=4), {"target": gemma.name})
+    table.save(tmp_path / "gemma.ngram")
+    baseline = Generator(gemma, "none")
+    for spec in ("layerskip:15", f"ngram:{tmp_path / 'gemma.ngram'}"):
+        drafted = Generator(gemma, spec)
+        accepted = 0
+        for prompt in PROMPTS[:2]:
+            expected = baseline.generate(prompt, max_new_tokens=16)
+            got = drafted.generate(prompt, max_new_tokens=16, k=4)
+            assert got.token_ids == expected.token_ids, (spec, prompt)
+            accepted += got.stats.draft_tokens_accepted
+        assert accepted > 0, spec
+
+
 def test_gguf_conversion_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     start = time.perf_counter()

@@ -39,6 +39,7 @@ class RunRecord:
     verify_s: float | None = None  # the steps after the first, which also reads the prompt
     accepted_per_step: list[int] = field(default_factory=list)
     k_per_step: list[int] = field(default_factory=list)
+    draft_s_per_step: list[float] = field(default_factory=list)
 
 
 class Method(Protocol):
@@ -86,7 +87,7 @@ class SpecdecMethod:
             policy = "" if config.k_policy == "fixed" else f"{config.k_policy}-"
             self.name = f"{spec}@{policy}k{config.k}"
         self.oracle = OracleDrafter() if spec == "oracle" else None
-        drafter = self.oracle or build_drafter(spec, runtime)
+        drafter = self.oracle or build_drafter(spec, target, runtime)
         self.generator = Generator(target, drafter, config)
 
     def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
@@ -105,6 +106,7 @@ class SpecdecMethod:
             verify_s=s.verify_s,
             accepted_per_step=list(s.accepted_per_step),
             k_per_step=list(s.k_per_step),
+            draft_s_per_step=list(s.draft_s_per_step),
         )
 
 

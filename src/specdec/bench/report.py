@@ -70,6 +70,21 @@ def markdown(results: dict) -> str:
             f"| {machine['device']} ({machine['cpu']}) | {best} | {m['categories']['overall']['speedup_vs_none']:.2f}x | {increase:+.0%} |",
             "",
         ]
+    drafting = [(n, m) for n, m in results["methods"].items() if m["family"] == "specdec" and m["k"] is not None]
+    if drafting:
+        lines += [
+            "## Drafting: k chosen per step and drafter latency (all prompts)",
+            "",
+            "| method | k policy | k histogram (k: steps) | draft latency p50 / p99 ms |",
+            "|---|---|---|---|",
+        ]
+        for name, m in drafting:
+            r = m["categories"]["overall"]
+            histogram = ", ".join(f"{k}: {count}" for k, count in m["k_histogram"].items())
+            lines.append(
+                f"| {name} | {m['k_policy']} | {histogram} | {_fmt(r['draft_ms_p50'], '{:.3f}')} / {_fmt(r['draft_ms_p99'], '{:.3f}')} |"
+            )
+        lines.append("")
     curve = results["target_forward_cost_ms"]
     lines += [
         "## Target forward cost on this machine (n tokens after 64 cached)",

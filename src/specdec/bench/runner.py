@@ -174,6 +174,7 @@ def _summary(entry: MethodRuns, items: set[str]) -> dict[str, object]:
     later_steps = sum(max((r.target_steps or 0) - 1, 0) for r in everything)  # verify_s leaves out the first step
     spec = everything[0].target_steps is not None
     ttfts = [r.ttft_s for r in everything if r.ttft_s is not None]
+    draft_ms = sorted(1000 * t for r in everything for t in r.draft_s_per_step)
     return {
         "tokens_per_s": statistics.median(per_repeat),
         "tokens_per_s_min": min(per_repeat),
@@ -187,7 +188,14 @@ def _summary(entry: MethodRuns, items: set[str]) -> dict[str, object]:
         "draft_s_per_token": sum(r.draft_s or 0 for r in everything) / proposed if proposed else None,
         "verify_s_per_step": sum(r.verify_s or 0 for r in everything) / later_steps if spec and later_steps else None,
         "mean_proposed_per_step": proposed / steps if spec and steps else None,
+        "draft_ms_p50": _percentile(draft_ms, 0.5),
+        "draft_ms_p99": _percentile(draft_ms, 0.99),
     }
+
+
+def _percentile(ordered: list[float], q: float) -> float | None:
+    """The q-quantile of sorted values (nearest rank), or None when there are none."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
 def _predicted(row: dict, base: dict) -> tuple[float | None, float | None]:

@@ -249,5 +249,54 @@ def models() -> None:
     Console().print(f"cache folder: {cache_root()} (set SPECDEC_CACHE to move it)")
 
 
+ngram_app = typer.Typer(help="Corpus n-gram tables for --draft ngram:FILE.", no_args_is_help=True)
+app.add_typer(ngram_app, name="ngram")
+
+
+@ngram_app.command("build")
+@user_errors
+def ngram_build(
+    sources: Annotated[
+        list[str], typer.Argument(help="Text files, folders (searched for text and code), or JSONL files with prompt/continuation fields.")
+    ],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The table file to write.")],
+    target: Target = DEFAULT_TARGET,
+    order: Annotated[int, typer.Option(help="Longest context, in tokens (contexts of 1..ORDER tokens are counted).")] = 4,
+    max_mb: Annotated[float, typer.Option(help="Size limit of the table; the rarest n-grams are dropped to fit.")] = 64.0,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing table.")] = False,
+) -> None:
+    """Tokenize a corpus with the target's tokenizer and save an n-gram table for the target."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from specdec.models import load_model
+    from specdec.training.ngram import NgramBuildConfig, build_ngram_table
+
+    config = NgramBuildConfig(order=order, max_mb=max_mb)
+    if out.exists() and not overwrite:
+        raise SpecDecError(f"'{out}' exists: pass --overwrite or choose another --out")
+    with err.status(f"loading the tokenizer of {target}"):
+        model = load_model(target)
+    if model.tokenizer is None:
+        raise SpecDecError(f"model '{target}' has no tokenizer to tokenize the corpus with")
+    tokenizer = model.tokenizer
+    columns = (TextColumn("counting n-grams"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err) as progress:
+        task = progress.add_task("corpus", total=None)
+        table = build_ngram_table(
+            sources,
+            lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"],
+            model.vocab_size,
+            config,
+            {"target": model.name, "tokenizer": getattr(tokenizer, "name_or_path", "")},
+            lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table.save(out)
+    Console().print(
+        f"{table.meta['tokens']:,} tokens from {len(table.meta['sources'])} file(s) -> {len(table.keys):,} n-grams, "
+        f"{out.stat().st_size / 2**20:.1f} MB: {out}  (use --draft ngram:{out})"
+    )
+
+
 def main() -> None:
     app(sys.argv[1:])

@@ -6,26 +6,53 @@ from dataclasses import replace
 
 from specdec.config import RuntimeConfig
 from specdec.drafters.base import Drafter, Proposal
+from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter
+from specdec.drafters.layer_skip import shallow_view
 from specdec.drafters.model import ModelDrafter
+from specdec.drafters.ngram import NgramDrafter, NgramTable
 from specdec.drafters.none import NoDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError
-from specdec.models import open_target
+from specdec.models import Target, TransformersBackend, open_target
 
-DRAFT_SPECS = "none, prompt-lookup, model:MODEL (transformers), gguf:MODEL (llama.cpp)"
+DRAFT_SPECS = (
+    "none, prompt-lookup, ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
+    "model:MODEL (transformers; a model with another tokenizer is re-tokenized), gguf:MODEL (llama.cpp)"
+)
 
 
-def build_drafter(spec: str, runtime: RuntimeConfig = RuntimeConfig()) -> Drafter:
-    """Build a drafter from its command-line spec (see DRAFT_SPECS); model drafts share the target's runtime settings."""
-    kind, _, model = spec.partition(":")
+def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeConfig()) -> Drafter:
+    """Build a drafter for ``target`` from its command-line spec (see DRAFT_SPECS); model drafts share the runtime settings."""
+    kind, _, arg = spec.partition(":")
     if spec == "none":
         return NoDrafter()
     if spec == "prompt-lookup":
         return PromptLookupDrafter()
-    if kind in ("model", "gguf") and model:
-        backend = "transformers" if kind == "model" else "llama.cpp"
-        return ModelDrafter(open_target(model, replace(runtime, backend=backend)).backend)
+    if kind == "ngram" and arg:
+        return NgramDrafter(NgramTable.load(arg))
+    if kind == "layerskip" and arg:
+        if not arg.isdigit():
+            raise ConfigError(f"layerskip:L needs a layer count, got '{arg}' (for example layerskip:6)")
+        if not isinstance(target.backend, TransformersBackend):
+            raise ConfigError("layerskip drafts with the target's own layers in torch: use --backend transformers")
+        return ModelDrafter(TransformersBackend(shallow_view(target.backend.model, int(arg))))
+    if kind in ("model", "gguf") and arg:
+        draft = open_target(arg, replace(runtime, backend="transformers" if kind == "model" else "llama.cpp"))
+        if draft.backend.vocab_size == target.backend.vocab_size or draft.tokenizer is None or target.tokenizer is None:
+            return ModelDrafter(draft.backend)  # the engine refuses a vocabulary mismatch it cannot re-tokenize
+        return CrossTokenizerDrafter(draft.backend, draft.tokenizer, target.tokenizer, draft.eos_ids)
     raise ConfigError(f"unknown draft '{spec}': use one of {DRAFT_SPECS}")
 
 
-__all__ = ["DRAFT_SPECS", "Drafter", "ModelDrafter", "NoDrafter", "PromptLookupDrafter", "Proposal", "build_drafter"]
+__all__ = [
+    "DRAFT_SPECS",
+    "CrossTokenizerDrafter",
+    "Drafter",
+    "ModelDrafter",
+    "NgramDrafter",
+    "NgramTable",
+    "NoDrafter",
+    "PromptLookupDrafter",
+    "Proposal",
+    "build_drafter",
+]

@@ -57,12 +57,12 @@ class Generator:
         self.target = target if isinstance(target, Target) else open_target(target, runtime)
         self.tokenizer = self.target.tokenizer
         self.backend = self.target.backend
-        self.drafter = build_drafter(drafter, runtime) if isinstance(drafter, str) else drafter
+        self.drafter = build_drafter(drafter, self.target, runtime) if isinstance(drafter, str) else drafter
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != self.backend.vocab_size:
             raise VocabularyMismatchError(
-                f"the draft model's vocabulary has {self.drafter.vocab_size} tokens but the target's has "
-                f"{self.backend.vocab_size}: use a draft from the target's family (same tokenizer), "
-                "or --draft prompt-lookup"
+                f"the draft's vocabulary has {self.drafter.vocab_size} tokens but the target's has "
+                f"{self.backend.vocab_size}: use a draft built for this target (same tokenizer), a draft model "
+                "with a tokenizer (it is then re-tokenized), or --draft prompt-lookup"
             )
         self.eos_ids = self.target.eos_ids
         self._costs: CostCurve | None = None

@@ -30,6 +30,7 @@ class DecodeStats:
     ttft_s: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)
     k_per_step: list[int] = field(default_factory=list)  # the k chosen by the policy (before length limits)
+    draft_s_per_step: list[float] = field(default_factory=list)  # the drafter's latency at each step that drafted
 
     @property
     def target_forwards(self) -> int:
@@ -59,6 +60,7 @@ class DecodeStats:
         return {key: getattr(self, key) for key in keys} | {
             "accepted_per_step": list(self.accepted_per_step),
             "k_per_step": list(self.k_per_step),
+            "draft_s_per_step": list(self.draft_s_per_step),
         }
 
 
@@ -109,6 +111,8 @@ def speculative_decode(
         stats.draft_tokens_accepted += accepted
         stats.accepted_per_step.append(accepted)
         stats.k_per_step.append(chosen)
+        if k:
+            stats.draft_s_per_step.append(t1 - t0)
         stats.new_tokens += new.shape[0]
         stats.draft_s += t1 - t0
         stats.wall_s = t2 - start

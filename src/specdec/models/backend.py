@@ -88,5 +88,7 @@ class TransformersBackend:
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} positions to {length}")
+        if length == self._length:
+            return  # nothing to remove (and an empty cache's layers cannot be cropped)
         self._cache.crop(length - self._length)  # a negative count removes that many positions
         self._length = length

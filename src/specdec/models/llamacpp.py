@@ -40,8 +40,8 @@ class LlamaCppTokenizer:
         self.llama = llama
         self.eos_token_id: int = llama.token_eos()
 
-    def __call__(self, text: str) -> dict[str, list[int]]:
-        return {"input_ids": self.llama.tokenize(text.encode("utf-8"), add_bos=True, special=True)}
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self.llama.tokenize(text.encode("utf-8"), add_bos=add_special_tokens, special=True)}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.llama.detokenize(ids, special=not skip_special_tokens).decode("utf-8", errors="replace")
