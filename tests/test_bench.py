@@ -16,6 +16,8 @@ from specdec.verification import Verdict
 runner = CliRunner()
 
 SUMMARY_KEYS = {
+    "draft_ms_p50",
+    "draft_ms_p99",
     "tokens_per_s",
     "tokens_per_s_min",
     "tokens_per_s_max",
@@ -53,10 +55,13 @@ def _bench(tiny_folder: Path, prompts: Path, out: Path, *extra: str):
     return runner.invoke(app, args + list(extra))
 
 
-def test_quick_bench_writes_every_output(tiny_folder: Path, prompts: Path, tmp_path: Path) -> None:
+def test_quick_bench_writes_every_output(tiny_folder: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # the cost-model policy measures and caches costs
     out = tmp_path / "out"
-    methods = f"none,prompt-lookup,oracle,model:{tiny_folder},hf-greedy,hf-prompt-lookup,llamacpp-greedy"
-    result = _bench(tiny_folder, prompts, out, "--methods", methods, "--k", "2,4", "--repeats", "2", "--strict")
+    methods = f"none,prompt-lookup,oracle,model:{tiny_folder},layerskip:1,hf-greedy,hf-prompt-lookup,llamacpp-greedy"
+    result = _bench(
+        tiny_folder, prompts, out, "--methods", methods, "--k", "2,4", "--k-policy", "fixed,cost-model", "--repeats", "2", "--strict"
+    )
     assert result.exit_code == 0, result.output
     data = json.loads((out / "results.json").read_text())
     assert set(data) == {
@@ -73,7 +78,20 @@ def test_quick_bench_writes_every_output(tiny_folder: Path, prompts: Path, tmp_p
     assert all(ms > 0 for ms in data["target_forward_cost_ms"].values())
     assert data["categories"] == ["overall", "chat", "code"]
     assert set(data["machine"]) >= {"device", "cpu", "cores", "torch", "dtype"}
-    assert {"none", "prompt-lookup@k2", "prompt-lookup@k4", "oracle@k4", "hf-greedy", "hf-prompt-lookup@k2"} <= set(data["methods"])
+    assert {
+        "none",
+        "prompt-lookup@k2",
+        "prompt-lookup@k4",
+        "prompt-lookup@cost-model-k4",
+        "layerskip:1@k2",
+        "oracle@k4",
+        "hf-greedy",
+        "hf-prompt-lookup@k2",
+    } <= set(data["methods"])
+    assert "hf-prompt-lookup@cost-model-k2" not in data["methods"]  # peers keep their own k schedule
+    lookup = data["methods"]["prompt-lookup@cost-model-k4"]
+    assert lookup["k_policy"] == "cost-model" and set(map(int, lookup["k_histogram"])) <= set(range(5))
+    assert data["methods"]["layerskip:1@k2"]["categories"]["overall"]["draft_ms_p99"] > 0
     for method in data["methods"].values():
         assert set(method) >= {
             "family",
@@ -93,7 +111,7 @@ def test_quick_bench_writes_every_output(tiny_folder: Path, prompts: Path, tmp_p
     assert data["methods"]["hf-prompt-lookup@k4"]["categories"]["overall"]["speedup_vs_own_greedy"] > 0
     assert data["methods"]["hf-greedy"]["categories"]["overall"]["ttft_s"] > 0
     report = (out / "report.md").read_text()
-    assert "## code" in report and "Hardware row" in report
+    assert "## code" in report and "Hardware row" in report and "k histogram" in report
     for plot in PLOTS:
         assert (out / plot).stat().st_size > 1000
     assert "llamacpp-greedy skipped" in data["notes"][0]  # not installed, or (here) the target is no GGUF file

@@ -227,7 +227,7 @@ def check_method(spec: str, target: str) -> str | None:
     kind, _, model = spec.partition(":")
     if spec in ("none", "oracle", "prompt-lookup", "hf-greedy", "hf-prompt-lookup"):
         return None
-    if kind in ("model", "gguf", "hf-assisted") and model:
+    if kind in ("model", "gguf", "hf-assisted", "ngram", "layerskip") and model:
         return None
     if spec in ("llamacpp-greedy", "llamacpp-prompt-lookup"):
         if importlib.util.find_spec("llama_cpp") is None:

@@ -230,7 +230,7 @@ def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchP
             row["speedup_vs_own_greedy"] = row["tokens_per_s"] / peer_rows[category]["tokens_per_s"] if peer_rows else None
             row["predicted_speedup"], row["predicted_speedup_measured_costs"] = _predicted(row, base_rows[category])
         histogram = Counter(n for records in entry.records.values() for _, r in records for n in r.accepted_per_step)
-        k_histogram = Counter(n for records in entry.records.values() for _, r in records for n in r.k_per_step)
+        k_histogram = Counter(n for records in entry.records.values() for _, r in records for n in r.k_per_step if m.k is not None)
         peak = loaded_bytes + entry.static_bytes + entry.peak_bytes
         base_peak = loaded_bytes + base.static_bytes + base.peak_bytes
         methods[m.name] = {
