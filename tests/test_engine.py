@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.drafters import ModelDrafter, NgramDrafter, NoDrafter, PromptLookupDrafter
+from specdec.drafters.distilled import ReducedVocabBackend, build_draft
 from specdec.engine import DecodeStats, speculative_decode
 from specdec.models import TransformersBackend
 from specdec.scheduling import FixedK
@@ -69,9 +70,16 @@ def _random_ngram_drafter(vocab: int) -> NgramDrafter:
     return NgramDrafter(counter.table({}))
 
 
+def _reduced_vocab_drafter(target, vocab: int) -> ModelDrafter:
+    """A distilled-style draft (built on another random model, so a poor one) proposing only 5 of the 8 tokens."""
+    draft = build_draft(tiny_llama(4, vocab=vocab, scale=0.4), [0], torch.tensor([0, 2, 3, 5, 7]))
+    return ModelDrafter(ReducedVocabBackend(draft, vocab))
+
+
 DRAFTERS = {
-    "model": lambda vocab: ModelDrafter(TransformersBackend(tiny_llama(4, vocab=vocab, scale=0.4))),
-    "ngram": _random_ngram_drafter,
+    "model": lambda target, vocab: ModelDrafter(TransformersBackend(tiny_llama(4, vocab=vocab, scale=0.4))),
+    "ngram": lambda target, vocab: _random_ngram_drafter(vocab),
+    "reduced-vocab": _reduced_vocab_drafter,
 }
 
 
@@ -83,7 +91,7 @@ def test_sampling_matches_target_distribution(sampling: SamplingConfig, drafter:
     """Two-token continuations through the whole engine with a poor draft follow the exact target law."""
     vocab = 8
     target = loaded(tiny_llama(3, vocab=vocab, scale=0.15))
-    gen = Generator(target, DRAFTERS[drafter](vocab))
+    gen = Generator(target, DRAFTERS[drafter](target.model, vocab))
     prompt = [1, 5, 3]
     expected = _exact_two_token_distribution(target.model, prompt, sampling)
     n = 4000

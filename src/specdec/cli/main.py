@@ -249,6 +249,74 @@ def models() -> None:
     Console().print(f"cache folder: {cache_root()} (set SPECDEC_CACHE to move it)")
 
 
+@app.command()
+@user_errors
+def distill(
+    data: Annotated[
+        list[str], typer.Option(help="Training text: files, folders, JSONL (prompt-only records are continued by the target). Repeatable.")
+    ],
+    out: Annotated[Path, typer.Option(help="Folder for the draft (loads as --draft model:DIR), its teacher data and checkpoints.")],
+    target: Target = DEFAULT_TARGET,
+    arch: Annotated[
+        str, typer.Option(help="Draft architecture: layers=N,keep=N (kept vocabulary),init=spread|first.")
+    ] = "layers=2,keep=16384,init=spread",
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 400,
+    batch: Annotated[int, typer.Option(help="Chunks per step.")] = 8,
+    seq_len: Annotated[int, typer.Option(help="Tokens per chunk.")] = 128,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine schedule).")] = 1e-3,
+    teacher_tokens: Annotated[int, typer.Option(help="Tokens of data the target scores once (top-k kept).")] = 400_000,
+    top_k: Annotated[int, typer.Option(help="Teacher entries kept per position.")] = 32,
+    eval_every: Annotated[int, typer.Option(help="Steps between held-out acceptance evaluations.")] = 100,
+    checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints.")] = 50,
+    resume: Annotated[bool, typer.Option(help="Continue the distillation saved in --out.")] = False,
+) -> None:
+    """Distil a draft model for a target: the target scores the data once, then a small draft learns to match it."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from specdec.models import load_model
+    from specdec.training.distill import DistillConfig, DraftArch
+    from specdec.training.distill import distill as run_distill
+
+    config = DistillConfig(
+        data=tuple(data),
+        out=str(out),
+        arch=DraftArch.parse(arch),
+        steps=steps,
+        batch=batch,
+        seq_len=seq_len,
+        lr=lr,
+        teacher_tokens=teacher_tokens,
+        top_k=top_k,
+        eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
+    )
+    with err.status(f"loading {target}"):
+        model = load_model(target)
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} {task.fields[figures]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=err) as progress:
+        tasks: dict[str, object] = {}
+
+        def report(phase: str, done: float, total: float, figures: dict) -> None:
+            if phase not in tasks:
+                tasks[phase] = progress.add_task(phase, total=total, figures="")
+            text = ", ".join(f"{k} {v:.3f}" if k == "loss" else f"{k} {v:.0f}" for k, v in figures.items())
+            progress.update(tasks[phase], completed=done, total=total, figures=text)
+
+        record = run_distill(model, config, resume=resume, progress=report)
+    last = record["evaluations"][-1]
+    Console().print(
+        f"draft saved to {out} (use --draft model:{out}): {record['steps']} steps, {record['tokens_trained']:,} tokens, "
+        f"{record['train_s']:.0f} s training; held-out acceptance {last['acceptance_rate']:.0%}, "
+        f"top-1 agreement {last['top1_agreement']:.0%} (at step 0: {record['evaluations'][0]['acceptance_rate']:.0%})"
+    )
+
+
 ngram_app = typer.Typer(help="Corpus n-gram tables for --draft ngram:FILE.", no_args_is_help=True)
 app.add_typer(ngram_app, name="ngram")
 

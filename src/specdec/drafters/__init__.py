@@ -7,6 +7,7 @@ from dataclasses import replace
 from specdec.config import RuntimeConfig
 from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter
+from specdec.drafters.distilled import ReducedVocabBackend, is_distilled_draft, load_draft
 from specdec.drafters.layer_skip import shallow_view
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter, NgramTable
@@ -17,7 +18,8 @@ from specdec.models import Target, TransformersBackend, open_target
 
 DRAFT_SPECS = (
     "none, prompt-lookup, ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
-    "model:MODEL (transformers; a model with another tokenizer is re-tokenized), gguf:MODEL (llama.cpp)"
+    "model:MODEL (transformers; a model with another tokenizer is re-tokenized; a folder from `specdec distill`), "
+    "gguf:MODEL (llama.cpp)"
 )
 
 
@@ -36,6 +38,10 @@ def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeCon
         if not isinstance(target.backend, TransformersBackend):
             raise ConfigError("layerskip drafts with the target's own layers in torch: use --backend transformers")
         return ModelDrafter(TransformersBackend(shallow_view(target.backend.model, int(arg))))
+    if kind == "model" and is_distilled_draft(arg):
+        if not isinstance(target.backend, TransformersBackend):
+            raise ConfigError("a distilled draft runs on the target's own embedding in torch: use --backend transformers")
+        return ModelDrafter(ReducedVocabBackend(load_draft(arg, target.backend.model), target.backend.vocab_size))
     if kind in ("model", "gguf") and arg:
         draft = open_target(arg, replace(runtime, backend="transformers" if kind == "model" else "llama.cpp"))
         if draft.backend.vocab_size == target.backend.vocab_size or draft.tokenizer is None or target.tokenizer is None:

@@ -1,0 +1,111 @@
+"""Distilled drafts: a few transformer layers in the target's family with a reduced-vocabulary head.
+
+The draft borrows the target's (frozen) input embedding and predicts only the
+N most frequent target tokens, with the target's own output-embedding rows for
+those tokens as its head; so its own weights are just its layers and final
+norm, and its cost does not scale with the target's vocabulary. Its
+distribution over the full vocabulary is zero outside those N tokens, which
+keeps the verifier exact. A draft folder holds ``config.json`` (a transformers
+config), ``model.safetensors`` (layers, norm, kept token ids) and
+``specdec_draft.json`` (what it was distilled from and how).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from specdec.errors import ConfigError
+from specdec.models.backend import TransformersBackend
+
+DRAFT_META = "specdec_draft.json"
+
+
+def is_distilled_draft(path: str | Path) -> bool:
+    return (Path(path) / DRAFT_META).is_file()
+
+
+def build_draft(target: PreTrainedModel, layer_ids: list[int], keep_ids: torch.Tensor) -> PreTrainedModel:
+    """A draft whose layers start as copies of the target's ``layer_ids``, on the target's embedding."""
+    stack = target.model.layers
+    if not layer_ids or not all(0 <= i < len(stack) for i in layer_ids):
+        raise ConfigError(f"draft layers must be indices of the target's {len(stack)} layers, got {layer_ids}")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = len(layer_ids)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [target.config.layer_types[i] for i in layer_ids]
+    config.vocab_size = len(keep_ids)
+    config.tie_word_embeddings = False
+    draft = AutoModelForCausalLM.from_config(config).to(target.dtype)
+    for mine, theirs in zip(draft.model.layers, (stack[i] for i in layer_ids), strict=True):
+        mine.load_state_dict(theirs.state_dict())
+    draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    attach_target(draft, target, keep_ids)
+    return draft.eval()
+
+
+def attach_target(draft: PreTrainedModel, target: PreTrainedModel, keep_ids: torch.Tensor) -> None:
+    """Give the draft the target's embedding (shared, frozen) and a head of the target's rows for ``keep_ids``."""
+    if target.config.hidden_size != draft.config.hidden_size:
+        raise ConfigError(
+            f"this draft has hidden size {draft.config.hidden_size} but the target has {target.config.hidden_size}: "
+            "use it with the target it was distilled from"
+        )
+    draft.model.embed_tokens = target.model.embed_tokens
+    rows = target.get_output_embeddings().weight.detach()[keep_ids].clone()
+    draft.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype)
+    draft.lm_head.weight = nn.Parameter(rows, requires_grad=False)
+    draft.register_buffer("keep_ids", keep_ids.clone(), persistent=False)
+
+
+def own_parameters(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The weights a draft folder stores: everything but the borrowed embedding and head."""
+    return {k: v for k, v in draft.state_dict().items() if not k.startswith(("model.embed_tokens", "lm_head"))}
+
+
+def save_draft(draft: PreTrainedModel, folder: str | Path, meta: dict, dtype: torch.dtype = torch.bfloat16) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    draft.config.save_pretrained(folder)
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in own_parameters(draft).items()}
+    save_file(tensors | {"keep_ids": draft.keep_ids.to(torch.int64)}, str(folder / "model.safetensors"))
+    (folder / DRAFT_META).write_text(json.dumps(meta, indent=1))
+
+
+def load_draft(folder: str | Path, target: PreTrainedModel) -> PreTrainedModel:
+    """A saved draft on ``target``'s embedding, in the target's dtype."""
+    folder = Path(folder)
+    meta = json.loads((folder / DRAFT_META).read_text())
+    config = AutoConfig.from_pretrained(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    keep_ids = tensors.pop("keep_ids")
+    if int(keep_ids.max()) >= target.get_output_embeddings().weight.shape[0]:
+        raise ConfigError(f"draft '{folder}' was distilled for '{meta.get('target')}', whose vocabulary differs from this target's")
+    draft = AutoModelForCausalLM.from_config(config).to(target.dtype)
+    attach_target(draft, target, keep_ids)
+    missing, unexpected = draft.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if not k.startswith(("model.embed_tokens", "lm_head"))]
+    if missing or unexpected:
+        raise ConfigError(f"draft '{folder}' does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return draft.eval()
+
+
+class ReducedVocabBackend(TransformersBackend):
+    """A draft backend whose logits over N kept tokens are spread over the target's vocabulary (-inf elsewhere)."""
+
+    def __init__(self, model: PreTrainedModel, full_vocab: int) -> None:
+        super().__init__(model)
+        self.keep_ids = model.keep_ids
+        self.vocab_size = full_vocab
+
+    def forward(self, tokens: torch.Tensor, last: int | None = None) -> torch.Tensor:
+        reduced = super().forward(tokens, last)
+        full = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.keep_ids] = reduced
+        return full

@@ -1,0 +1,277 @@
+"""Distil a draft for a target: score text with the target, then teach a small draft to match it.
+
+Two phases, both resumable from the output folder:
+
+1. Teacher data. Corpus text (files, folders, JSONL continuations) and the
+   target's own continuations of prompt-only JSONL records (on-policy) are
+   tokenized into fixed-length chunks; the target scores every position once and
+   keeps only its top-k distribution over the draft's kept tokens (indices int32,
+   log-probabilities float16: 6 bytes per entry, so millions of tokens fit).
+2. Training. Teacher-forced soft cross-entropy (the KL divergence up to a
+   constant) between the stored top-k distributions and the draft's, with
+   AdamW and a cosine schedule; checkpoints, and a periodic evaluation of the
+   draft's acceptance rate through the real engine on held-out text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec.config import GenerationConfig
+from specdec.drafters.distilled import ReducedVocabBackend, build_draft, own_parameters, save_draft
+from specdec.drafters.model import ModelDrafter
+from specdec.engine import Generator
+from specdec.errors import ConfigError
+from specdec.models import LoadedModel
+from specdec.training.ngram import JSONL_TEXT_FIELDS, corpus_files, documents
+
+TEACHER_FILE = "teacher.pt"
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class DraftArch:
+    """``layers=2,keep=16384,init=spread``: layer count, kept vocabulary, which target layers start it."""
+
+    layers: int = 2
+    keep: int = 16384
+    init: str = "spread"  # "spread": target layers evenly from first to last; "first": the first ones
+
+    @staticmethod
+    def parse(spec: str) -> DraftArch:
+        values: dict[str, object] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            key, _, value = part.partition("=")
+            if key in ("layers", "keep") and value.isdigit():
+                values[key] = int(value)
+            elif key == "init" and value in ("spread", "first"):
+                values[key] = value
+            else:
+                raise ConfigError(f"bad --arch part '{part}': use layers=N, keep=N, init=spread|first (e.g. layers=2,keep=16384)")
+        return DraftArch(**values)  # type: ignore[arg-type]
+
+    def layer_ids(self, target_layers: int) -> list[int]:
+        if not 1 <= self.layers < target_layers:
+            raise ConfigError(f"a draft needs 1 <= layers < {target_layers} (the target's layer count), got {self.layers}")
+        if self.init == "first" or self.layers == 1:
+            return list(range(self.layers))
+        return [round(i * (target_layers - 1) / (self.layers - 1)) for i in range(self.layers)]
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    data: tuple[str, ...]
+    out: str
+    arch: DraftArch = field(default_factory=DraftArch)
+    steps: int = 400
+    batch: int = 8  # chunks per step
+    seq_len: int = 128
+    lr: float = 1e-3
+    teacher_tokens: int = 400_000  # corpus tokens the target scores
+    top_k: int = 32  # teacher entries kept per position
+    eval_every: int = 100
+    checkpoint_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch", "seq_len", "teacher_tokens", "top_k", "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.data:
+            raise ConfigError("no training data: pass --data with text files, folders or JSONL prompt files")
+
+
+@dataclass
+class TeacherData:
+    tokens: torch.Tensor  # [chunks, seq_len] int64, target token ids
+    top_ids: torch.Tensor  # [chunks, seq_len, top_k] int32, indices into keep_ids, for the NEXT token
+    top_logp: torch.Tensor  # [chunks, seq_len, top_k] float16
+    keep_ids: torch.Tensor  # [N] int64
+    held_out: int  # the last chunks, never trained on
+
+
+Progress = Callable[[str, float, float, dict], None]  # phase, done, total, figures
+
+
+def collect_tokens(target: LoadedModel, sources: tuple[str, ...], limit: int, progress: Progress) -> list[int]:
+    """Up to ``limit`` target tokens: corpus text as it is, prompt-only JSONL records continued by the target."""
+    tokenizer = target.tokenizer
+    if tokenizer is None:
+        raise ConfigError(f"target '{target.name}' has no tokenizer to read the training text with")
+    generator: Generator | None = None
+    stream: list[int] = []
+    for path in corpus_files(list(sources)):
+        for text in _texts(path):
+            if isinstance(text, tuple):  # a prompt without a continuation: let the target write one
+                generator = generator or Generator(target, "prompt-lookup", GenerationConfig(k=8, max_new_tokens=96))
+                result = generator.generate(text[0])
+                text = text[0] + result.text
+            stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id or 0]
+            progress("reading data", min(len(stream), limit), limit, {})
+            if len(stream) >= limit:
+                return stream[:limit]
+    return stream
+
+
+def _texts(path: Path) -> Iterator[str | tuple[str]]:
+    """Documents of one file; a JSONL record with only a prompt comes back as a 1-tuple (to be continued)."""
+    if path.suffix != ".jsonl":
+        yield from (text for text, _ in documents(path))
+        return
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line) if line.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                continue
+            if "prompt" in record and not set(record) & set(JSONL_TEXT_FIELDS[1:]):
+                yield (str(record["prompt"]),)
+            elif text := "".join(str(record[key]) for key in JSONL_TEXT_FIELDS if key in record):
+                yield text
+
+
+@torch.inference_mode()
+def score_with_teacher(target: LoadedModel, stream: list[int], config: DistillConfig, progress: Progress) -> TeacherData:
+    """Cut ``stream`` into chunks and keep the target's top-k next-token distribution over the kept vocabulary."""
+    chunks = len(stream) // (config.seq_len + 1)
+    if chunks < 4:
+        raise ConfigError(f"only {len(stream)} tokens of data: need at least {4 * (config.seq_len + 1)} for --seq-len {config.seq_len}")
+    counts = Counter(stream)
+    keep = min(config.arch.keep, target.vocab_size)
+    keep_ids = torch.tensor(sorted(t for t, _ in counts.most_common(keep)), dtype=torch.long)
+    if len(keep_ids) < keep:  # a small corpus: fill the head with the lowest ids not yet kept
+        rest = torch.tensor([t for t in range(target.vocab_size) if t not in counts][: keep - len(keep_ids)], dtype=torch.long)
+        keep_ids = torch.sort(torch.cat([keep_ids, rest])).values
+    data = torch.tensor(stream[: chunks * (config.seq_len + 1)]).view(chunks, config.seq_len + 1)
+    tokens = data[:, :-1].contiguous()
+    head = target.model.get_output_embeddings().weight[keep_ids]
+    top_k = min(config.top_k, len(keep_ids))
+    top_ids = torch.empty(chunks, config.seq_len, top_k, dtype=torch.int32)
+    top_logp = torch.empty(chunks, config.seq_len, top_k, dtype=torch.float16)
+    for start in range(0, chunks, config.batch):
+        ids = tokens[start : start + config.batch]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = target.model.model(input_ids=ids).last_hidden_state
+            logp = torch.log_softmax((hidden @ head.T).float(), dim=-1)
+        values, indices = logp.topk(top_k, dim=-1)
+        top_ids[start : start + len(ids)] = indices.int()
+        top_logp[start : start + len(ids)] = values.half()
+        progress("scoring with the target", start + len(ids), chunks, {})
+    return TeacherData(tokens, top_ids, top_logp, keep_ids, held_out=max(1, chunks // 20))
+
+
+def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, progress: Progress = lambda *a: None) -> dict:
+    """Build or continue a draft in ``config.out``; returns the training record saved with it."""
+    out = Path(config.out)
+    teacher_path, checkpoint_path = out / TEACHER_FILE, out / CHECKPOINT_FILE
+    if resume and not checkpoint_path.exists():
+        raise ConfigError(f"nothing to resume in '{out}': no {CHECKPOINT_FILE} (run without --resume to start)")
+    if not resume and checkpoint_path.exists():
+        raise ConfigError(f"'{out}' already holds a distillation: pass --resume to continue it, or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    teacher_s = None
+    if teacher_path.exists():
+        teacher = TeacherData(**torch.load(teacher_path))
+    else:
+        started = time.perf_counter()
+        stream = collect_tokens(target, config.data, config.teacher_tokens, progress)
+        teacher = score_with_teacher(target, stream, config, progress)
+        torch.save(asdict(teacher), teacher_path)
+        teacher_s = time.perf_counter() - started
+    model = target.model
+    draft = build_draft(model, config.arch.layer_ids(len(model.model.layers)), teacher.keep_ids).float()
+    params = [p for name, p in draft.named_parameters() if name in own_parameters(draft)]
+    for name, p in draft.named_parameters():
+        p.requires_grad_(name in own_parameters(draft))
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    record: dict = {"target": target.name, "arch": asdict(config.arch), "config": asdict(config), "evaluations": [], "train_s": 0.0}
+    step = 0
+    if resume:
+        state = torch.load(checkpoint_path)
+        draft.load_state_dict(state["draft"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        step, record = state["step"], state["record"]
+    else:
+        record["teacher_s"] = teacher_s
+    train_chunks = len(teacher.tokens) - teacher.held_out
+    record["teacher_tokens"] = int(teacher.tokens.numel())
+    if step == 0:
+        record["evaluations"].append(evaluate(target, draft, teacher, step))
+    draft.train()
+    started = time.perf_counter()
+    loss_value = float("nan")
+    while step < config.steps:
+        lr = config.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / config.steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        rows = torch.randint(0, train_chunks, (config.batch,))
+        loss = soft_cross_entropy(draft(input_ids=teacher.tokens[rows]).logits, teacher.top_ids[rows], teacher.top_logp[rows])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        loss_value = float(loss.detach())
+        elapsed = record["train_s"] + time.perf_counter() - started
+        progress(
+            "training", step, config.steps, {"loss": loss_value, "tokens_per_s": step * config.batch * config.seq_len / max(elapsed, 1e-9)}
+        )
+        if step % config.eval_every == 0 or step == config.steps:
+            draft.eval()
+            record["evaluations"].append(evaluate(target, draft, teacher, step) | {"loss": loss_value})
+            draft.train()
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            record["train_s"] += time.perf_counter() - started
+            started = time.perf_counter()
+            torch.save(
+                {
+                    "draft": own_parameters(draft),
+                    "optimizer": optimizer.state_dict(),
+                    "rng": torch.get_rng_state(),
+                    "step": step,
+                    "record": record,
+                },
+                checkpoint_path,
+            )
+    draft.eval()
+    record |= {"steps": step, "tokens_trained": step * config.batch * config.seq_len, "final_loss": loss_value}
+    save_draft(draft, out, record)
+    return record
+
+
+def soft_cross_entropy(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the draft against the teacher's renormalised top-k distribution (KL up to a constant)."""
+    teacher = torch.softmax(top_logp.float(), dim=-1)
+    draft_logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, top_ids.long())
+    return -(teacher * draft_logp).sum(-1).mean()
+
+
+@torch.inference_mode()
+def evaluate(
+    target: LoadedModel, draft, teacher: TeacherData, step: int, prompts: int = 4, prompt_len: int = 32, new_tokens: int = 24
+) -> dict:
+    """Held-out figures: loss, the draft's top-1 agreement with the teacher, its acceptance rate in the engine (greedy, k = 4)."""
+    held, top_ids = teacher.tokens[-teacher.held_out :], teacher.top_ids[-teacher.held_out :]
+    logits = draft(input_ids=held).logits
+    agree = (logits.argmax(-1) == top_ids[:, :, 0].long()).float().mean()
+    loss = soft_cross_entropy(logits, top_ids, teacher.top_logp[-teacher.held_out :])
+    drafter = ModelDrafter(ReducedVocabBackend(draft, target.vocab_size))
+    generator = Generator(target, drafter, GenerationConfig(k=4, max_new_tokens=new_tokens))
+    proposed = accepted = 0
+    for row in held[:prompts]:
+        stats = generator.generate(row[:prompt_len].tolist(), stop_on_eos=False).stats
+        proposed += stats.draft_tokens_proposed
+        accepted += stats.draft_tokens_accepted
+    return {"step": step, "held_out_loss": float(loss), "top1_agreement": float(agree), "acceptance_rate": accepted / max(proposed, 1)}

@@ -1,0 +1,83 @@
+"""Distillation on a tiny model: loss falls and acceptance rises, save/load, resume, lossless reduced-vocabulary drafts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import char_tokenizer, loaded, tiny_llama
+from typer.testing import CliRunner
+
+from specdec import Generator
+from specdec.cli.main import app
+from specdec.drafters.distilled import ReducedVocabBackend, is_distilled_draft, load_draft
+from specdec.errors import ConfigError
+from specdec.training.distill import DistillConfig, DraftArch, distill
+
+TEXT = "the cat sat on the mat. the dog sat on the log. a cat and a dog sat on a mat and a log.\n"
+
+
+@pytest.fixture
+def target():
+    tokenizer = char_tokenizer()
+    return loaded(tiny_llama(0, vocab=len(tokenizer), layers=3), tokenizer=tokenizer)
+
+
+def config(tmp_path: Path, **overrides) -> DistillConfig:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 60)
+    settings = dict(
+        data=(str(corpus),), out=str(tmp_path / "draft"), arch=DraftArch(layers=1, keep=40), steps=40, batch=4,
+        seq_len=32, lr=3e-3, teacher_tokens=4000, top_k=8, eval_every=40, checkpoint_every=10,
+    )
+    return DistillConfig(**(settings | overrides))
+
+
+def test_distillation_lowers_loss_and_raises_acceptance(target, tmp_path: Path) -> None:
+    record = distill(target, config(tmp_path))
+    first, last = record["evaluations"][0], record["evaluations"][-1]
+    assert first["step"] == 0 and last["step"] == 40
+    assert last["held_out_loss"] < 0.8 * first["held_out_loss"]
+    assert last["acceptance_rate"] > first["acceptance_rate"]
+    assert last["top1_agreement"] > first["top1_agreement"]
+
+
+def test_saved_draft_loads_and_is_lossless(target, tmp_path: Path) -> None:
+    cfg = config(tmp_path, steps=20)
+    distill(target, cfg)
+    assert is_distilled_draft(cfg.out)
+    assert sum(f.stat().st_size for f in Path(cfg.out).iterdir() if f.name == "model.safetensors") > 0
+    draft = load_draft(cfg.out, target.model)
+    assert draft.model.embed_tokens is target.model.model.embed_tokens  # shared, not copied
+    assert draft.keep_ids.numel() == 40
+    baseline = Generator(target, "none")
+    drafted = Generator(target, f"model:{cfg.out}")  # the spec users pass
+    assert isinstance(drafted.drafter.backend, ReducedVocabBackend)
+    for prompt in ("the cat", "a dog sat", "xyz"):
+        expected = baseline.generate(prompt, max_new_tokens=24, stop_on_eos=False).token_ids
+        assert drafted.generate(prompt, max_new_tokens=24, k=4, stop_on_eos=False).token_ids == expected
+
+
+def test_resume_continues_where_it_stopped(target, tmp_path: Path) -> None:
+    distill(target, config(tmp_path, steps=20, eval_every=20))
+    with pytest.raises(ConfigError, match="--resume"):
+        distill(target, config(tmp_path, steps=20))
+    record = distill(target, config(tmp_path, steps=30, eval_every=10), resume=True)
+    assert [e["step"] for e in record["evaluations"]] == [0, 20, 30]  # no restart from step 0
+    assert record["steps"] == 30
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        distill(target, config(tmp_path, out=str(tmp_path / "elsewhere")), resume=True)
+
+
+def test_distill_cli_and_arch_errors(tiny_folder: Path, tmp_path: Path) -> None:
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(TEXT * 40)
+    out = tmp_path / "d"
+    args = ["distill", "--target", str(tiny_folder), "--data", str(corpus), "--out", str(out), "--arch", "layers=1,keep=30"]
+    result = CliRunner().invoke(app, args + ["--steps", "6", "--seq-len", "16", "--batch", "2", "--eval-every", "3", "--teacher-tokens", "2000"])
+    assert result.exit_code == 0, result.output
+    assert "held-out acceptance" in result.output and is_distilled_draft(out)
+    bad = CliRunner().invoke(app, ["distill", "--target", str(tiny_folder), "--data", str(corpus), "--out", str(tmp_path / "e"), "--arch", "layers=two"])
+    assert bad.exit_code == 2 and "layers=N" in bad.output
+    with pytest.raises(ConfigError, match="layers"):
+        DraftArch(layers=2).layer_ids(2)
