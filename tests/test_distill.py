@@ -27,8 +27,17 @@ def config(tmp_path: Path, **overrides) -> DistillConfig:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 60)
     settings = dict(
-        data=(str(corpus),), out=str(tmp_path / "draft"), arch=DraftArch(layers=1, keep=40), steps=40, batch=4,
-        seq_len=32, lr=3e-3, teacher_tokens=4000, top_k=8, eval_every=40, checkpoint_every=10,
+        data=(str(corpus),),
+        out=str(tmp_path / "draft"),
+        arch=DraftArch(layers=1, keep=40),
+        steps=40,
+        batch=4,
+        seq_len=32,
+        lr=3e-3,
+        teacher_tokens=4000,
+        top_k=8,
+        eval_every=40,
+        checkpoint_every=10,
     )
     return DistillConfig(**(settings | overrides))
 
@@ -74,10 +83,14 @@ def test_distill_cli_and_arch_errors(tiny_folder: Path, tmp_path: Path) -> None:
     corpus.write_text(TEXT * 40)
     out = tmp_path / "d"
     args = ["distill", "--target", str(tiny_folder), "--data", str(corpus), "--out", str(out), "--arch", "layers=1,keep=30"]
-    result = CliRunner().invoke(app, args + ["--steps", "6", "--seq-len", "16", "--batch", "2", "--eval-every", "3", "--teacher-tokens", "2000"])
+    result = CliRunner().invoke(
+        app, args + ["--steps", "6", "--seq-len", "16", "--batch", "2", "--eval-every", "3", "--teacher-tokens", "2000"]
+    )
     assert result.exit_code == 0, result.output
     assert "held-out acceptance" in result.output and is_distilled_draft(out)
-    bad = CliRunner().invoke(app, ["distill", "--target", str(tiny_folder), "--data", str(corpus), "--out", str(tmp_path / "e"), "--arch", "layers=two"])
+    bad = CliRunner().invoke(
+        app, ["distill", "--target", str(tiny_folder), "--data", str(corpus), "--out", str(tmp_path / "e"), "--arch", "layers=two"]
+    )
     assert bad.exit_code == 2 and "layers=N" in bad.output
     with pytest.raises(ConfigError, match="layers"):
         DraftArch(layers=2).layer_ids(2)

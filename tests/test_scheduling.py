@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
+import torch
 from conftest import loaded, perturbed, tiny_llama
 
-from specdec import Generator
+from specdec import Generator, SamplingConfig
+from specdec.config import K_POLICIES
 from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
 from specdec.engine import costs as cost_module
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend
-from specdec.scheduling import CostCurve, CostModelK, build_k_policy
+from specdec.scheduling import ConfidenceK, CostCurve, CostModelK, HeuristicK, PerplexityK, StepOutcome, build_k_policy
 
 # Measured on the development machine (seconds per target forward over n tokens, Gemma-3-270M).
 LLAMA_CPP = CostCurve({1: 0.013, 2: 0.025, 3: 0.030, 5: 0.051, 9: 0.069, 13: 0.083, 17: 0.095})
@@ -23,15 +26,22 @@ def expected_rate(a: float, k: int, costs: CostCurve) -> float:
     return (1 - a ** (k + 1)) / (1 - a) / costs(k + 1)
 
 
+def outcome(proposed: int, accepted: int, context_length: int = 100, nll: float = 1.0) -> StepOutcome:
+    """A step's outcome whose new tokens each have negative log-likelihood ``nll`` under a 2-token target."""
+    p = math.exp(-nll)
+    logits = torch.tensor([[math.log(p), math.log1p(-p) if p < 1 else -50.0]]).repeat(accepted + 1, 1)
+    return StepOutcome(proposed, accepted, 0.0, context_length, logits, torch.zeros(accepted + 1, dtype=torch.long))
+
+
 def simulate(policy, accept_rate, steps: int, rng: random.Random, costs: CostCurve) -> tuple[list[int], float, float]:
     """Run ``policy`` against a drafter whose every token is accepted with probability accept_rate(step)."""
     chosen, tokens, seconds = [], 0, 0.0
     for step in range(steps):
-        k = policy.choose()
+        k = policy.choose(100 + tokens)
         accepted = 0
         while accepted < k and rng.random() < accept_rate(step):
             accepted += 1
-        policy.observe(k, accepted, 0.0)
+        policy.observe(outcome(k, accepted))
         chosen.append(k)
         tokens += accepted + 1
         seconds += costs(k + 1)
@@ -81,16 +91,61 @@ def test_unknown_policy_is_a_clear_error() -> None:
         Generator(loaded(tiny_llama(0)), NoDrafter()).generate([1, 2], k_policy="sometimes")
 
 
-def test_cost_model_policy_is_lossless_and_within_bounds(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("policy", K_POLICIES)
+def test_every_policy_is_lossless_and_within_bounds(policy: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     target = loaded(tiny_llama(0))
-    prompt = [1, 5, 9, 5, 9, 5, 9, 12]
-    expected = Generator(target, NoDrafter()).generate(prompt, max_new_tokens=40, stop_on_eos=False).token_ids
-    for drafter in (PromptLookupDrafter(), ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.5)))):
-        got = Generator(target, drafter).generate(prompt, max_new_tokens=40, k=6, k_policy="cost-model", stop_on_eos=False)
-        assert got.token_ids == expected
-        assert len(got.stats.k_per_step) == got.stats.steps
-        assert all(0 <= k <= 6 for k in got.stats.k_per_step)
+    drafted = 0
+    for prompt in ([1, 5, 9, 5, 9, 5, 9, 12], list(range(3, 40))):
+        expected = Generator(target, NoDrafter()).generate(prompt, max_new_tokens=40, stop_on_eos=False).token_ids
+        for drafter in (PromptLookupDrafter(), ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.5)))):
+            got = Generator(target, drafter).generate(prompt, max_new_tokens=40, k=6, k_policy=policy, stop_on_eos=False)
+            assert got.token_ids == expected, drafter
+            assert len(got.stats.k_per_step) == got.stats.steps
+            assert all(0 <= k <= 6 for k in got.stats.k_per_step)
+            drafted += got.stats.draft_tokens_proposed
+    assert drafted > 0
+
+
+def test_heuristic_schedule() -> None:
+    policy = HeuristicK(max_k=8, k=4)
+    policy.observe(outcome(4, 4))
+    assert policy.choose(50) == 6  # all accepted: +2
+    policy.observe(outcome(6, 6))
+    assert policy.choose(50) == 8  # capped at the maximum
+    policy.observe(outcome(8, 3))
+    assert policy.choose(50) == 7  # a rejection: -1
+    policy.observe(outcome(0, 0))
+    assert policy.choose(50) == 7  # nothing drafted: no information
+    for _ in range(10):
+        policy.observe(outcome(3, 0))
+    assert policy.choose(50) == 1  # never below 1
+
+
+def test_perplexity_rule_follows_the_seed() -> None:
+    policy = PerplexityK(max_k=16)
+    assert policy.choose(100) == 5  # nothing generated yet counts as hard: max(2, 512 // 100)
+    assert policy.choose(40) == 12 and policy.choose(1000) == 2
+    policy.observe(outcome(2, 2, nll=math.log(10)))  # perplexity 10: easy
+    assert policy.perplexity == pytest.approx(10, rel=1e-3)
+    assert policy.choose(100) == 5 and policy.choose(30) == 3 and policy.choose(8) == 0  # min(5, len // 10)
+    for _ in range(40):
+        policy.observe(outcome(0, 0, nll=math.log(200)))  # the window forgets the easy stretch
+    assert policy.choose(64) == 8  # hard again: max(2, 512 // 64)
+    assert PerplexityK(max_k=3).choose(20) == 3  # capped
+
+
+def test_confidence_policy_stops_unsure_drafts() -> None:
+    target = loaded(tiny_llama(0))
+    drafter = ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.5)))
+    sure = Generator(target, drafter).generate([1, 5, 9], max_new_tokens=20, k=6, k_policy="confidence", stop_on_eos=False)
+    always = Generator(target, drafter).generate([1, 5, 9], max_new_tokens=20, k=6, stop_on_eos=False)
+    assert sure.token_ids == always.token_ids
+    assert sure.stats.draft_tokens_proposed < always.stats.draft_tokens_proposed
+    context = torch.tensor([[1, 5, 9]])
+    drafter.begin(context)
+    assert drafter.propose(context, 4, SamplingConfig(), None, min_confidence=1.01).tokens.shape[1] == 0
+    assert ConfidenceK(6, threshold=0.9).min_confidence == 0.9
 
 
 def test_machine_cost_curve_is_measured_once(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from specdec.errors import ConfigError
 
 MAX_K = 32
-K_POLICIES = ("fixed", "cost-model")
+K_POLICIES = ("fixed", "heuristic", "perplexity", "confidence", "cost-model")
 
 
 @dataclass(frozen=True)

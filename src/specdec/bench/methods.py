@@ -64,7 +64,9 @@ class OracleDrafter:
     def begin(self, prompt: torch.Tensor) -> None:
         pass
 
-    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+    ) -> Proposal:
         length = context.shape[1]
         if context[0].tolist() != self.reference[:length]:
             return Proposal.empty(1, context.device)
@@ -225,7 +227,7 @@ def build_method(spec: str, target: Target, hf_model: LoadedModel | None, config
 def check_method(spec: str, target: str) -> str | None:
     """Validate a method name before loading anything; return a note when it must be skipped."""
     kind, _, model = spec.partition(":")
-    if spec in ("none", "oracle", "prompt-lookup", "hf-greedy", "hf-prompt-lookup"):
+    if spec in ("none", "oracle", "prompt-lookup", "default", "hf-greedy", "hf-prompt-lookup"):
         return None
     if kind in ("model", "gguf", "hf-assisted", "ngram", "layerskip") and model:
         return None

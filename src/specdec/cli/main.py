@@ -237,14 +237,15 @@ def bench(
 @app.command()
 def models() -> None:
     """List the bundled model aliases, where their files are, and whether they are converted and cached."""
-    from specdec.models.registry import cache_root, converted_path, is_cached, resolve
+    from specdec.models.registry import bundled_draft, cache_root, converted_path, is_cached, resolve
 
-    table = Table("alias", "description", "package", "converted copy")
+    table = Table("alias", "description", "package", "converted copy", "bundled draft")
     for alias in ALIASES.values():
         installed = importlib.util.find_spec(alias.package.replace("-", "_")) is not None
         source = resolve(alias.name)
         cached = f"cached: {converted_path(source)}" if is_cached(source) else "not yet (converted on first use)"
-        table.add_row(alias.name, alias.description, "installed" if installed else f"missing: {alias.install}", cached)
+        draft = "--draft default" if bundled_draft(alias.name) else "-"
+        table.add_row(alias.name, alias.description, "installed" if installed else f"missing: {alias.install}", cached, draft)
     Console().print(table)
     Console().print(f"cache folder: {cache_root()} (set SPECDEC_CACHE to move it)")
 

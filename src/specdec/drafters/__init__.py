@@ -8,6 +8,7 @@ from specdec.config import RuntimeConfig
 from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdec.drafters.distilled import ReducedVocabBackend, is_distilled_draft, load_draft
+from specdec.drafters.fallback import FallbackDrafter
 from specdec.drafters.layer_skip import shallow_view
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter, NgramTable
@@ -15,9 +16,10 @@ from specdec.drafters.none import NoDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError
 from specdec.models import Target, TransformersBackend, open_target
+from specdec.models.registry import bundled_draft
 
 DRAFT_SPECS = (
-    "none, prompt-lookup, ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
+    "none, prompt-lookup, default (prompt lookup, then the distilled draft shipped for the target), ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
     "model:MODEL (transformers; a model with another tokenizer is re-tokenized; a folder from `specdec distill`), "
     "gguf:MODEL (llama.cpp)"
 )
@@ -38,10 +40,16 @@ def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeCon
         if not isinstance(target.backend, TransformersBackend):
             raise ConfigError("layerskip drafts with the target's own layers in torch: use --backend transformers")
         return ModelDrafter(TransformersBackend(shallow_view(target.backend.model, int(arg))))
+    if spec == "default":
+        folder = bundled_draft(target.name)
+        if folder is None:
+            raise ConfigError(
+                f"no draft ships with specdec for '{target.name}' (one does for gemma-3-270m): distill one with "
+                "`specdec distill` and pass --draft model:DIR, or use --draft prompt-lookup"
+            )
+        return FallbackDrafter(PromptLookupDrafter(), _distilled(str(folder), target))
     if kind == "model" and is_distilled_draft(arg):
-        if not isinstance(target.backend, TransformersBackend):
-            raise ConfigError("a distilled draft runs on the target's own embedding in torch: use --backend transformers")
-        return ModelDrafter(ReducedVocabBackend(load_draft(arg, target.backend.model), target.backend.vocab_size))
+        return _distilled(arg, target)
     if kind in ("model", "gguf") and arg:
         draft = open_target(arg, replace(runtime, backend="transformers" if kind == "model" else "llama.cpp"))
         if draft.backend.vocab_size == target.backend.vocab_size or draft.tokenizer is None or target.tokenizer is None:
@@ -50,9 +58,16 @@ def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeCon
     raise ConfigError(f"unknown draft '{spec}': use one of {DRAFT_SPECS}")
 
 
+def _distilled(folder: str, target: Target) -> ModelDrafter:
+    if not isinstance(target.backend, TransformersBackend):
+        raise ConfigError("a distilled draft runs on the target's own embedding in torch: use --backend transformers")
+    return ModelDrafter(ReducedVocabBackend(load_draft(folder, target.backend.model), target.backend.vocab_size))
+
+
 __all__ = [
     "DRAFT_SPECS",
     "CrossTokenizerDrafter",
+    "FallbackDrafter",
     "Drafter",
     "ModelDrafter",
     "NgramDrafter",

@@ -45,8 +45,14 @@ class Drafter(Protocol):
         """Start a new sequence from ``prompt`` [B, T]."""
         ...
 
-    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Proposal:
-        """Propose up to ``k`` tokens following ``context`` [B, T] (every token so far)."""
+    def propose(
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+    ) -> Proposal:
+        """Propose up to ``k`` tokens following ``context`` [B, T] (every token so far).
+
+        A drafter that has a probability for its tokens stops before the first one
+        whose probability is below ``min_confidence``; others ignore it.
+        """
         ...
 
     def accepted(self, counts: torch.Tensor) -> None:

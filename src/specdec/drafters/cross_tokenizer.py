@@ -40,7 +40,9 @@ class CrossTokenizerDrafter:
         pass  # the next proposal re-reads the context and keeps the common prefix
 
     @torch.inference_mode()
-    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+    ) -> Proposal:
         if not sampling.greedy:
             raise ConfigError(
                 "a draft with another tokenizer supports greedy decoding only (its drafts have no distribution over "

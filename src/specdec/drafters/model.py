@@ -23,7 +23,9 @@ class ModelDrafter:
         self._context_length = 0
 
     @torch.inference_mode()
-    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+    ) -> Proposal:
         batch = context.shape[0]
         # Feed whatever the cache has not seen yet: the tokens accepted since the last step.
         logits = self.backend.forward(context[:, self.backend.cached_length :], last=1)[:, -1]
@@ -31,6 +33,8 @@ class ModelDrafter:
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
+            if min_confidence and bool((torch.softmax(logits.float(), dim=-1).amax(dim=-1) < min_confidence).all()):
+                break  # the draft is unsure of its next token: stop here
             if sampling.greedy:
                 token = logits.argmax(dim=-1)
             else:
@@ -40,9 +44,11 @@ class ModelDrafter:
             tokens.append(token)
             if i + 1 < k:
                 logits = self.backend.forward(token[:, None], last=1)[:, -1]
+        if not tokens:
+            return Proposal.empty(batch, context.device)
         return Proposal(
             tokens=torch.stack(tokens, dim=1),
-            lengths=torch.full((batch,), k, dtype=torch.long, device=context.device),
+            lengths=torch.full((batch,), len(tokens), dtype=torch.long, device=context.device),
             probs=torch.stack(probs, dim=1) if probs else None,
         )
 

@@ -137,7 +137,9 @@ class NgramDrafter:
     def accepted(self, counts: torch.Tensor) -> None:
         pass
 
-    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+    ) -> Proposal:
         if context.shape[0] != 1:
             raise ConfigError("the n-gram drafter drafts one sequence at a time")
         copied = self.lookup.propose(context, k, sampling, generator)
@@ -152,10 +154,12 @@ class NgramDrafter:
                 break
             if sampling.greedy:
                 best = int(counts.argmax())
-                if counts[best] < self.min_share * counts.sum():
+                if counts[best] < max(self.min_share, min_confidence) * counts.sum():
                     break
                 token = int(followers[best])
             else:
+                if counts.max() < min_confidence * counts.sum():
+                    break
                 dist = torch.zeros(self.table.vocab_size)
                 dist[torch.from_numpy(followers)] = torch.from_numpy(counts / counts.sum()).float()
                 token = int(torch.multinomial(dist, 1, generator=generator))

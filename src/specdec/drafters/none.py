@@ -14,7 +14,9 @@ class NoDrafter:
     def begin(self, prompt: torch.Tensor) -> None:
         pass
 
-    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+    ) -> Proposal:
         return Proposal.empty(context.shape[0], context.device)
 
     def accepted(self, counts: torch.Tensor) -> None:

@@ -26,7 +26,9 @@ class PromptLookupDrafter:
     def begin(self, prompt: torch.Tensor) -> None:
         pass
 
-    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+    ) -> Proposal:
         rows = [self._lookup(row, k) for row in context]
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long, device=context.device)
         tokens = torch.zeros(context.shape[0], max((len(r) for r in rows), default=0), dtype=torch.long, device=context.device)

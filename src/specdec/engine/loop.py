@@ -11,7 +11,7 @@ import torch
 from specdec.config import GenerationConfig
 from specdec.drafters.base import Drafter, Proposal
 from specdec.models.backend import Backend
-from specdec.scheduling import KPolicy
+from specdec.scheduling import KPolicy, StepOutcome
 from specdec.verification import verify
 
 
@@ -88,11 +88,14 @@ def speculative_decode(
     drafter.begin(prompt)
     tokens = prompt
     while stats.new_tokens < config.max_new_tokens and tokens.shape[1] < target.max_context:
-        chosen = policy.choose()
+        chosen = policy.choose(tokens.shape[1])
         # Every step yields accepted drafts plus one target token: never draft past either limit.
         k = min(chosen, config.max_new_tokens - stats.new_tokens - 1, target.max_context - tokens.shape[1] - 1)
         t0 = time.perf_counter()
-        proposal = drafter.propose(tokens, k, config.sampling, generator) if k > 0 else Proposal.empty(1)
+        if k > 0:
+            proposal = drafter.propose(tokens, k, config.sampling, generator, min_confidence=policy.min_confidence)
+        else:
+            proposal = Proposal.empty(1)
         t1 = time.perf_counter()
         n_draft = proposal.tokens.shape[1]
         feed = torch.cat([tokens[:, target.cached_length :], proposal.tokens], dim=1)
@@ -101,13 +104,14 @@ def speculative_decode(
         accepted = int(verdict.accepted[0])
         target.truncate(tokens.shape[1] + accepted)
         drafter.accepted(verdict.accepted)
-        policy.observe(int(proposal.lengths[0]), accepted, t1 - t0)
+        proposed = int(proposal.lengths[0])
         new = torch.cat([proposal.tokens[0, :accepted], verdict.next_token])
         tokens = torch.cat([tokens, new[None]], dim=1)
+        policy.observe(StepOutcome(proposed, accepted, t1 - t0, tokens.shape[1], logits[0, : accepted + 1], new))
         t2 = time.perf_counter()
 
         stats.steps += 1
-        stats.draft_tokens_proposed += int(proposal.lengths[0])
+        stats.draft_tokens_proposed += proposed
         stats.draft_tokens_accepted += accepted
         stats.accepted_per_step.append(accepted)
         stats.k_per_step.append(chosen)

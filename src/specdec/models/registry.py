@@ -82,6 +82,15 @@ class ModelSource:
     cache_key: str | None = None  # for GGUF sources: the converted copy's folder name
 
 
+DRAFTS_FOLDER = Path(__file__).resolve().parent.parent / "drafts"  # distilled drafts shipped in the package
+
+
+def bundled_draft(target: str) -> Path | None:
+    """The draft distilled for a bundled target and shipped with specdec, if there is one."""
+    folder = DRAFTS_FOLDER / target
+    return folder if (folder / "config.json").is_file() else None
+
+
 def cache_root() -> Path:
     """Folder for converted models: $SPECDEC_CACHE, else the user cache directory."""
     return Path(os.environ.get("SPECDEC_CACHE") or platformdirs.user_cache_dir("specdec"))

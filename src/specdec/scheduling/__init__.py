@@ -6,7 +6,16 @@ from collections.abc import Callable
 
 from specdec.config import K_POLICIES
 from specdec.errors import ConfigError
-from specdec.scheduling.k_policy import CostCurve, CostModelK, FixedK, KPolicy
+from specdec.scheduling.k_policy import (
+    ConfidenceK,
+    CostCurve,
+    CostModelK,
+    FixedK,
+    HeuristicK,
+    KPolicy,
+    PerplexityK,
+    StepOutcome,
+)
 
 
 def build_k_policy(name: str, k: int, costs: Callable[[], CostCurve]) -> KPolicy:
@@ -16,9 +25,26 @@ def build_k_policy(name: str, k: int, costs: Callable[[], CostCurve]) -> KPolicy
     """
     if name == "fixed":
         return FixedK(k)
+    if name == "heuristic":
+        return HeuristicK(k)
+    if name == "perplexity":
+        return PerplexityK(k)
+    if name == "confidence":
+        return ConfidenceK(k)
     if name == "cost-model":
         return CostModelK(k, costs())
     raise ConfigError(f"unknown k policy '{name}': use one of {', '.join(K_POLICIES)}")
 
 
-__all__ = ["K_POLICIES", "CostCurve", "CostModelK", "FixedK", "KPolicy", "build_k_policy"]
+__all__ = [
+    "K_POLICIES",
+    "ConfidenceK",
+    "CostCurve",
+    "CostModelK",
+    "FixedK",
+    "HeuristicK",
+    "KPolicy",
+    "PerplexityK",
+    "StepOutcome",
+    "build_k_policy",
+]

@@ -8,19 +8,43 @@ before each step and observes the step's outcome after it; it never sees a model
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one decoding step did, as a policy sees it."""
+
+    proposed: int  # draft tokens the target judged
+    accepted: int  # of those, how many it accepted
+    draft_s: float  # seconds spent drafting
+    context_length: int  # tokens in the sequence after the step
+    logits: torch.Tensor  # the target's raw logits [accepted + 1, V] at the positions of the new tokens
+    new_tokens: torch.Tensor  # [accepted + 1]
+
+    def token_nll(self) -> torch.Tensor:
+        """Negative log-likelihood of each new token under the target (computed only when asked: it reads the full vocabulary)."""
+        logp = torch.log_softmax(self.logits.float(), dim=-1)
+        return -logp.gather(-1, self.new_tokens[:, None]).squeeze(-1)
 
 
 class KPolicy(Protocol):
     """Chooses the draft length of each step of one sequence."""
 
-    def choose(self) -> int:
+    #: drafters with probabilities stop at the first token below this (0 = never); see the confidence policy
+    min_confidence: float
+
+    def choose(self, context_length: int) -> int:
         """The number of tokens to draft now (0 = a plain target step)."""
         ...
 
-    def observe(self, proposed: int, accepted: int, draft_s: float) -> None:
-        """Learn from the step just taken: tokens drafted, how many the target accepted, seconds spent drafting."""
+    def observe(self, outcome: StepOutcome) -> None:
+        """Learn from the step just taken."""
         ...
 
 
@@ -29,11 +53,93 @@ class FixedK:
     """Always the same k: the baseline every adaptive policy is measured against."""
 
     k: int
+    min_confidence: float = 0.0
 
-    def choose(self) -> int:
+    def choose(self, context_length: int) -> int:
         return self.k
 
-    def observe(self, proposed: int, accepted: int, draft_s: float) -> None:
+    def observe(self, outcome: StepOutcome) -> None:
+        pass
+
+
+@dataclass
+class HeuristicK:
+    """transformers' schedule: k + 2 after a step whose drafts were all accepted, k - 1 otherwise, within [1, max_k]."""
+
+    max_k: int
+    k: int | None = None
+    min_confidence: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.k = self.max_k if self.k is None else self.k
+
+    def choose(self, context_length: int) -> int:
+        return self.k
+
+    def observe(self, outcome: StepOutcome) -> None:
+        if outcome.proposed:  # a step where the drafter found nothing says nothing about k
+            full = outcome.accepted == outcome.proposed
+            self.k = max(1, min(self.max_k, self.k + 2 if full else self.k - 1))
+
+
+@dataclass
+class PerplexityK:
+    """The seed's rule, from the target's perplexity over the last ``window`` generated tokens.
+
+    Below ``threshold``: k = min(``easy_k``, context // ``easy_divisor``); otherwise
+    k = max(``hard_min``, ``hard_budget`` // context); capped at max_k. Before any
+    token is generated the text counts as hard. The rule reads only length and
+    perplexity, never acceptance: on long contexts the hard branch is stuck at
+    hard_min (512 // length is 1 past 256 tokens), on short easy contexts the
+    easy branch gives k = 0 (under 10 tokens), and low perplexity does not mean
+    the drafter agrees with the target.
+    """
+
+    max_k: int
+    threshold: float = 50.0
+    easy_k: int = 5
+    easy_divisor: int = 10
+    hard_min: int = 2
+    hard_budget: int = 512
+    window: int = 32
+    min_confidence: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._nll: deque[float] = deque(maxlen=self.window)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(sum(self._nll) / len(self._nll)) if self._nll else math.inf
+
+    def choose(self, context_length: int) -> int:
+        if self.perplexity < self.threshold:
+            k = min(self.easy_k, context_length // self.easy_divisor)
+        else:
+            k = max(self.hard_min, self.hard_budget // max(context_length, 1))
+        return min(k, self.max_k)
+
+    def observe(self, outcome: StepOutcome) -> None:
+        self._nll.extend(outcome.token_nll().tolist())
+
+
+@dataclass
+class ConfidenceK:
+    """Draft up to max_k tokens, stopping at the first whose draft probability is below ``threshold``.
+
+    Drafters without probabilities (prompt lookup, cross-tokenizer drafts) draft max_k.
+    """
+
+    max_k: int
+    threshold: float = 0.5
+
+    @property
+    def min_confidence(self) -> float:
+        return self.threshold
+
+    def choose(self, context_length: int) -> int:
+        return self.max_k
+
+    def observe(self, outcome: StepOutcome) -> None:
         pass
 
 
@@ -84,6 +190,7 @@ class CostModelK:
         self._tried = 0.0  # decayed count of drafts the target judged
         self._draft_s_per_token = 0.0
         self._chosen = 0
+        self.min_confidence = 0.0
 
     @property
     def acceptance(self) -> float:
@@ -95,17 +202,17 @@ class CostModelK:
         tokens = (1 - a ** (k + 1)) / (1 - a)
         return tokens / (self.costs(k + 1) + k * self._draft_s_per_token)
 
-    def choose(self) -> int:
+    def choose(self, context_length: int) -> int:
         self._chosen = max(range(self.max_k + 1), key=self.expected_rate)
         return self._chosen
 
-    def observe(self, proposed: int, accepted: int, draft_s: float) -> None:
+    def observe(self, outcome: StepOutcome) -> None:
         self._accepted *= self.decay
         self._tried *= self.decay
-        if proposed:
+        if outcome.proposed:
             # Drafts after the first rejection were never judged: a rejection ends the run.
-            self._accepted += accepted
-            self._tried += accepted + (accepted < proposed)
+            self._accepted += outcome.accepted
+            self._tried += outcome.accepted + (outcome.accepted < outcome.proposed)
         if self._chosen:
-            per_token = draft_s / self._chosen
+            per_token = outcome.draft_s / self._chosen
             self._draft_s_per_token += 0.5 * (per_token - self._draft_s_per_token)
