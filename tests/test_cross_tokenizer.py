@@ -40,7 +40,7 @@ def test_gemma_with_smollm_draft_is_identical_to_greedy(gemma, gemma_with_smollm
     accepted = 0
     for prompt in PROMPTS:
         expected = baseline.generate(prompt, max_new_tokens=20)
-        got = gemma_with_smollm.generate(prompt, max_new_tokens=20, k=4)
+        got = gemma_with_smollm.generate(prompt, max_new_tokens=20, k=4, k_policy="fixed")
         assert got.token_ids == expected.token_ids, prompt
         accepted += got.stats.draft_tokens_accepted
     assert accepted > 0
@@ -73,7 +73,7 @@ def test_smollm_with_gemma_draft_is_identical_to_greedy(gemma, smollm) -> None:
     baseline, drafted = Generator(target, "none"), Generator(target, drafter)
     for prompt in PROMPTS[:3]:
         expected = baseline.generate(prompt, max_new_tokens=16)
-        got = drafted.generate(prompt, max_new_tokens=16, k=4)
+        got = drafted.generate(prompt, max_new_tokens=16, k=4, k_policy="fixed")
         assert got.token_ids == expected.token_ids, prompt
 
 

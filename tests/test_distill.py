@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from specdec import Generator
 from specdec.cli.main import app
-from specdec.drafters.distilled import ReducedVocabBackend, is_distilled_draft, load_draft
+from specdec.drafters.distilled import ReducedVocabBackend, is_distilled_draft, load_draft, own_parameters
 from specdec.errors import ConfigError
 from specdec.training.distill import DistillConfig, DraftArch, distill
 
@@ -64,7 +64,7 @@ def test_saved_draft_loads_and_is_lossless(target, tmp_path: Path) -> None:
     assert isinstance(drafted.drafter.backend, ReducedVocabBackend)
     for prompt in ("the cat", "a dog sat", "xyz"):
         expected = baseline.generate(prompt, max_new_tokens=24, stop_on_eos=False).token_ids
-        assert drafted.generate(prompt, max_new_tokens=24, k=4, stop_on_eos=False).token_ids == expected
+        assert drafted.generate(prompt, max_new_tokens=24, k=4, k_policy="fixed", stop_on_eos=False).token_ids == expected
 
 
 def test_resume_continues_where_it_stopped(target, tmp_path: Path) -> None:
@@ -94,3 +94,18 @@ def test_distill_cli_and_arch_errors(tiny_folder: Path, tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "layers=N" in bad.output
     with pytest.raises(ConfigError, match="layers"):
         DraftArch(layers=2).layer_ids(2)
+
+
+def test_exit_draft_trains_only_its_exit_on_shared_layers(target, tmp_path: Path) -> None:
+    cfg = config(tmp_path, arch=DraftArch(exit=1, keep=40), steps=30, eval_every=30)
+    record = distill(target, cfg)
+    assert record["evaluations"][-1]["held_out_loss"] < record["evaluations"][0]["held_out_loss"]
+    draft = load_draft(cfg.out, target.model)
+    assert draft.model.layers[0] is target.model.model.layers[0]  # the target's own layer, not a copy
+    assert len(target.model.model.layers) == 3 and "keep_ids" not in dict(target.model.named_buffers())
+    assert all(name.startswith("model.norm.") for name in own_parameters(draft))  # only the exit is stored
+    baseline = Generator(target, "none")
+    drafted = Generator(target, f"model:{cfg.out}")
+    for prompt in ("the cat", "a dog sat"):
+        expected = baseline.generate(prompt, max_new_tokens=20, stop_on_eos=False).token_ids
+        assert drafted.generate(prompt, max_new_tokens=20, k=3, k_policy="fixed", stop_on_eos=False).token_ids == expected

@@ -114,7 +114,7 @@ def test_ngram_drafter_greedy_is_identical(tmp_path: Path) -> None:
     drafted = Generator(target, f"ngram:{path}")
     accepted = 0
     for prompt, expected in zip(prompts, outputs, strict=True):
-        got = drafted.generate(prompt, max_new_tokens=30, k=4, stop_on_eos=False)
+        got = drafted.generate(prompt, max_new_tokens=30, k=4, k_policy="fixed", stop_on_eos=False)
         assert got.token_ids == expected.token_ids
         accepted += got.stats.draft_tokens_accepted
     assert accepted > 0
@@ -160,7 +160,7 @@ def test_layer_skip_greedy_is_identical_and_its_cache_rolls_back(make_target) ->
     draft_backend = drafted.drafter.backend
     for prompt in ([1, 5, 9, 5, 9, 12], [1, 7, 7, 30, 31, 32, 33, 34, 35, 36]):
         expected = baseline.generate(prompt, max_new_tokens=30, stop_on_eos=False).token_ids
-        got = drafted.generate(prompt, max_new_tokens=30, k=3, stop_on_eos=False)
+        got = drafted.generate(prompt, max_new_tokens=30, k=3, k_policy="fixed", stop_on_eos=False)
         assert got.token_ids == expected
         assert 0 < got.stats.draft_tokens_proposed
         # The draft cache holds a prefix of the sequence: its next logits must equal a fresh pass over it.

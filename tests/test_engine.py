@@ -36,16 +36,20 @@ def test_greedy_is_identical_to_target_only(make_target, seed: int) -> None:
         expected = baseline.generate(prompt, max_new_tokens=30, stop_on_eos=False).token_ids
         assert len(expected) == 30
         for (name, drafter), k in itertools.product(_drafters(target.model, seed), (1, 3, 8)):
-            got = Generator(target, drafter).generate(prompt, max_new_tokens=30, k=k, stop_on_eos=False)
+            got = Generator(target, drafter).generate(prompt, max_new_tokens=30, k=k, k_policy="fixed", stop_on_eos=False)
             assert got.token_ids == expected, f"{name} k={k} prompt={prompt}"
 
 
 def test_good_draft_is_fully_accepted_and_bad_draft_is_not() -> None:
     target = loaded(tiny_llama(0))
-    good = Generator(target, ModelDrafter(TransformersBackend(target.model))).generate([1, 3], max_new_tokens=25, k=4, stop_on_eos=False)
+    good = Generator(target, ModelDrafter(TransformersBackend(target.model))).generate(
+        [1, 3], max_new_tokens=25, k=4, k_policy="fixed", stop_on_eos=False
+    )
     assert good.stats.acceptance_rate == 1.0
     assert good.stats.target_forwards == 5  # 5 steps of 5 tokens; the first also reads the prompt
-    bad = Generator(target, ModelDrafter(TransformersBackend(tiny_llama(7)))).generate([1, 3], max_new_tokens=25, k=4, stop_on_eos=False)
+    bad = Generator(target, ModelDrafter(TransformersBackend(tiny_llama(7)))).generate(
+        [1, 3], max_new_tokens=25, k=4, k_policy="fixed", stop_on_eos=False
+    )
     assert bad.stats.acceptance_rate < 0.5
 
 
@@ -98,7 +102,7 @@ def test_sampling_matches_target_distribution(sampling: SamplingConfig, drafter:
     counts = torch.zeros(vocab * vocab)
     rejections = 0
     for seed in range(n):
-        result = gen.generate(prompt, max_new_tokens=2, k=2, seed=seed, stop_on_eos=False, sampling=sampling)
+        result = gen.generate(prompt, max_new_tokens=2, k=2, k_policy="fixed", seed=seed, stop_on_eos=False, sampling=sampling)
         t1, t2 = result.token_ids
         counts[t1 * vocab + t2] += 1
         rejections += result.stats.draft_tokens_proposed - result.stats.draft_tokens_accepted
@@ -182,6 +186,6 @@ def test_text_stop_strings_eos_and_streaming() -> None:
 def test_context_limit_ends_generation() -> None:
     model = tiny_llama(0)
     gen = Generator(loaded(model), PromptLookupDrafter())
-    result = gen.generate([1, 5, 9] * 80, max_new_tokens=100, k=8, stop_on_eos=False)
+    result = gen.generate([1, 5, 9] * 80, max_new_tokens=100, k=8, k_policy="fixed", stop_on_eos=False)
     assert result.finish_reason == "context"
     assert 240 + len(result.token_ids) == 256

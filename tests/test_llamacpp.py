@@ -93,11 +93,11 @@ def test_cost_model_k_follows_the_measured_costs(exact_target, tmp_path, monkeyp
 @pytest.mark.real_model
 def test_mixed_runtimes_and_sampling_on_llama_cpp(tiny_folder) -> None:
     fast = open_target("gemma-3-270m", RuntimeConfig(backend="llama.cpp", threads=2))
-    result = Generator(fast, "prompt-lookup").generate(PROMPTS[1], max_new_tokens=24, k=4, temperature=0.8, seed=3)
-    again = Generator(fast, "prompt-lookup").generate(PROMPTS[1], max_new_tokens=24, k=4, temperature=0.8, seed=3)
+    result = Generator(fast, "prompt-lookup").generate(PROMPTS[1], max_new_tokens=24, k=4, k_policy="fixed", temperature=0.8, seed=3)
+    again = Generator(fast, "prompt-lookup").generate(PROMPTS[1], max_new_tokens=24, k=4, k_policy="fixed", temperature=0.8, seed=3)
     assert result.token_ids == again.token_ids and len(result.token_ids) >= 1
     # A GGUF draft on llama.cpp (here the target's own file: every token accepted) with a llama.cpp target.
-    self_draft = Generator(fast, "gguf:gemma-3-270m").generate(PROMPTS[0], max_new_tokens=16, k=3)
+    self_draft = Generator(fast, "gguf:gemma-3-270m").generate(PROMPTS[0], max_new_tokens=16, k=3, k_policy="fixed")
     assert self_draft.stats.acceptance_rate > 0.9
     # A torch draft with another tokenizer (a tiny character-level model) is re-tokenized for a llama.cpp target.
     out = CliRunner().invoke(app, ["generate", "hi", "--backend", "llama.cpp", "--draft", f"model:{tiny_folder}", "--max-new-tokens", "8"])

@@ -139,7 +139,7 @@ def test_confidence_policy_stops_unsure_drafts() -> None:
     target = loaded(tiny_llama(0))
     drafter = ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.5)))
     sure = Generator(target, drafter).generate([1, 5, 9], max_new_tokens=20, k=6, k_policy="confidence", stop_on_eos=False)
-    always = Generator(target, drafter).generate([1, 5, 9], max_new_tokens=20, k=6, stop_on_eos=False)
+    always = Generator(target, drafter).generate([1, 5, 9], max_new_tokens=20, k=6, k_policy="fixed", stop_on_eos=False)
     assert sure.token_ids == always.token_ids
     assert sure.stats.draft_tokens_proposed < always.stats.draft_tokens_proposed
     context = torch.tensor([[1, 5, 9]])

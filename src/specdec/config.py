@@ -35,8 +35,8 @@ class SamplingConfig:
 class GenerationConfig:
     """One generation request: speculation depth, length, stopping and sampling."""
 
-    k: int = 4  # draft tokens per step; the most per step for adaptive k policies
-    k_policy: str = "fixed"
+    k: int = 8  # draft tokens per step; the most per step for adaptive k policies
+    k_policy: str = "cost-model"  # the fastest policy in BENCHMARKS.md on every runtime measured
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()

@@ -1,5 +1,11 @@
 """Distilled drafts: a few transformer layers in the target's family with a reduced-vocabulary head.
 
+Two kinds share the format. ``layers`` drafts own a few layers initialised from
+the target's; ``exit`` drafts are the target's own first L layers (shared,
+frozen: the self-speculative drafter) with a trained exit, a linear map and a
+norm fitted to layer L's hidden states.
+
+
 The draft borrows the target's (frozen) input embedding and predicts only the
 N most frequent target tokens, with the target's own output-embedding rows for
 those tokens as its head; so its own weights are just its layers and final
@@ -21,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from specdec.drafters.layer_skip import shallow_view
 from specdec.errors import ConfigError
 from specdec.models.backend import TransformersBackend
 
@@ -50,6 +57,22 @@ def build_draft(target: PreTrainedModel, layer_ids: list[int], keep_ids: torch.T
     return draft.eval()
 
 
+def build_exit_draft(target: PreTrainedModel, layers: int, keep_ids: torch.Tensor) -> PreTrainedModel:
+    """The target's first ``layers`` layers (shared) with a trainable exit (identity map + the target's final norm)."""
+    hidden = target.config.hidden_size
+    adapter = nn.Linear(hidden, hidden, bias=False, dtype=target.dtype)
+    with torch.no_grad():
+        adapter.weight.copy_(torch.eye(hidden))
+    exit_norm = nn.Sequential(adapter, copy.deepcopy(target.model.norm))
+    view = shallow_view(target, layers, exit_norm=exit_norm)
+    for p in view.parameters():
+        p.requires_grad_(False)
+    attach_target(view, target, keep_ids)
+    for p in exit_norm.parameters():
+        p.requires_grad_(True)
+    return view.eval()
+
+
 def attach_target(draft: PreTrainedModel, target: PreTrainedModel, keep_ids: torch.Tensor) -> None:
     """Give the draft the target's embedding (shared, frozen) and a head of the target's rows for ``keep_ids``."""
     if target.config.hidden_size != draft.config.hidden_size:
@@ -58,6 +81,7 @@ def attach_target(draft: PreTrainedModel, target: PreTrainedModel, keep_ids: tor
             "use it with the target it was distilled from"
         )
     draft.model.embed_tokens = target.model.embed_tokens
+    draft.model.embed_tokens.weight.requires_grad_(False)
     rows = target.get_output_embeddings().weight.detach()[keep_ids].clone()
     draft.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype)
     draft.lm_head.weight = nn.Parameter(rows, requires_grad=False)
@@ -65,8 +89,8 @@ def attach_target(draft: PreTrainedModel, target: PreTrainedModel, keep_ids: tor
 
 
 def own_parameters(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """The weights a draft folder stores: everything but the borrowed embedding and head."""
-    return {k: v for k, v in draft.state_dict().items() if not k.startswith(("model.embed_tokens", "lm_head"))}
+    """The weights a draft folder stores and training updates: every parameter not borrowed (frozen) from the target."""
+    return {name: p for name, p in draft.named_parameters() if p.requires_grad}
 
 
 def save_draft(draft: PreTrainedModel, folder: str | Path, meta: dict, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -87,10 +111,14 @@ def load_draft(folder: str | Path, target: PreTrainedModel) -> PreTrainedModel:
     keep_ids = tensors.pop("keep_ids")
     if int(keep_ids.max()) >= target.get_output_embeddings().weight.shape[0]:
         raise ConfigError(f"draft '{folder}' was distilled for '{meta.get('target')}', whose vocabulary differs from this target's")
-    draft = AutoModelForCausalLM.from_config(config).to(target.dtype)
-    attach_target(draft, target, keep_ids)
+    if meta.get("arch", {}).get("exit"):
+        draft = build_exit_draft(target, meta["arch"]["exit"], keep_ids)
+    else:
+        draft = AutoModelForCausalLM.from_config(config).to(target.dtype)
+        attach_target(draft, target, keep_ids)
+    own = set(own_parameters(draft))
     missing, unexpected = draft.load_state_dict(tensors, strict=False)
-    missing = [k for k in missing if not k.startswith(("model.embed_tokens", "lm_head"))]
+    missing = [k for k in missing if k in own]
     if missing or unexpected:
         raise ConfigError(f"draft '{folder}' does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     return draft.eval()

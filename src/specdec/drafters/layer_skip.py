@@ -2,8 +2,9 @@
 
 The view shares every weight tensor with the target, so the draft costs no
 memory beyond its own KV cache; it runs through the ordinary model drafter,
-which keeps that cache at the accepted prefix. A trained exit (norm and head
-fitted to layer L's hidden states) replaces the target's own when given.
+which keeps that cache at the accepted prefix. A trained exit (a map and norm
+fitted to layer L's hidden states, from ``specdec distill --arch exit=L``)
+replaces the target's final norm when given.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from transformers import PreTrainedModel
 from specdec.errors import ConfigError
 
 
-def shallow_view(
-    model: PreTrainedModel, layers: int, exit_norm: nn.Module | None = None, exit_head: nn.Module | None = None
-) -> PreTrainedModel:
+def shallow_view(model: PreTrainedModel, layers: int, exit_norm: nn.Module | None = None) -> PreTrainedModel:
     """``model`` cut after its first ``layers`` decoder layers; the modules are the target's own, not copies."""
     decoder = getattr(model, "model", None)
     stack = getattr(decoder, "layers", None)
@@ -38,8 +37,7 @@ def shallow_view(
         inner.norm = exit_norm
     view = copy.copy(model)
     view._modules = dict(model._modules)
+    view._buffers = dict(model._buffers)  # buffers registered on the view stay off the target
     view.model = inner
     view.config = config
-    if exit_head is not None:
-        view.lm_head = exit_head
     return view

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from specdec.config import GenerationConfig
-from specdec.drafters.distilled import ReducedVocabBackend, build_draft, own_parameters, save_draft
+from specdec.drafters.distilled import ReducedVocabBackend, build_draft, build_exit_draft, own_parameters, save_draft
 from specdec.drafters.model import ModelDrafter
 from specdec.engine import Generator
 from specdec.errors import ConfigError
@@ -39,23 +39,30 @@ CHECKPOINT_FILE = "checkpoint.pt"
 
 @dataclass(frozen=True)
 class DraftArch:
-    """``layers=2,keep=16384,init=spread``: layer count, kept vocabulary, which target layers start it."""
+    """``layers=2,keep=16384,init=spread``: layer count, kept vocabulary, which target layers start it.
+
+    ``exit=L,keep=N`` instead trains only an exit (a linear map and a norm) on the
+    target's own first L layers: the self-speculative drafter with a trained exit.
+    """
 
     layers: int = 2
     keep: int = 16384
     init: str = "spread"  # "spread": target layers evenly from first to last; "first": the first ones
+    exit: int = 0  # > 0: an exit draft on the target's first `exit` layers
 
     @staticmethod
     def parse(spec: str) -> DraftArch:
         values: dict[str, object] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
             key, _, value = part.partition("=")
-            if key in ("layers", "keep") and value.isdigit():
+            if key in ("layers", "keep", "exit") and value.isdigit():
                 values[key] = int(value)
             elif key == "init" and value in ("spread", "first"):
                 values[key] = value
             else:
-                raise ConfigError(f"bad --arch part '{part}': use layers=N, keep=N, init=spread|first (e.g. layers=2,keep=16384)")
+                raise ConfigError(
+                    f"bad --arch part '{part}': use layers=N, keep=N, init=spread|first, or exit=L (e.g. layers=2,keep=16384)"
+                )
         return DraftArch(**values)  # type: ignore[arg-type]
 
     def layer_ids(self, target_layers: int) -> list[int]:
@@ -190,10 +197,11 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
         torch.save(asdict(teacher), teacher_path)
         teacher_s = time.perf_counter() - started
     model = target.model
-    draft = build_draft(model, config.arch.layer_ids(len(model.model.layers)), teacher.keep_ids).float()
-    params = [p for name, p in draft.named_parameters() if name in own_parameters(draft)]
-    for name, p in draft.named_parameters():
-        p.requires_grad_(name in own_parameters(draft))
+    if config.arch.exit:
+        draft = build_exit_draft(model, config.arch.exit, teacher.keep_ids)
+    else:
+        draft = build_draft(model, config.arch.layer_ids(len(model.model.layers)), teacher.keep_ids)
+    params = list(own_parameters(draft).values())
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     record: dict = {"target": target.name, "arch": asdict(config.arch), "config": asdict(config), "evaluations": [], "train_s": 0.0}
     step = 0
@@ -202,7 +210,7 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
         draft.load_state_dict(state["draft"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
-        step, record = state["step"], state["record"]
+        step, record = state["step"], state["record"] | {"config": asdict(config)}
     else:
         record["teacher_s"] = teacher_s
     train_chunks = len(teacher.tokens) - teacher.held_out
@@ -263,10 +271,13 @@ def evaluate(
     target: LoadedModel, draft, teacher: TeacherData, step: int, prompts: int = 4, prompt_len: int = 32, new_tokens: int = 24
 ) -> dict:
     """Held-out figures: loss, the draft's top-1 agreement with the teacher, its acceptance rate in the engine (greedy, k = 4)."""
-    held, top_ids = teacher.tokens[-teacher.held_out :], teacher.top_ids[-teacher.held_out :]
-    logits = draft(input_ids=held).logits
-    agree = (logits.argmax(-1) == top_ids[:, :, 0].long()).float().mean()
-    loss = soft_cross_entropy(logits, top_ids, teacher.top_logp[-teacher.held_out :])
+    held, top_ids, top_logp = (t[-teacher.held_out :] for t in (teacher.tokens, teacher.top_ids, teacher.top_logp))
+    losses, agreements = [], []
+    for rows in torch.arange(len(held)).split(8):  # bounded memory: logits are [rows, seq_len, kept vocabulary]
+        logits = draft(input_ids=held[rows]).logits
+        losses.append(soft_cross_entropy(logits, top_ids[rows], top_logp[rows]))
+        agreements.append((logits.argmax(-1) == top_ids[rows, :, 0].long()).float().mean())
+    loss, agree = torch.stack(losses).mean(), torch.stack(agreements).mean()
     drafter = ModelDrafter(ReducedVocabBackend(draft, target.vocab_size))
     generator = Generator(target, drafter, GenerationConfig(k=4, max_new_tokens=new_tokens))
     proposed = accepted = 0
