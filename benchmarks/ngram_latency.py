@@ -1,0 +1,27 @@
+"""Latency of the n-gram drafter alone: propose(k = 8) on the last 40 contexts of every prompt (greedy).
+
+Run after building /tmp/gemma-corpus.ngram as in BENCHMARKS.md: python benchmarks/ngram_latency.py
+"""
+
+import json
+import time
+
+import torch
+
+from specdec import SamplingConfig
+from specdec.drafters import NgramDrafter, NgramTable
+from specdec.models import load_model
+
+tok = load_model("gemma-3-270m").tokenizer
+d = NgramDrafter(NgramTable.load("/tmp/gemma-corpus.ngram"))
+g = SamplingConfig()
+lat = []
+for line in open("benchmarks/prompts/default.jsonl"):
+    ids = tok(json.loads(line)["prompt"])["input_ids"]
+    for cut in range(max(2, len(ids) - 40), len(ids) + 1):
+        ctx = torch.tensor([ids[:cut]])
+        t = time.perf_counter()
+        d.propose(ctx, 8, g, None)
+        lat.append((time.perf_counter() - t) * 1000)
+lat.sort()
+print(len(lat), "p50", round(lat[len(lat) // 2], 3), "p99", round(lat[int(0.99 * len(lat))], 3), "max", round(lat[-1], 3))
