@@ -109,3 +109,23 @@ def test_exit_draft_trains_only_its_exit_on_shared_layers(target, tmp_path: Path
     for prompt in ("the cat", "a dog sat"):
         expected = baseline.generate(prompt, max_new_tokens=20, stop_on_eos=False).token_ids
         assert drafted.generate(prompt, max_new_tokens=20, k=3, k_policy="fixed", stop_on_eos=False).token_ids == expected
+
+
+def test_prompt_only_records_are_continued_by_the_target(target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import specdec.training.distill as distill_module
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "the {w} sat on"}}\n' for w in ("cat", "dog", "log")) + '{"prompt": "a", "text": " given"}\n')
+    continued = []
+
+    class CountingGenerator(distill_module.Generator):
+        def generate(self, prompt, *args, **kwargs):
+            result = super().generate(prompt, *args, **kwargs)
+            continued.append((prompt, result.text))
+            return result
+
+    monkeypatch.setattr(distill_module, "Generator", CountingGenerator)
+    stream = distill_module.collect_tokens(target, (str(prompts),), 10_000, lambda *a: None)
+    assert [p for p, _ in continued] == ["the cat sat on", "the dog sat on", "the log sat on"]  # the 4th has its own text
+    text = target.tokenizer.decode(stream)
+    assert continued[0][0] + continued[0][1] in text and "a given" in text

@@ -15,7 +15,6 @@ Two phases, both resumable from the output folder:
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import Counter
@@ -31,7 +30,7 @@ from specdec.drafters.model import ModelDrafter
 from specdec.engine import Generator
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
-from specdec.training.ngram import JSONL_TEXT_FIELDS, corpus_files, documents
+from specdec.training.ngram import JSONL_TEXT_FIELDS, corpus_files, documents, jsonl_records, record_text
 
 TEACHER_FILE = "teacher.pt"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -133,18 +132,11 @@ def _texts(path: Path) -> Iterator[str | tuple[str]]:
     if path.suffix != ".jsonl":
         yield from (text for text, _ in documents(path))
         return
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                record = json.loads(line) if line.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                continue
-            if "prompt" in record and not set(record) & set(JSONL_TEXT_FIELDS[1:]):
-                yield (str(record["prompt"]),)
-            elif text := "".join(str(record[key]) for key in JSONL_TEXT_FIELDS if key in record):
-                yield text
+    for record, _ in jsonl_records(path):
+        if "prompt" in record and not set(record) & set(JSONL_TEXT_FIELDS[1:]):
+            yield (str(record["prompt"]),)
+        elif text := record_text(record):
+            yield text
 
 
 @torch.inference_mode()

@@ -58,20 +58,31 @@ def corpus_files(sources: list[str]) -> list[Path]:
     return files
 
 
+def jsonl_records(path: Path) -> Iterator[tuple[dict, int]]:
+    """The JSON objects of a JSONL file, each with its line's size in bytes; a bad line is an error naming it."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PromptError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+            if isinstance(record, dict):
+                yield record, len(line.encode("utf-8"))
+
+
+def record_text(record: dict) -> str:
+    """A JSONL record's text: its prompt followed by its continuation (whichever fields it has)."""
+    return "".join(str(record[key]) for key in JSONL_TEXT_FIELDS if key in record)
+
+
 def documents(path: Path) -> Iterator[tuple[str, int]]:
     """Pieces of text of one file, each with the bytes of the file it used (for progress)."""
+    if path.suffix == ".jsonl":
+        yield from ((record_text(record), size) for record, size in jsonl_records(path))
+        return
     with open(path, encoding="utf-8", errors="replace") as f:
-        if path.suffix == ".jsonl":
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise PromptError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-                text = "".join(str(record[key]) for key in JSONL_TEXT_FIELDS if isinstance(record, dict) and key in record)
-                yield text, len(line.encode("utf-8"))
-            return
         while piece := f.read(CHUNK_CHARS):
             piece += f.readline()  # end at a line break
             yield piece, len(piece.encode("utf-8"))
