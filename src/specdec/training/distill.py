@@ -271,7 +271,7 @@ def evaluate(
         agreements.append((logits.argmax(-1) == top_ids[rows, :, 0].long()).float().mean())
     loss, agree = torch.stack(losses).mean(), torch.stack(agreements).mean()
     drafter = ModelDrafter(ReducedVocabBackend(draft, target.vocab_size))
-    generator = Generator(target, drafter, GenerationConfig(k=4, max_new_tokens=new_tokens))
+    generator = Generator(target, drafter, GenerationConfig(k=4, k_policy="fixed", max_new_tokens=new_tokens))
     proposed = accepted = 0
     for row in held[:prompts]:
         stats = generator.generate(row[:prompt_len].tolist(), stop_on_eos=False).stats
