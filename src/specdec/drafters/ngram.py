@@ -73,10 +73,6 @@ class NgramTable:
     def bits(self) -> int:
         return vocab_bits(self.vocab_size)
 
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.counts.nbytes
-
     def followers(self, context: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Tokens seen after exactly this context, and their counts (empty arrays when unseen)."""
         low = (context_hash(context) >> self.bits) << self.bits
@@ -90,7 +86,7 @@ class NgramTable:
             tokens, counts = self.followers(context[-n:])
             if len(tokens):
                 return tokens, counts
-        return tokens, counts
+        return np.empty(0, dtype=np.int64), self.counts[:0]
 
     def save(self, path: str | Path) -> None:
         meta = self.meta | {"format": FORMAT, "version": VERSION, "order": self.order, "vocab_size": self.vocab_size}

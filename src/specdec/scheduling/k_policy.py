@@ -182,7 +182,7 @@ class CostModelK:
         if not 0 < decay < 1:
             raise ValueError(f"decay must be in (0, 1), got {decay}")
         self.max_k = max_k
-        self.costs = costs
+        self._verify_s = [costs(k + 1) for k in range(max_k + 1)]  # the curve is fixed: price each k once
         self.decay = decay
         self.prior = prior
         self.prior_weight = prior_weight
@@ -196,14 +196,15 @@ class CostModelK:
     def acceptance(self) -> float:
         return (self._accepted + self.prior * self.prior_weight) / (self._tried + self.prior_weight)
 
-    def expected_rate(self, k: int) -> float:
-        """Expected tokens per second of a step drafting k tokens."""
-        a = min(self.acceptance, 0.999)
+    def expected_rate(self, k: int, a: float | None = None) -> float:
+        """Expected tokens per second of a step drafting k tokens (at acceptance ``a``, by default the estimate)."""
+        a = min(self.acceptance if a is None else a, 0.999)
         tokens = (1 - a ** (k + 1)) / (1 - a)
-        return tokens / (self.costs(k + 1) + k * self._draft_s_per_token)
+        return tokens / (self._verify_s[k] + k * self._draft_s_per_token)
 
     def choose(self, context_length: int) -> int:
-        self._chosen = max(range(self.max_k + 1), key=self.expected_rate)
+        a = self.acceptance
+        self._chosen = max(range(self.max_k + 1), key=lambda k: self.expected_rate(k, a))
         return self._chosen
 
     def observe(self, outcome: StepOutcome) -> None:
