@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ from specdec import Generator
 from specdec.cli.main import app
 from specdec.drafters.distilled import ReducedVocabBackend, is_distilled_draft, load_draft, own_parameters
 from specdec.errors import ConfigError
-from specdec.training.distill import DistillConfig, DraftArch, distill
+from specdec.training.distill import DistillConfig, DraftArch, collect_tokens, distill
+from specdec.training.on_policy import continue_prompts, corpus_prompts
 
 TEXT = "the cat sat on the mat. the dog sat on the log. a cat and a dog sat on a mat and a log.\n"
 
@@ -111,21 +113,48 @@ def test_exit_draft_trains_only_its_exit_on_shared_layers(target, tmp_path: Path
         assert drafted.generate(prompt, max_new_tokens=20, k=3, k_policy="fixed", stop_on_eos=False).token_ids == expected
 
 
-def test_prompt_only_records_are_continued_by_the_target(target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import specdec.training.distill as distill_module
-
+def test_prompt_only_records_are_continued_by_the_target_in_batches(target, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "the {w} sat on"}}\n' for w in ("cat", "dog", "log")) + '{"prompt": "a", "text": " given"}\n')
-    continued = []
-
-    class CountingGenerator(distill_module.Generator):
-        def generate(self, prompt, *args, **kwargs):
-            result = super().generate(prompt, *args, **kwargs)
-            continued.append((prompt, result.text))
-            return result
-
-    monkeypatch.setattr(distill_module, "Generator", CountingGenerator)
-    stream = distill_module.collect_tokens(target, (str(prompts),), 10_000, lambda *a: None)
-    assert [p for p, _ in continued] == ["the cat sat on", "the dog sat on", "the log sat on"]  # the 4th has its own text
+    cfg = config(tmp_path, data=(str(prompts),), teacher_tokens=10_000, continue_tokens=12, generate_batch=2)
+    stream = collect_tokens(target, cfg, lambda *a: None)
     text = target.tokenizer.decode(stream)
-    assert continued[0][0] + continued[0][1] in text and "a given" in text
+    alone = [
+        target.tokenizer.decode(ids[1:])
+        for p in ("the cat sat on", "the dog sat on", "the log sat on")
+        for ids, _ in continue_prompts(target, iter([p]), 12, 1)
+    ]
+    for continuation in alone:  # batched with left padding, each row writes what it writes alone
+        assert continuation in text and len(continuation) > len("the cat sat on")
+    assert "a given" in text  # the record with its own text is read, not continued
+
+
+def test_on_policy_prompts_come_from_the_corpus_in_every_shape(target, tmp_path: Path) -> None:
+    corpus = tmp_path / "doc.md"
+    corpus.write_text("# Sorting lists\n\n" + "Sorting puts items in order. The sort method works in place.\n" * 30)
+    prompts = list(itertools.islice(corpus_prompts([str(corpus)], seed=1, chat_template=lambda m: f"<chat>{m}</chat>"), 8))
+    assert prompts == list(itertools.islice(corpus_prompts([str(corpus)], seed=1, chat_template=lambda m: f"<chat>{m}</chat>"), 8))
+    assert any(p.startswith("Sorting") for p in prompts)  # plain continuation of a passage
+    assert any(p.startswith("User: ") and "Sorting puts" in p and p.endswith("Assistant:") for p in prompts)  # a request about a passage
+    assert any(p.startswith("<chat>") for p in prompts)  # the model's own chat template
+    assert any("Sorting lists" in p and p.startswith("User: ") for p in prompts)  # a question about a heading
+    with pytest.raises(ConfigError, match="text files"):
+        next(corpus_prompts([str(tmp_path / "none.jsonl")], seed=0, chat_template=None))
+
+
+def test_on_policy_tokens_are_written_by_the_target_and_held_out_last(target, tmp_path: Path) -> None:
+    cfg = config(tmp_path, teacher_tokens=3000, on_policy_tokens=1000, continue_tokens=16, generate_batch=4)
+    stream = collect_tokens(target, cfg, lambda *a: None)
+    assert len(stream) == 3000
+    assert target.tokenizer.decode(stream[:2000]) in TEXT * 60  # the corpus part is the corpus
+    assert target.tokenizer.decode(stream[2000:]) not in TEXT * 60  # the rest is the target's own writing
+    with pytest.raises(ConfigError, match="on_policy_tokens"):
+        config(tmp_path, on_policy_tokens=5000, teacher_tokens=4000)
+
+
+def test_calibration_finds_the_confidence_floor(target, tmp_path: Path) -> None:
+    record = distill(target, config(tmp_path))
+    assert 0.0 <= record["min_confidence"] <= 1.0
+    assert abs(sum(row["share"] for row in record["calibration"]) - 1.0) < 1e-6
+    drafted = Generator(target, f"model:{config(tmp_path).out}")
+    assert drafted.drafter.min_confidence == record["min_confidence"]  # the drafter uses the calibrated floor

@@ -54,6 +54,58 @@ class GenerationConfig:
             raise ConfigError("stop strings must be non-empty")
 
 
+FORMATS = ("float32", "bfloat16", "float16", "int8", "float8")
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """The number format of the target's attention, FFN and output head, and of the draft model.
+
+    float32/bfloat16/float16 are the weights' and the compute's format; int8 and
+    float8 are weight-only formats computed in bfloat16 (specdec.models.precision).
+    """
+
+    attention: str = "float32"
+    ffn: str = "float32"
+    head: str = "float32"
+    draft: str = "float32"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) not in FORMATS:
+                raise ConfigError(f"precision {f.name}={getattr(self, f.name)}: use one of {', '.join(FORMATS)}")
+
+    @staticmethod
+    def parse(spec: str) -> PrecisionPlan:
+        """A preset name (see PRESETS) or ``attention=bfloat16,ffn=int8,head=bfloat16,draft=float8`` (unnamed parts: float32)."""
+        if spec in PRESETS:
+            return PRESETS[spec]
+        values: dict[str, str] = {}
+        names = {f.name for f in fields(PrecisionPlan)}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            key, _, value = part.partition("=")
+            if key not in names or not value:
+                raise ConfigError(
+                    f"bad precision '{spec}': use a preset ({', '.join(PRESETS)}) or component=format pairs "
+                    f"for {', '.join(sorted(names))} (formats: {', '.join(FORMATS)})"
+                )
+            values[key] = value
+        return PrecisionPlan(**values)
+
+    def describe(self) -> str:
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+
+PRESETS: dict[str, PrecisionPlan] = {
+    "fp32": PrecisionPlan(),
+    "bf16": PrecisionPlan("bfloat16", "bfloat16", "bfloat16", "bfloat16"),
+    # The seed's plan (section 5.2): draft in fp8, attention in fp16, FFN in int8.
+    "seed": PrecisionPlan(attention="float16", ffn="int8", head="float16", draft="float8"),
+    # The best plan measured on this project's CPU within the perplexity bound (BENCHMARKS.md).
+    "cpu": PrecisionPlan(attention="bfloat16", ffn="int8", head="int8", draft="bfloat16"),
+}
+
+
 RUNTIMES = ("transformers", "llama.cpp")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -66,6 +118,7 @@ class RuntimeConfig:
     dtype: str = "float32"  # transformers weights
     threads: int | None = None  # llama.cpp threads; None = every core
     ubatch: int | None = None  # llama.cpp micro-batch; 1 = verification bit-identical to one-token decoding
+    precision: PrecisionPlan | None = None  # per-component formats (transformers); replaces dtype when set
 
     def __post_init__(self) -> None:
         if self.backend not in RUNTIMES:
@@ -76,6 +129,10 @@ class RuntimeConfig:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if self.ubatch is not None and self.ubatch < 1:
             raise ConfigError(f"ubatch must be >= 1, got {self.ubatch}")
+        if self.precision is not None and self.backend != "transformers":
+            raise ConfigError(
+                "--precision plans apply to the transformers backend; llama.cpp's format is its GGUF file's quantization type"
+            )
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p")

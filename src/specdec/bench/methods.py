@@ -18,6 +18,7 @@ from specdec.engine import Generator
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel, Target, load_model, resolve
 from specdec.models.llamacpp import INSTALL, end_of_generation_ids
+from specdec.models.precision import convert_draft
 from specdec.models.target import gguf_path
 
 PEER_METHODS = "hf-greedy, hf-prompt-lookup, hf-assisted:MODEL, llamacpp-greedy, llamacpp-prompt-lookup"
@@ -130,7 +131,9 @@ class TransformersMethod:
             self.kwargs = {"prompt_lookup_num_tokens": config.k}
         else:  # hf-assisted:MODEL
             self.k = config.k
-            assistant = load_model(spec.split(":", 1)[1], dtype=runtime.dtype)
+            assistant = load_model(spec.split(":", 1)[1], dtype="float32" if runtime.precision else runtime.dtype)
+            if runtime.precision is not None:
+                convert_draft(assistant.model, runtime.precision.draft)
             self.kwargs = {"assistant_model": assistant.model}
             if assistant.vocab_size != target.vocab_size:  # transformers' universal assisted decoding
                 self.kwargs |= {"tokenizer": target.tokenizer, "assistant_tokenizer": assistant.tokenizer}

@@ -92,7 +92,7 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
 
     runtime = config.runtime
     needs_hf = runtime.backend == "transformers" or any(s.startswith("hf-") for s in specs)
-    hf_model = load_model(config.target, dtype=runtime.dtype) if needs_hf else None
+    hf_model = load_model(config.target, dtype="float32" if runtime.precision else runtime.dtype) if needs_hf else None
     target = open_target(hf_model if hf_model is not None and runtime.backend == "transformers" else config.target, runtime)
     if target.tokenizer is None:
         raise ConfigError(f"target '{config.target}' has no tokenizer; the benchmark needs one to encode prompts")
@@ -152,7 +152,7 @@ def machine_info(runtime: RuntimeConfig) -> dict[str, object]:
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "dtype": runtime.dtype,
+        "dtype": runtime.precision.describe() if runtime.precision else runtime.dtype,
         "backend": runtime.backend,
         "threads": runtime.threads,
         "python": platform.python_version(),

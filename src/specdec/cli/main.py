@@ -18,9 +18,12 @@ from specdec.bench.methods import PEER_METHODS
 from specdec.bench.runner import DEFAULT_METHODS
 from specdec.config import (
     DTYPES,
+    FORMATS,
     K_POLICIES,
+    PRESETS,
     RUNTIMES,
     GenerationConfig,
+    PrecisionPlan,
     RuntimeConfig,
     SamplingConfig,
 )
@@ -57,9 +60,20 @@ Threads = Annotated[int | None, typer.Option(help="CPU threads for llama.cpp (de
 KPolicyOpt = Annotated[
     str, typer.Option(help=f"How k is chosen per step: {', '.join(K_POLICIES)} (cost-model prices this machine's target forwards).")
 ]
+Precision = Annotated[
+    str | None,
+    typer.Option(
+        help=f"Precision plan (transformers; replaces --dtype): a preset ({', '.join(PRESETS)}) or parts like "
+        "attention=bfloat16,ffn=int8,head=int8,draft=bfloat16 (formats: " + ", ".join(FORMATS) + ")."
+    ),
+]
 Ubatch = Annotated[
     int | None, typer.Option(help="llama.cpp micro-batch; 1 makes greedy verification bit-identical to one-token decoding (slower).")
 ]
+
+
+def runtime_config(backend: str, dtype: str, threads: int | None, ubatch: int | None, precision: str | None) -> RuntimeConfig:
+    return RuntimeConfig(backend, dtype, threads, ubatch, PrecisionPlan.parse(precision) if precision else None)
 
 
 @app.command()
@@ -77,6 +91,7 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Random seed, for reproducible sampling.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     dtype: Dtype = "float32",
+    precision: Precision = None,
     backend: BackendOpt = "transformers",
     threads: Threads = None,
     ubatch: Ubatch = None,
@@ -97,7 +112,7 @@ def generate(
     if not prompt.strip():
         raise SpecDecError("the prompt is empty: pass some text to continue")
     with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
-        generator = Generator(target, draft, config, RuntimeConfig(backend, dtype, threads, ubatch))
+        generator = Generator(target, draft, config, runtime_config(backend, dtype, threads, ubatch, precision))
     if stream and not as_json:
         run = generator.stream(prompt)
         for piece in run:
@@ -174,6 +189,7 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Timed passes over all prompts (methods take turns per prompt, order rotated).")] = 1,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     dtype: Dtype = "float32",
+    precision: Precision = None,
     backend: BackendOpt = "transformers",
     threads: Threads = None,
     ubatch: Ubatch = None,
@@ -206,7 +222,7 @@ def bench(
         temperature=temperature,
         repeats=repeats,
         seed=seed,
-        runtime=RuntimeConfig(backend, dtype, threads, ubatch),
+        runtime=runtime_config(backend, dtype, threads, ubatch, precision),
         strict=strict,
         quick=quick,
     )
@@ -252,6 +268,50 @@ def models() -> None:
 
 @app.command()
 @user_errors
+def ppl(
+    data: Annotated[str, typer.Option(help="Text or JSONL file to score.")],
+    target: Target = DEFAULT_TARGET,
+    precision: Annotated[str, typer.Option(help=f"Precision plan: a preset ({', '.join(PRESETS)}) or component=format parts.")] = "bf16",
+    max_tokens: Annotated[int, typer.Option(help="Tokens of the file to score.")] = 8192,
+    window: Annotated[int, typer.Option(help="Tokens per scored window (each scored from its own start).")] = 512,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Perplexity of the target under a precision plan, and its difference from float32 on the same tokens."""
+    from rich.progress import Progress
+
+    from specdec.bench.perplexity import perplexity
+
+    plan = PrecisionPlan.parse(precision)
+    with Progress(console=err, transient=True) as progress:
+        tasks: dict[str, object] = {}
+
+        def report(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = progress.add_task(f"scoring ({label})", total=total)
+            progress.update(tasks[label], completed=done)
+
+        result = perplexity(target, plan, data, max_tokens=max_tokens, window=window, progress=report)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "plan": result.plan,
+                    "perplexity": result.perplexity,
+                    "float32_perplexity": result.float32_perplexity,
+                    "delta": result.delta,
+                    "tokens": result.tokens,
+                }
+            )
+        )
+        return
+    Console().print(
+        f"{target} [{result.plan}]: perplexity {result.perplexity:.3f} vs float32 {result.float32_perplexity:.3f} "
+        f"(delta {result.delta:+.3f}) on {result.tokens:,} tokens of {data}"
+    )
+
+
+@app.command()
+@user_errors
 def distill(
     data: Annotated[
         list[str], typer.Option(help="Training text: files, folders, JSONL (prompt-only records are continued by the target). Repeatable.")
@@ -266,6 +326,11 @@ def distill(
     seq_len: Annotated[int, typer.Option(help="Tokens per chunk.")] = 128,
     lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine schedule).")] = 1e-3,
     teacher_tokens: Annotated[int, typer.Option(help="Tokens of data the target scores once (top-k kept).")] = 400_000,
+    on_policy_tokens: Annotated[
+        int, typer.Option(help="Of those, tokens the target writes itself, continuing prompts drawn from the data (on-policy).")
+    ] = 0,
+    continue_tokens: Annotated[int, typer.Option(help="Longest continuation the target writes per prompt.")] = 128,
+    generate_batch: Annotated[int, typer.Option(help="Prompts the target continues at once.")] = 16,
     top_k: Annotated[int, typer.Option(help="Teacher entries kept per position.")] = 32,
     eval_every: Annotated[int, typer.Option(help="Steps between held-out acceptance evaluations.")] = 100,
     checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints.")] = 50,
@@ -287,6 +352,9 @@ def distill(
         seq_len=seq_len,
         lr=lr,
         teacher_tokens=teacher_tokens,
+        on_policy_tokens=on_policy_tokens,
+        continue_tokens=continue_tokens,
+        generate_batch=generate_batch,
         top_k=top_k,
         eval_every=eval_every,
         checkpoint_every=checkpoint_every,

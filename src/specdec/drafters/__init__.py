@@ -7,7 +7,7 @@ from dataclasses import replace
 from specdec.config import RuntimeConfig
 from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter
-from specdec.drafters.distilled import ReducedVocabBackend, is_distilled_draft, load_draft
+from specdec.drafters.distilled import ReducedVocabBackend, is_distilled_draft, load_draft, read_meta
 from specdec.drafters.fallback import FallbackDrafter
 from specdec.drafters.layer_skip import shallow_view
 from specdec.drafters.model import ModelDrafter
@@ -16,6 +16,7 @@ from specdec.drafters.none import NoDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError
 from specdec.models import Target, TransformersBackend, open_target
+from specdec.models.precision import convert_draft
 from specdec.models.registry import bundled_draft
 
 DRAFT_SPECS = (
@@ -47,21 +48,27 @@ def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeCon
                 f"no draft ships with specdec for '{target.name}' (one does for gemma-3-270m): distill one with "
                 "`specdec distill` and pass --draft model:DIR, or use --draft prompt-lookup"
             )
-        return FallbackDrafter(PromptLookupDrafter(), _distilled(str(folder), target))
+        return FallbackDrafter(PromptLookupDrafter(), _distilled(str(folder), target, runtime))
     if kind == "model" and is_distilled_draft(arg):
-        return _distilled(arg, target)
+        return _distilled(arg, target, runtime)
     if kind in ("model", "gguf") and arg:
-        draft = open_target(arg, replace(runtime, backend="transformers" if kind == "model" else "llama.cpp"))
+        draft = open_target(arg, replace(runtime, backend="transformers" if kind == "model" else "llama.cpp", precision=None))
+        if runtime.precision is not None and kind == "model":
+            convert_draft(draft.backend.model, runtime.precision.draft)
         if draft.backend.vocab_size == target.backend.vocab_size or draft.tokenizer is None or target.tokenizer is None:
             return ModelDrafter(draft.backend)  # the engine refuses a vocabulary mismatch it cannot re-tokenize
         return CrossTokenizerDrafter(draft.backend, draft.tokenizer, target.tokenizer, draft.eos_ids)
     raise ConfigError(f"unknown draft '{spec}': use one of {DRAFT_SPECS}")
 
 
-def _distilled(folder: str, target: Target) -> ModelDrafter:
+def _distilled(folder: str, target: Target, runtime: RuntimeConfig) -> ModelDrafter:
     if not isinstance(target.backend, TransformersBackend):
         raise ConfigError("a distilled draft runs on the target's own embedding in torch: use --backend transformers")
-    return ModelDrafter(ReducedVocabBackend(load_draft(folder, target.backend.model), target.backend.vocab_size))
+    draft = load_draft(folder, target.backend.model)
+    if runtime.precision is not None and not read_meta(folder)["arch"].get("exit"):  # an exit draft's layers are the target's
+        convert_draft(draft, runtime.precision.draft)
+    backend = ReducedVocabBackend(draft, target.backend.vocab_size)
+    return ModelDrafter(backend, min_confidence=read_meta(folder).get("min_confidence", 0.0))
 
 
 __all__ = [

@@ -102,10 +102,15 @@ def save_draft(draft: PreTrainedModel, folder: str | Path, meta: dict, dtype: to
     (folder / DRAFT_META).write_text(json.dumps(meta, indent=1))
 
 
+def read_meta(folder: str | Path) -> dict:
+    """How a draft was distilled, and its calibrated ``min_confidence`` (0 when the folder predates calibration)."""
+    return json.loads((Path(folder) / DRAFT_META).read_text())
+
+
 def load_draft(folder: str | Path, target: PreTrainedModel) -> PreTrainedModel:
     """A saved draft on ``target``'s embedding, in the target's dtype."""
     folder = Path(folder)
-    meta = json.loads((folder / DRAFT_META).read_text())
+    meta = read_meta(folder)
     config = AutoConfig.from_pretrained(folder)
     tensors = load_file(str(folder / "model.safetensors"))
     keep_ids = tensors.pop("keep_ids")

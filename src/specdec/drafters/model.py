@@ -11,10 +11,15 @@ from specdec.verification.shaping import to_probs
 
 
 class ModelDrafter:
-    """Drafts k tokens with a small model; its cache keeps exactly the accepted prefix between steps."""
+    """Drafts k tokens with a small model; its cache keeps exactly the accepted prefix between steps.
 
-    def __init__(self, backend: Backend) -> None:
+    ``min_confidence`` is the draft's own floor (a distilled draft calibrates one
+    on held-out data): below it, its guesses are too rarely right to pay for.
+    """
+
+    def __init__(self, backend: Backend, min_confidence: float = 0.0) -> None:
         self.backend = backend
+        self.min_confidence = min_confidence
         self.vocab_size: int | None = backend.vocab_size
         self._context_length = 0
 
@@ -30,6 +35,7 @@ class ModelDrafter:
         # Feed whatever the cache has not seen yet: the tokens accepted since the last step.
         logits = self.backend.forward(context[:, self.backend.cached_length :], last=1)[:, -1]
         self._context_length = context.shape[1]
+        min_confidence = max(min_confidence, self.min_confidence)
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for i in range(k):

@@ -57,7 +57,10 @@ class TransformersBackend:
     def identity(self) -> str:
         config = self.model.config
         weights = sum(p.numel() for p in self.model.parameters())
-        return f"transformers|{config.name_or_path or config.model_type}|{weights}|{self.model.dtype}|{self.device}|threads={torch.get_num_threads()}"
+        precision = getattr(self.model, "specdec_precision", self.model.dtype)
+        return (
+            f"transformers|{config.name_or_path or config.model_type}|{weights}|{precision}|{self.device}|threads={torch.get_num_threads()}"
+        )
 
     @property
     def cached_length(self) -> int:

@@ -9,6 +9,7 @@ from specdec.config import RuntimeConfig
 from specdec.errors import ConfigError
 from specdec.models.backend import Backend, TransformersBackend
 from specdec.models.loading import LoadedModel, load_model
+from specdec.models.precision import apply_plan
 from specdec.models.registry import ALIASES, resolve
 
 
@@ -36,7 +37,9 @@ def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig
         name = model.name if isinstance(model, LoadedModel) else model
         backend = LlamaCppBackend(gguf_path(name), threads=runtime.threads, ubatch=runtime.ubatch)
         return Target(name, backend, backend.tokenizer, backend.eos_ids)
-    loaded = load_model(model, dtype=runtime.dtype) if isinstance(model, str) else model
+    loaded = load_model(model, dtype="float32" if runtime.precision else runtime.dtype) if isinstance(model, str) else model
+    if runtime.precision is not None:
+        apply_plan(loaded.model, runtime.precision)
     return Target(loaded.name, TransformersBackend(loaded.model), loaded.tokenizer, eos_ids(loaded))
 
 

@@ -15,7 +15,9 @@ Two phases, both resumable from the output folder:
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -31,6 +33,7 @@ from specdec.engine import Generator
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
 from specdec.training.ngram import JSONL_TEXT_FIELDS, corpus_files, documents, jsonl_records, record_text
+from specdec.training.on_policy import chat_template_of, continue_prompts, corpus_prompts
 
 TEACHER_FILE = "teacher.pt"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -81,16 +84,31 @@ class DistillConfig:
     batch: int = 8  # chunks per step
     seq_len: int = 128
     lr: float = 1e-3
-    teacher_tokens: int = 400_000  # corpus tokens the target scores
+    teacher_tokens: int = 400_000  # tokens of data the target scores
+    on_policy_tokens: int = 0  # of those, how many the target writes itself (continuing prompts drawn from the data)
+    continue_tokens: int = 128  # the longest continuation the target writes per prompt
+    generate_batch: int = 16  # prompts the target continues at once
     top_k: int = 32  # teacher entries kept per position
     eval_every: int = 100
     checkpoint_every: int = 50
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch", "seq_len", "teacher_tokens", "top_k", "eval_every", "checkpoint_every"):
+        for name in (
+            "steps",
+            "batch",
+            "seq_len",
+            "teacher_tokens",
+            "top_k",
+            "eval_every",
+            "checkpoint_every",
+            "continue_tokens",
+            "generate_batch",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.on_policy_tokens <= self.teacher_tokens:
+            raise ConfigError(f"on_policy_tokens must be between 0 and teacher_tokens ({self.teacher_tokens}), got {self.on_policy_tokens}")
         if not self.data:
             raise ConfigError("no training data: pass --data with text files, folders or JSONL prompt files")
 
@@ -107,24 +125,45 @@ class TeacherData:
 Progress = Callable[[str, float, float, dict], None]  # phase, done, total, figures
 
 
-def collect_tokens(target: LoadedModel, sources: tuple[str, ...], limit: int, progress: Progress) -> list[int]:
-    """Up to ``limit`` target tokens: corpus text as it is, prompt-only JSONL records continued by the target."""
+def collect_tokens(target: LoadedModel, config: DistillConfig, progress: Progress) -> list[int]:
+    """``config.teacher_tokens`` target tokens: corpus text as it is, then the target's own continuations.
+
+    Corpus text is read from the files in a seeded random order. The
+    continuations (on-policy) are of prompt-only JSONL records among the
+    data, then of prompts drawn from the corpus, until ``on_policy_tokens`` of
+    them are written; they come last, so the held-out chunks are on-policy.
+    """
     tokenizer = target.tokenizer
     if tokenizer is None:
         raise ConfigError(f"target '{target.name}' has no tokenizer to read the training text with")
-    generator: Generator | None = None
+    eos = [tokenizer.eos_token_id or 0]
+    corpus_limit = config.teacher_tokens - config.on_policy_tokens
     stream: list[int] = []
-    for path in corpus_files(list(sources)):
+    prompts: list[str] = []
+    files = corpus_files(list(config.data))
+    random.Random(config.seed).shuffle(files)  # a sample of the whole corpus, not its first folder
+    for path in files:
+        if len(stream) >= corpus_limit and path.suffix != ".jsonl":
+            continue
         for text in _texts(path):
-            if isinstance(text, tuple):  # a prompt without a continuation: let the target write one
-                generator = generator or Generator(target, "prompt-lookup", GenerationConfig(k=8, max_new_tokens=96))
-                result = generator.generate(text[0])
-                text = text[0] + result.text
-            stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id or 0]
-            progress("reading data", min(len(stream), limit), limit, {})
-            if len(stream) >= limit:
-                return stream[:limit]
-    return stream
+            if isinstance(text, tuple):
+                prompts.append(text[0])
+            elif len(stream) < corpus_limit:
+                stream += tokenizer(text, add_special_tokens=False)["input_ids"] + eos
+                progress("reading data", min(len(stream), corpus_limit), corpus_limit, {})
+    stream = stream[:corpus_limit]
+    wanted = config.teacher_tokens - len(stream)
+    if config.on_policy_tokens or prompts:
+        drawn = corpus_prompts(list(config.data), config.seed, chat_template_of(target)) if config.on_policy_tokens else iter(())
+        written, started = 0, time.perf_counter()
+        for ids, new in continue_prompts(target, itertools.chain(prompts, drawn), config.continue_tokens, config.generate_batch):
+            stream += ids[1:] + eos if ids[:1] == [tokenizer.bos_token_id] else ids + eos
+            written += new
+            rate = written / max(time.perf_counter() - started, 1e-9)
+            progress("target writing on-policy data", min(len(stream) - corpus_limit, wanted), wanted, {"tokens_per_s": rate})
+            if len(stream) >= config.teacher_tokens:
+                break
+    return stream[: config.teacher_tokens]
 
 
 def _texts(path: Path) -> Iterator[str | tuple[str]]:
@@ -184,7 +223,7 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
         teacher = TeacherData(**torch.load(teacher_path))
     else:
         started = time.perf_counter()
-        stream = collect_tokens(target, config.data, config.teacher_tokens, progress)
+        stream = collect_tokens(target, config, progress)
         teacher = score_with_teacher(target, stream, config, progress)
         torch.save(asdict(teacher), teacher_path)
         teacher_s = time.perf_counter() - started
@@ -247,6 +286,7 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
             )
     draft.eval()
     record |= {"steps": step, "tokens_trained": step * config.batch * config.seq_len, "final_loss": loss_value}
+    record |= calibrate(draft, teacher)
     save_draft(draft, out, record)
     return record
 
@@ -256,6 +296,41 @@ def soft_cross_entropy(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: to
     teacher = torch.softmax(top_logp.float(), dim=-1)
     draft_logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, top_ids.long())
     return -(teacher * draft_logp).sum(-1).mean()
+
+
+@torch.inference_mode()
+def calibrate(draft, teacher: TeacherData, min_precision: float = 0.4, buckets: int = 10) -> dict:
+    """The draft's confidence floor: the lowest confidence from which its held-out top-1 guesses agree with the target at least ``min_precision`` of the time.
+
+    A draft token costs a draft step and pays only when accepted; below this
+    floor the drafter stops instead. ``min_precision`` leaves a margin over the
+    break-even point of a draft a few times cheaper than its target.
+    """
+    held, top_ids = teacher.tokens[-teacher.held_out :], teacher.top_ids[-teacher.held_out :, :, 0].long()
+    confidence, agree = [], []
+    for rows in torch.arange(len(held)).split(8):
+        probs = torch.softmax(draft(input_ids=held[rows]).logits.float(), dim=-1)
+        top = probs.max(dim=-1)
+        confidence.append(top.values.flatten())
+        agree.append((top.indices == top_ids[rows]).flatten().float())
+    conf, hit = torch.cat(confidence), torch.cat(agree)
+    bucket = (conf * buckets).long().clamp(max=buckets - 1)
+    table = [
+        {
+            "confidence": f"{b / buckets:.1f}-{(b + 1) / buckets:.1f}",
+            "share": float((bucket == b).float().mean()),
+            "agreement": float(hit[bucket == b].mean()),
+        }
+        for b in range(buckets)
+        if bool((bucket == b).any())
+    ]
+    floor = 1.0
+    for b in reversed(range(buckets)):  # walk down while every bucket above still agrees often enough
+        inside = bucket == b
+        if bool(inside.any()) and float(hit[inside].mean()) < min_precision:
+            break
+        floor = b / buckets
+    return {"min_confidence": floor, "calibration": table}
 
 
 @torch.inference_mode()

@@ -1,0 +1,164 @@
+"""Precision plans: a number format per model component, applied to any transformers causal LM.
+
+A plan names the format of the target's attention, its feed-forward blocks
+(FFN), its output head, and the draft model. Formats:
+
+- ``float32``, ``bfloat16``, ``float16``: the component's weights and compute.
+- ``int8``: weight-only int8 with one scale per output channel, computed by
+  torch's own int8-weight matmul kernel (``_weight_int8pack_mm``) in bfloat16.
+- ``float8``: e4m3 weights with one scale per output channel. On a CPU (and on
+  GPUs without float8 matmuls) they are stored in float8 and multiplied in
+  bfloat16 after dequantisation: the memory of float8, not its speed.
+
+Norms, embeddings and the residual stream run in float32 when any component
+does, else in bfloat16; each component casts its inputs to its own format and
+its outputs back. Attention runs in transformers' ``eager`` implementation in
+low-precision plans: its result for a position does not depend on how many
+positions are scored together (measured here: PyTorch's fused attention
+kernel's does), which speculative greedy decoding needs to reproduce one-token
+decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from specdec.config import PRESETS, PrecisionPlan
+from specdec.errors import ConfigError
+
+FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class QuantizedLinear(nn.Module):
+    """A weight-only quantized linear layer: int8 or float8 weights, one scale per output channel."""
+
+    def __init__(self, linear: nn.Linear, fmt: str) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        if fmt == "int8":
+            scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
+            stored = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        else:
+            scale = weight.abs().amax(dim=1).clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max
+            stored = (weight / scale[:, None]).to(torch.float8_e4m3fn)
+        self.format = fmt
+        self.register_buffer("weight_q", stored)
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantised weight (a bfloat16 copy: for inspection and slicing rows, not for the forward pass)."""
+        return self.weight_q.to(torch.bfloat16) * self.scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.format == "int8" and flat.device.type == "cpu":
+            out = torch._weight_int8pack_mm(flat, self.weight_q, self.scale)
+        else:  # dequantise: float8 everywhere, int8 off the CPU
+            out = flat @ self.weight.T
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
+    """Convert a target model, in place, to ``plan``; returns it."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers):
+        raise ConfigError(
+            f"precision plans need decoder layers with 'self_attn' and 'mlp' modules; {type(model).__name__} has none: use --dtype instead"
+        )
+    if getattr(model, "specdec_precision", None) == plan.describe():
+        return model  # already converted (a model shared between specdec and transformers' own methods)
+    if hasattr(model, "specdec_precision"):
+        raise ConfigError(f"this model already runs the precision plan {model.specdec_precision}: load it again for another plan")
+    residual = torch.float32 if "float32" in (plan.attention, plan.ffn, plan.head) else torch.bfloat16
+    model.specdec_precision = plan.describe()
+    model.to(residual)
+    if plan != PRESETS["fp32"]:
+        model.set_attn_implementation("eager")
+    for layer in layers:
+        _convert(layer.self_attn, plan.attention, residual)
+        _convert(layer.mlp, plan.ffn, residual)
+    head = model.get_output_embeddings()
+    compute = _compute_dtype(plan.head)
+    if plan.head in ("int8", "float8"):
+        new_head: nn.Module = QuantizedLinear(head, plan.head)
+    elif compute != residual:  # a copy: a tied embedding keeps the residual format
+        new_head = nn.Linear(head.in_features, head.out_features, bias=False, dtype=compute)
+        new_head.weight = nn.Parameter(head.weight.detach().to(compute).clone(), requires_grad=False)
+    else:
+        return model
+    model.config.tie_word_embeddings = False
+    model.set_output_embeddings(new_head)
+    _hook_casts(new_head, compute, residual)
+    return model
+
+
+def convert_draft(draft: PreTrainedModel, fmt: str) -> PreTrainedModel:
+    """A draft's own layers and head in ``fmt``; its embedding (perhaps the target's, shared) stays as it is."""
+    residual = draft.get_input_embeddings().weight.dtype
+    for layer in draft.model.layers:
+        _convert(layer, fmt, residual)
+    head = draft.get_output_embeddings()
+    if fmt in ("int8", "float8"):
+        head = QuantizedLinear(head, fmt)
+        draft.set_output_embeddings(head)
+    else:
+        head.to(_compute_dtype(fmt))
+    _hook_casts(head, _compute_dtype(fmt), residual)
+    draft.specdec_precision = fmt
+    return draft
+
+
+def _compute_dtype(fmt: str) -> torch.dtype:
+    return FLOAT_FORMATS.get(fmt, torch.bfloat16)
+
+
+def _convert(module: nn.Module, fmt: str, residual: torch.dtype) -> None:
+    compute = _compute_dtype(fmt)
+    module.to(compute)
+    if fmt in ("int8", "float8"):
+        _quantize_linears(module, fmt)
+    _hook_casts(module, compute, residual)
+
+
+def _hook_casts(module: nn.Module, compute: torch.dtype, residual: torch.dtype) -> None:
+    """Inputs into the component's format, outputs back into the residual stream's."""
+    if compute != residual:
+        module.register_forward_pre_hook(_cast_inputs(compute), with_kwargs=True)
+        module.register_forward_hook(_cast_output(residual))
+
+
+def _quantize_linears(module: nn.Module, fmt: str) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, QuantizedLinear(child, fmt))
+        else:
+            _quantize_linears(child, fmt)
+
+
+def _cast(value: object, dtype: torch.dtype) -> object:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    if isinstance(value, tuple):
+        return tuple(_cast(v, dtype) for v in value)
+    return value
+
+
+def _cast_inputs(dtype: torch.dtype):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return _cast(args, dtype), {k: _cast(v, dtype) for k, v in kwargs.items()}  # type: ignore[return-value]
+
+    return hook
+
+
+def _cast_output(dtype: torch.dtype):
+    def hook(module: nn.Module, args: tuple, output: object) -> object:
+        return _cast(output, dtype)
+
+    return hook

@@ -1,0 +1,113 @@
+"""On-policy distillation data: prompts drawn from the corpus, continued by the target itself, in batches.
+
+A draft is judged on the target's own outputs, not on corpus text, so it should
+learn from them: the chat answers, summaries and code continuations the target
+writes. Prompts come in the three shapes users send (a plain text to continue, a
+``User: ... / Assistant:`` request, the model's own chat template), built from
+random passages of the corpus so that any corpus yields them, for any target.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from specdec.errors import ConfigError
+from specdec.models import LoadedModel
+from specdec.models.target import eos_ids
+from specdec.training.ngram import corpus_files, documents
+
+# Requests about a passage; the passage follows on its own lines.
+PASSAGE_REQUESTS = (
+    "Summarize this in two sentences.",
+    "Explain what this means in simple terms.",
+    "What is the main point of this text?",
+    "List the key facts in this text.",
+    "Rewrite this more clearly.",
+    "Explain what this code does.",
+    "Continue this text.",
+    "Write three questions a reader might ask about this, and answer them.",
+)
+# Questions about a topic named in the corpus (a heading, a function or class name).
+TOPIC_QUESTIONS = (
+    "Can you explain {} in simple terms?",
+    "What is {} and when would I use it?",
+    "Give me a short example of {}.",
+    "What are common mistakes with {}?",
+)
+_HEADING = re.compile(r"^(?:#{1,4}\s+(.{4,60})|(?:def|class)\s+([A-Za-z_]\w{3,40}))", re.MULTILINE)
+
+
+def corpus_prompts(sources: list[str], seed: int, chat_template: Callable[[str], str] | None) -> Iterator[str]:
+    """An endless, seeded stream of prompts built from random passages of the corpus files."""
+    files = [f for f in corpus_files(sources) if f.suffix != ".jsonl"]
+    if not files:
+        raise ConfigError("on-policy data needs text files or folders among --data to draw prompts from")
+    rng = random.Random(seed)
+    for index in range(10**12):
+        text = _random_document(rng, files)
+        if not text:
+            continue
+        passage = _passage(rng, text, rng.randint(200, 700))
+        shape = index % 4
+        if shape == 0:
+            yield passage
+        elif shape == 1:
+            yield f"User: {rng.choice(PASSAGE_REQUESTS)}\n\n{passage}\nAssistant:"
+        elif shape == 2 and chat_template is not None:
+            yield chat_template(f"{rng.choice(PASSAGE_REQUESTS)}\n\n{passage}")
+        elif topics := [a or b for a, b in _HEADING.findall(text)]:
+            yield f"User: {rng.choice(TOPIC_QUESTIONS).format(rng.choice(topics).strip())}\nAssistant:"
+        else:
+            yield passage
+
+
+def _random_document(rng: random.Random, files: list[Path]) -> str:
+    docs = [text for text, _ in documents(rng.choice(files))]
+    return rng.choice(docs) if docs else ""
+
+
+def _passage(rng: random.Random, text: str, length: int) -> str:
+    """About ``length`` characters of ``text`` starting and ending on line boundaries."""
+    if len(text) <= length:
+        return text.strip()
+    start = text.rfind("\n", 0, rng.randrange(len(text) - length)) + 1
+    end = text.find("\n", start + length)
+    return text[start : end if end > 0 else len(text)].strip()
+
+
+def chat_template_of(target: LoadedModel) -> Callable[[str], str] | None:
+    """The target's own chat format for one user message, when its tokenizer has one."""
+    tokenizer = target.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    return lambda message: tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
+
+
+@torch.inference_mode()
+def continue_prompts(target: LoadedModel, prompts: Iterator[str], max_new_tokens: int, batch: int) -> Iterator[tuple[list[int], int]]:
+    """(prompt ids + the target's greedy continuation up to its end-of-sequence token, continuation length), ``batch`` prompts at a time."""
+    tokenizer = target.tokenizer
+    if tokenizer is None:
+        raise ConfigError(f"target '{target.name}' has no tokenizer to write prompts with")
+    stops = sorted(eos_ids(target)) or [-1]  # the tokens that end the target's turn, as in the engine
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else max(stops[0], 0)
+    bos = getattr(tokenizer, "bos_token", None)
+    while group := [p for _, p in zip(range(batch), prompts, strict=False)]:
+        # A chat template already writes the beginning-of-sequence token; do not add a second one.
+        encoded = [tokenizer(p, add_special_tokens=not (bos and p.startswith(bos)))["input_ids"][-512:] for p in group]
+        width = max(map(len, encoded))
+        ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
+        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = target.model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=stops
+            )
+        for prompt, row in zip(encoded, out[:, width:].tolist(), strict=True):
+            ends = [i for i, t in enumerate(row) if t in stops]
+            written = row[: ends[0] + 1] if ends else row
+            yield prompt + written, len(written)

@@ -1,0 +1,130 @@
+"""Precision plans: parsing, conversion per component, greedy identity within a plan, perplexity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import char_tokenizer, loaded, tiny_gemma3, tiny_llama
+from typer.testing import CliRunner
+
+from specdec import Generator
+from specdec.bench.perplexity import perplexity
+from specdec.cli.main import app
+from specdec.config import PRESETS, PrecisionPlan, RuntimeConfig
+from specdec.errors import ConfigError
+from specdec.models.precision import QuantizedLinear, apply_plan, convert_draft
+
+PROMPTS = ["the cat sat", "a dog and a log", "xyz 123", "Hello, world!"]
+
+
+def test_plans_parse_from_presets_and_parts() -> None:
+    assert PrecisionPlan.parse("fp32") == PrecisionPlan()
+    assert PrecisionPlan.parse("seed") == PrecisionPlan(attention="float16", ffn="int8", head="float16", draft="float8")
+    assert PrecisionPlan.parse("ffn=int8, head=bfloat16") == PrecisionPlan(ffn="int8", head="bfloat16")
+    with pytest.raises(ConfigError, match="int4: use one of"):
+        PrecisionPlan.parse("ffn=int4")
+    with pytest.raises(ConfigError, match="preset"):
+        PrecisionPlan.parse("mlp=int8")
+    with pytest.raises(ConfigError, match="GGUF"):
+        RuntimeConfig(backend="llama.cpp", precision=PRESETS["bf16"])
+
+
+def test_int8_and_float8_linears_stay_close_to_float() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=True)
+    x = torch.randn(3, 5, 64)
+    expected = linear(x)
+    for fmt, tolerance in (("int8", 0.03), ("float8", 0.08)):
+        quantized = QuantizedLinear(linear, fmt)
+        assert quantized.weight_q.dtype == (torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
+        got = quantized(x).float()
+        assert got.shape == expected.shape
+        assert float((got - expected).norm() / expected.norm()) < tolerance, fmt
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_each_preset_converts_every_component_and_stays_close(preset: str) -> None:
+    reference = tiny_gemma3(0)
+    model = tiny_gemma3(0)
+    plan = PRESETS[preset]
+    apply_plan(model, plan)
+    ids = torch.randint(3, 96, (1, 20))
+    with torch.inference_mode():
+        base, got = reference(ids).logits, model(ids).logits.float()
+    assert float((got - base).abs().max()) < 0.1 * float(base.abs().max())
+    layer = model.model.layers[0]
+    for module, fmt in ((layer.self_attn, plan.attention), (layer.mlp, plan.ffn), (model.get_output_embeddings(), plan.head)):
+        quantized = [m for m in module.modules() if isinstance(m, QuantizedLinear)]
+        if fmt in ("int8", "float8"):
+            assert quantized and all(m.format == fmt for m in quantized)
+        else:
+            assert not quantized and all(p.dtype == getattr(torch, fmt) for p in module.parameters())
+    assert model.get_input_embeddings().weight.shape == reference.get_input_embeddings().weight.shape
+
+
+def test_a_plan_applies_once_and_refuses_a_second_plan() -> None:
+    model = tiny_llama(0)
+    apply_plan(model, PRESETS["bf16"])
+    apply_plan(model, PRESETS["bf16"])  # the same plan again: nothing to do
+    with pytest.raises(ConfigError, match="load it again"):
+        apply_plan(model, PRESETS["cpu"])
+
+
+@pytest.mark.parametrize("preset", ["bf16", "seed", "cpu"])
+def test_speculative_greedy_equals_target_only_greedy_of_the_same_plan(preset: str) -> None:
+    tokenizer = char_tokenizer()
+    runtime = RuntimeConfig(precision=PRESETS[preset])
+    target = Generator(loaded(tiny_gemma3(1, vocab=len(tokenizer)), tokenizer=tokenizer), "none", runtime=runtime)
+    for drafter in ("prompt-lookup", "layerskip:2"):
+        drafted = Generator(target.target, drafter, runtime=runtime)
+        for prompt in PROMPTS:
+            expected = target.generate(prompt, max_new_tokens=24, stop_on_eos=False).token_ids
+            got = drafted.generate(prompt, max_new_tokens=24, k=4, k_policy="fixed", stop_on_eos=False).token_ids
+            assert got == expected, (preset, drafter, prompt)
+
+
+def test_a_draft_model_runs_in_the_plans_draft_format() -> None:
+    target, draft = tiny_llama(0), tiny_llama(1)
+    convert_draft(draft, "float8")
+    assert all(isinstance(layer.mlp.down_proj, QuantizedLinear) for layer in draft.model.layers)
+    assert draft.get_input_embeddings().weight.dtype == torch.float32  # the embedding (maybe shared) is left alone
+    generator = Generator(loaded(target), "none")
+    from specdec.drafters import ModelDrafter
+    from specdec.models import TransformersBackend
+
+    drafted = Generator(generator.target, ModelDrafter(TransformersBackend(draft)))
+    ids = [5, 9, 11, 20]
+    expected = generator.generate(ids, max_new_tokens=16, stop_on_eos=False).token_ids
+    assert drafted.generate(ids, max_new_tokens=16, k=3, k_policy="fixed", stop_on_eos=False).token_ids == expected
+
+
+@pytest.fixture
+def tiny_model_folder(tmp_path: Path) -> Path:
+    tokenizer = char_tokenizer()
+    folder = tmp_path / "tiny-gemma"
+    tiny_gemma3(2, vocab=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_perplexity_against_float32_on_the_same_tokens(tiny_model_folder: Path, tmp_path: Path) -> None:
+    data = tmp_path / "text.txt"
+    data.write_text("the cat sat on the mat. " * 40)
+    same = perplexity(str(tiny_model_folder), PRESETS["fp32"], str(data), max_tokens=600, window=128)
+    assert same.tokens == 600 and same.delta == 0.0 and same.perplexity > 1
+    low = perplexity(str(tiny_model_folder), PRESETS["cpu"], str(data), max_tokens=600, window=128)
+    assert low.float32_perplexity == same.float32_perplexity
+    assert low.perplexity != same.perplexity and abs(low.delta) < 0.05 * same.perplexity
+    result = CliRunner().invoke(
+        app, ["ppl", "--target", str(tiny_model_folder), "--data", str(data), "--precision", "cpu", "--max-tokens", "300", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["plan"] == PRESETS["cpu"].describe() and report["tokens"] == 300
+    missing = CliRunner().invoke(app, ["ppl", "--target", str(tiny_model_folder), "--data", str(tmp_path / "nope.txt")])
+    assert missing.exit_code == 2 and "not a file" in missing.output
+    bad = CliRunner().invoke(app, ["generate", "hi", "--target", str(tiny_model_folder), "--precision", "ffn=int3"])
+    assert bad.exit_code == 2 and "int3" in bad.output
