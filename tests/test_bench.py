@@ -165,3 +165,14 @@ def test_bench_argument_errors(tiny_folder: Path, prompts: Path, tmp_path: Path)
     assert refused.exit_code == 2 and "--overwrite" in refused.output
     bad_k = _bench(tiny_folder, prompts, tmp_path / "o3", "--k", "2,x")
     assert bad_k.exit_code == 2 and "--k" in bad_k.output
+
+
+def test_bench_runs_a_precision_plan(tiny_folder: Path, prompts: Path, tmp_path: Path) -> None:
+    out = tmp_path / "plan"
+    result = _bench(tiny_folder, prompts, out, "--precision", "cpu", "--methods", "none,prompt-lookup,hf-greedy", "--strict")
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["machine"]["dtype"] == "attention=bfloat16,ffn=int8,head=int8,draft=bfloat16"
+    assert results["greedy_identical_share"]["prompt-lookup@k4"] == 1.0  # the same plan's target-only output
+    refused = _bench(tiny_folder, prompts, tmp_path / "p2", "--precision", "cpu", "--backend", "llama.cpp")
+    assert refused.exit_code == 2 and "GGUF" in refused.output

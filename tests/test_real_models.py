@@ -72,3 +72,19 @@ def test_demo_runs_on_the_default_model(gemma) -> None:
     out = CliRunner().invoke(app, ["demo", "--max-new-tokens", "24"])
     assert out.exit_code == 0, out.output
     assert "speed-up" in out.stdout and "identical" in out.stdout
+
+
+@pytest.mark.parametrize("preset", ["bf16", "cpu"])
+def test_gemma_low_precision_speculation_equals_target_only_of_the_same_plan(preset: str) -> None:
+    from specdec.config import PRESETS, RuntimeConfig
+
+    runtime = RuntimeConfig(precision=PRESETS[preset])
+    baseline = Generator("gemma-3-270m", "none", runtime=runtime)
+    drafted = Generator(baseline.target, "prompt-lookup", runtime=runtime)
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = baseline.generate(prompt, max_new_tokens=32).token_ids
+        got = drafted.generate(prompt, max_new_tokens=32, k=4, k_policy="fixed")
+        assert got.token_ids == expected, (preset, prompt)
+        accepted += got.stats.draft_tokens_accepted
+    assert accepted > 0

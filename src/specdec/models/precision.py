@@ -12,23 +12,45 @@ A plan names the format of the target's attention, its feed-forward blocks
 
 Norms, embeddings and the residual stream run in float32 when any component
 does, else in bfloat16; each component casts its inputs to its own format and
-its outputs back. Attention runs in transformers' ``eager`` implementation in
-low-precision plans: its result for a position does not depend on how many
-positions are scored together (measured here: PyTorch's fused attention
-kernel's does), which speculative greedy decoding needs to reproduce one-token
-decoding.
+its outputs back.
+
+Speculative greedy decoding reproduces one-token decoding only if a position's
+result does not depend on how many positions are scored together. In 16-bit
+formats two kernels broke that on this project's CPU (measured, BENCHMARKS.md):
+PyTorch's fused attention, so low-precision plans use transformers' ``eager``
+attention; and the matrix multiply, which rounds a lone row differently from
+the same row among two or more, so low-precision linear layers compute a lone
+row as two identical rows (``stable_rows``): decode and verification then run
+the same kernel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import PreTrainedModel
 
 from specdec.config import PRESETS, PrecisionPlan
 from specdec.errors import ConfigError
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def stable_rows(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``matmul`` over the rows of ``x`` [..., in], a lone row computed as two, so it goes through the many-row kernel."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = matmul(flat.repeat(2, 1))[:1] if flat.shape[0] == 1 else matmul(flat)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class RowStableLinear(nn.Linear):
+    """nn.Linear whose result for a row does not depend on how many rows come with it (see stable_rows)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return stable_rows(lambda rows: F.linear(rows, self.weight, self.bias), x)
 
 
 class QuantizedLinear(nn.Module):
@@ -55,14 +77,14 @@ class QuantizedLinear(nn.Module):
         return self.weight_q.to(torch.bfloat16) * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if self.format == "int8" and flat.device.type == "cpu":
-            out = torch._weight_int8pack_mm(flat, self.weight_q, self.scale)
+        return stable_rows(self._matmul, x.to(torch.bfloat16))
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.format == "int8" and rows.device.type == "cpu":
+            out = torch._weight_int8pack_mm(rows, self.weight_q, self.scale)
         else:  # dequantise: float8 everywhere, int8 off the CPU
-            out = flat @ self.weight.T
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+            out = rows @ self.weight.T
+        return out if self.bias is None else out + self.bias
 
 
 def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
@@ -87,15 +109,17 @@ def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
     head = model.get_output_embeddings()
     compute = _compute_dtype(plan.head)
     if plan.head in ("int8", "float8"):
-        new_head: nn.Module = QuantizedLinear(head, plan.head)
+        head = QuantizedLinear(head, plan.head)
     elif compute != residual:  # a copy: a tied embedding keeps the residual format
-        new_head = nn.Linear(head.in_features, head.out_features, bias=False, dtype=compute)
-        new_head.weight = nn.Parameter(head.weight.detach().to(compute).clone(), requires_grad=False)
-    else:
-        return model
-    model.config.tie_word_embeddings = False
-    model.set_output_embeddings(new_head)
-    _hook_casts(new_head, compute, residual)
+        weight = head.weight.detach().to(compute).clone()
+        head = nn.Linear(head.in_features, head.out_features, bias=False, dtype=compute)
+        head.weight = nn.Parameter(weight, requires_grad=False)
+    if head is not model.get_output_embeddings():
+        model.config.tie_word_embeddings = False
+        model.set_output_embeddings(head)
+        _hook_casts(head, compute, residual)
+    if plan.head in ("bfloat16", "float16"):
+        head.__class__ = RowStableLinear
     return model
 
 
@@ -122,8 +146,7 @@ def _compute_dtype(fmt: str) -> torch.dtype:
 def _convert(module: nn.Module, fmt: str, residual: torch.dtype) -> None:
     compute = _compute_dtype(fmt)
     module.to(compute)
-    if fmt in ("int8", "float8"):
-        _quantize_linears(module, fmt)
+    _replace_linears(module, fmt)
     _hook_casts(module, compute, residual)
 
 
@@ -134,12 +157,15 @@ def _hook_casts(module: nn.Module, compute: torch.dtype, residual: torch.dtype) 
         module.register_forward_hook(_cast_output(residual))
 
 
-def _quantize_linears(module: nn.Module, fmt: str) -> None:
+def _replace_linears(module: nn.Module, fmt: str) -> None:
+    """Quantize the linear layers under ``module`` (int8, float8) or make 16-bit ones row-stable."""
     for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
+        if isinstance(child, nn.Linear) and fmt in ("int8", "float8"):
             setattr(module, name, QuantizedLinear(child, fmt))
+        elif isinstance(child, nn.Linear) and fmt in ("bfloat16", "float16"):
+            child.__class__ = RowStableLinear  # same weights, same state-dict names
         else:
-            _quantize_linears(child, fmt)
+            _replace_linears(child, fmt)
 
 
 def _cast(value: object, dtype: torch.dtype) -> object:
