@@ -22,12 +22,14 @@ PROMPTS = ["the cat sat", "a dog and a log", "xyz 123", "Hello, world!"]
 
 def test_plans_parse_from_presets_and_parts() -> None:
     assert PrecisionPlan.parse("fp32") == PrecisionPlan()
-    assert PrecisionPlan.parse("seed") == PrecisionPlan(attention="float16", ffn="int8", head="float16", draft="float8")
+    assert PrecisionPlan.parse("seed") == PrecisionPlan(attention="float16", ffn="int8", head="float16", draft="float8", verify="float16")
     assert PrecisionPlan.parse("ffn=int8, head=bfloat16") == PrecisionPlan(ffn="int8", head="bfloat16")
     with pytest.raises(ConfigError, match="int4: use one of"):
         PrecisionPlan.parse("ffn=int4")
     with pytest.raises(ConfigError, match="preset"):
         PrecisionPlan.parse("mlp=int8")
+    with pytest.raises(ConfigError, match="verification logits"):
+        PrecisionPlan.parse("verify=int8")
     with pytest.raises(ConfigError, match="GGUF"):
         RuntimeConfig(backend="llama.cpp", precision=PRESETS["bf16"])
 
@@ -53,7 +55,9 @@ def test_each_preset_converts_every_component_and_stays_close(preset: str) -> No
     apply_plan(model, plan)
     ids = torch.randint(3, 96, (1, 20))
     with torch.inference_mode():
-        base, got = reference(ids).logits, model(ids).logits.float()
+        base, logits = reference(ids).logits, model(ids).logits
+    assert logits.dtype == getattr(torch, plan.verify)  # the verifier reads the plan's verification format
+    got = logits.float()
     assert float((got - base).abs().max()) < 0.1 * float(base.abs().max())
     layer = model.model.layers[0]
     for module, fmt in ((layer.self_attn, plan.attention), (layer.mlp, plan.ffn), (model.get_output_embeddings(), plan.head)):

@@ -59,21 +59,25 @@ FORMATS = ("float32", "bfloat16", "float16", "int8", "float8")
 
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """The number format of the target's attention, FFN and output head, and of the draft model.
+    """The number format of the target's attention, FFN and output head, of the draft model, and of the logits the verifier reads.
 
     float32/bfloat16/float16 are the weights' and the compute's format; int8 and
     float8 are weight-only formats computed in bfloat16 (specdec.models.precision).
+    ``verify`` is a float format: the target's logits are handed to the verifier in it.
     """
 
     attention: str = "float32"
     ffn: str = "float32"
     head: str = "float32"
     draft: str = "float32"
+    verify: str = "float32"
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if getattr(self, f.name) not in FORMATS:
                 raise ConfigError(f"precision {f.name}={getattr(self, f.name)}: use one of {', '.join(FORMATS)}")
+        if self.verify not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"precision verify={self.verify}: verification logits are float32, bfloat16 or float16")
 
     @staticmethod
     def parse(spec: str) -> PrecisionPlan:
@@ -98,11 +102,11 @@ class PrecisionPlan:
 
 PRESETS: dict[str, PrecisionPlan] = {
     "fp32": PrecisionPlan(),
-    "bf16": PrecisionPlan("bfloat16", "bfloat16", "bfloat16", "bfloat16"),
-    # The seed's plan (section 5.2): draft in fp8, attention in fp16, FFN in int8.
-    "seed": PrecisionPlan(attention="float16", ffn="int8", head="float16", draft="float8"),
+    "bf16": PrecisionPlan("bfloat16", "bfloat16", "bfloat16", "bfloat16", "bfloat16"),
+    # The seed's plan (section 5.2): draft in fp8, attention in fp16, FFN in int8, verification in fp16.
+    "seed": PrecisionPlan(attention="float16", ffn="int8", head="float16", draft="float8", verify="float16"),
     # The best plan measured on this project's CPU within the perplexity bound (BENCHMARKS.md).
-    "cpu": PrecisionPlan(attention="bfloat16", ffn="int8", head="int8", draft="bfloat16"),
+    "cpu": PrecisionPlan(attention="bfloat16", ffn="int8", head="bfloat16", draft="bfloat16"),
 }
 
 

@@ -1,7 +1,8 @@
 """Precision plans: a number format per model component, applied to any transformers causal LM.
 
 A plan names the format of the target's attention, its feed-forward blocks
-(FFN), its output head, and the draft model. Formats:
+(FFN), its output head, the draft model, and the logits handed to the verifier
+(``verify``: float32, bfloat16 or float16). Formats:
 
 - ``float32``, ``bfloat16``, ``float16``: the component's weights and compute.
 - ``int8``: weight-only int8 with one scale per output channel, computed by
@@ -117,7 +118,9 @@ def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
     if head is not model.get_output_embeddings():
         model.config.tie_word_embeddings = False
         model.set_output_embeddings(head)
-        _hook_casts(head, compute, residual)
+    if compute != residual:
+        head.register_forward_pre_hook(_cast_inputs(compute), with_kwargs=True)
+    head.register_forward_hook(_cast_output(FLOAT_FORMATS[plan.verify]))  # the logits the verifier reads
     if plan.head in ("bfloat16", "float16"):
         head.__class__ = RowStableLinear
     return model
