@@ -9,6 +9,7 @@ random passages of the corpus so that any corpus yields them, for any target.
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from collections.abc import Callable, Iterator
@@ -67,8 +68,14 @@ def corpus_prompts(sources: list[str], seed: int, chat_template: Callable[[str],
 
 
 def _random_document(rng: random.Random, files: list[Path]) -> str:
-    docs = [text for text, _ in documents(rng.choice(files))]
+    docs = _documents_of(rng.choice(files))
     return rng.choice(docs) if docs else ""
+
+
+@functools.lru_cache(maxsize=64)
+def _documents_of(path: Path) -> tuple[str, ...]:
+    """A file's pieces of text, read once (prompts come back to the same files)."""
+    return tuple(text for text, _ in documents(path))
 
 
 def _passage(rng: random.Random, text: str, length: int) -> str:
