@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from specdec import Generator, RuntimeConfig
 from specdec.cli.main import app
-from specdec.errors import MissingPackageError
+from specdec.errors import ConfigError, MissingPackageError
 from specdec.models import open_target
 
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
@@ -42,6 +42,15 @@ def test_non_gguf_target_is_refused(tiny_folder) -> None:
 @pytest.fixture(scope="module")
 def exact_target():
     return open_target("gemma-3-270m", RuntimeConfig(backend="llama.cpp", threads=2, ubatch=1))
+
+
+@needs_llama_cpp
+@pytest.mark.real_model
+def test_batched_generation_is_refused_on_llama_cpp(exact_target) -> None:
+    with pytest.raises(ConfigError, match="transformers backend"):
+        Generator(exact_target, "prompt-lookup").generate_batch(PROMPTS[:2])
+    with pytest.raises(ConfigError, match="one sequence per context"):
+        exact_target.backend.fork()
 
 
 @needs_llama_cpp

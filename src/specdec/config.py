@@ -54,6 +54,49 @@ class GenerationConfig:
             raise ConfigError("stop strings must be non-empty")
 
 
+WINDOWS = ("dynamic", "fixed")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """How the batched engine sizes each step's speculation window.
+
+    ``dynamic`` caps every row's k by the load (batch size, acceptance, memory;
+    scheduling/window.py); ``fixed`` leaves each row's k policy alone.
+    """
+
+    window: str = "dynamic"
+    memory_threshold: float = 0.8  # share of memory in use above which the dynamic window turns speculation off
+    cuda_graphs: bool = True  # replay captured CUDA graphs for steps over the whole batch (CUDA only; nothing changes on a CPU)
+
+    def __post_init__(self) -> None:
+        if self.window not in WINDOWS:
+            raise ConfigError(f"unknown window '{self.window}': use one of {', '.join(WINDOWS)}")
+        if not 0 < self.memory_threshold <= 1:
+            raise ConfigError(f"memory_threshold is a share of memory in (0, 1], got {self.memory_threshold}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The HTTP server: where it listens, how many sequences it decodes together, how many requests may wait."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 16  # sequences decoded together; more requests wait in the queue
+    max_queue: int = 64  # waiting requests; beyond this a request gets 429 with Retry-After
+    default_max_tokens: int = 256  # when a request does not say
+    drain_s: float = 30.0  # on shutdown, how long in-flight requests may take to finish before they are cancelled
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        for name in ("max_batch", "max_queue", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.drain_s < 0:
+            raise ConfigError(f"drain_s must be >= 0, got {self.drain_s}")
+
+
 FORMATS = ("float32", "bfloat16", "float16", "int8", "float8")
 
 

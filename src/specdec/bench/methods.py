@@ -77,6 +77,9 @@ class OracleDrafter:
     def accepted(self, counts: torch.Tensor) -> None:
         pass
 
+    def fork(self) -> OracleDrafter:
+        return self  # the reference is set per run; the benchmark decodes one sequence at a time
+
 
 class SpecdecMethod:
     family = "specdec"

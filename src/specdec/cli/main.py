@@ -22,10 +22,12 @@ from specdec.config import (
     K_POLICIES,
     PRESETS,
     RUNTIMES,
+    BatchConfig,
     GenerationConfig,
     PrecisionPlan,
     RuntimeConfig,
     SamplingConfig,
+    ServeConfig,
 )
 from specdec.drafters import DRAFT_SPECS
 from specdec.errors import SpecDecError
@@ -248,6 +250,121 @@ def bench(
         )
     Console().print(table)
     Console().print(f"report: {out / 'report.md'}")
+
+
+@app.command("bench-batch")
+@user_errors
+def bench_batch(
+    prompts: Annotated[
+        str, typer.Option(help="JSONL prompt file; a batch of B takes B prompts in turn from its categories.")
+    ] = "benchmarks/prompts/default.jsonl",
+    target: Target = DEFAULT_TARGET,
+    draft: Draft = "prompt-lookup",
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "8,16,32",
+    k: Annotated[int, typer.Option(help="The fixed window, and the largest dynamic window.")] = 5,
+    max_new_tokens: Annotated[int, typer.Option(help="Most new tokens per request.")] = 64,
+    sequential: Annotated[bool, typer.Option(help="Also decode the requests one at a time (the baseline batching must beat).")] = True,
+    dtype: Dtype = "float32",
+    precision: Precision = None,
+    out: Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")] = Path("bench-batch-out"),
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+) -> None:
+    """Batched decoding: fixed vs dynamic speculation window per batch size, against batched target-only and one request at a time."""
+    from rich.progress import Progress
+
+    from specdec.bench.batch import METHODS, BatchBenchConfig, markdown, run_batch_benchmark
+
+    if out.exists() and not overwrite:
+        raise SpecDecError(f"output folder '{out}' exists: pass --overwrite or choose another --out")
+    try:
+        sizes = tuple(int(x) for x in batch_sizes.split(","))
+    except ValueError:
+        raise SpecDecError(f"--batch-sizes must be comma-separated integers, got '{batch_sizes}'") from None
+    config = BatchBenchConfig(
+        prompts, target, draft, sizes, k, max_new_tokens, sequential, runtime_config("transformers", dtype, None, None, precision)
+    )
+    with Progress(console=err) as progress:
+        task = progress.add_task("loading models", total=len(sizes) * (len(METHODS) - (not sequential)))
+        results = run_batch_benchmark(config, lambda name: progress.update(task, advance=1, description=name))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "report.md").write_text(markdown(results))
+    table = Table("batch", "method", "tok/s", "vs target-only", "mean latency s", "identical")
+    for size, figures in results["batches"].items():
+        for name, f in figures.items():
+            table.add_row(
+                size,
+                name,
+                f"{f['tokens_per_s']:.1f}",
+                f"{f['throughput_vs_target_only']:.2f}x",
+                f"{f['mean_latency_s']:.2f}",
+                f"{f['identical_share']:.0%}",
+            )
+    Console().print(table)
+    Console().print(f"report: {out / 'report.md'}")
+
+
+@app.command()
+@user_errors
+def serve(
+    target: Annotated[
+        str, typer.Option("--target", "-t", envvar="SPECDEC_TARGET", help="Bundled alias, model folder or hub id.")
+    ] = DEFAULT_TARGET,
+    draft: Annotated[str, typer.Option("--draft", "-d", envvar="SPECDEC_DRAFT", help=f"Drafter: {DRAFT_SPECS}.")] = "prompt-lookup",
+    host: Annotated[str, typer.Option(envvar="SPECDEC_HOST", help="Address to listen on (0.0.0.0 for every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(envvar="SPECDEC_PORT", help="TCP port.")] = 8000,
+    k: Annotated[int, typer.Option(help="Draft tokens per step (the most per step for an adaptive --k-policy).")] = 8,
+    k_policy: KPolicyOpt = "cost-model",
+    window: Annotated[str, typer.Option(help="Batch speculation window: dynamic (capped by load) or fixed.")] = "dynamic",
+    max_batch: Annotated[int, typer.Option(envvar="SPECDEC_MAX_BATCH", help="Sequences decoded together; more requests wait.")] = 16,
+    max_queue: Annotated[int, typer.Option(envvar="SPECDEC_MAX_QUEUE", help="Waiting requests before new ones get 429.")] = 64,
+    default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request does not set it.")] = 256,
+    drain: Annotated[float, typer.Option(help="Seconds in-flight requests get to finish on shutdown.")] = 30.0,
+    dtype: Dtype = "float32",
+    precision: Annotated[
+        str | None, typer.Option(envvar="SPECDEC_PRECISION", help="Precision plan: a preset or parts (see `specdec generate --help`).")
+    ] = None,
+) -> None:
+    """Serve the target over an OpenAI-compatible HTTP API with speculative continuous batching."""
+    from specdec import Generator
+    from specdec.serving import serve as run_server
+
+    serve_config = ServeConfig(host, port, max_batch, max_queue, default_max_tokens, drain)
+    config = GenerationConfig(k=k, k_policy=k_policy)
+    runtime = runtime_config("transformers", dtype, None, None, precision)
+    with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
+        generator = Generator(target, draft, config, runtime, batch=BatchConfig(window=window))
+        generator.batch_decoder()  # measures this machine's batch costs now (cached), not on the first request
+    err.print(f"serving '{generator.target.name}' with draft '{draft}' on http://{host}:{port}/v1")
+    run_server(generator, serve_config)
+
+
+@app.command("bench-serve")
+@user_errors
+def bench_serve(
+    prompts: Annotated[str, typer.Option(help="JSONL prompt file; clients take its prompts in turn.")] = "benchmarks/prompts/default.jsonl",
+    target: Target = DEFAULT_TARGET,
+    draft: Draft = "prompt-lookup",
+    clients: Annotated[int, typer.Option(help="Concurrent streaming clients.")] = 8,
+    duration: Annotated[float, typer.Option(help="Seconds of load per configuration.")] = 60.0,
+    max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 64,
+    server_args: Annotated[
+        str, typer.Option(help="More `specdec serve` options for both servers, e.g. '--precision cpu --max-batch 8'.")
+    ] = "",
+    out: Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")] = Path("bench-serve-out"),
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+) -> None:
+    """Load-test `specdec serve` on loopback: N clients for a bounded time, speculation off and on in the same run."""
+    from specdec.bench.serve_load import LoadConfig, markdown, run_load_benchmark
+
+    if out.exists() and not overwrite:
+        raise SpecDecError(f"output folder '{out}' exists: pass --overwrite or choose another --out")
+    config = LoadConfig(prompts, target, draft, clients, duration, max_tokens, tuple(server_args.split()))
+    report = run_load_benchmark(config, say=lambda line: err.print(f"[dim]{line}[/dim]"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(markdown(report))
+    print(markdown(report))
 
 
 @app.command()

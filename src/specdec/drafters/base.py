@@ -1,6 +1,6 @@
 """The drafter protocol: propose candidate tokens; learn how many were accepted.
 
-Every drafter (no model, n-gram, small model, ...) implements these three
+Every drafter (no model, n-gram, small model, ...) implements these four
 methods and nothing else, so new drafters plug into the engine untouched.
 """
 
@@ -57,4 +57,8 @@ class Drafter(Protocol):
 
     def accepted(self, counts: torch.Tensor) -> None:
         """Learn how many tokens [B] of the last proposal the target accepted."""
+        ...
+
+    def fork(self) -> Drafter:
+        """A drafter with the same knowledge (weights, tables) and its own per-sequence state, for a sequence decoded alongside."""
         ...

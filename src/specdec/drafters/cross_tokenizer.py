@@ -39,6 +39,9 @@ class CrossTokenizerDrafter:
     def accepted(self, counts: torch.Tensor) -> None:
         pass  # the next proposal re-reads the context and keeps the common prefix
 
+    def fork(self) -> CrossTokenizerDrafter:
+        return CrossTokenizerDrafter(self.backend.fork(), self.tokenizer, self.target_tokenizer, self.eos_ids)
+
     @torch.inference_mode()
     def propose(
         self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0

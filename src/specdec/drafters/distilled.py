@@ -137,6 +137,9 @@ class ReducedVocabBackend(TransformersBackend):
         self.keep_ids = model.keep_ids
         self.vocab_size = full_vocab
 
+    def fork(self) -> ReducedVocabBackend:
+        return ReducedVocabBackend(self.model, self.vocab_size)
+
     def forward(self, tokens: torch.Tensor, last: int | None = None) -> torch.Tensor:
         reduced = super().forward(tokens, last)
         full = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))

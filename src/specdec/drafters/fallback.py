@@ -38,3 +38,6 @@ class FallbackDrafter:
     def accepted(self, counts: torch.Tensor) -> None:
         if self._last is not None:
             self._last.accepted(counts)
+
+    def fork(self) -> FallbackDrafter:
+        return FallbackDrafter(self.first.fork(), self.second.fork())

@@ -63,3 +63,6 @@ class ModelDrafter:
         # One cache length serves every row: the single-sequence engine passes one row.
         keep = self._context_length + int(counts[0])
         self.backend.truncate(min(keep, self.backend.cached_length))
+
+    def fork(self) -> ModelDrafter:
+        return ModelDrafter(self.backend.fork(), self.min_confidence)

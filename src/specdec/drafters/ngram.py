@@ -133,6 +133,9 @@ class NgramDrafter:
     def accepted(self, counts: torch.Tensor) -> None:
         pass
 
+    def fork(self) -> NgramDrafter:
+        return self  # no per-sequence state
+
     def propose(
         self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
     ) -> Proposal:

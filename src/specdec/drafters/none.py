@@ -21,3 +21,6 @@ class NoDrafter:
 
     def accepted(self, counts: torch.Tensor) -> None:
         pass
+
+    def fork(self) -> NoDrafter:
+        return self  # no per-sequence state

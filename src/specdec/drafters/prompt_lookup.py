@@ -39,6 +39,9 @@ class PromptLookupDrafter:
     def accepted(self, counts: torch.Tensor) -> None:
         pass
 
+    def fork(self) -> PromptLookupDrafter:
+        return self  # no per-sequence state
+
     def _lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
         """Up to k tokens that followed the most recent earlier match of the longest possible suffix."""
         length = seq.shape[0]

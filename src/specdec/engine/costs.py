@@ -12,14 +12,18 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from specdec.models.backend import Backend
+from specdec.models.batched import BatchedTransformersBackend
 from specdec.models.registry import cache_root
-from specdec.scheduling import CostCurve
+from specdec.scheduling import BatchCostCurve, CostCurve
 
 DEFAULT_SIZES = (1, 2, 3, 5, 9, 13, 17)  # k + 1 for k = 0, 1, 2, 4, 8, 12, 16
+BATCH_ROWS = (1, 2, 4, 8, 16, 32)
+BATCH_SIZES = (1, 2, 3, 5, 9)
 
 
 def forward_cost_curve(backend: Backend, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 64, repeats: int = 5) -> dict[int, float]:
@@ -43,14 +47,62 @@ def forward_cost_curve(backend: Backend, sizes: tuple[int, ...] = DEFAULT_SIZES,
     return curve
 
 
+def batch_cost_curve(
+    backend: BatchedTransformersBackend,
+    rows: tuple[int, ...] = BATCH_ROWS,
+    sizes: tuple[int, ...] = BATCH_SIZES,
+    context: int = 64,
+    repeats: int = 3,
+) -> BatchCostCurve:
+    """Median seconds of a forward over B rows of n new tokens each, after ``context`` cached tokens per row."""
+    tokens = torch.arange(context + max(sizes), dtype=torch.long) % backend.vocab_size
+    curves = {}
+    for count in rows:
+        backend.add_rows(count)
+        ids = list(range(count))
+        backend.forward(ids, [tokens[:context]] * count, last=1)
+        backend.forward(ids, [tokens[context : context + max(sizes)]] * count, last=1)  # warm-up, and the cache grown to its widest
+        for row in ids:
+            backend.truncate(row, context)
+        seconds = {}
+        for n in sizes:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                backend.forward(ids, [tokens[context : context + n]] * count, last=n)
+                times.append(time.perf_counter() - start)
+                for row in ids:
+                    backend.truncate(row, context)
+            seconds[n] = statistics.median(times)
+        backend.remove_rows(ids)
+        curves[count] = CostCurve(seconds)
+    return BatchCostCurve(curves)
+
+
 def machine_cost_curve(backend: Backend) -> CostCurve:
     """This backend's cost curve on this machine: measured once (a few seconds), then read from the cache."""
-    key = f"{platform.node()}|{platform.processor() or platform.machine()}|{backend.identity}"
+    stored = _cached(backend.identity, lambda: {str(n): s for n, s in forward_cost_curve(backend).items()})
+    return CostCurve({int(n): s for n, s in stored.items()})
+
+
+def machine_batch_cost_curve(backend: BatchedTransformersBackend) -> BatchCostCurve:
+    """The batched backend's cost over rows and tokens on this machine: measured once (tens of seconds for a real model), then cached."""
+
+    def measure() -> dict[str, dict[str, float]]:
+        curve = batch_cost_curve(backend)
+        return {str(rows): {str(n): s for n, s in c.seconds.items()} for rows, c in curve.by_rows.items()}
+
+    stored = _cached(backend.identity, measure)
+    return BatchCostCurve({int(rows): CostCurve({int(n): s for n, s in c.items()}) for rows, c in stored.items()})
+
+
+def _cached(identity: str, measure: Callable[[], dict]) -> dict:
+    """Measurements of ``identity`` on this machine, taken by ``measure`` the first time and kept on disk."""
+    key = f"{platform.node()}|{platform.processor() or platform.machine()}|{identity}"
     path = cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():
-        stored = json.loads(path.read_text())
-        return CostCurve({int(n): s for n, s in stored["seconds"].items()})
-    seconds = forward_cost_curve(backend)
+        return json.loads(path.read_text())["seconds"]
+    seconds = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": key, "seconds": seconds}, indent=1))
-    return CostCurve(seconds)
+    return seconds

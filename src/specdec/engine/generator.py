@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
 
-from specdec.config import GenerationConfig, RuntimeConfig, with_overrides
+from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig, with_overrides
 from specdec.drafters import Drafter, build_drafter
-from specdec.engine.costs import machine_cost_curve
+from specdec.engine.batch import BatchDecoder, Row
+from specdec.engine.costs import machine_batch_cost_curve, machine_cost_curve
 from specdec.engine.loop import DecodeStats, speculative_decode
 from specdec.engine.text import TextTracker
 from specdec.errors import ConfigError, PromptError, VocabularyMismatchError
-from specdec.models import DEFAULT_TARGET, LoadedModel, Target, open_target
-from specdec.scheduling import CostCurve, build_k_policy
+from specdec.models import DEFAULT_TARGET, LoadedModel, Target, TransformersBackend, open_target
+from specdec.models.batched import BatchedTransformersBackend
+from specdec.scheduling import CostCurve, LoadWindow, build_k_policy, memory_in_use
 
 FinishReason = Literal["length", "eos", "stop", "context"]
 
@@ -43,7 +46,8 @@ class Generator:
     ``target`` and ``drafter`` are names (``"gemma-3-270m"``, ``"prompt-lookup"``,
     ``"model:PATH"``) or ready objects; ``runtime`` says where named models run
     (transformers or llama.cpp, dtype, threads); ``config`` holds the defaults
-    that keyword arguments of :meth:`generate` and :meth:`stream` override.
+    that keyword arguments of :meth:`generate` and :meth:`stream` override;
+    ``batch`` sets how :meth:`generate_batch` sizes its speculation window.
     """
 
     def __init__(
@@ -52,8 +56,10 @@ class Generator:
         drafter: str | Drafter = "none",
         config: GenerationConfig | None = None,
         runtime: RuntimeConfig = RuntimeConfig(),
+        batch: BatchConfig = BatchConfig(),
     ) -> None:
         self.config = config or GenerationConfig()
+        self.batch = batch
         self.target = target if isinstance(target, Target) else open_target(target, runtime)
         self.tokenizer = self.target.tokenizer
         self.backend = self.target.backend
@@ -73,16 +79,71 @@ class Generator:
             self._costs = machine_cost_curve(self.backend)
         return self._costs
 
+    def completion(self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object) -> Completion:
+        """A generation of ``prompt`` (text, or token ids), checked and encoded, not yet decoded."""
+        return Completion(self, prompt, with_overrides(config or self.config, **overrides))
+
     def generate(self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object) -> GenerationResult:
         """Generate a completion of ``prompt`` (text, or token ids) and return it with stats."""
-        run = _Run(self, prompt, with_overrides(config or self.config, **overrides))
+        run = self.completion(prompt, config, **overrides)
         for _ in run:
             pass
         return run.result()
 
     def stream(self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object) -> Iterator[str]:
         """Yield pieces of text as the target accepts tokens."""
-        yield from _Run(self, prompt, with_overrides(config or self.config, **overrides))
+        yield from self.completion(prompt, config, **overrides)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | list[int]],
+        config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+        decoder: BatchDecoder | None = None,
+        **overrides: object,
+    ) -> list[GenerationResult]:
+        """Generate completions of many prompts together (one target forward per step for all); results in prompt order.
+
+        ``config`` is one config for every prompt or one per prompt; keyword
+        overrides apply to all. Each row stops on its own (EOS, stop string,
+        max_new_tokens) and leaves the batch. The window follows ``self.batch``
+        unless a ``decoder`` from :meth:`batch_decoder` is passed (its reports then record each step).
+        """
+        configs = list(config) if isinstance(config, Sequence) else [config or self.config] * len(prompts)
+        if len(configs) != len(prompts):
+            raise ConfigError(f"got {len(configs)} configs for {len(prompts)} prompts: pass one config, or one per prompt")
+        runs = [self.completion(prompt, c, **overrides) for prompt, c in zip(prompts, configs, strict=True)]
+        decoder = decoder or self.batch_decoder()
+        by_row = {}
+        for run in runs:
+            row = self.start_row(run)
+            decoder.join(row)
+            by_row[row] = run
+        while decoder.rows:
+            for row, new in decoder.step().items():
+                by_row[row].take(new.tolist())
+            for row in [r for r in decoder.rows if by_row[r].ended or decoder.exhausted(r)]:
+                by_row[row].close()
+                decoder.leave(row)
+        return [run.result() for run in runs]
+
+    def batch_decoder(self) -> BatchDecoder:
+        """A decoder over this target's weights for sequences that join and leave between steps (the server's engine)."""
+        if not isinstance(self.backend, TransformersBackend):
+            raise ConfigError(
+                "batched generation runs on the transformers backend: use --backend transformers, or generate one prompt at a time"
+            )
+        backend = BatchedTransformersBackend(self.backend.model, cuda_graphs=self.batch.cuda_graphs)
+        if self.batch.window == "fixed":
+            return BatchDecoder(backend)
+        memory = partial(memory_in_use, backend.device)
+        window = LoadWindow(machine_batch_cost_curve(backend), self.batch.memory_threshold, memory)
+        return BatchDecoder(backend, window)
+
+    def start_row(self, run: Completion) -> Row:
+        """A batch row for ``run``: a forked drafter, a fresh k policy, the run's own random generator and stats."""
+        tokens = torch.tensor([run.prompt_ids], dtype=torch.long)
+        policy = build_k_policy(run.config.k_policy, run.config.k, self.costs)
+        return Row(tokens, run.config, self.drafter.fork(), policy, run.rng, run.stats)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -106,8 +167,12 @@ class Generator:
         return ids
 
 
-class _Run:
-    """One generation: iterating yields text deltas; :meth:`result` gives the outcome afterwards."""
+class Completion:
+    """One generation: iterating decodes it alone and yields text deltas; :meth:`result` gives the outcome afterwards.
+
+    In a batch (:meth:`Generator.start_row`) the decoder produces the tokens and
+    the caller hands each step's to :meth:`take`, then calls :meth:`close`.
+    """
 
     def __init__(self, generator: Generator, prompt: str | list[int], config: GenerationConfig) -> None:
         if config.stop and generator.tokenizer is None:
@@ -119,38 +184,46 @@ class _Run:
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason = "length"
         self.text = TextTracker(generator.tokenizer, config.stop) if generator.tokenizer is not None else None
+        self.rng = torch.Generator().manual_seed(config.seed if config.seed is not None else random.randrange(2**63))
 
     def __iter__(self) -> Iterator[str]:
         gen = self.generator
-        seed = self.config.seed if self.config.seed is not None else random.randrange(2**63)
-        rng = torch.Generator().manual_seed(seed)
-        prompt = torch.tensor([self.prompt_ids], dtype=torch.long)
         policy = build_k_policy(self.config.k_policy, self.config.k, gen.costs)
-        steps = speculative_decode(gen.backend, gen.drafter, policy, prompt, self.config, self.stats, rng)
-        for new in steps:
-            ids = new.tolist()
-            if self.config.stop_on_eos:
-                eos_at = next((i for i, t in enumerate(ids) if t in gen.eos_ids), None)
-                if eos_at is not None:
-                    ids = ids[: eos_at + 1]
-                    self.finish_reason = "eos"
-            if self.text is not None:
-                ids = self.text.add(ids)
-                if self.text.stopped:
-                    self.finish_reason = "stop"
-            self.token_ids += ids
-            if self.text is not None:
-                piece = self.text.delta(final=self.finish_reason != "length")
-                if piece:
-                    yield piece
-            if self.finish_reason != "length":
+        prompt = torch.tensor([self.prompt_ids], dtype=torch.long)
+        for new in speculative_decode(gen.backend, gen.drafter, policy, prompt, self.config, self.stats, self.rng):
+            piece = self.take(new.tolist())
+            if piece:
+                yield piece
+            if self.ended:
                 break
-        else:
-            if len(self.token_ids) < self.config.max_new_tokens:
-                self.finish_reason = "context"
-        self.stats.new_tokens = len(self.token_ids)
-        if self.text is not None and (tail := self.text.delta(final=True)):
+        if tail := self.close():
             yield tail
+
+    def take(self, ids: list[int]) -> str:
+        """Add the tokens one step accepted; return the text they complete. Ends the run at EOS or a stop string."""
+        if self.config.stop_on_eos:
+            eos_at = next((i for i, t in enumerate(ids) if t in self.generator.eos_ids), None)
+            if eos_at is not None:
+                ids = ids[: eos_at + 1]
+                self.finish_reason = "eos"
+        if self.text is not None:
+            ids = self.text.add(ids)
+            if self.text.stopped:
+                self.finish_reason = "stop"
+        self.token_ids += ids
+        return self.text.delta(final=self.ended) if self.text is not None else ""
+
+    @property
+    def ended(self) -> bool:
+        """EOS or a stop string ended the run (the token budget and the context are the decoder's limits)."""
+        return self.finish_reason != "length"
+
+    def close(self) -> str:
+        """Settle the outcome after the last step; return any text held back for a possible stop string."""
+        if not self.ended and len(self.token_ids) < self.config.max_new_tokens:
+            self.finish_reason = "context"
+        self.stats.new_tokens = len(self.token_ids)
+        return self.text.delta(final=True) if self.text is not None else ""
 
     def result(self) -> GenerationResult:
         text = self.text.text if self.text is not None else ""

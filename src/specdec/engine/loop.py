@@ -52,6 +52,26 @@ class DecodeStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s else 0.0
 
+    def record_step(
+        self, chosen: int, k: int, proposed: int, accepted: int, produced: int, draft_s: float, target_s: float, wall_s: float
+    ) -> None:
+        """Count one step: the policy chose ``chosen``, the drafter was asked for ``k`` and gave ``proposed``; the first step's target time is the prefill."""
+        self.steps += 1
+        self.draft_tokens_proposed += proposed
+        self.draft_tokens_accepted += accepted
+        self.accepted_per_step.append(accepted)
+        self.k_per_step.append(chosen)
+        if k:
+            self.draft_s_per_step.append(draft_s)
+        self.new_tokens += produced
+        self.draft_s += draft_s
+        self.wall_s = wall_s
+        if self.steps == 1:
+            self.ttft_s = wall_s
+            self.prefill_s = target_s
+        else:
+            self.verify_s += target_s
+
     def as_dict(self) -> dict[str, float | int | list[int]]:
         keys = (
             "new_tokens steps target_forwards draft_tokens_proposed draft_tokens_accepted acceptance_rate "
@@ -110,19 +130,5 @@ def speculative_decode(
         policy.observe(StepOutcome(proposed, accepted, t1 - t0, tokens.shape[1], logits[0, : accepted + 1], new))
         t2 = time.perf_counter()
 
-        stats.steps += 1
-        stats.draft_tokens_proposed += proposed
-        stats.draft_tokens_accepted += accepted
-        stats.accepted_per_step.append(accepted)
-        stats.k_per_step.append(chosen)
-        if k:
-            stats.draft_s_per_step.append(t1 - t0)
-        stats.new_tokens += new.shape[0]
-        stats.draft_s += t1 - t0
-        stats.wall_s = t2 - start
-        if stats.steps == 1:
-            stats.ttft_s = stats.wall_s
-            stats.prefill_s = t2 - t1
-        else:
-            stats.verify_s += t2 - t1
+        stats.record_step(chosen, k, proposed, accepted, new.shape[0], t1 - t0, t2 - t1, t2 - start)
         yield new

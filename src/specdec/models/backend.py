@@ -42,6 +42,10 @@ class Backend(Protocol):
         """Empty the cache for a new sequence."""
         ...
 
+    def fork(self) -> Backend:
+        """A backend over the same weights with an empty cache of its own."""
+        ...
+
 
 class TransformersBackend:
     """Runs any transformers causal LM with a DynamicCache that can be rolled back."""
@@ -55,16 +59,14 @@ class TransformersBackend:
 
     @property
     def identity(self) -> str:
-        config = self.model.config
-        weights = sum(p.numel() for p in self.model.parameters())
-        precision = getattr(self.model, "specdec_precision", self.model.dtype)
-        return (
-            f"transformers|{config.name_or_path or config.model_type}|{weights}|{precision}|{self.device}|threads={torch.get_num_threads()}"
-        )
+        return model_identity(self.model)
 
     @property
     def cached_length(self) -> int:
         return self._length
+
+    def fork(self) -> TransformersBackend:
+        return TransformersBackend(self.model)
 
     def reset(self) -> None:
         self._cache = DynamicCache(config=self.model.config)
@@ -95,3 +97,12 @@ class TransformersBackend:
             return  # nothing to remove (and an empty cache's layers cannot be cropped)
         self._cache.crop(length - self._length)  # a negative count removes that many positions
         self._length = length
+
+
+def model_identity(model: PreTrainedModel) -> str:
+    """What decides a transformers model's speed here (weights, precision, device, threads): the key of its measured costs."""
+    config = model.config
+    weights = sum(p.numel() for p in model.parameters())
+    precision = getattr(model, "specdec_precision", model.dtype)
+    device = next(model.parameters()).device
+    return f"transformers|{config.name_or_path or config.model_type}|{weights}|{precision}|{device}|threads={torch.get_num_threads()}"

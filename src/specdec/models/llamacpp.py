@@ -13,7 +13,7 @@ import os
 import numpy as np
 import torch
 
-from specdec.errors import MissingPackageError
+from specdec.errors import ConfigError, MissingPackageError
 
 INSTALL = 'pip install -e ".[llamacpp]"  (builds llama.cpp from source: about 5-15 minutes on 2 cores)'
 
@@ -91,6 +91,12 @@ class LlamaCppBackend:
     @property
     def cached_length(self) -> int:
         return self._length
+
+    def fork(self) -> LlamaCppBackend:
+        raise ConfigError(
+            "a llama.cpp model decodes one sequence per context: for batched generation use a transformers draft "
+            "(--draft model:NAME), a model-free drafter (prompt-lookup, ngram:FILE), and --backend transformers"
+        )
 
     def reset(self) -> None:
         self._lib.llama_memory_clear(self._memory, True)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from specdec.config import K_POLICIES
 from specdec.errors import ConfigError
 from specdec.scheduling.k_policy import (
+    AcceptanceEstimate,
     ConfidenceK,
     CostCurve,
     CostModelK,
@@ -15,7 +16,9 @@ from specdec.scheduling.k_policy import (
     KPolicy,
     PerplexityK,
     StepOutcome,
+    expected_tokens,
 )
+from specdec.scheduling.window import BatchCostCurve, LoadWindow, memory_in_use
 
 
 def build_k_policy(name: str, k: int, costs: Callable[[], CostCurve]) -> KPolicy:
@@ -38,6 +41,11 @@ def build_k_policy(name: str, k: int, costs: Callable[[], CostCurve]) -> KPolicy
 
 __all__ = [
     "K_POLICIES",
+    "AcceptanceEstimate",
+    "BatchCostCurve",
+    "LoadWindow",
+    "expected_tokens",
+    "memory_in_use",
     "ConfidenceK",
     "CostCurve",
     "CostModelK",

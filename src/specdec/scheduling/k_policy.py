@@ -167,39 +167,64 @@ class CostCurve:
         return self.seconds[below] + slope * (n - below)
 
 
-class CostModelK:
-    """Pick the k that maximises expected tokens per second under this machine's costs.
+class AcceptanceEstimate:
+    """The rate at which a drafter's tokens are accepted, from decayed counts, so it follows the text.
 
-    The acceptance rate a is estimated online from decayed counts, so it follows
-    the text from easy to hard stretches; with k drafts a step yields
-    (1 - a^(k+1)) / (1 - a) tokens in expectation (Leviathan et al.) and costs a
-    target forward over k + 1 tokens plus k draft steps. When no drafts are
-    observed (k = 0 chosen, or the drafter found nothing) the estimate relaxes
-    toward an optimistic prior, so drafting is retried after a bad stretch.
+    When no drafts are judged (k = 0 chosen, or the drafter found nothing) the
+    estimate relaxes toward an optimistic ``prior``, so drafting is retried after a bad stretch.
     """
 
-    def __init__(self, max_k: int, costs: CostCurve, decay: float = 0.9, prior: float = 0.8, prior_weight: float = 1.0) -> None:
+    def __init__(self, decay: float = 0.9, prior: float = 0.8, prior_weight: float = 1.0) -> None:
         if not 0 < decay < 1:
             raise ValueError(f"decay must be in (0, 1), got {decay}")
-        self.max_k = max_k
-        self._verify_s = [costs(k + 1) for k in range(max_k + 1)]  # the curve is fixed: price each k once
         self.decay = decay
         self.prior = prior
         self.prior_weight = prior_weight
         self._accepted = 0.0  # decayed count of accepted drafts
         self._tried = 0.0  # decayed count of drafts the target judged
+
+    @property
+    def value(self) -> float:
+        return (self._accepted + self.prior * self.prior_weight) / (self._tried + self.prior_weight)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        self._accepted *= self.decay
+        self._tried *= self.decay
+        if proposed:
+            # Drafts after the first rejection were never judged: a rejection ends the run.
+            self._accepted += accepted
+            self._tried += accepted + (accepted < proposed)
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one step yields in expectation with k drafts accepted at rate a (Leviathan et al.): (1 - a^(k+1)) / (1 - a)."""
+    a = min(a, 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+class CostModelK:
+    """Pick the k that maximises expected tokens per second under this machine's costs.
+
+    The acceptance rate is estimated online (AcceptanceEstimate); a step with k
+    drafts yields expected_tokens(a, k) and costs a target forward over k + 1
+    tokens plus k draft steps.
+    """
+
+    def __init__(self, max_k: int, costs: CostCurve, decay: float = 0.9, prior: float = 0.8, prior_weight: float = 1.0) -> None:
+        self.max_k = max_k
+        self._verify_s = [costs(k + 1) for k in range(max_k + 1)]  # the curve is fixed: price each k once
+        self.estimate = AcceptanceEstimate(decay, prior, prior_weight)
         self._draft_s_per_token = 0.0
         self._chosen = 0
         self.min_confidence = 0.0
 
     @property
     def acceptance(self) -> float:
-        return (self._accepted + self.prior * self.prior_weight) / (self._tried + self.prior_weight)
+        return self.estimate.value
 
     def expected_rate(self, k: int, a: float | None = None) -> float:
         """Expected tokens per second of a step drafting k tokens (at acceptance ``a``, by default the estimate)."""
-        a = min(self.acceptance if a is None else a, 0.999)
-        tokens = (1 - a ** (k + 1)) / (1 - a)
+        tokens = expected_tokens(self.acceptance if a is None else a, k)
         return tokens / (self._verify_s[k] + k * self._draft_s_per_token)
 
     def choose(self, context_length: int) -> int:
@@ -208,12 +233,7 @@ class CostModelK:
         return self._chosen
 
     def observe(self, outcome: StepOutcome) -> None:
-        self._accepted *= self.decay
-        self._tried *= self.decay
-        if outcome.proposed:
-            # Drafts after the first rejection were never judged: a rejection ends the run.
-            self._accepted += outcome.accepted
-            self._tried += outcome.accepted + (outcome.accepted < outcome.proposed)
+        self.estimate.observe(outcome.proposed, outcome.accepted)
         if self._chosen:
             per_token = outcome.draft_s / self._chosen
             self._draft_s_per_token += 0.5 * (per_token - self._draft_s_per_token)

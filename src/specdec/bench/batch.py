@@ -1,0 +1,179 @@
+"""The batching benchmark: fixed vs dynamic speculation window at several batch sizes.
+
+For each batch size B, B prompts of the set (taken in turn from each category) are decoded together
+by batched target-only decoding, by speculation with a fixed window (every
+row drafts k each step) and with the dynamic window (scheduling/window.py),
+and, as the baseline batching must beat, one request at a time. All methods
+run in one process on the same machine; figures are ratios within the run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from specdec.bench.prompts import BenchPrompt, load_prompts
+from specdec.bench.runner import machine_info
+from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig
+from specdec.drafters import build_drafter
+from specdec.engine import GenerationResult, Generator
+from specdec.errors import ConfigError
+from specdec.models import open_target
+
+
+@dataclass(frozen=True)
+class BatchBenchConfig:
+    prompts: str
+    target: str
+    draft: str = "prompt-lookup"
+    batch_sizes: tuple[int, ...] = (8, 16, 32)
+    k: int = 5  # the fixed window, and the dynamic window's largest
+    max_new_tokens: int = 64
+    sequential: bool = True  # also decode the requests one at a time
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ConfigError(f"batch sizes must be positive integers, got {self.batch_sizes}")
+        if self.draft == "none":
+            raise ConfigError("the batching benchmark compares speculation windows: pass a drafter (--draft prompt-lookup)")
+
+
+METHODS = ("target-only", "fixed window", "dynamic window", "one at a time")
+
+
+def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None] = lambda _: None) -> dict:
+    """Decode each batch with every method; return figures per batch size and method."""
+    prompts = _round_robin(load_prompts(config.prompts))
+    target = open_target(config.target, config.runtime)
+    drafter = build_drafter(config.draft, target, config.runtime)
+    fixed = GenerationConfig(k=config.k, k_policy="fixed", max_new_tokens=config.max_new_tokens)
+    generators = {
+        "target-only": Generator(target, "none", fixed, batch=BatchConfig(window="fixed")),  # nothing to cap
+        "fixed window": Generator(target, drafter, fixed, batch=BatchConfig(window="fixed")),
+        "dynamic window": Generator(target, drafter, fixed, batch=BatchConfig(window="dynamic")),
+    }
+    sequential = Generator(target, drafter, GenerationConfig(k=config.k, k_policy="cost-model", max_new_tokens=config.max_new_tokens))
+    warm = [p.prompt for p in prompts[:2]]
+    generators["dynamic window"].generate_batch(warm, max_new_tokens=4)  # measures the batch cost curve once (cached)
+    sequential.generate(warm[0], max_new_tokens=4)  # measures the single-sequence cost curve once (cached)
+
+    results: dict[str, dict] = {}
+    for size in config.batch_sizes:
+        batch = [prompts[i % len(prompts)].prompt for i in range(size)]
+        figures: dict[str, dict] = {}
+        reference: list[list[int]] | None = None
+        for name in METHODS:
+            if name == "one at a time" and not config.sequential:
+                continue
+            advance(f"batch {size}: {name}")
+            if name == "one at a time":
+                outputs, latencies, wall, windows = _one_at_a_time(sequential, batch)
+            else:
+                outputs, latencies, wall, windows = _together(generators[name], batch)
+            ids = [o.token_ids for o in outputs]
+            reference = reference or ids
+            figures[name] = _figures(outputs, latencies, wall, windows, ids, reference)
+        base = figures["target-only"]["tokens_per_s"]
+        for entry in figures.values():
+            entry["throughput_vs_target_only"] = entry["tokens_per_s"] / base if base else None
+        fixed_latency = figures["fixed window"]["mean_latency_s"]
+        figures["dynamic window"]["latency_cut_vs_fixed"] = 1 - figures["dynamic window"]["mean_latency_s"] / fixed_latency
+        results[str(size)] = figures
+    return {"machine": machine_info(config.runtime), "config": asdict(config) | {"runtime": str(config.runtime)}, "batches": results}
+
+
+def _round_robin(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
+    """Prompts taken in turn from each category, so that every batch mixes the kinds of text."""
+    by_category: dict[str, list[BenchPrompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    columns = itertools.zip_longest(*by_category.values())
+    return [p for column in columns for p in column if p is not None]
+
+
+def _together(generator: Generator, batch: list[str]) -> tuple[list[GenerationResult], list[float], float, list[int]]:
+    decoder = generator.batch_decoder()
+    start = time.perf_counter()
+    outputs = generator.generate_batch(batch, decoder=decoder)
+    wall = time.perf_counter() - start
+    windows = [r.window for r in decoder.reports if r.window is not None]
+    return outputs, [o.stats.wall_s for o in outputs], wall, windows
+
+
+def _one_at_a_time(generator: Generator, batch: list[str]) -> tuple[list[GenerationResult], list[float], float, list[int]]:
+    """Requests served in arrival order: each one's latency includes waiting for those before it."""
+    start = time.perf_counter()
+    outputs, latencies = [], []
+    for prompt in batch:
+        outputs.append(generator.generate(prompt))
+        latencies.append(time.perf_counter() - start)
+    return outputs, latencies, time.perf_counter() - start, []
+
+
+def _figures(
+    outputs: list[GenerationResult],
+    latencies: list[float],
+    wall: float,
+    windows: list[int],
+    ids: list[list[int]],
+    reference: list[list[int]],
+) -> dict:
+    tokens = sum(len(o.token_ids) for o in outputs)
+    proposed = sum(o.stats.draft_tokens_proposed for o in outputs)
+    ordered = sorted(latencies)
+    return {
+        "requests": len(outputs),
+        "new_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "mean_latency_s": statistics.fmean(latencies),
+        "p95_latency_s": ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))],
+        "ms_per_token": 1000 * statistics.fmean(lat / max(len(o.token_ids), 1) for lat, o in zip(latencies, outputs, strict=True)),
+        "acceptance_rate": sum(o.stats.draft_tokens_accepted for o in outputs) / proposed if proposed else None,
+        "mean_window": statistics.fmean(windows) if windows else None,
+        "steps_without_speculation": sum(w == 0 for w in windows) / len(windows) if windows else None,
+        "identical_share": sum(a == b for a, b in zip(ids, reference, strict=True)) / len(ids),
+    }
+
+
+def markdown(results: dict) -> str:
+    machine, cfg = results["machine"], results["config"]
+    lines = [
+        "# specdec batching benchmark",
+        "",
+        f"Target `{cfg['target']}` ({machine['dtype']}), drafter `{cfg['draft']}`, window k = {cfg['k']}, "
+        f"up to {cfg['max_new_tokens']} new tokens per request, prompts from `{cfg['prompts']}`.",
+        f"Machine: {machine['device']}, {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}.",
+        "",
+        "Latency: from the batch's start to a request's last token (one at a time: including the wait for earlier requests).",
+        "Identical: share of requests whose output equals batched target-only's.",
+        "",
+    ]
+    for size, figures in results["batches"].items():
+        lines += [
+            f"## batch {size}",
+            "",
+            "| method | tok/s | vs target-only | mean latency s | p95 latency s | ms/token | acceptance | mean window | steps w/o drafts | identical |",
+            "|" + "---|" * 10,
+        ]
+        for name, f in figures.items():
+            lines.append(
+                f"| {name} | {f['tokens_per_s']:.1f} | {f['throughput_vs_target_only']:.2f}x | {f['mean_latency_s']:.2f} | {f['p95_latency_s']:.2f} "
+                f"| {f['ms_per_token']:.0f} | {_pct(f['acceptance_rate'])} | {_num(f['mean_window'])} "
+                f"| {_pct(f['steps_without_speculation'])} | {f['identical_share']:.0%} |"
+            )
+        cut = figures["dynamic window"]["latency_cut_vs_fixed"]
+        lines += ["", f"The dynamic window cuts mean latency by {cut:.0%} against the fixed window (negative: it adds latency).", ""]
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"

@@ -1,0 +1,206 @@
+"""A transformers backend over many sequences at once, each with its own cache length.
+
+Speculative rows accept different numbers of tokens, so after a step their
+caches end at different positions. Here every row owns a run of slots in one
+key/value buffer per layer, and slot j of a row always holds its token at
+position j: a forward writes each row's new states at that row's own next
+slots, and rolling back a rejection only moves the row's length (stale slots
+are masked, then overwritten). Positions therefore equal slots, so rotary
+positions and sliding windows see exactly what a lone sequence would.
+
+Rows of one forward feed different numbers of tokens; the feed is left-padded
+so that every row's last token is in the last column, which lets the output
+head run on the last few columns only. Padding columns write to slots past
+their row's end and attend to nothing real.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+from specdec.errors import ConfigError
+from specdec.models.backend import model_identity
+from specdec.models.cuda_graphs import CudaGraphs
+
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+class RowCache(Cache):
+    """Keys and values of every row in one buffer per layer; a forward writes each row's new states at its own slots."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=[])
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.rows = 0
+        self.capacity = 0
+        # Set by the backend before each forward: which rows it covers, where each fed token goes, how many slots to read.
+        self.active: torch.Tensor = torch.zeros(0, dtype=torch.long)
+        self.every_row = False
+        self.slots: torch.Tensor = torch.zeros(0, 0, dtype=torch.long)
+        self.width = 0
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == len(self.keys):  # first use of this layer: size its buffers from the states
+            _, heads, _, dim = key_states.shape
+            self.keys.append(key_states.new_zeros(self.rows, heads, self.capacity, dim))
+            self.values.append(value_states.new_zeros(self.rows, heads, self.capacity, dim))
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        rows = self.active[:, None]
+        keys[rows, :, self.slots] = key_states.transpose(1, 2).to(keys.dtype)
+        values[rows, :, self.slots] = value_states.transpose(1, 2).to(values.dtype)
+        if self.every_row:  # every row in buffer order: views, no copy
+            return keys[:, :, : self.width], values[:, :, : self.width]
+        return keys[self.active, :, : self.width], values[self.active, :, : self.width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+    def resize(self, rows: torch.Tensor | None = None, capacity: int | None = None) -> None:
+        """Keep the buffer rows ``rows`` in that order (-1 makes a new empty row) and grow every row to ``capacity`` slots."""
+        rows = torch.arange(self.rows) if rows is None else rows
+        capacity = max(self.capacity, capacity or 0)
+        if capacity == self.capacity and torch.equal(rows, torch.arange(self.rows)):
+            return
+        kept = (rows >= 0).nonzero().squeeze(1)
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                new = old.new_zeros(rows.shape[0], old.shape[1], capacity, old.shape[3])
+                new[kept, :, : self.capacity] = old[rows[kept]]
+                buffers[i] = new
+        self.rows = rows.shape[0]
+        self.capacity = capacity
+
+
+class BatchedTransformersBackend:
+    """Runs a transformers causal LM over rows that join, leave and roll back independently.
+
+    Shares the weights of ``model``; holds its own cache. Rows are numbered
+    0..rows-1 in the order they were added; removing rows renumbers the rest.
+    With ``cuda_graphs`` on a CUDA device, steps over every row replay
+    captured graphs (models/cuda_graphs.py); elsewhere the flag does nothing.
+    """
+
+    def __init__(self, model: PreTrainedModel, cuda_graphs: bool = True) -> None:
+        config = model.config.get_text_config()
+        kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if not kinds <= set(ATTENTION_KINDS):
+            raise ConfigError(
+                f"batched decoding supports full and sliding-window attention; this model has {sorted(kinds - set(ATTENTION_KINDS))}: "
+                "decode its prompts one at a time with Generator.generate"
+            )
+        if model.config._attn_implementation not in ("eager", "sdpa"):
+            raise ConfigError(f"batched decoding needs eager or sdpa attention, not {model.config._attn_implementation}")
+        self.model = model
+        self.sliding_window: int | None = getattr(config, "sliding_window", None) if "sliding_attention" in kinds else None
+        self.layer_kinds = kinds
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.max_context: int = getattr(config, "max_position_embeddings", None) or 2**31
+        self.device = next(model.parameters()).device
+        self.mask_dtype = model.get_input_embeddings().weight.dtype
+        self.cache = RowCache()
+        self.lengths: list[int] = []
+        self.graphs = CudaGraphs() if cuda_graphs and self.device.type == "cuda" else None
+
+    @property
+    def identity(self) -> str:
+        return f"batched|{model_identity(self.model)}"
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def add_rows(self, count: int) -> None:
+        """Append ``count`` empty rows."""
+        keep = torch.cat([torch.arange(self.rows), torch.full((count,), -1)])
+        self._resize(keep)
+        self.lengths += [0] * count
+
+    def remove_rows(self, rows: list[int]) -> None:
+        """Drop rows (their slots are freed); the remaining rows keep their order."""
+        gone = set(rows)
+        keep = [i for i in range(self.rows) if i not in gone]
+        self._resize(torch.tensor(keep, dtype=torch.long))
+        self.lengths = [self.lengths[i] for i in keep]
+
+    def truncate(self, row: int, length: int) -> None:
+        """Keep only the first ``length`` positions of ``row``."""
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"cannot truncate row {row} of {self.lengths[row]} positions to {length}")
+        self.lengths[row] = length
+
+    @torch.inference_mode()
+    def forward(self, rows: list[int], feeds: list[torch.Tensor], last: int) -> torch.Tensor:
+        """Append ``feeds[i]`` (1-D token ids) to row ``rows[i]``; return logits [len(rows), last, V] of each feed's last ``last`` tokens.
+
+        A feed shorter than ``last`` gets its logits right-aligned; the columns before them are padding.
+        """
+        n = max(feed.shape[0] for feed in feeds)
+        starts = torch.tensor([self.lengths[r] for r in rows])
+        sizes = torch.tensor([feed.shape[0] for feed in feeds])
+        pads = n - sizes
+        column = torch.arange(n)[None, :]
+        real = column >= pads[:, None]
+        positions = torch.where(real, starts[:, None] + column - pads[:, None], 0)
+        # Padding columns write past their row's real tokens, where nothing reads them.
+        slots = torch.where(real, positions, starts[:, None] + sizes[:, None] + column)
+        tokens = torch.zeros(len(rows), n, dtype=torch.long)
+        for i, feed in enumerate(feeds):
+            tokens[i, pads[i] :] = feed
+        width = int((starts + n).max())
+        if self.graphs is not None:
+            width = max(64, 1 << (width - 1).bit_length())  # few distinct widths, so few graphs
+        if width > self.cache.capacity:  # grow by half at least, so copies stay rare
+            self._resize(capacity=max(_round_up(width, 64), self.cache.capacity * 3 // 2))
+        self.cache.active = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.cache.every_row = rows == list(range(self.rows))
+        self.cache.width = width
+        inputs = {"tokens": tokens, "positions": positions, "slots": slots} | self._masks(positions, real, width)
+        inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
+        logits = None
+        if self.graphs is not None and self.cache.every_row:
+            logits = self.graphs.run((len(rows), n, width, last), inputs, partial(self._run, last=last))
+        if logits is None:
+            logits = self._run(inputs, last)
+        for row, size in zip(rows, sizes.tolist(), strict=True):
+            self.lengths[row] += size
+        return logits
+
+    def _run(self, inputs: dict[str, torch.Tensor], last: int) -> torch.Tensor:
+        self.cache.slots = inputs["slots"]
+        masks = {kind: inputs[kind] for kind in ATTENTION_KINDS if kind in inputs}
+        out = self.model(
+            input_ids=inputs["tokens"],
+            position_ids=inputs["positions"],
+            attention_mask=masks if len(masks) > 1 else masks["full_attention"],
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=last,
+        )
+        return out.logits
+
+    def _resize(self, rows: torch.Tensor | None = None, capacity: int | None = None) -> None:
+        self.cache.resize(rows, capacity)
+        if self.graphs is not None:
+            self.graphs.clear()  # graphs hold the old buffers
+
+    def _masks(self, positions: torch.Tensor, real: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
+        """Additive masks [B, 1, n, width] by layer kind: a real token sees its row's slots up to its own position (within the window on sliding layers)."""
+        slot = torch.arange(width)[None, None, :]
+        query = positions[:, :, None]
+        causal = (slot <= query) & real[:, :, None]
+        causal |= ~real[:, :, None] & (slot == 0)  # padding queries attend to slot 0 only, so no row of the softmax is empty
+        masks = {"full_attention": causal}
+        if "sliding_attention" in self.layer_kinds:
+            masks["sliding_attention"] = causal & ((slot > query - self.sliding_window) | ~real[:, :, None])
+        low = torch.finfo(self.mask_dtype).min
+        return {kind: torch.zeros(mask.shape, dtype=self.mask_dtype).masked_fill_(~mask, low)[:, None] for kind, mask in masks.items()}
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step

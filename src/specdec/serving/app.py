@@ -1,0 +1,210 @@
+"""The OpenAI-compatible HTTP API over the continuous batcher (FastAPI).
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+(stream: true sends server-sent events in OpenAI's chunk format, ending with
+[DONE]), GET /health, GET /metrics (Prometheus). Handlers validate and
+encode the request, hand it to the batcher and relay its events; a client
+that disconnects cancels its sequence, which leaves the batch before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from specdec.config import ServeConfig
+from specdec.engine import GenerationResult, Generator
+from specdec.errors import SpecDecError
+from specdec.serving import protocol as api
+from specdec.serving.batcher import Batcher, Job, QueueFullError, ShuttingDownError
+from specdec.serving.metrics import Metrics
+
+RETRY_AFTER_S = 1
+
+
+def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> FastAPI:
+    """An app serving ``generator``'s target under its name; the engine thread runs while the app's lifespan does."""
+    metrics = Metrics()
+    batcher = Batcher(generator, config.max_batch, config.max_queue, metrics)
+    model = generator.target.name
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        batcher.start()
+        yield
+        await asyncio.to_thread(batcher.stop, config.drain_s)
+
+    app = FastAPI(title="specdec", lifespan=lifespan)
+    app.state.batcher = batcher
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Callable) -> Response:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(api.APIError)
+    async def api_error(request: Request, exc: api.APIError) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await api_error(request, _validation_error(exc))
+
+    @app.get("/health")
+    async def health() -> dict:
+        running, waiting = batcher.load
+        return {"status": "ok", "model": model, "running": running, "waiting": waiting}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "specdec"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: api.CompletionRequest, request: Request) -> Response:
+        job, prompt_tokens = _submit(body, body.prompt, "prompt", body.max_tokens)
+        rid = api.new_id("cmpl")
+        if body.stream:
+            chunks = _Chunks(
+                lambda text: api.completion_chunk(rid, model, text), lambda finish: api.completion_chunk(rid, model, "", finish)
+            )
+            return _stream(job, chunks, prompt_tokens, body.stream_options)
+        return JSONResponse(api.completion_body(rid, model, await _result(job, request), prompt_tokens))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: api.ChatRequest, request: Request) -> Response:
+        ids = _chat_prompt(body)
+        job, prompt_tokens = _submit(body, ids, "messages", body.token_budget)
+        rid = api.new_id("chatcmpl")
+        if body.stream:
+            chunks = _Chunks(
+                lambda text: api.chat_chunk(rid, model, {"content": text}),
+                lambda finish: api.chat_chunk(rid, model, {}, finish),
+                first=api.chat_chunk(rid, model, {"role": "assistant", "content": ""}),
+            )
+            return _stream(job, chunks, prompt_tokens, body.stream_options)
+        return JSONResponse(api.chat_body(rid, model, await _result(job, request), prompt_tokens))
+
+    def _chat_prompt(body: api.ChatRequest) -> list[int]:
+        tokenizer = generator.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise api.APIError(400, f"model '{model}' has no chat template: use /v1/completions", param="messages")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (roles, order)
+            raise api.APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from None
+
+    def _submit(body: api._Request, prompt: str | list[int], field: str, budget: int | None) -> tuple[Job, int]:
+        body.unsupported()
+        if body.model not in (None, model):
+            raise api.APIError(
+                404, f"The model '{body.model}' does not exist: this server serves '{model}'", param="model", code="model_not_found"
+            )
+        max_tokens = budget or config.default_max_tokens
+        try:
+            completion = generator.completion(prompt, body.generation_config(generator.config, max_tokens))
+        except SpecDecError as exc:
+            raise api.APIError(400, str(exc), param=field) from None
+        used, limit = len(completion.prompt_ids), generator.backend.max_context
+        if used + max_tokens > limit:
+            raise api.APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens; this request asks for {used + max_tokens} "
+                f"({used} in the {field}, {max_tokens} to generate): shorten the {field} or lower max_tokens",
+                param=field,
+                code="context_length_exceeded",
+            )
+        job = Job(completion, asyncio.get_running_loop())
+        try:
+            batcher.submit(job)
+        except QueueFullError as exc:
+            raise api.APIError(
+                429, f"the server is at capacity ({exc}): retry shortly", kind="rate_limit_error", code="queue_full"
+            ) from None
+        except ShuttingDownError as exc:
+            raise api.APIError(503, f"{exc}: retry on another replica", kind="server_error") from None
+        return job, used
+
+    return app
+
+
+class _Chunks:
+    """How one endpoint shapes its stream: a chunk per text piece, the closing chunk, an optional opening chunk."""
+
+    def __init__(self, text: Callable[[str], dict], end: Callable[[str], dict], first: dict | None = None) -> None:
+        self.text, self.end, self.first = text, end, first
+
+
+def _stream(job: Job, chunks: _Chunks, prompt_tokens: int, options: api.StreamOptions | None) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        try:
+            if chunks.first is not None:
+                yield _sse(chunks.first)
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "text":
+                    yield _sse(chunks.text(payload))
+                elif kind == "error":
+                    yield _sse(api.APIError(500, payload, kind="server_error").body())
+                    return
+                else:
+                    yield _sse(chunks.end(api.FINISH[payload.finish_reason]))
+                    if options is not None and options.include_usage:
+                        yield _sse(
+                            chunks.end(api.FINISH[payload.finish_reason]) | {"choices": [], "usage": api.usage(prompt_tokens, payload)}
+                        )
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            job.cancel()  # the client went away (or the stream ended): nothing more is wanted
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _result(job: Job, request: Request) -> GenerationResult:
+    """Wait for the job's end, cancelling it if the client disconnects meanwhile."""
+    while True:
+        try:
+            kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
+        except TimeoutError:
+            if await request.is_disconnected():
+                job.cancel()
+                raise api.APIError(499, "the client closed the request") from None
+            continue
+        if kind == "done":
+            return payload
+        if kind == "error":
+            raise api.APIError(500, payload, kind="server_error")
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _validation_error(exc: RequestValidationError) -> api.APIError:
+    """The first problem, named the way OpenAI names it."""
+    error = exc.errors()[0]
+    location = [str(part) for part in error.get("loc", ()) if part != "body"]
+    field = location[0] if location else None  # the request field; the message shows the full path
+    path = ".".join(location)
+    if error.get("type") == "extra_forbidden":
+        return api.APIError(400, f"Unrecognized request argument supplied: {path}", param=field)
+    if error.get("type") == "json_invalid" or field is None:
+        return api.APIError(400, "the request body is not a valid JSON object")
+    if error.get("type") == "missing":
+        return api.APIError(400, f"'{path}' is required", param=field)
+    return api.APIError(400, f"'{path}': {error.get('msg', 'invalid value')} (got {error.get('input')!r})", param=field)

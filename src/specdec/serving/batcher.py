@@ -1,0 +1,160 @@
+"""Continuous batching: one thread owns the batch decoder; requests join it between steps and leave when done.
+
+HTTP handlers run on the event loop and never touch the model. They submit a
+Job and read its events (text pieces, then one end event) from an asyncio
+queue that this thread fills. Between two steps the thread admits waiting
+jobs up to ``max_batch`` rows and drops finished or cancelled ones, whose
+cache slots are freed at once. A failing step fails the jobs of that step
+with an error event and the loop goes on serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from specdec.engine import Completion, Generator, Row
+from specdec.serving.metrics import Metrics
+
+log = logging.getLogger("specdec.serve")
+
+
+class QueueFullError(Exception):
+    """Every batch slot is busy and the waiting queue is full: retry later."""
+
+
+class ShuttingDownError(Exception):
+    """The server is draining for shutdown and takes no new requests."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request as the engine thread sees it."""
+
+    completion: Completion
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+
+    def emit(self, kind: str, payload: object) -> None:
+        """Hand an event to the request's handler (from the engine thread)."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this request (client gone); takes effect before the next step."""
+        self.cancelled.set()
+
+
+class Batcher:
+    def __init__(self, generator: Generator, max_batch: int, max_queue: int, metrics: Metrics) -> None:
+        self.generator = generator
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.decoder = generator.batch_decoder()
+        self.waiting: deque[Job] = deque()
+        self.active: dict[Row, Job] = {}
+        self._wake = threading.Condition()
+        self._accepting = True
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._wake:
+            if not self._accepting:
+                raise ShuttingDownError("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFullError(f"{len(self.active)} requests are running and {len(self.waiting)} waiting")
+            self.waiting.append(job)
+            self.metrics.queue_depth.set(len(self.waiting))
+            self._wake.notify()
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return len(self.active), len(self.waiting)
+
+    def stop(self, drain_s: float) -> None:
+        """Stop taking requests, let in-flight ones finish for up to ``drain_s``, cancel the rest, end the thread."""
+        with self._wake:
+            self._accepting = False
+        deadline = time.monotonic() + drain_s
+        while (self.active or self.waiting) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.active and not self.waiting:
+                    self._wake.wait()
+                if self._stop:
+                    break
+                self._admit()
+            if not self.active:
+                continue
+            try:
+                new = self.decoder.step()
+            except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
+                log.exception("a decoding step failed")
+                for row in list(self.active):
+                    self._finish(row, error=f"internal error while decoding: {exc}")
+                continue
+            for row, tokens in new.items():
+                job = self.active[row]
+                if job.first_token_s is None:
+                    job.first_token_s = time.perf_counter() - job.submitted
+                    self.metrics.ttft.observe(job.first_token_s)
+                piece = job.completion.take(tokens.tolist())
+                if piece:
+                    job.emit("text", piece)
+            for row, job in list(self.active.items()):
+                if job.cancelled.is_set():
+                    self._finish(row, error=None, cancelled=True)
+                elif job.completion.ended or self.decoder.exhausted(row):
+                    self._finish(row, error=None)
+        for job in list(self.waiting) + list(self.active.values()):
+            job.emit("error", "the server shut down before this request finished")
+
+    def _admit(self) -> None:
+        """Move waiting jobs into the batch while there is room (called with the lock held)."""
+        while self.waiting and len(self.active) < self.max_batch:
+            job = self.waiting.popleft()
+            if job.cancelled.is_set():
+                continue
+            try:
+                row = self.generator.start_row(job.completion)
+                self.decoder.join(row)
+            except Exception as exc:  # noqa: BLE001 - a request the engine cannot take fails alone
+                job.emit("error", f"could not start decoding: {exc}")
+                continue
+            self.active[row] = job
+        self.metrics.queue_depth.set(len(self.waiting))
+        self.metrics.active.set(len(self.active))
+
+    def _finish(self, row: Row, error: str | None, cancelled: bool = False) -> None:
+        job = self.active.pop(row)
+        self.decoder.leave(row)
+        self.metrics.active.set(len(self.active))
+        if error is not None:
+            job.emit("error", error)
+            return
+        tail = job.completion.close()
+        self.metrics.record(job.completion, time.perf_counter() - job.submitted, cancelled)
+        if cancelled:
+            return
+        if tail:
+            job.emit("text", tail)
+        job.emit("done", job.completion.result())

@@ -1,0 +1,51 @@
+"""The server's Prometheus metrics: traffic, tokens, speculation (acceptance, k) and latency."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from specdec.engine import Completion
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+K_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
+
+
+class Metrics:
+    """One registry per server, so that tests and several apps in one process do not share counts."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specdec_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter("specdec_generated_tokens", "Tokens generated for finished requests", registry=r)
+        self.proposed = Counter("specdec_draft_tokens_proposed", "Draft tokens the target judged", registry=r)
+        self.accepted = Counter("specdec_draft_tokens_accepted", "Draft tokens the target accepted", registry=r)
+        self.acceptance = Gauge("specdec_acceptance_rate", "Accepted / proposed draft tokens since the server started", registry=r)
+        self.k = Histogram("specdec_k", "Draft tokens chosen per sequence per step", buckets=K_BUCKETS, registry=r)
+        self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting for a batch slot", registry=r)
+        self.active = Gauge("specdec_active_sequences", "Sequences in the running batch", registry=r)
+        self.cancelled = Counter("specdec_cancelled_requests", "Requests dropped because the client went away", registry=r)
+        self.latency = Histogram("specdec_request_latency_seconds", "From arrival to the last token", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("specdec_time_to_first_token_seconds", "From arrival to the first token", buckets=LATENCY_BUCKETS, registry=r)
+        self._totals = [0, 0]  # draft tokens proposed, accepted: the acceptance rate's parts
+
+    def record(self, completion: Completion, latency_s: float, cancelled: bool) -> None:
+        """Count a sequence that left the batch."""
+        stats = completion.stats
+        self.prompt_tokens.inc(len(completion.prompt_ids))
+        self.generated_tokens.inc(len(completion.token_ids))
+        self.proposed.inc(stats.draft_tokens_proposed)
+        self.accepted.inc(stats.draft_tokens_accepted)
+        self._totals[0] += stats.draft_tokens_proposed
+        self._totals[1] += stats.draft_tokens_accepted
+        self.acceptance.set(self._totals[1] / self._totals[0] if self._totals[0] else 0.0)
+        for k in stats.k_per_step:
+            self.k.observe(k)
+        if cancelled:
+            self.cancelled.inc()
+        else:
+            self.latency.observe(latency_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,173 @@
+"""OpenAI's request and response shapes for completions and chat completions, and their errors.
+
+Requests are validated here so that a bad field gets a 400 naming it, in the
+shape OpenAI clients parse ({"error": {"message", "type", "param", "code"}}).
+Fields OpenAI defines that change what is generated and that specdec does
+not implement (n > 1, logprobs, echo, penalties, logit_bias) are refused
+by name rather than ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec.config import GenerationConfig, SamplingConfig
+from specdec.engine import GenerationResult
+
+
+class APIError(Exception):
+    """An error answered to the client in OpenAI's shape."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields shared by both endpoints (OpenAI's names and defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=1)] | None = None  # not OpenAI's, but common in OpenAI-compatible servers
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: bool | int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def unsupported(self) -> None:
+        """Refuse OpenAI options that would change the output and that specdec does not implement."""
+        for name, ok in (
+            ("n", self.n == 1),
+            ("logprobs", not self.logprobs),
+            ("presence_penalty", self.presence_penalty == 0),
+            ("frequency_penalty", self.frequency_penalty == 0),
+            ("logit_bias", not self.logit_bias),
+        ):
+            if not ok:
+                raise APIError(400, f"'{name}' is not supported by this server: leave it at its default", param=name)
+        stops = self.stops
+        if len(stops) > 4 or any(not s for s in stops):
+            raise APIError(400, "'stop' takes up to 4 non-empty strings", param="stop")
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def generation_config(self, defaults: GenerationConfig, max_tokens: int) -> GenerationConfig:
+        sampling = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return GenerationConfig(
+            k=defaults.k, k_policy=defaults.k_policy, max_new_tokens=max_tokens, sampling=sampling, stop=self.stops, seed=self.seed
+        )
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        for name, ok in (("echo", not self.echo), ("suffix", self.suffix is None), ("best_of", self.best_of in (None, 1))):
+            if not ok:
+                raise APIError(400, f"'{name}' is not supported by this server: leave it at its default", param=name)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool fields: passed to the chat template as they are
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(_Request):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+FINISH = {"length": "length", "context": "length", "eos": "stop", "stop": "stop"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, result: GenerationResult) -> dict:
+    generated = len(result.token_ids)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
+
+
+def completion_body(rid: str, model: str, result: GenerationResult, prompt_tokens: int) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": FINISH[result.finish_reason]}],
+        "usage": usage(prompt_tokens, result),
+    }
+
+
+def completion_chunk(rid: str, model: str, text: str, finish: str | None = None) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def chat_body(rid: str, model: str, result: GenerationResult, prompt_tokens: int) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": result.text},
+                "logprobs": None,
+                "finish_reason": FINISH[result.finish_reason],
+            }
+        ],
+        "usage": usage(prompt_tokens, result),
+    }
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }

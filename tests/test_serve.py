@@ -1,0 +1,288 @@
+"""The OpenAI-compatible server as users run it: a real `specdec serve` process on loopback, driven by the official openai client."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import char_tokenizer, tiny_llama
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec import GenerationConfig, Generator
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+PROMPTS = ["abc abc abc", "hello there", "the cat sat on the mat. the cat", "1, 2, 3, 4, 5", "xyz", "Question: why?"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """A `specdec serve` subprocess; stopped with SIGINT like a user's Ctrl-C."""
+
+    def __init__(self, target: str, *args: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [shutil.which("specdec"), "serve", "--target", target, "--port", str(self.port), *args]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.process.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        else:
+            raise RuntimeError("server did not start in time")
+        self.client = OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def stop(self) -> tuple[int, str]:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            output, _ = self.process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            output, _ = self.process.communicate()
+        return self.process.returncode, output
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health").json()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved tiny Llama with a character tokenizer and a chat template."""
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    folder = tmp_path_factory.mktemp("serve") / "tiny-chat"
+    tiny_llama(0, vocab=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path) -> Iterator[Server]:
+    server = Server(str(folder), "--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--max-batch", "8")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def local(folder: Path) -> Generator:
+    """The same target and drafter in this process: what `specdec generate` computes."""
+    return Generator(str(folder), "prompt-lookup", GenerationConfig(k=4, k_policy="fixed"))
+
+
+def test_completions_streamed_and_not(server: Server, local: Generator) -> None:
+    model = server.client.models.list().data[0].id
+    expected = local.generate(PROMPTS[0], max_new_tokens=24)
+    got = server.client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    assert got.choices[0].text == expected.text
+    assert got.usage.completion_tokens == len(expected.token_ids) and got.choices[0].finish_reason in ("length", "stop")
+    chunks = list(server.client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == got.choices[0].finish_reason
+    assert len(chunks) > 2  # text arrives in pieces, not at the end
+
+
+def test_chat_streamed_and_not(server: Server, local: Generator) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    ids = local.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = local.generate(list(ids), max_new_tokens=20)
+    got = server.client.chat.completions.create(
+        model=server.client.models.list().data[0].id, messages=messages, max_tokens=20, temperature=0
+    )
+    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == expected.text
+    stream = server.client.chat.completions.create(
+        model=got.model, messages=messages, max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_greedy_through_the_server_equals_specdec_generate(server: Server, folder: Path) -> None:
+    command = [
+        shutil.which("specdec"),
+        "generate",
+        PROMPTS[2],
+        "--target",
+        str(folder),
+        "--draft",
+        "prompt-lookup",
+        "--max-new-tokens",
+        "30",
+    ]
+    cli = json.loads(subprocess.run([*command, "--json"], capture_output=True, text=True, check=True).stdout)
+    got = server.client.completions.create(model=server.client.models.list().data[0].id, prompt=PROMPTS[2], max_tokens=30, temperature=0)
+    assert got.choices[0].text == cli["text"]
+
+
+def test_sixteen_concurrent_clients(server: Server, local: Generator) -> None:
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(16)]
+    expected = [local.generate(p, max_new_tokens=16 + i).text for i, p in enumerate(prompts)]
+    model = server.client.models.list().data[0].id
+
+    def ask(i: int) -> str:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        return client.completions.create(model=model, prompt=prompts[i], max_tokens=16 + i, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(16)))
+    assert answers == expected
+
+
+def test_seeded_sampling_is_reproducible(server: Server) -> None:
+    model = server.client.models.list().data[0].id
+
+    def ask(seed: int) -> str:
+        return server.client.completions.create(model=model, prompt="abc", max_tokens=20, temperature=0.9, seed=seed).choices[0].text
+
+    assert ask(5) == ask(5)
+    assert len({ask(s) for s in range(4)}) > 1
+
+
+def test_disconnect_cancels_and_frees_capacity(server: Server) -> None:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={"prompt": "abc", "max_tokens": 200, "temperature": 0, "stream": True}, timeout=30
+    ) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert server.health()["running"] == 1
+    deadline = time.monotonic() + 20
+    while server.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.health() | {"model": None} == {"status": "ok", "model": None, "running": 0, "waiting": 0}
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "specdec_cancelled_requests_total 1.0" in metrics
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "message"),
+    [
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature", "greater than or equal to 0"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+        ({"prompt": "hi", "colour": "red"}, 400, "colour", "Unrecognized request argument"),
+        ({"prompt": "hi", "n": 2}, 400, "n", "not supported"),
+        ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
+        ({"max_tokens": 5}, 400, "prompt", "required"),
+        ({"prompt": "", "max_tokens": 5}, 400, "prompt", "empty"),
+        ({"prompt": "x" * 300, "max_tokens": 5}, 400, "prompt", "context of 256"),
+        ({"prompt": "hi", "max_tokens": 300}, 400, "prompt", "maximum context length is 256"),
+        ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ],
+)
+def test_bad_completion_requests(server: Server, body: dict, status: int, param: str, message: str) -> None:
+    response = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"] and error["type"]
+
+
+def test_bad_chat_and_body(server: Server) -> None:
+    response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    response = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    assert server.health()["status"] == "ok"  # none of it hurt the engine
+
+
+def test_metrics_parse(server: Server) -> None:
+    server.client.completions.create(model=server.client.models.list().data[0].id, prompt=PROMPTS[3], max_tokens=12, temperature=0)
+    families = {family.name: family for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    for name in (
+        "specdec_requests",
+        "specdec_generated_tokens",
+        "specdec_acceptance_rate",
+        "specdec_k",
+        "specdec_queue_depth",
+        "specdec_request_latency_seconds",
+        "specdec_time_to_first_token_seconds",
+    ):
+        assert name in families, name
+    generated = next(s.value for s in families["specdec_generated_tokens"].samples if s.name == "specdec_generated_tokens_total")
+    assert generated >= 12
+    codes = {s.labels.get("status") for s in families["specdec_requests"].samples}
+    assert "200" in codes
+
+
+def test_full_queue_answers_429_and_shutdown_drains(folder: Path) -> None:
+    server = Server(str(folder), "--draft", "prompt-lookup", "--max-batch", "1", "--max-queue", "1", "--drain", "20")
+    statuses: list[int] = []
+    retry_after: list[str] = []
+
+    def ask() -> None:
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "abc", "max_tokens": 120, "temperature": 0}, timeout=60)
+        statuses.append(response.status_code)
+        if response.status_code == 429:
+            retry_after.append(response.headers.get("retry-after"))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.01)
+    for thread in threads:
+        thread.join()
+    assert statuses.count(200) >= 2 and statuses.count(429) >= 1 and all(retry_after)
+    # Shutdown while a request runs: it finishes (drain), then the process exits cleanly.
+    finished: list[int] = []
+    runner = threading.Thread(
+        target=lambda: finished.append(
+            httpx.post(f"{server.url}/v1/completions", json={"prompt": "abc", "max_tokens": 120}, timeout=60).status_code
+        )
+    )
+    runner.start()
+    while server.health()["running"] == 0:
+        time.sleep(0.01)
+    code, output = server.stop()
+    runner.join()
+    assert finished == [200] and code == 0, output
+
+
+@pytest.mark.real_model
+def test_chat_on_the_bundled_chat_model() -> None:
+    server = Server("smollm2-135m-instruct", "--draft", "prompt-lookup", "--k-policy", "fixed", "--k", "4")
+    try:
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        local = Generator("smollm2-135m-instruct", "prompt-lookup", GenerationConfig(k=4, k_policy="fixed"))
+        ids = local.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        expected = local.generate(list(ids), max_new_tokens=24)
+        got = server.client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=24, temperature=0)
+        assert got.choices[0].message.content == expected.text
+        assert "Paris" in got.choices[0].message.content
+    finally:
+        server.stop()
+
+
+def test_load_benchmark_reports_both_configurations(folder: Path, tmp_path: Path) -> None:
+    from specdec.bench.serve_load import LoadConfig, markdown, run_load_benchmark
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "category": "c", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    report = run_load_benchmark(LoadConfig(str(prompts), str(folder), clients=3, duration_s=3, max_tokens=16), say=lambda _: None)
+    assert list(report["results"]) == ["speculation off", "speculation on (prompt-lookup)"]
+    for figures in report["results"].values():
+        assert figures["errors"] == 0 and figures["requests"] > 0 and figures["tokens_per_s"] > 0
+        assert figures["latency_s"]["p50"] <= figures["latency_s"]["p99"]
+    assert "speculation on" in markdown(report)
