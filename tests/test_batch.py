@@ -139,6 +139,36 @@ def test_rows_joining_and_leaving_do_not_disturb_the_others() -> None:
     assert decoder.backend.rows == 0
 
 
+class _GreedyOnlyDrafter(PromptLookupDrafter):
+    """Refuses sampling the way the cross-tokenizer drafter does, to make one request of a batch invalid."""
+
+    def propose(self, context, k, sampling, generator, min_confidence=0.0):
+        if not sampling.greedy:
+            raise ConfigError("this drafter supports greedy decoding only")
+        return super().propose(context, k, sampling, generator, min_confidence)
+
+
+def test_an_invalid_request_fails_alone() -> None:
+    target = loaded(tiny_llama(0))
+    gen = Generator(target, _GreedyOnlyDrafter(), GREEDY)
+    sampled = GenerationConfig(k=4, k_policy="fixed", max_new_tokens=30, sampling=SamplingConfig(temperature=0.8))
+    with pytest.raises(ConfigError, match="greedy decoding only"):
+        gen.generate_batch(PROMPTS[:2], [GREEDY, sampled])
+    decoder = BatchDecoder(BatchedTransformersBackend(target.model))
+    good, bad = (
+        Row(torch.tensor([p]), c, gen.drafter.fork(), FixedK(4), torch.Generator())
+        for p, c in zip(PROMPTS[:2], (GREEDY, sampled), strict=True)
+    )
+    decoder.join(good)
+    decoder.join(bad)
+    produced: list[int] = []
+    while not decoder.exhausted(good):
+        produced += decoder.step().get(good, torch.tensor([], dtype=torch.long)).tolist()
+        assert bad in decoder.failed and bad.stats.new_tokens == 0
+    decoder.leave(bad)
+    assert not decoder.failed and produced == Generator(target, NoDrafter()).generate(PROMPTS[0], GREEDY).token_ids
+
+
 def _two_token_law(model, prompt: list[int], sampling: SamplingConfig) -> torch.Tensor:
     from specdec.verification import to_probs
 

@@ -80,7 +80,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(folder: Path) -> Iterator[Server]:
-    server = Server(str(folder), "--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--max-batch", "8")
+    # A timing-free k (fixed policy, fixed window) makes seeded sampling reproducible; greedy output is the target's either way.
+    server = Server(str(folder), "--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--window", "fixed", "--max-batch", "8")
     yield server
     server.stop()
 

@@ -23,6 +23,7 @@ import torch
 from specdec.config import GenerationConfig
 from specdec.drafters.base import Drafter, Proposal
 from specdec.engine.loop import DecodeStats
+from specdec.errors import SpecDecError
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.scheduling import AcceptanceEstimate, KPolicy, LoadWindow, StepOutcome
 from specdec.verification import verify
@@ -79,6 +80,7 @@ class BatchDecoder:
         self.backend = backend
         self.window = window
         self.rows: list[Row] = []
+        self.failed: dict[Row, SpecDecError] = {}  # rows whose request turned out invalid while drafting; the caller removes them
         self._draft_s_per_token = 0.0
         self.reports: list[StepReport] = []
 
@@ -95,6 +97,7 @@ class BatchDecoder:
         index = self.rows.index(row)
         self.backend.remove_rows([index])
         del self.rows[index]
+        self.failed.pop(row, None)
 
     def exhausted(self, row: Row) -> bool:
         """The row reached its token budget or the model's context."""
@@ -103,7 +106,7 @@ class BatchDecoder:
     def step(self) -> dict[Row, torch.Tensor]:
         """Advance every row that is not exhausted by one speculative step; return the tokens each accepted."""
         start = time.perf_counter()
-        active = [row for row in self.rows if not self.exhausted(row)]
+        active = [row for row in self.rows if not self.exhausted(row) and row not in self.failed]
         if not active:
             return {}
         window = self._window(active)
@@ -132,12 +135,21 @@ class BatchDecoder:
             k = min(k, self.backend.max_context - row.length - 1)
             asked.append(k)
             t_row = time.perf_counter()
-            proposal = (
-                row.drafter.propose(row.tokens, k, row.config.sampling, row.generator, min_confidence=row.policy.min_confidence)
-                if k > 0
-                else Proposal.empty(1)
-            )
+            try:
+                proposal = (
+                    row.drafter.propose(row.tokens, k, row.config.sampling, row.generator, min_confidence=row.policy.min_confidence)
+                    if k > 0
+                    else Proposal.empty(1)
+                )
+            except SpecDecError as exc:  # this row's request cannot be drafted (e.g. sampling with a greedy-only drafter)
+                self.failed[row] = exc
+                proposal = Proposal.empty(1)
             proposals.append((proposal, time.perf_counter() - t_row))
+        keep = [i for i, row in enumerate(group) if row not in self.failed]
+        if len(keep) < len(group):
+            group, chosen, asked, proposals = ([xs[i] for i in keep] for xs in (group, chosen, asked, proposals))
+            if not group:
+                return {}
         t1 = time.perf_counter()
         drafted = sum(int(p.lengths[0]) for p, _ in proposals)
         if drafted:
@@ -146,10 +158,8 @@ class BatchDecoder:
         indices = [self.rows.index(row) for row in group]
         lengths = [int(p.lengths[0]) for p, _ in proposals]
         width = max(lengths)
-        feeds = [
-            torch.cat([row.tokens[0, self.backend.lengths[i] :], p.tokens[0]])
-            for row, i, (p, _) in zip(group, indices, proposals, strict=True)
-        ]
+        drafts = [p.tokens[0, :n] for (p, _), n in zip(proposals, lengths, strict=True)]
+        feeds = [torch.cat([row.tokens[0, self.backend.lengths[i] :], d]) for row, i, d in zip(group, indices, drafts, strict=True)]
         logits = self.backend.forward(indices, feeds, last=width + 1)
         # Row i's k_i drafts sit at the end of its feed: shift its logits left so position j judges draft j.
         shift = torch.tensor([width - n for n in lengths])
@@ -157,8 +167,8 @@ class BatchDecoder:
         if shift.any():
             logits = logits.gather(1, columns[:, :, None].expand(-1, -1, logits.shape[-1]).to(logits.device))
         tokens = torch.zeros(len(group), width, dtype=torch.long)
-        for i, (p, _) in enumerate(proposals):
-            tokens[i, : lengths[i]] = p.tokens[0]
+        for i, d in enumerate(drafts):
+            tokens[i, : lengths[i]] = d
         verdicts = self._verify(group, tokens, torch.tensor(lengths), logits, [p for p, _ in proposals])
         t2 = time.perf_counter()
 

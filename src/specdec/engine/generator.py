@@ -121,6 +121,8 @@ class Generator:
         while decoder.rows:
             for row, new in decoder.step().items():
                 by_row[row].take(new.tolist())
+            if decoder.failed:
+                raise next(iter(decoder.failed.values()))
             for row in [r for r in decoder.rows if by_row[r].ended or decoder.exhausted(r)]:
                 by_row[row].close()
                 decoder.leave(row)

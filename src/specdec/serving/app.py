@@ -159,7 +159,7 @@ def _stream(job: Job, chunks: _Chunks, prompt_tokens: int, options: api.StreamOp
                 if kind == "text":
                     yield _sse(chunks.text(payload))
                 elif kind == "error":
-                    yield _sse(api.APIError(500, payload, kind="server_error").body())
+                    yield _sse(_failure(*payload).body())
                     return
                 else:
                     yield _sse(chunks.end(api.FINISH[payload.finish_reason]))
@@ -188,7 +188,11 @@ async def _result(job: Job, request: Request) -> GenerationResult:
         if kind == "done":
             return payload
         if kind == "error":
-            raise api.APIError(500, payload, kind="server_error")
+            raise _failure(*payload)
+
+
+def _failure(status: int, message: str) -> api.APIError:
+    return api.APIError(status, message, kind="server_error" if status >= 500 else "invalid_request_error")
 
 
 def _sse(data: dict) -> str:

@@ -1,8 +1,9 @@
 """Continuous batching: one thread owns the batch decoder; requests join it between steps and leave when done.
 
 HTTP handlers run on the event loop and never touch the model. They submit a
-Job and read its events (text pieces, then one end event) from an asyncio
-queue that this thread fills. Between two steps the thread admits waiting
+Job and read its events from an asyncio queue that this thread fills:
+("text", piece) as tokens are accepted, then ("done", GenerationResult) or
+("error", (HTTP status, message)). Between two steps the thread admits waiting
 jobs up to ``max_batch`` rows and drops finished or cancelled ones, whose
 cache slots are freed at once. A failing step fails the jobs of that step
 with an error event and the loop goes on serving the others.
@@ -110,7 +111,7 @@ class Batcher:
             except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
                 log.exception("a decoding step failed")
                 for row in list(self.active):
-                    self._finish(row, error=f"internal error while decoding: {exc}")
+                    self._finish(row, error=(500, f"internal error while decoding: {exc}"))
                 continue
             for row, tokens in new.items():
                 job = self.active[row]
@@ -121,12 +122,14 @@ class Batcher:
                 if piece:
                     job.emit("text", piece)
             for row, job in list(self.active.items()):
-                if job.cancelled.is_set():
+                if row in self.decoder.failed:
+                    self._finish(row, error=(400, str(self.decoder.failed[row])))
+                elif job.cancelled.is_set():
                     self._finish(row, error=None, cancelled=True)
                 elif job.completion.ended or self.decoder.exhausted(row):
                     self._finish(row, error=None)
         for job in list(self.waiting) + list(self.active.values()):
-            job.emit("error", "the server shut down before this request finished")
+            job.emit("error", (503, "the server shut down before this request finished"))
 
     def _admit(self) -> None:
         """Move waiting jobs into the batch while there is room (called with the lock held)."""
@@ -138,13 +141,14 @@ class Batcher:
                 row = self.generator.start_row(job.completion)
                 self.decoder.join(row)
             except Exception as exc:  # noqa: BLE001 - a request the engine cannot take fails alone
-                job.emit("error", f"could not start decoding: {exc}")
+                job.emit("error", (500, f"could not start decoding: {exc}"))
                 continue
             self.active[row] = job
         self.metrics.queue_depth.set(len(self.waiting))
         self.metrics.active.set(len(self.active))
 
-    def _finish(self, row: Row, error: str | None, cancelled: bool = False) -> None:
+    def _finish(self, row: Row, error: tuple[int, str] | None, cancelled: bool = False) -> None:
+        """Take ``row`` out of the batch and tell its handler how it ended (``error``: HTTP status and message)."""
         job = self.active.pop(row)
         self.decoder.leave(row)
         self.metrics.active.set(len(self.active))
