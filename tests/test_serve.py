@@ -230,32 +230,31 @@ def test_metrics_parse(server: Server) -> None:
 
 def test_full_queue_answers_429_and_shutdown_drains(folder: Path) -> None:
     server = Server(str(folder), "--draft", "prompt-lookup", "--max-batch", "1", "--max-queue", "1", "--drain", "20")
+    body = {"prompt": "abc", "max_tokens": 200, "temperature": 0}
     statuses: list[int] = []
-    retry_after: list[str] = []
+    retry_after: list[str | None] = []
+    start = threading.Barrier(6)
 
     def ask() -> None:
-        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "abc", "max_tokens": 120, "temperature": 0}, timeout=60)
+        start.wait()  # all at once: one runs, one waits, the rest find the queue full
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         statuses.append(response.status_code)
         if response.status_code == 429:
             retry_after.append(response.headers.get("retry-after"))
 
-    threads = [threading.Thread(target=ask) for _ in range(4)]
+    threads = [threading.Thread(target=ask) for _ in range(6)]
     for thread in threads:
         thread.start()
-        time.sleep(0.01)
     for thread in threads:
         thread.join()
-    assert statuses.count(200) >= 2 and statuses.count(429) >= 1 and all(retry_after)
+    assert statuses.count(200) >= 2 and statuses.count(429) >= 1 and all(retry_after), statuses
     # Shutdown while a request runs: it finishes (drain), then the process exits cleanly.
     finished: list[int] = []
-    runner = threading.Thread(
-        target=lambda: finished.append(
-            httpx.post(f"{server.url}/v1/completions", json={"prompt": "abc", "max_tokens": 120}, timeout=60).status_code
-        )
-    )
+    runner = threading.Thread(target=lambda: finished.append(httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code))
     runner.start()
-    while server.health()["running"] == 0:
-        time.sleep(0.01)
+    deadline = time.monotonic() + 10
+    while server.health()["running"] == 0 and not finished and time.monotonic() < deadline:
+        time.sleep(0.005)
     code, output = server.stop()
     runner.join()
     assert finished == [200] and code == 0, output

@@ -108,7 +108,7 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
         except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (roles, order)
             raise api.APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from None
 
-    def _submit(body: api._Request, prompt: str | list[int], field: str, budget: int | None) -> tuple[Job, int]:
+    def _submit(body: api.OpenAIRequest, prompt: str | list[int], field: str, budget: int | None) -> tuple[Job, int]:
         body.unsupported()
         if body.model not in (None, model):
             raise api.APIError(

@@ -36,7 +36,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class OpenAIRequest(BaseModel):
     """Fields shared by both endpoints (OpenAI's names and defaults)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -83,7 +83,7 @@ class _Request(BaseModel):
         )
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(OpenAIRequest):
     prompt: str | list[int]
     echo: bool = False
     suffix: str | None = None
@@ -103,7 +103,7 @@ class ChatMessage(BaseModel):
     content: str
 
 
-class ChatRequest(_Request):
+class ChatRequest(OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
 
