@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from specdec.bench.prompts import BenchPrompt, load_prompts
+from specdec.bench.report import fmt, machine_line
 from specdec.bench.runner import machine_info
 from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig
 from specdec.drafters import build_drafter
@@ -147,7 +148,7 @@ def markdown(results: dict) -> str:
         "",
         f"Target `{cfg['target']}` ({machine['dtype']}), drafter `{cfg['draft']}`, window k = {cfg['k']}, "
         f"up to {cfg['max_new_tokens']} new tokens per request, prompts from `{cfg['prompts']}`.",
-        f"Machine: {machine['device']}, {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}.",
+        machine_line(machine),
         "",
         "Latency: from the batch's start to a request's last token (one at a time: including the wait for earlier requests).",
         "Identical: share of requests whose output equals batched target-only's.",
@@ -163,17 +164,9 @@ def markdown(results: dict) -> str:
         for name, f in figures.items():
             lines.append(
                 f"| {name} | {f['tokens_per_s']:.1f} | {f['throughput_vs_target_only']:.2f}x | {f['mean_latency_s']:.2f} | {f['p95_latency_s']:.2f} "
-                f"| {f['ms_per_token']:.0f} | {_pct(f['acceptance_rate'])} | {_num(f['mean_window'])} "
-                f"| {_pct(f['steps_without_speculation'])} | {f['identical_share']:.0%} |"
+                f"| {f['ms_per_token']:.0f} | {fmt(f['acceptance_rate'], '{:.0%}')} | {fmt(f['mean_window'], '{:.1f}')} "
+                f"| {fmt(f['steps_without_speculation'], '{:.0%}')} | {f['identical_share']:.0%} |"
             )
         cut = figures["dynamic window"]["latency_cut_vs_fixed"]
         lines += ["", f"The dynamic window cuts mean latency by {cut:.0%} against the fixed window (negative: it adds latency).", ""]
     return "\n".join(lines)
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"

@@ -22,8 +22,13 @@ def write_report(results: dict, out: Path) -> None:
     _plot_k(results, out / PLOTS[2])
 
 
-def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
+def fmt(value: float | None, pattern: str = "{:.2f}") -> str:
+    """A figure for a table cell; "-" where it does not apply."""
     return "-" if value is None else pattern.format(value)
+
+
+def machine_line(machine: dict) -> str:
+    return f"Machine: {machine['device']}, {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}."
 
 
 def markdown(results: dict) -> str:
@@ -33,7 +38,7 @@ def markdown(results: dict) -> str:
         "",
         f"Target `{cfg['target']}` ({machine['dtype']}), {cfg['prompt_count']} prompts from `{cfg['prompts']}`, "
         f"{cfg['max_new_tokens_used']} new tokens, temperature {cfg['temperature']}, {cfg['repeats']} repeat(s).",
-        f"Machine: {machine['device']}, {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}.",
+        machine_line(machine),
         "",
         "Speed-up is tokens/s against specdec's target-only `none` in the same run; peers also against their own greedy.",
         "Predicted: Leviathan et al. expected tokens per step over step cost (ideal: verification costs one step;",
@@ -47,10 +52,10 @@ def markdown(results: dict) -> str:
             r = m["categories"][category]
             lines.append(
                 f"| {name} | {r['tokens_per_s']:.2f} ({r['tokens_per_s_min']:.2f}-{r['tokens_per_s_max']:.2f}) "
-                f"| {r['speedup_vs_none']:.2f}x | {_fmt(r['speedup_vs_own_greedy'], '{:.2f}x')} "
-                f"| {_fmt(r['predicted_speedup'], '{:.2f}x')} / {_fmt(r['predicted_speedup_measured_costs'], '{:.2f}x')} "
-                f"| {_fmt(r['acceptance_rate'], '{:.0%}')} | {_fmt(r['tokens_per_step'])} | {_fmt(r['target_forwards_per_token'])} "
-                f"| {_fmt(r['ttft_s'])} | {m['peak_memory_increase_vs_none_mb']:+.0f} "
+                f"| {r['speedup_vs_none']:.2f}x | {fmt(r['speedup_vs_own_greedy'], '{:.2f}x')} "
+                f"| {fmt(r['predicted_speedup'], '{:.2f}x')} / {fmt(r['predicted_speedup_measured_costs'], '{:.2f}x')} "
+                f"| {fmt(r['acceptance_rate'], '{:.0%}')} | {fmt(r['tokens_per_step'])} | {fmt(r['target_forwards_per_token'])} "
+                f"| {fmt(r['ttft_s'])} | {m['peak_memory_increase_vs_none_mb']:+.0f} "
                 f"| {r['identical_share']:.0%} |"
             )
         lines.append("")
@@ -82,7 +87,7 @@ def markdown(results: dict) -> str:
             r = m["categories"]["overall"]
             histogram = ", ".join(f"{k}: {count}" for k, count in m["k_histogram"].items())
             lines.append(
-                f"| {name} | {m['k_policy']} | {histogram} | {_fmt(r['draft_ms_p50'], '{:.3f}')} / {_fmt(r['draft_ms_p99'], '{:.3f}')} |"
+                f"| {name} | {m['k_policy']} | {histogram} | {fmt(r['draft_ms_p50'], '{:.3f}')} / {fmt(r['draft_ms_p99'], '{:.3f}')} |"
             )
         lines.append("")
     curve = results["target_forward_cost_ms"]

@@ -74,6 +74,18 @@ Ubatch = Annotated[
 ]
 
 
+def fresh_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise SpecDecError(f"output folder '{out}' exists: pass --overwrite or choose another --out")
+
+
+def int_list(option: str, value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise SpecDecError(f"{option} must be an integer or a comma-separated list of integers, got '{value}'") from None
+
+
 def runtime_config(backend: str, dtype: str, threads: int | None, ubatch: int | None, precision: str | None) -> RuntimeConfig:
     return RuntimeConfig(backend, dtype, threads, ubatch, PrecisionPlan.parse(precision) if precision else None)
 
@@ -208,12 +220,8 @@ def bench(
     from specdec.bench.report import write_report
     from specdec.bench.runner import BenchConfig, GreedyMismatchError, method_plan, run_benchmark
 
-    if out.exists() and not overwrite:
-        raise SpecDecError(f"output folder '{out}' exists: pass --overwrite or choose another --out")
-    try:
-        ks = tuple(int(x) for x in k.split(","))
-    except ValueError:
-        raise SpecDecError(f"--k must be an integer or a comma-separated list of integers, got '{k}'") from None
+    fresh_output(out, overwrite)
+    ks = int_list("--k", k)
     config = BenchConfig(
         prompts=prompts,
         target=target,
@@ -274,12 +282,8 @@ def bench_batch(
 
     from specdec.bench.batch import METHODS, BatchBenchConfig, markdown, run_batch_benchmark
 
-    if out.exists() and not overwrite:
-        raise SpecDecError(f"output folder '{out}' exists: pass --overwrite or choose another --out")
-    try:
-        sizes = tuple(int(x) for x in batch_sizes.split(","))
-    except ValueError:
-        raise SpecDecError(f"--batch-sizes must be comma-separated integers, got '{batch_sizes}'") from None
+    fresh_output(out, overwrite)
+    sizes = int_list("--batch-sizes", batch_sizes)
     config = BatchBenchConfig(
         prompts, target, draft, sizes, k, max_new_tokens, sequential, runtime_config("transformers", dtype, None, None, precision)
     )
@@ -357,8 +361,7 @@ def bench_serve(
     """Load-test `specdec serve` on loopback: N clients for a bounded time, speculation off and on in the same run."""
     from specdec.bench.serve_load import LoadConfig, markdown, run_load_benchmark
 
-    if out.exists() and not overwrite:
-        raise SpecDecError(f"output folder '{out}' exists: pass --overwrite or choose another --out")
+    fresh_output(out, overwrite)
     config = LoadConfig(prompts, target, draft, clients, duration, max_tokens, tuple(server_args.split()))
     report = run_load_benchmark(config, say=lambda line: err.print(f"[dim]{line}[/dim]"))
     out.mkdir(parents=True, exist_ok=True)

@@ -111,8 +111,9 @@ class BatchDecoder:
             return {}
         window = self._window(active)
         new: dict[Row, torch.Tensor] = {}
-        joining = [row for row in active if self.backend.lengths[self.rows.index(row)] == 0]
-        running = [row for row in active if self.backend.lengths[self.rows.index(row)] > 0]
+        cached = {row: self.backend.lengths[i] for i, row in enumerate(self.rows)}
+        joining = [row for row in active if cached[row] == 0]
+        running = [row for row in active if cached[row] > 0]
         for group in _by_length(joining) + ([running] if running else []):
             new.update(self._advance(group, window))
         self.reports.append(StepReport(len(active), window, time.perf_counter() - start))
@@ -155,7 +156,8 @@ class BatchDecoder:
         if drafted:
             self._draft_s_per_token += 0.5 * ((t1 - t0) / drafted - self._draft_s_per_token)
 
-        indices = [self.rows.index(row) for row in group]
+        position = {row: i for i, row in enumerate(self.rows)}
+        indices = [position[row] for row in group]
         lengths = [int(p.lengths[0]) for p, _ in proposals]
         width = max(lengths)
         drafts = [p.tokens[0, :n] for (p, _), n in zip(proposals, lengths, strict=True)]

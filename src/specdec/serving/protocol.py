@@ -124,50 +124,25 @@ def usage(prompt_tokens: int, result: GenerationResult) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
 
 
+def _envelope(rid: str, kind: str, model: str, choice: dict, usage_: dict | None = None) -> dict:
+    """OpenAI's frame around one choice: id, object kind, creation time, model (and usage on whole responses)."""
+    body = {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [{"index": 0, **choice, "logprobs": None}]}
+    return body if usage_ is None else body | {"usage": usage_}
+
+
 def completion_body(rid: str, model: str, result: GenerationResult, prompt_tokens: int) -> dict:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": FINISH[result.finish_reason]}],
-        "usage": usage(prompt_tokens, result),
-    }
+    choice = {"text": result.text, "finish_reason": FINISH[result.finish_reason]}
+    return _envelope(rid, "text_completion", model, choice, usage(prompt_tokens, result))
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None = None) -> dict:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-    }
+    return _envelope(rid, "text_completion", model, {"text": text, "finish_reason": finish})
 
 
 def chat_body(rid: str, model: str, result: GenerationResult, prompt_tokens: int) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "logprobs": None,
-                "finish_reason": FINISH[result.finish_reason],
-            }
-        ],
-        "usage": usage(prompt_tokens, result),
-    }
+    choice = {"message": {"role": "assistant", "content": result.text}, "finish_reason": FINISH[result.finish_reason]}
+    return _envelope(rid, "chat.completion", model, choice, usage(prompt_tokens, result))
 
 
 def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
+    return _envelope(rid, "chat.completion.chunk", model, {"delta": delta, "finish_reason": finish})
