@@ -32,8 +32,65 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class GuardConfig:
+    """Long-generation guards (quality/guards.py), each off by default.
+
+    Every guard is a function of the tokens so far, so the engine applies it to
+    the target's logits at each verified position exactly as target-only
+    decoding would: speculative output stays the guarded target's own.
+    """
+
+    repetition: bool = False  # from a detected loop on, for loop_cooldown tokens, block every token that repeats an n-gram of the output
+    loop_repeats: int = 3  # a loop: the output ends in this many copies of one unit ...
+    loop_min_span: int = 24  # ... covering at least this many tokens (shorter repeats are legitimate)
+    loop_max_unit: int = 64  # longest unit looked for, in tokens
+    loop_cooldown: int = 32  # tokens after a detected loop during which repeated n-grams stay blocked
+    block_ngram: int = 4  # n of the blocked n-grams
+    temperature_schedule: tuple[float, float] | None = None  # (start, end): temperature over the output, e.g. (0.7, 1.2)
+    schedule_tokens: int = 512  # the schedule reaches its end temperature after this many new tokens
+    anchor_every: int | None = None  # one target-only step (and a drafter resync) every N new tokens
+    drift_threshold: float | None = None  # report a drift event when a window's similarity to the prompt falls below
+    drift_window: int = 100  # tokens per drift window
+    drift_anchor: bool = False  # a drift event also triggers an anchor step
+
+    def __post_init__(self) -> None:
+        if self.loop_repeats < 2 or self.loop_min_span < 2 or self.loop_max_unit < 1 or self.loop_cooldown < 1 or self.block_ngram < 1:
+            raise ConfigError(
+                "loop detection needs loop_repeats >= 2, loop_min_span >= 2, loop_max_unit, loop_cooldown and block_ngram >= 1"
+            )
+        if self.temperature_schedule is not None and (len(self.temperature_schedule) != 2 or min(self.temperature_schedule) <= 0):
+            raise ConfigError(f"temperature_schedule is (start, end) with both > 0, got {self.temperature_schedule}")
+        if self.schedule_tokens < 1 or self.drift_window < 1:
+            raise ConfigError("schedule_tokens and drift_window must be >= 1")
+        if self.anchor_every is not None and self.anchor_every < 1:
+            raise ConfigError(f"anchor_every must be >= 1 new tokens, got {self.anchor_every}")
+        if self.drift_threshold is not None and not -1 <= self.drift_threshold <= 1:
+            raise ConfigError(f"drift_threshold is a cosine similarity in [-1, 1], got {self.drift_threshold}")
+        if self.drift_anchor and self.drift_threshold is None:
+            raise ConfigError("drift_anchor needs a drift_threshold (the similarity below which a window counts as drift)")
+
+    @property
+    def active(self) -> bool:
+        """Whether any guard is on (the other fields are their parameters)."""
+        return self.repetition or self.temperature_schedule is not None or self.anchor_every is not None or self.drift_threshold is not None
+
+
+@dataclass(frozen=True)
+class TypicalAcceptance:
+    """LOSSY typical acceptance (Medusa; vLLM's typical acceptance sampler): a draft token is accepted when the target gives it
+    probability above min(epsilon, alpha * exp(-entropy)). Output no longer follows the target exactly."""
+
+    epsilon: float = 0.09
+    alpha: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not 0 < self.epsilon <= 1 or not 0 < self.alpha <= 1:
+            raise ConfigError(f"typical acceptance needs 0 < epsilon <= 1 and 0 < alpha <= 1, got {self.epsilon}, {self.alpha}")
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
-    """One generation request: speculation depth, length, stopping and sampling."""
+    """One generation request: speculation depth, length, stopping, sampling, guards, and (only if asked) lossy acceptance."""
 
     k: int = 8  # draft tokens per step; the most per step for adaptive k policies
     k_policy: str = "cost-model"  # the fastest policy in BENCHMARKS.md on every runtime measured
@@ -42,8 +99,12 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     stop_on_eos: bool = True
+    guards: GuardConfig = field(default_factory=GuardConfig)
+    typical_acceptance: TypicalAcceptance | None = None  # None: exact verification (the default); set: LOSSY
 
     def __post_init__(self) -> None:
+        if self.guards.temperature_schedule is not None and self.sampling.greedy:
+            raise ConfigError("a temperature schedule samples: set a temperature > 0 (the schedule then replaces it)")
         if not 1 <= self.k <= MAX_K:
             raise ConfigError(f"k (draft tokens per step) must be between 1 and {MAX_K}, got {self.k}")
         if self.k_policy not in K_POLICIES:

@@ -24,10 +24,12 @@ from specdec.config import (
     RUNTIMES,
     BatchConfig,
     GenerationConfig,
+    GuardConfig,
     PrecisionPlan,
     RuntimeConfig,
     SamplingConfig,
     ServeConfig,
+    TypicalAcceptance,
 )
 from specdec.drafters import DRAFT_SPECS
 from specdec.errors import SpecDecError
@@ -86,6 +88,16 @@ def int_list(option: str, value: str) -> tuple[int, ...]:
         raise SpecDecError(f"{option} must be an integer or a comma-separated list of integers, got '{value}'") from None
 
 
+def float_pair(option: str, value: str | None) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    try:
+        start, end = (float(x) for x in value.split(","))
+    except ValueError:
+        raise SpecDecError(f"{option} takes two numbers, START,END (like 0.7,1.2), got '{value}'") from None
+    return start, end
+
+
 def runtime_config(backend: str, dtype: str, threads: int | None, ubatch: int | None, precision: str | None) -> RuntimeConfig:
     return RuntimeConfig(backend, dtype, threads, ubatch, PrecisionPlan.parse(precision) if precision else None)
 
@@ -111,6 +123,20 @@ def generate(
     ubatch: Ubatch = None,
     stream: Annotated[bool, typer.Option(help="Print text as it is accepted.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text, token_ids and stats.")] = False,
+    repetition_guard: Annotated[
+        bool, typer.Option(help="Guard: while the output ends in a loop, block the token that continues it.")
+    ] = False,
+    temperature_schedule: Annotated[
+        str | None, typer.Option(help="Guard: temperature from START to END over 512 new tokens, e.g. 0.7,1.2 (needs --temperature > 0).")
+    ] = None,
+    anchor_every: Annotated[int | None, typer.Option(help="Guard: one target-only step and a drafter resync every N new tokens.")] = None,
+    drift_threshold: Annotated[
+        float | None, typer.Option(help="Guard: report drift when a 100-token window's similarity to the prompt falls below this.")
+    ] = None,
+    drift_anchor: Annotated[bool, typer.Option(help="A drift event also triggers an anchor step.")] = False,
+    typical_acceptance: Annotated[
+        bool, typer.Option(help="LOSSY: accept any plausible draft token (typical acceptance); output is no longer the target's own.")
+    ] = False,
 ) -> None:
     """Generate a continuation of PROMPT with speculative decoding."""
     from specdec import Generator
@@ -122,7 +148,17 @@ def generate(
         sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
         stop=tuple(stop or ()),
         seed=seed,
+        guards=GuardConfig(
+            repetition=repetition_guard,
+            temperature_schedule=float_pair("--temperature-schedule", temperature_schedule),
+            anchor_every=anchor_every,
+            drift_threshold=drift_threshold,
+            drift_anchor=drift_anchor,
+        ),
+        typical_acceptance=TypicalAcceptance() if typical_acceptance else None,
     )
+    if typical_acceptance:
+        err.print("[yellow]typical acceptance is LOSSY: the output is not exactly the target's own[/yellow]")
     if not prompt.strip():
         raise SpecDecError("the prompt is empty: pass some text to continue")
     with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
@@ -143,6 +179,8 @@ def generate(
         f"[dim]{s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.1f} tok/s), {s.target_forwards} target forwards, "
         f"acceptance {s.acceptance_rate:.0%}, finish: {result.finish_reason}[/dim]"
     )
+    for event in s.events:
+        err.print(f"[dim]guard event: {event}[/dim]", highlight=False)
 
 
 DEMO_PROMPT = (
@@ -304,6 +342,57 @@ def bench_batch(
                 f"{f['mean_latency_s']:.2f}",
                 f"{f['identical_share']:.0%}",
             )
+    Console().print(table)
+    Console().print(f"report: {out / 'report.md'}")
+
+
+@app.command()
+@user_errors
+def quality(
+    prompts: Annotated[str, typer.Option(help="JSONL prompt file.")] = "benchmarks/prompts/default.jsonl",
+    target: Target = DEFAULT_TARGET,
+    draft: Draft = "default",
+    categories: Annotated[str, typer.Option(help="Comma-separated prompt categories to generate from.")] = "open-writing,chat",
+    per_category: Annotated[int, typer.Option(help="Prompts taken from each category.")] = 3,
+    max_new_tokens: Annotated[int, typer.Option(help="New tokens per output (EOS is ignored, so every output is this long).")] = 512,
+    k: Annotated[int, typer.Option(help="The most draft tokens per step.")] = 8,
+    k_policy: KPolicyOpt = "cost-model",
+    temperature: Annotated[float, typer.Option(help="Temperature of the sampled configurations.")] = 0.7,
+    drift_threshold: Annotated[float, typer.Option(help="The drift monitor's threshold (cosine similarity to the prompt).")] = 0.2,
+    configs: Annotated[str | None, typer.Option(help="Comma-separated configurations (default: all; see the report).")] = None,
+    dtype: Dtype = "float32",
+    precision: Precision = None,
+    out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and the plots.")] = Path("quality-out"),
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+) -> None:
+    """Long generations under each guard and the lossy mode: repetition, loops, diversity, drift, contradictions, speed."""
+    from rich.progress import Progress
+
+    from specdec.bench.quality import QualityBenchConfig, configuration_names, run_quality_benchmark, write
+
+    fresh_output(out, overwrite)
+    chosen = tuple(c.strip() for c in configs.split(",")) if configs else ()
+    config = QualityBenchConfig(
+        prompts, target, draft, tuple(c.strip() for c in categories.split(",")), per_category, max_new_tokens, k, k_policy,
+        temperature, drift_threshold, chosen, runtime_config("transformers", dtype, None, None, precision),
+    )  # fmt: skip
+    runs = len(configuration_names(config)) * len(config.categories) * per_category
+    with Progress(console=err) as progress:
+        task = progress.add_task("loading models", total=runs + 1)
+        results = run_quality_benchmark(config, lambda name: progress.update(task, advance=1, description=name))
+    write(results, out)
+    table = Table("configuration", "tok/s", "vs baseline", "repeated 4-grams", "loops/1k", "drift sim.", "contradictions")
+    for name, per_category in results["summary"].items():
+        f = per_category["all"]
+        table.add_row(
+            name,
+            f"{f['tokens_per_s']:.1f}",
+            f"{f['speed_vs_baseline']:.2f}x",
+            f"{f['repeated_4gram_share']:.1%}",
+            f"{f['loops_per_1k_tokens']:.2f}",
+            f"{f['drift_mean']:.3f}",
+            str(f["contradictions"]),
+        )
     Console().print(table)
     Console().print(f"report: {out / 'report.md'}")
 

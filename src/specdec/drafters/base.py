@@ -27,6 +27,13 @@ class Proposal:
     lengths: torch.Tensor  # [B] long: how many of the k tokens each row proposes
     probs: torch.Tensor | None = None  # [B, k, V] float
 
+    def cut(self, length: int) -> Proposal:
+        """The first ``length`` tokens (of a single-row proposal)."""
+        if length >= self.tokens.shape[1]:
+            return self
+        probs = None if self.probs is None else self.probs[:, :length]
+        return Proposal(self.tokens[:, :length], self.lengths.clamp(max=length), probs)
+
     @staticmethod
     def empty(batch: int, device: torch.device | str = "cpu") -> Proposal:
         return Proposal(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -19,6 +20,7 @@ from specdec.engine.text import TextTracker
 from specdec.errors import ConfigError, PromptError, VocabularyMismatchError
 from specdec.models import DEFAULT_TARGET, LoadedModel, Target, TransformersBackend, open_target
 from specdec.models.batched import BatchedTransformersBackend
+from specdec.quality import Guards, SentenceEmbedder, ignorable_tokens
 from specdec.scheduling import CostCurve, LoadWindow, build_k_policy, memory_in_use
 
 FinishReason = Literal["length", "eos", "stop", "context"]
@@ -72,6 +74,20 @@ class Generator:
             )
         self.eos_ids = self.target.eos_ids
         self._costs: CostCurve | None = None
+        self._ignorable: frozenset[int] | None = None
+        self._embedder: SentenceEmbedder | None = None
+
+    def ignorable(self) -> frozenset[int]:
+        """Token ids that are only whitespace or punctuation (never a loop on their own); computed on first use."""
+        if self._ignorable is None:
+            self._ignorable = ignorable_tokens(self.tokenizer) if self.tokenizer is not None else frozenset()
+        return self._ignorable
+
+    def embedder(self) -> SentenceEmbedder:
+        """The sentence-embedding model of the drift monitor, loaded on first use."""
+        if self._embedder is None:
+            self._embedder = SentenceEmbedder()
+        return self._embedder
 
     def costs(self) -> CostCurve:
         """The target's forward cost curve on this machine (measured on first use, cached on disk)."""
@@ -143,6 +159,8 @@ class Generator:
 
     def start_row(self, run: Completion) -> Row:
         """A batch row for ``run``: a forked drafter, a fresh k policy, the run's own random generator and stats."""
+        if run.guards is not None or run.config.typical_acceptance is not None:
+            raise ConfigError("guards and typical acceptance run in single-sequence generation (generate, stream), not in batches")
         tokens = torch.tensor([run.prompt_ids], dtype=torch.long)
         policy = build_k_policy(run.config.k_policy, run.config.k, self.costs)
         return Row(tokens, run.config, self.drafter.fork(), policy, run.rng, run.stats)
@@ -187,12 +205,20 @@ class Completion:
         self.finish_reason: FinishReason = "length"
         self.text = TextTracker(generator.tokenizer, config.stop) if generator.tokenizer is not None else None
         self.rng = torch.Generator().manual_seed(config.seed if config.seed is not None else random.randrange(2**63))
+        guards = config.guards
+        ignorable = generator.ignorable() if guards.repetition else frozenset()
+        self.guards = Guards(guards, len(self.prompt_ids), config.sampling.temperature, ignorable) if guards.active else None
+        if guards.drift_threshold is not None:
+            if generator.tokenizer is None:
+                raise ConfigError("the drift monitor compares text, and this model has no tokenizer")
+            self.embedder = generator.embedder()
+            self.prompt_text = generator.tokenizer.decode(self.prompt_ids, skip_special_tokens=True)
 
     def __iter__(self) -> Iterator[str]:
         gen = self.generator
         policy = build_k_policy(self.config.k_policy, self.config.k, gen.costs)
         prompt = torch.tensor([self.prompt_ids], dtype=torch.long)
-        for new in speculative_decode(gen.backend, gen.drafter, policy, prompt, self.config, self.stats, self.rng):
+        for new in speculative_decode(gen.backend, gen.drafter, policy, prompt, self.config, self.stats, self.rng, self.guards):
             piece = self.take(new.tolist())
             if piece:
                 yield piece
@@ -212,8 +238,25 @@ class Completion:
             ids = self.text.add(ids)
             if self.text.stopped:
                 self.finish_reason = "stop"
+        before = len(self.token_ids)
         self.token_ids += ids
+        if self.config.guards.drift_threshold is not None:
+            self._watch_drift(before)
         return self.text.delta(final=self.ended) if self.text is not None else ""
+
+    def _watch_drift(self, before: int) -> None:
+        """Score each window completed since ``before`` tokens against the prompt; below the threshold, a drift event (and an anchor)."""
+        guards = self.config.guards
+        size = guards.drift_window
+        start = time.perf_counter()
+        for end in range(size * (before // size + 1), len(self.token_ids) + 1, size):
+            window = self.generator.tokenizer.decode(self.token_ids[end - size : end], skip_special_tokens=True)
+            similarity = self.embedder.similarity(self.prompt_text, [window])[0]
+            if similarity < guards.drift_threshold:  # type: ignore[operator]
+                self.stats.events.append({"kind": "drift", "at": end, "similarity": round(similarity, 4)})
+                if guards.drift_anchor and self.guards is not None:
+                    self.guards.anchor_requested = True
+        self.stats.guard_s += time.perf_counter() - start
 
     @property
     def ended(self) -> bool:

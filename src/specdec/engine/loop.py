@@ -11,8 +11,9 @@ import torch
 from specdec.config import GenerationConfig
 from specdec.drafters.base import Drafter, Proposal
 from specdec.models.backend import Backend
+from specdec.quality.guards import Guards
 from specdec.scheduling import KPolicy, StepOutcome
-from specdec.verification import verify
+from specdec.verification import typical_verify, verify
 
 
 @dataclass
@@ -31,6 +32,10 @@ class DecodeStats:
     accepted_per_step: list[int] = field(default_factory=list)
     k_per_step: list[int] = field(default_factory=list)  # the k chosen by the policy (before length limits)
     draft_s_per_step: list[float] = field(default_factory=list)  # the drafter's latency at each step that drafted
+    anchors: int = 0  # target-only anchor steps taken by the guards
+    guard_s: float = 0.0  # time spent applying guards to drafts and logits
+    events: list[dict[str, object]] = field(default_factory=list)  # guard events: loop blocks, drift, anchors
+    lossy: bool = False  # typical acceptance was on: the output is not the target's own
 
     @property
     def target_forwards(self) -> int:
@@ -75,12 +80,13 @@ class DecodeStats:
     def as_dict(self) -> dict[str, float | int | list[int]]:
         keys = (
             "new_tokens steps target_forwards draft_tokens_proposed draft_tokens_accepted acceptance_rate "
-            "mean_accepted_per_step tokens_per_step tokens_per_s wall_s ttft_s prefill_s draft_s verify_s"
+            "mean_accepted_per_step tokens_per_step tokens_per_s wall_s ttft_s prefill_s draft_s verify_s anchors guard_s lossy"
         ).split()
         return {key: getattr(self, key) for key in keys} | {
             "accepted_per_step": list(self.accepted_per_step),
             "k_per_step": list(self.k_per_step),
             "draft_s_per_step": list(self.draft_s_per_step),
+            "events": list(self.events),
         }
 
 
@@ -92,6 +98,7 @@ def speculative_decode(
     config: GenerationConfig,
     stats: DecodeStats,
     generator: torch.Generator | None = None,
+    guards: Guards | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the tokens [n] accepted at each step for a single sequence ``prompt`` [1, T].
 
@@ -102,8 +109,13 @@ def speculative_decode(
     drafter has been told how many of its tokens survived. The caller stops
     iteration early for EOS or stop strings; the loop itself stops at
     max_new_tokens or the model's context length (prompt plus output never exceed it).
+
+    ``guards`` adjust the target's logits at every verified position as they
+    would at each target-only step, and may make a step target-only (an anchor:
+    the drafter then restarts from the whole context).
     """
     start = time.perf_counter()
+    stats.lossy = config.typical_acceptance is not None
     target.reset()
     drafter.begin(prompt)
     tokens = prompt
@@ -111,16 +123,30 @@ def speculative_decode(
         chosen = policy.choose(tokens.shape[1])
         # Every step yields accepted drafts plus one target token: never draft past either limit.
         k = min(chosen, config.max_new_tokens - stats.new_tokens - 1, target.max_context - tokens.shape[1] - 1)
+        anchor = guards is not None and guards.anchor_due(stats.new_tokens)
         t0 = time.perf_counter()
-        if k > 0:
+        if k > 0 and not anchor:
             proposal = drafter.propose(tokens, k, config.sampling, generator, min_confidence=policy.min_confidence)
+            if guards is not None and proposal.probs is None:
+                g0 = time.perf_counter()
+                proposal = proposal.cut(guards.trim(tokens[0].tolist(), proposal.tokens[0].tolist()))
+                stats.guard_s += time.perf_counter() - g0
         else:
             proposal = Proposal.empty(1)
         t1 = time.perf_counter()
         n_draft = proposal.tokens.shape[1]
         feed = torch.cat([tokens[:, target.cached_length :], proposal.tokens], dim=1)
         logits = target.forward(feed, last=n_draft + 1)
-        verdict = verify(proposal.tokens, proposal.lengths, logits, proposal.probs, config.sampling, generator)
+        blocked: list[int] = []
+        if guards is not None:
+            g0 = time.perf_counter()
+            guarded, blocked = guards.adjust(tokens[0].tolist(), proposal.tokens[0].tolist(), logits[0])
+            logits = guarded[None]
+            stats.guard_s += time.perf_counter() - g0
+        if config.typical_acceptance is not None:
+            verdict = typical_verify(proposal.tokens, proposal.lengths, logits, config.sampling, config.typical_acceptance, generator)
+        else:
+            verdict = verify(proposal.tokens, proposal.lengths, logits, proposal.probs, config.sampling, generator)
         accepted = int(verdict.accepted[0])
         target.truncate(tokens.shape[1] + accepted)
         drafter.accepted(verdict.accepted)
@@ -131,4 +157,10 @@ def speculative_decode(
         t2 = time.perf_counter()
 
         stats.record_step(chosen, k, proposed, accepted, new.shape[0], t1 - t0, t2 - t1, t2 - start)
+        at = stats.new_tokens - new.shape[0]  # output index of this step's first token
+        stats.events += [{"kind": "loop_blocked", "at": at + i} for i in blocked if i <= accepted]
+        if anchor:
+            stats.anchors += 1
+            stats.events.append({"kind": "anchor", "at": at})
+            drafter.begin(tokens)  # resynchronise the drafter on the whole context
         yield new

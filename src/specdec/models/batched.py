@@ -24,6 +24,7 @@ from transformers import Cache, PreTrainedModel
 from specdec.errors import ConfigError
 from specdec.models.backend import model_identity
 from specdec.models.cuda_graphs import CudaGraphs
+from specdec.models.precision import PADDED_ATTENTION
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 
@@ -94,7 +95,7 @@ class BatchedTransformersBackend:
                 f"batched decoding supports full and sliding-window attention; this model has {sorted(kinds - set(ATTENTION_KINDS))}: "
                 "decode its prompts one at a time with Generator.generate"
             )
-        if model.config._attn_implementation not in ("eager", "sdpa"):
+        if model.config._attn_implementation not in ("eager", "sdpa", PADDED_ATTENTION):
             raise ConfigError(f"batched decoding needs eager or sdpa attention, not {model.config._attn_implementation}")
         self.model = model
         self.sliding_window: int | None = getattr(config, "sliding_window", None) if "sliding_attention" in kinds else None

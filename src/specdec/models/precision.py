@@ -18,11 +18,15 @@ its outputs back.
 Speculative greedy decoding reproduces one-token decoding only if a position's
 result does not depend on how many positions are scored together. In 16-bit
 formats two kernels broke that on this project's CPU (measured, BENCHMARKS.md):
-PyTorch's fused attention, so low-precision plans use transformers' ``eager``
-attention; and the matrix multiply, which rounds a lone row differently from
-the same row among two or more, so low-precision linear layers compute a lone
-row as two identical rows (``stable_rows``): decode and verification then run
-the same kernel.
+PyTorch's fused attention, so low-precision plans use eager attention; and the
+matrix multiply, which rounds a lone row differently from the same row among
+two or more, so low-precision linear layers compute a lone row as two identical
+rows (``stable_rows``): decode and verification then run the same kernel. In
+float16 a third one: the product of attention weights and values rounds
+differently when the number of keys is not a multiple of 4, so a position
+scored with one masked key more (verification) or less (decode) drifts; the
+plans' attention (``padded_eager_attention``) pads the keys to a multiple of
+8 with masked zeros.
 """
 
 from __future__ import annotations
@@ -32,12 +36,53 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import PreTrainedModel
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from specdec.config import PRESETS, PrecisionPlan
 from specdec.errors import ConfigError
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PADDED_ATTENTION = "specdec_padded_eager"
+KEY_BLOCK = 8  # keys are padded to a multiple of this (the float16 kernel is exact from multiples of 4 on)
+
+
+def padded_eager_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager attention over keys padded to a multiple of KEY_BLOCK (masked zeros), so a query's result does not depend on how many keys follow it masked.
+
+    Shapes as transformers' attention functions: query [batch, heads, queries, dim], key/value
+    [batch, kv_heads, keys, dim], an additive mask [batch, 1, queries, keys] or None.
+    """
+    pad = -key.shape[2] % KEY_BLOCK
+    if pad:
+        key, value = F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
+        if attention_mask is None:
+            attention_mask = torch.zeros(1, 1, query.shape[2], key.shape[2] - pad, dtype=query.dtype, device=query.device)
+        attention_mask = F.pad(attention_mask, (0, pad), value=torch.finfo(attention_mask.dtype).min)
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+AttentionInterface.register(PADDED_ATTENTION, padded_eager_attention)
+AttentionMaskInterface.register(PADDED_ATTENTION, eager_mask)  # additive masks, as eager attention reads them
 
 
 def stable_rows(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +148,7 @@ def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
     model.specdec_precision = plan.describe()
     model.to(residual)
     if plan != PRESETS["fp32"]:
-        model.set_attn_implementation("eager")
+        model.set_attn_implementation(PADDED_ATTENTION)
     for layer in layers:
         _convert(layer.self_attn, plan.attention, residual)
         _convert(layer.mlp, plan.ffn, residual)

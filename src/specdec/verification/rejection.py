@@ -50,7 +50,7 @@ def verify(
     if sampling.greedy:
         choice = target_logits.argmax(dim=-1)
         ok = (draft_tokens == choice[:, :k]) & in_range
-        accepted = _leading_true(ok)
+        accepted = leading_true(ok)
         return Verdict(accepted, choice.gather(1, accepted[:, None]).squeeze(1))
 
     p = to_probs(target_logits, sampling)
@@ -58,7 +58,7 @@ def verify(
     q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
     u = torch.rand(p_draft.shape, generator=generator, device=p.device)
     ok = (u * q_draft < p_draft) & in_range  # u < p/q without dividing by zero
-    accepted = _leading_true(ok)
+    accepted = leading_true(ok)
 
     rows = torch.arange(p.shape[0], device=p.device)
     p_next = p[rows, accepted]
@@ -81,6 +81,6 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, residual / total.clamp(min=1e-30), p)
 
 
-def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+def leading_true(mask: torch.Tensor) -> torch.Tensor:
     """Length of the all-True prefix of each row."""
     return mask.long().cumprod(dim=1).sum(dim=1)

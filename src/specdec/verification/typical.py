@@ -1,0 +1,38 @@
+"""LOSSY typical acceptance (Cai et al. 2024, Medusa; vLLM's TypicalAcceptanceSampler), vectorised over the batch.
+
+A draft token is accepted while the target gives it probability above
+min(epsilon, alpha * exp(-H)), H being the entropy of the target's distribution
+at that position: confident positions demand the likely token, uncertain ones
+accept any plausible one. The token after the accepted prefix is the target's
+argmax (greedy) or a draw from the target (sampling). Output no longer follows
+the target exactly; the engine uses this only when a config asks for it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.config import SamplingConfig, TypicalAcceptance
+from specdec.verification.rejection import Verdict, leading_true
+from specdec.verification.shaping import to_probs
+
+
+def typical_verify(
+    draft_tokens: torch.Tensor,
+    draft_lengths: torch.Tensor,
+    target_logits: torch.Tensor,
+    sampling: SamplingConfig,
+    rule: TypicalAcceptance,
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Accept drafts [B, k] against target logits [B, k + 1, V] by the typical rule; see :func:`verify` for the shapes."""
+    k = draft_tokens.shape[1]
+    p = target_logits.float().softmax(dim=-1) if sampling.greedy else to_probs(target_logits, sampling)
+    entropy = -(p * p.clamp(min=1e-30).log()).sum(dim=-1)
+    threshold = torch.minimum(torch.full_like(entropy, rule.epsilon), rule.alpha * torch.exp(-entropy))
+    p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    in_range = torch.arange(k, device=draft_tokens.device)[None, :] < draft_lengths[:, None]
+    accepted = leading_true((p_draft > threshold[:, :k]) & in_range)
+    p_next = p[torch.arange(p.shape[0], device=p.device), accepted]
+    next_token = p_next.argmax(dim=-1) if sampling.greedy else torch.multinomial(p_next, 1, generator=generator).squeeze(1)
+    return Verdict(accepted, next_token)
