@@ -381,7 +381,7 @@ def quality(
         task = progress.add_task("loading models", total=runs + 1)
         results = run_quality_benchmark(config, lambda name: progress.update(task, advance=1, description=name))
     write(results, out)
-    table = Table("configuration", "tok/s", "vs baseline", "repeated 4-grams", "loops/1k", "drift sim.", "contradictions")
+    table = Table("configuration", "tok/s", "vs baseline", "repeated 4-grams", "in a loop", "drift sim.", "contradictions")
     for name, per_category in results["summary"].items():
         f = per_category["all"]
         table.add_row(
@@ -389,7 +389,7 @@ def quality(
             f"{f['tokens_per_s']:.1f}",
             f"{f['speed_vs_baseline']:.2f}x",
             f"{f['repeated_4gram_share']:.1%}",
-            f"{f['loops_per_1k_tokens']:.2f}",
+            f"{f['looping_share']:.1%}",
             f"{f['drift_mean']:.3f}",
             str(f["contradictions"]),
         )

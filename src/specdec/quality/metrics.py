@@ -36,15 +36,18 @@ def repeated_ngram_share(tokens: Sequence[int], n: int = 4, start: int = 0, end:
     return repeated / (end - start) if end > start else 0.0
 
 
+def looping(tokens: Sequence[int], guards: GuardConfig = GuardConfig(), ignorable: frozenset[int] = frozenset()) -> list[bool]:
+    """For each prefix length 1..len(tokens): whether the output up to there ends in a loop."""
+    return [
+        find_loop(tokens[:i], guards.loop_repeats, guards.loop_min_span, guards.loop_max_unit, ignorable) is not None
+        for i in range(1, len(tokens) + 1)
+    ]
+
+
 def loop_onsets(tokens: Sequence[int], guards: GuardConfig = GuardConfig(), ignorable: frozenset[int] = frozenset()) -> list[int]:
     """Positions where the output starts ending in a loop (find_loop turns from None to a loop)."""
-    onsets, looping = [], False
-    for i in range(1, len(tokens) + 1):
-        now = find_loop(tokens[:i], guards.loop_repeats, guards.loop_min_span, guards.loop_max_unit, ignorable) is not None
-        if now and not looping:
-            onsets.append(i)
-        looping = now
-    return onsets
+    flags = looping(tokens, guards, ignorable)
+    return [i + 1 for i, now in enumerate(flags) if now and (i == 0 or not flags[i - 1])]
 
 
 def sentences(text: str) -> list[str]:
@@ -86,6 +89,7 @@ class QualityReport:
     distinct_1: float
     distinct_2: float
     loop_onsets: list[int]
+    looping_share: float  # share of output positions at which the output so far ends in a loop
     repetition_curve: list[float]  # per window: share of its 4-grams seen before in the output
     drift_curve: list[float]  # per window: cosine similarity to the prompt
     contradictions: list[tuple[str, str, float]]
@@ -110,12 +114,14 @@ def measure(
     bounds = [(start, min(start + window, len(tokens))) for start in range(0, len(tokens), window)]
     bounds = [(a, b) for a, b in bounds if b - a >= window // 2]  # a short last window says little
     texts = [decode(list(tokens[a:b])) for a, b in bounds]
+    flags = looping(tokens, ignorable=ignorable)
     return QualityReport(
         tokens=len(tokens),
         repeated_4gram_share=round(repeated_ngram_share(tokens), 4),
         distinct_1=round(distinct_n(tokens, 1), 4),
         distinct_2=round(distinct_n(tokens, 2), 4),
-        loop_onsets=loop_onsets(tokens, ignorable=ignorable),
+        loop_onsets=[i + 1 for i, now in enumerate(flags) if now and (i == 0 or not flags[i - 1])],
+        looping_share=round(sum(flags) / len(flags), 4) if flags else 0.0,
         repetition_curve=[round(repeated_ngram_share(tokens, 4, a, b), 4) for a, b in bounds],
         drift_curve=[round(s, 4) for s in embedder.similarity(prompt, texts)] if texts else [],
         contradictions=contradiction_pairs(embedder, decode(list(tokens))),
