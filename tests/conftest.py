@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import string
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,23 @@ def gemma() -> LoadedModel:
     from specdec.models import load_model
 
     return load_model("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[str]:
+    """A one-node Ray cluster on loopback (address host:port), started for the tests that ask for it and stopped after them."""
+    pytest.importorskip("ray")
+    import shutil
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ray = shutil.which("ray")
+    subprocess.run(
+        [ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=6", "--include-dashboard=false", "--disable-usage-stats"],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    yield f"127.0.0.1:{port}"
+    subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120)

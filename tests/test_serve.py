@@ -78,10 +78,14 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def server(folder: Path) -> Iterator[Server]:
+@pytest.fixture(scope="module", params=["process", "ray"])
+def server(request: pytest.FixtureRequest, folder: Path) -> Iterator[Server]:
+    """The single-process server, then the same server as a Ray Serve deployment (skipped without the ray extra)."""
     # A timing-free k (fixed policy, fixed window) makes seeded sampling reproducible; greedy output is the target's either way.
-    server = Server(str(folder), "--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--window", "fixed", "--max-batch", "8")
+    args = ["--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--window", "fixed", "--max-batch", "8"]
+    if request.param == "ray":
+        args += ["--ray", "--replicas", "1", "--ray-address", request.getfixturevalue("ray_cluster")]
+    server = Server(str(folder), *args)
     yield server
     server.stop()
 
@@ -164,7 +168,7 @@ def test_seeded_sampling_is_reproducible(server: Server) -> None:
 
 def test_disconnect_cancels_and_frees_capacity(server: Server) -> None:
     with httpx.stream(
-        "POST", f"{server.url}/v1/completions", json={"prompt": "abc", "max_tokens": 200, "temperature": 0, "stream": True}, timeout=30
+        "POST", f"{server.url}/v1/completions", json={"prompt": "abc", "max_tokens": 240, "temperature": 0, "stream": True}, timeout=30
     ) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
@@ -286,3 +290,13 @@ def test_load_benchmark_reports_both_configurations(folder: Path, tmp_path: Path
         assert figures["errors"] == 0 and figures["requests"] > 0 and figures["tokens_per_s"] > 0
         assert figures["latency_s"]["p50"] <= figures["latency_s"]["p99"]
     assert "speculation on" in markdown(report)
+
+
+def test_ray_missing_is_a_one_line_error(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from specdec.cli.main import app
+
+    monkeypatch.setitem(__import__("sys").modules, "ray", None)  # as if the extra were not installed
+    result = CliRunner().invoke(app, ["serve", "--ray", "--target", str(folder)])
+    assert result.exit_code == 2 and 'pip install -e ".[ray]"' in result.output

@@ -158,6 +158,26 @@ class ServeConfig:
             raise ConfigError(f"drain_s must be >= 0, got {self.drain_s}")
 
 
+@dataclass(frozen=True)
+class RayConfig:
+    """Scale-out on Ray Serve: how many server replicas, how they autoscale, what each one reserves."""
+
+    replicas: int = 2  # the replica count, or the autoscaling minimum when max_replicas is set
+    max_replicas: int | None = None  # set: autoscale between replicas and this on requests in flight per replica
+    target_ongoing_requests: float = 8.0  # autoscaling aims at this many requests in flight per replica
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float = 0.0
+    address: str | None = None  # a running Ray cluster ("auto", "ray://host:10001"); None starts one on this machine
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ConfigError(f"max_replicas ({self.max_replicas}) must be >= replicas ({self.replicas}), the autoscaling minimum")
+        if self.target_ongoing_requests <= 0 or self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
+            raise ConfigError("target_ongoing_requests must be > 0, and cpus/gpus per replica >= 0")
+
+
 FORMATS = ("float32", "bfloat16", "float16", "int8", "float8")
 
 

@@ -47,6 +47,10 @@ def quality_configs(temperature: float, drift_threshold: float) -> dict[str, tup
                 sampling=sampled, typical_acceptance=typical, guards=GuardConfig(repetition=True, temperature_schedule=SCHEDULE)
             ),
         ),
+        "sampled+typical+anchor (lossy)": (
+            "sampled",
+            GenerationConfig(sampling=sampled, typical_acceptance=typical, guards=GuardConfig(anchor_every=100)),
+        ),
     }
 
 

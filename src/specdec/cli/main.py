@@ -12,6 +12,7 @@ from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from specdec.bench.methods import PEER_METHODS
@@ -48,7 +49,7 @@ def user_errors(fn: F) -> F:
         try:
             fn(*args, **kwargs)
         except SpecDecError as exc:
-            err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+            err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)  # messages may hold [brackets]
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
@@ -417,6 +418,15 @@ def serve(
     precision: Annotated[
         str | None, typer.Option(envvar="SPECDEC_PRECISION", help="Precision plan: a preset or parts (see `specdec generate --help`).")
     ] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Run replicas on Ray Serve behind one endpoint (needs the ray extra).")] = False,
+    replicas: Annotated[int, typer.Option(envvar="SPECDEC_REPLICAS", help="With --ray: replicas (the autoscaling minimum).")] = 2,
+    max_replicas: Annotated[int | None, typer.Option(help="With --ray: autoscale up to this many replicas on load.")] = None,
+    cpus_per_replica: Annotated[float, typer.Option(help="With --ray: CPUs each replica reserves.")] = 1.0,
+    gpus_per_replica: Annotated[float, typer.Option(help="With --ray: GPUs each replica reserves.")] = 0.0,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(envvar="RAY_ADDRESS", help="With --ray: a running cluster (auto, ray://host:10001); default starts one here."),
+    ] = None,
 ) -> None:
     """Serve the target over an OpenAI-compatible HTTP API with speculative continuous batching."""
     from specdec import Generator
@@ -425,6 +435,18 @@ def serve(
     serve_config = ServeConfig(host, port, max_batch, max_queue, default_max_tokens, drain)
     config = GenerationConfig(k=k, k_policy=k_policy)
     runtime = runtime_config("transformers", dtype, None, None, precision)
+    if ray:
+        from specdec.config import RayConfig
+        from specdec.serving.ray_serve import ReplicaSpec, require_ray, serve_on_ray
+
+        ray_config = RayConfig(
+            replicas, max_replicas, cpus_per_replica=cpus_per_replica, gpus_per_replica=gpus_per_replica, address=ray_address
+        )
+        require_ray()
+        spec = ReplicaSpec(target, draft, config, runtime, BatchConfig(window=window), serve_config)
+        err.print(f"starting {replicas} replica(s) of '{target}' with draft '{draft}' on Ray Serve")
+        serve_on_ray(spec, ray_config, ready=lambda: err.print(f"serving on http://{host}:{port}/v1 (Ray Serve)"))
+        return
     with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
         generator = Generator(target, draft, config, runtime, batch=BatchConfig(window=window))
         generator.batch_decoder()  # measures this machine's batch costs now (cached), not on the first request

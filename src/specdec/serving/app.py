@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -27,6 +29,7 @@ from specdec.serving.batcher import Batcher, Job, QueueFullError, ShuttingDownEr
 from specdec.serving.metrics import Metrics
 
 RETRY_AFTER_S = 1
+REPLICA = f"{socket.gethostname()}:{os.getpid()}"  # answers name the process that served them (which replica, behind a proxy)
 
 
 def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> FastAPI:
@@ -49,6 +52,7 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
         response = await call_next(request)
         route = request.scope.get("route")
         metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
+        response.headers["x-specdec-replica"] = REPLICA
         return response
 
     @app.exception_handler(api.APIError)

@@ -149,14 +149,16 @@ class Batcher:
 
     def _finish(self, row: Row, error: tuple[int, str] | None, cancelled: bool = False) -> None:
         """Take ``row`` out of the batch and tell its handler how it ended (``error``: HTTP status and message)."""
-        job = self.active.pop(row)
+        job = self.active[row]
         self.decoder.leave(row)
+        if error is None:  # counted before the row stops showing as running, so /health and /metrics agree
+            tail = job.completion.close()
+            self.metrics.record(job.completion, time.perf_counter() - job.submitted, cancelled)
+        del self.active[row]
         self.metrics.active.set(len(self.active))
         if error is not None:
             job.emit("error", error)
             return
-        tail = job.completion.close()
-        self.metrics.record(job.completion, time.perf_counter() - job.submitted, cancelled)
         if cancelled:
             return
         if tail:

@@ -1,0 +1,101 @@
+"""Scale-out on Ray Serve: a local Ray cluster on loopback that the test starts and stops itself.
+
+Skipped when the ray extra is not installed. The client tests of tests/test_serve.py also run against
+a Ray deployment there (its `any_server` fixture); this file tests what only replicas have: routing
+over two of them, a replica killed under load, recovery, and the one-line error without Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from test_serve import Server, folder  # noqa: F401 - the same tiny chat model folder
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_server(folder: Path, ray_cluster: str) -> Iterator[Server]:  # noqa: F811
+    server = Server(str(folder), "--ray", "--replicas", "2", "--ray-address", ray_cluster, "--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--window", "fixed", "--max-batch", "8")  # fmt: skip
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def driver(ray_cluster: str) -> Iterator[None]:
+    """This test process joined to the cluster, to look at and kill replicas."""
+    ray.init(address=ray_cluster, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+def _replicas() -> list[str]:
+    """Names of the live specdec replica actors."""
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::specdec#")]
+
+
+def _running() -> int:
+    from ray import serve
+
+    status = serve.status().applications.get("specdec")
+    return 0 if status is None else status.deployments["specdec"].replica_states.get("RUNNING", 0)
+
+
+def test_two_replicas_share_the_load(ray_server: Server, driver: None) -> None:
+    assert _running() == 2
+    pids = set()
+    for _ in range(20):
+        pids.add(httpx.get(f"{ray_server.url}/health").headers.get("x-specdec-replica"))
+    assert len(pids) == 2, "requests reach both replicas"
+
+
+def test_a_killed_replica_loses_no_request_silently_and_the_cluster_recovers(ray_server: Server, driver: None) -> None:
+    body = {"prompt": "the cat sat on the mat", "max_tokens": 120, "temperature": 0, "stream": True}
+
+    def ask(_: int) -> str:
+        try:
+            with httpx.stream("POST", f"{ray_server.url}/v1/completions", json=body, timeout=120) as response:
+                if response.status_code != 200:
+                    return f"error {response.status_code}"
+                lines = [line for line in response.iter_lines() if line]
+        except httpx.TransportError as exc:
+            return f"error {type(exc).__name__}"
+        if lines and lines[-1] == "data: [DONE]":
+            return "completed"
+        if any('"error"' in line for line in lines):
+            return "error event"
+        return "silent loss"
+
+    with ThreadPoolExecutor(12) as pool:
+        outcomes = pool.map(ask, range(12))
+        time.sleep(2)  # requests are in flight on both replicas
+        victim = _replicas()[0]
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        outcomes = list(outcomes)
+    assert "silent loss" not in outcomes, outcomes
+    assert outcomes.count("completed") >= 1 and len(outcomes) == 12
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and (_running() < 2 or victim in _replicas()):
+        time.sleep(1)
+    assert _running() == 2 and victim not in _replicas(), "Serve replaces the killed replica"
+    answer = ray_server.client.completions.create(model=ray_server.client.models.list().data[0].id, prompt="abc", max_tokens=8)
+    assert answer.choices[0].text is not None
+
+
+def test_the_serve_config_file_builds_the_application() -> None:
+    import yaml
+    from ray.serve import Application
+
+    from specdec.serving.ray_serve import app_builder
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "specdec-serve.yaml").read_text())
+    entry = config["applications"][0]
+    assert entry["import_path"] == "specdec.serving.ray_serve:app_builder"
+    assert isinstance(app_builder(entry["args"]), Application)
+    with pytest.raises(Exception, match="max_replicas"):
+        app_builder({"replicas": 3, "max_replicas": 2})
