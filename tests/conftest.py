@@ -129,6 +129,7 @@ def gemma() -> LoadedModel:
 def ray_cluster() -> Iterator[str]:
     """A one-node Ray cluster on loopback (address host:port), started for the tests that ask for it and stopped after them."""
     pytest.importorskip("ray")
+    import os
     import shutil
     import socket
     import subprocess
@@ -136,6 +137,9 @@ def ray_cluster() -> Iterator[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    # A loopback-only test cluster: token authentication off for it and every process that joins it, so
+    # that a token some other local cluster left in ~/.ray does not make the cluster and its clients disagree.
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     ray = shutil.which("ray")
     subprocess.run(
         [ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=6", "--include-dashboard=false", "--disable-usage-stats"],

@@ -421,6 +421,9 @@ def serve(
     ray: Annotated[bool, typer.Option("--ray", help="Run replicas on Ray Serve behind one endpoint (needs the ray extra).")] = False,
     replicas: Annotated[int, typer.Option(envvar="SPECDEC_REPLICAS", help="With --ray: replicas (the autoscaling minimum).")] = 2,
     max_replicas: Annotated[int | None, typer.Option(help="With --ray: autoscale up to this many replicas on load.")] = None,
+    target_ongoing_requests: Annotated[
+        float, typer.Option(help="With --ray and --max-replicas: requests in flight per replica to aim at.")
+    ] = 8.0,
     cpus_per_replica: Annotated[float, typer.Option(help="With --ray: CPUs each replica reserves.")] = 1.0,
     gpus_per_replica: Annotated[float, typer.Option(help="With --ray: GPUs each replica reserves.")] = 0.0,
     ray_address: Annotated[
