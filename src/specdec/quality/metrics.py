@@ -46,7 +46,11 @@ def looping(tokens: Sequence[int], guards: GuardConfig = GuardConfig(), ignorabl
 
 def loop_onsets(tokens: Sequence[int], guards: GuardConfig = GuardConfig(), ignorable: frozenset[int] = frozenset()) -> list[int]:
     """Positions where the output starts ending in a loop (find_loop turns from None to a loop)."""
-    flags = looping(tokens, guards, ignorable)
+    return onsets(looping(tokens, guards, ignorable))
+
+
+def onsets(flags: list[bool]) -> list[int]:
+    """Prefix lengths at which ``looping`` turns true."""
     return [i + 1 for i, now in enumerate(flags) if now and (i == 0 or not flags[i - 1])]
 
 
@@ -120,7 +124,7 @@ def measure(
         repeated_4gram_share=round(repeated_ngram_share(tokens), 4),
         distinct_1=round(distinct_n(tokens, 1), 4),
         distinct_2=round(distinct_n(tokens, 2), 4),
-        loop_onsets=[i + 1 for i, now in enumerate(flags) if now and (i == 0 or not flags[i - 1])],
+        loop_onsets=onsets(flags),
         looping_share=round(sum(flags) / len(flags), 4) if flags else 0.0,
         repetition_curve=[round(repeated_ngram_share(tokens, 4, a, b), 4) for a, b in bounds],
         drift_curve=[round(s, 4) for s in embedder.similarity(prompt, texts)] if texts else [],

@@ -9,10 +9,11 @@ Ray is an optional extra: ``pip install -e ".[ray]"``.
 
 from __future__ import annotations
 
-import time
+import signal
+import threading
 from dataclasses import dataclass, field
 
-from specdec.config import BatchConfig, GenerationConfig, RayConfig, RuntimeConfig, ServeConfig
+from specdec.config import BatchConfig, GenerationConfig, PrecisionPlan, RayConfig, RuntimeConfig, ServeConfig
 from specdec.errors import ConfigError
 
 DEPLOYMENT = "specdec"
@@ -79,17 +80,21 @@ def _scaling(config: RayConfig) -> dict:
 
 
 def serve_on_ray(spec: ReplicaSpec, ray_config: RayConfig, ready=lambda: None) -> None:
-    """Start (or join) a Ray cluster, run the application on spec.serve's host and port, and block until interrupted."""
+    """Start (or join) a Ray cluster, run the application on spec.serve's host and port, and block until SIGINT or SIGTERM.
+
+    On either signal Serve shuts down (replicas drain their requests, ServeConfig.drain_s) and
+    this process leaves the cluster, so no replica outlives the command on a shared cluster.
+    """
     ray, serve = require_ray()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     ray.init(address=ray_config.address, include_dashboard=False, ignore_reinit_error=True)
     try:
         serve.start(http_options={"host": spec.serve.host, "port": spec.serve.port})
         serve.run(application(spec, ray_config), name=DEPLOYMENT, route_prefix="/")
         ready()
-        while True:
-            time.sleep(1)
-    except KeyboardInterrupt:
-        pass
+        stop.wait()
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -100,14 +105,8 @@ def app_builder(args: dict):
     spec = ReplicaSpec(
         target=args.get("target", "gemma-3-270m"),
         draft=args.get("draft", "prompt-lookup"),
-        runtime=RuntimeConfig(precision=_plan(args.get("precision"))),
+        runtime=RuntimeConfig(precision=PrecisionPlan.parse(args["precision"]) if args.get("precision") else None),
         serve=ServeConfig(**{k: args[k] for k in ("max_batch", "max_queue", "default_max_tokens") if k in args}),
     )
     ray_keys = ("replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica", "gpus_per_replica")
     return application(spec, RayConfig(**{k: args[k] for k in ray_keys if k in args}))
-
-
-def _plan(spec: str | None):
-    from specdec.config import PrecisionPlan
-
-    return PrecisionPlan.parse(spec) if spec else None
