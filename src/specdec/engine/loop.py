@@ -124,12 +124,13 @@ def speculative_decode(
         # Every step yields accepted drafts plus one target token: never draft past either limit.
         k = min(chosen, config.max_new_tokens - stats.new_tokens - 1, target.max_context - tokens.shape[1] - 1)
         anchor = guards is not None and guards.anchor_due(stats.new_tokens)
+        context = tokens[0].tolist() if guards is not None else []  # the guards read the context as a list, once per step
         t0 = time.perf_counter()
         if k > 0 and not anchor:
             proposal = drafter.propose(tokens, k, config.sampling, generator, min_confidence=policy.min_confidence)
             if guards is not None and proposal.probs is None:
                 g0 = time.perf_counter()
-                proposal = proposal.cut(guards.trim(tokens[0].tolist(), proposal.tokens[0].tolist()))
+                proposal = proposal.cut(guards.trim(context, proposal.tokens[0].tolist()))
                 stats.guard_s += time.perf_counter() - g0
         else:
             proposal = Proposal.empty(1)
@@ -140,7 +141,7 @@ def speculative_decode(
         blocked: list[int] = []
         if guards is not None:
             g0 = time.perf_counter()
-            guarded, blocked = guards.adjust(tokens[0].tolist(), proposal.tokens[0].tolist(), logits[0])
+            guarded, blocked = guards.adjust(context, proposal.tokens[0].tolist(), logits[0])
             logits = guarded[None]
             stats.guard_s += time.perf_counter() - g0
         if config.typical_acceptance is not None:
