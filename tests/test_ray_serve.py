@@ -54,6 +54,21 @@ def test_two_replicas_share_the_load(ray_server: Server, driver: None) -> None:
     assert len(pids) == 2, "requests reach both replicas"
 
 
+def test_metrics_cover_every_replica(ray_server: Server, driver: None) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    before = ray_server.metric("specdec_generated_tokens_total")
+    with ThreadPoolExecutor(8) as pool:  # enough at once that both replicas serve some
+        answers = list(pool.map(lambda _: httpx.post(f"{ray_server.url}/v1/completions", json={"prompt": "abc", "max_tokens": 16, "temperature": 0, "ignore_eos": True}, timeout=60), range(16)))  # fmt: skip
+    served_by = {answer.headers["x-specdec-replica"] for answer in answers}
+    assert [answer.status_code for answer in answers] == [200] * 16
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{ray_server.url}/metrics").text)}
+    labelled = {s.labels["replica"] for s in families["specdec_generated_tokens"].samples}
+    assert len(served_by) == 2 and labelled == served_by, "both replicas' metrics, named as their answers name them"
+    assert families["specdec_replicas_reporting"].samples[0].value == 2
+    assert ray_server.metric("specdec_generated_tokens_total") - before == 16 * 16, "summed over replicas: every token generated"
+
+
 def test_a_killed_replica_loses_no_request_silently_and_the_cluster_recovers(ray_server: Server, driver: None) -> None:
     body = {"prompt": "the cat sat on the mat", "max_tokens": 120, "temperature": 0, "stream": True}
 

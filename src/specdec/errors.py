@@ -29,3 +29,7 @@ class VocabularyMismatchError(SpecDecError):
 
 class PromptError(SpecDecError):
     """The prompt is empty or does not fit the model's context."""
+
+
+class DeploymentError(SpecDecError):
+    """A Ray Serve deployment's replicas failed to start (the message says why, from the replica)."""

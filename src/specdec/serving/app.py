@@ -13,7 +13,7 @@ import asyncio
 import json
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -32,9 +32,18 @@ RETRY_AFTER_S = 1
 REPLICA = f"{socket.gethostname()}:{os.getpid()}"  # answers name the process that served them (which replica, behind a proxy)
 
 
-def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> FastAPI:
-    """An app serving ``generator``'s target under its name; the engine thread runs while the app's lifespan does."""
-    metrics = Metrics()
+def create_app(
+    generator: Generator,
+    config: ServeConfig = ServeConfig(),
+    metrics: Metrics | None = None,
+    scrape: Callable[[], Awaitable[bytes]] | None = None,
+) -> FastAPI:
+    """An app serving ``generator``'s target under its name; the engine thread runs while the app's lifespan does.
+
+    ``metrics`` is this server's own registry; ``scrape`` what GET /metrics answers when that is more
+    than this server's registry (a replica answering for all replicas); by default the registry.
+    """
+    metrics = metrics or Metrics()
     batcher = Batcher(generator, config.max_batch, config.max_queue, metrics)
     model = generator.target.name
 
@@ -71,7 +80,7 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await scrape() if scrape else metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:

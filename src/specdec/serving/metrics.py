@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.engine import Completion
 
@@ -49,3 +53,29 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def merge_replicas(snapshots: Mapping[str, bytes]) -> bytes:
+    """Several replicas' metrics as one exposition: every sample labelled with its replica (sum over ``replica`` for totals).
+
+    Also ``specdec_replicas_reporting``: how many replicas the answer covers, so a scrape that missed one shows it.
+    """
+    families: dict[str, Metric] = {}
+    for replica, text in sorted(snapshots.items()):
+        for family in text_string_to_metric_families(text.decode()):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
+            merged.samples += [sample._replace(labels=sample.labels | {"replica": replica}) for sample in family.samples]
+    reporting = GaugeMetricFamily("specdec_replicas_reporting", "Replicas whose metrics this answer includes", value=len(snapshots))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families([*families.values(), reporting]))
+    return generate_latest(registry)
+
+
+class _Families:
+    """A prometheus_client collector of ready-made metric families."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families

@@ -46,6 +46,7 @@ class OpenAIRequest(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=1)] | None = None  # not OpenAI's, but common in OpenAI-compatible servers
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence (load tests)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -79,7 +80,13 @@ class OpenAIRequest(BaseModel):
     def generation_config(self, defaults: GenerationConfig, max_tokens: int) -> GenerationConfig:
         sampling = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
         return GenerationConfig(
-            k=defaults.k, k_policy=defaults.k_policy, max_new_tokens=max_tokens, sampling=sampling, stop=self.stops, seed=self.seed
+            k=defaults.k,
+            k_policy=defaults.k_policy,
+            max_new_tokens=max_tokens,
+            sampling=sampling,
+            stop=self.stops,
+            seed=self.seed,
+            stop_on_eos=not self.ignore_eos,
         )
 
 

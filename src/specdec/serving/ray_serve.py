@@ -4,6 +4,8 @@ Every replica runs the single-process server (serving/app.py: the same routes,
 streaming and errors, its own continuous batcher) behind Ray Serve's HTTP
 proxy, which sends each request to the replica with fewer requests in flight
 of two sampled (Serve's default router) and restarts replicas that die.
+GET /metrics, answered by any one replica, gathers every replica's metrics
+(Serve's broadcast to the deployment) and labels each sample with its replica.
 Ray is an optional extra: ``pip install -e ".[ray]"``.
 """
 
@@ -14,9 +16,11 @@ import threading
 from dataclasses import dataclass, field
 
 from specdec.config import BatchConfig, GenerationConfig, PrecisionPlan, RayConfig, RuntimeConfig, ServeConfig
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, DeploymentError
+from specdec.serving.metrics import Metrics, merge_replicas
 
 DEPLOYMENT = "specdec"
+SCRAPE_TIMEOUT_S = 5.0
 
 
 def require_ray():
@@ -40,16 +44,6 @@ class ReplicaSpec:
     serve: ServeConfig = field(default_factory=ServeConfig)
 
 
-def build_server(spec: ReplicaSpec):
-    """The ASGI app of one replica (runs on the replica)."""
-    from specdec.engine import Generator
-    from specdec.serving.app import create_app
-
-    generator = Generator(spec.target, spec.draft, spec.generation, spec.runtime, batch=spec.batch)
-    generator.batch_decoder()  # measure (or read the cached) batch costs before the first request
-    return create_app(generator, spec.serve)
-
-
 def application(spec: ReplicaSpec, ray_config: RayConfig):
     """A Ray Serve application of ``ray_config.replicas`` (to ``max_replicas``) specdec servers."""
     _, serve = require_ray()
@@ -60,9 +54,32 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
         max_ongoing_requests=spec.serve.max_batch + spec.serve.max_queue,  # beyond this the replica answers 429 itself
         **_scaling(ray_config),
     )
-    @serve.ingress(lambda: build_server(spec))
+    @serve.ingress()
     class SpecdecReplica:
-        pass
+        """One replica: the single-process server, whose GET /metrics answers for every replica of the deployment."""
+
+        def __init__(self) -> None:
+            from specdec.engine import Generator
+            from specdec.serving.app import REPLICA, create_app  # imported here: the replica's own host and pid
+
+            generator = Generator(spec.target, spec.draft, spec.generation, spec.runtime, batch=spec.batch)
+            generator.batch_decoder()  # measure (or read the cached) batch costs before the first request
+            self.name, self.metrics = REPLICA, Metrics()
+            self.server = create_app(generator, spec.serve, self.metrics, scrape=self.scrape_all)
+
+        def __serve_build_asgi_app__(self):
+            return self.server
+
+        def own_metrics(self) -> tuple[str, bytes]:
+            """This replica's name and metrics (called on every replica by whichever one is scraped)."""
+            return self.name, self.metrics.render()
+
+        async def scrape_all(self) -> bytes:
+            """Every live replica's metrics, labelled by replica; one that does not answer in time is left out (and counted)."""
+            context = serve.get_replica_context()
+            handle = serve.get_deployment_handle(context.deployment, context.app_name)
+            answers = await handle.broadcast("own_metrics").results_async(timeout_s=SCRAPE_TIMEOUT_S, return_exceptions=True)
+            return merge_replicas(dict(answer for answer in answers if isinstance(answer, tuple)))
 
     return SpecdecReplica.bind()
 
@@ -92,12 +109,26 @@ def serve_on_ray(spec: ReplicaSpec, ray_config: RayConfig, ready=lambda: None) -
     ray.init(address=ray_config.address, include_dashboard=False, ignore_reinit_error=True)
     try:
         serve.start(http_options={"host": spec.serve.host, "port": spec.serve.port})
-        serve.run(application(spec, ray_config), name=DEPLOYMENT, route_prefix="/")
+        try:
+            serve.run(application(spec, ray_config), name=DEPLOYMENT, route_prefix="/")
+        except RuntimeError:  # Serve gave up on the replicas: say why in one line, as the replica said it
+            raise DeploymentError(f"the replicas failed to start: {_replica_failure(serve)}") from None
         ready()
         stop.wait()
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _replica_failure(serve) -> str:
+    """The last line of the failed replicas' error: a specdec error's own message, else the exception line."""
+    status = serve.status().applications.get(DEPLOYMENT)
+    message = status.deployments[DEPLOYMENT].message if status and DEPLOYMENT in status.deployments else ""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "no reason given: see the replica logs under /tmp/ray/session_latest/logs/serve"
+    kind, _, text = lines[-1].partition(": ")
+    return text if kind.startswith("specdec.errors.") and text else lines[-1]
 
 
 def app_builder(args: dict):
