@@ -7,6 +7,8 @@ over two of them, a replica killed under load, recovery, and the one-line error 
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,14 +38,14 @@ def driver(ray_cluster: str) -> Iterator[None]:
 
 def _replicas() -> list[str]:
     """Names of the live specdec replica actors."""
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::specdec#")]
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::specdec#engine#")]
 
 
 def _running() -> int:
     from ray import serve
 
     status = serve.status().applications.get("specdec")
-    return 0 if status is None else status.deployments["specdec"].replica_states.get("RUNNING", 0)
+    return 0 if status is None else status.deployments["engine"].replica_states.get("RUNNING", 0)
 
 
 def test_two_replicas_share_the_load(ray_server: Server, driver: None) -> None:
@@ -65,39 +67,41 @@ def test_metrics_cover_every_replica(ray_server: Server, driver: None) -> None:
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{ray_server.url}/metrics").text)}
     labelled = {s.labels["replica"] for s in families["specdec_generated_tokens"].samples}
     assert len(served_by) == 2 and labelled == served_by, "both replicas' metrics, named as their answers name them"
-    assert families["specdec_replicas_reporting"].samples[0].value == 2
+    assert families["specdec_replicas_reporting"].samples[0].value == 3, "two engine replicas and the ingress"
     assert ray_server.metric("specdec_generated_tokens_total") - before == 16 * 16, "summed over replicas: every token generated"
 
 
 def test_a_killed_replica_loses_no_request_silently_and_the_cluster_recovers(ray_server: Server, driver: None) -> None:
-    body = {"prompt": "the cat sat on the mat", "max_tokens": 120, "temperature": 0, "stream": True}
+    """SIGKILL one replica's process under 12 requests (streamed and not): each completes or fails visibly, and is counted."""
+    failed_before = ray_server.metric("specdec_replica_failures_total", outcome="failed")
 
-    def ask(_: int) -> str:
-        try:
-            with httpx.stream("POST", f"{ray_server.url}/v1/completions", json=body, timeout=120) as response:
-                if response.status_code != 200:
-                    return f"error {response.status_code}"
-                lines = [line for line in response.iter_lines() if line]
-        except httpx.TransportError as exc:
-            return f"error {type(exc).__name__}"
-        if lines and lines[-1] == "data: [DONE]":
+    def ask(i: int) -> str:
+        body = {"prompt": "the cat sat on the mat", "max_tokens": 220, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}
+        with httpx.stream("POST", f"{ray_server.url}/v1/completions", json=body, timeout=120) as response:
+            lines = [line for line in response.iter_lines() if line]
+        if response.status_code == 503 and "replica_failed" in lines[0]:
+            return "failed visibly"  # every replica tried failed before answering
+        assert response.status_code == 200, lines
+        if not body["stream"] or lines[-1] == "data: [DONE]":
             return "completed"
-        if any('"error"' in line for line in lines):
-            return "error event"
-        return "silent loss"
+        assert '"code": "replica_failed"' in lines[-1], f"a stream that neither completed nor said why it ended: {lines[-1]}"
+        return "failed visibly"
 
+    before = set(_replicas())
     with ThreadPoolExecutor(12) as pool:
         outcomes = pool.map(ask, range(12))
-        time.sleep(2)  # requests are in flight on both replicas
-        victim = _replicas()[0]
-        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        time.sleep(1)  # requests are in flight on both replicas
+        pid = int(httpx.get(f"{ray_server.url}/health").headers["x-specdec-replica"].rpartition(":")[2])
+        os.kill(pid, signal.SIGKILL)
         outcomes = list(outcomes)
-    assert "silent loss" not in outcomes, outcomes
-    assert outcomes.count("completed") >= 1 and len(outcomes) == 12
+    failed = ray_server.metric("specdec_replica_failures_total", outcome="failed") - failed_before
+    assert outcomes.count("completed") + outcomes.count("failed visibly") == 12
+    assert outcomes.count("failed visibly") == failed, "the ingress counts every request it could not save"
+    assert outcomes.count("completed") >= 6, outcomes
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and (_running() < 2 or victim in _replicas()):
+    while time.monotonic() < deadline and (_running() < 2 or set(_replicas()) == before):
         time.sleep(1)
-    assert _running() == 2 and victim not in _replicas(), "Serve replaces the killed replica"
+    assert _running() == 2 and set(_replicas()) != before, "Serve replaces the killed replica"
     answer = ray_server.client.completions.create(model=ray_server.client.models.list().data[0].id, prompt="abc", max_tokens=8)
     assert answer.choices[0].text is not None
 

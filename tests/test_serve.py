@@ -66,10 +66,10 @@ class Server:
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health").json()
 
-    def metric(self, sample: str) -> float:
-        """A sample's value summed over its label sets (a Ray deployment labels each replica's)."""
+    def metric(self, sample: str, **labels: str) -> float:
+        """A sample's value summed over its label sets that include ``labels`` (a Ray deployment labels each replica's)."""
         families = text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text)
-        return sum(s.value for family in families for s in family.samples if s.name == sample)
+        return sum(s.value for f in families for s in f.samples if s.name == sample and labels.items() <= s.labels.items())
 
 
 @pytest.fixture(scope="module")

@@ -165,6 +165,8 @@ class RayConfig:
     replicas: int = 2  # the replica count, or the autoscaling minimum when max_replicas is set
     max_replicas: int | None = None  # set: autoscale between replicas and this on requests in flight per replica
     target_ongoing_requests: float = 8.0  # autoscaling aims at this many requests in flight per replica
+    upscale_delay_s: float = 30.0  # load must stay above target this long before a replica is added (Serve's default)
+    downscale_delay_s: float = 600.0  # ... and below it this long before one is removed (Serve's default)
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
     address: str | None = None  # a running Ray cluster ("auto", "ray://host:10001"); None starts one on this machine
@@ -176,6 +178,8 @@ class RayConfig:
             raise ConfigError(f"max_replicas ({self.max_replicas}) must be >= replicas ({self.replicas}), the autoscaling minimum")
         if self.target_ongoing_requests <= 0 or self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
             raise ConfigError("target_ongoing_requests must be > 0, and cpus/gpus per replica >= 0")
+        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
+            raise ConfigError("upscale_delay_s and downscale_delay_s must be >= 0 seconds")
 
 
 FORMATS = ("float32", "bfloat16", "float16", "int8", "float8")

@@ -424,6 +424,12 @@ def serve(
     target_ongoing_requests: Annotated[
         float, typer.Option(help="With --ray and --max-replicas: requests in flight per replica to aim at.")
     ] = 8.0,
+    upscale_delay: Annotated[
+        float, typer.Option(help="With --max-replicas: seconds load stays above target before a replica is added.")
+    ] = 30.0,
+    downscale_delay: Annotated[
+        float, typer.Option(help="With --max-replicas: seconds load stays below target before a replica is removed.")
+    ] = 600.0,
     cpus_per_replica: Annotated[float, typer.Option(help="With --ray: CPUs each replica reserves.")] = 1.0,
     gpus_per_replica: Annotated[float, typer.Option(help="With --ray: GPUs each replica reserves.")] = 0.0,
     ray_address: Annotated[
@@ -443,7 +449,14 @@ def serve(
         from specdec.serving.ray_serve import ReplicaSpec, require_ray, serve_on_ray
 
         ray_config = RayConfig(
-            replicas, max_replicas, cpus_per_replica=cpus_per_replica, gpus_per_replica=gpus_per_replica, address=ray_address
+            replicas,
+            max_replicas,
+            target_ongoing_requests,
+            upscale_delay,
+            downscale_delay,
+            cpus_per_replica,
+            gpus_per_replica,
+            ray_address,
         )
         require_ray()
         spec = ReplicaSpec(target, draft, config, runtime, BatchConfig(window=window), serve_config)

@@ -13,7 +13,7 @@ import asyncio
 import json
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -32,17 +32,8 @@ RETRY_AFTER_S = 1
 REPLICA = f"{socket.gethostname()}:{os.getpid()}"  # answers name the process that served them (which replica, behind a proxy)
 
 
-def create_app(
-    generator: Generator,
-    config: ServeConfig = ServeConfig(),
-    metrics: Metrics | None = None,
-    scrape: Callable[[], Awaitable[bytes]] | None = None,
-) -> FastAPI:
-    """An app serving ``generator``'s target under its name; the engine thread runs while the app's lifespan does.
-
-    ``metrics`` is this server's own registry; ``scrape`` what GET /metrics answers when that is more
-    than this server's registry (a replica answering for all replicas); by default the registry.
-    """
+def create_app(generator: Generator, config: ServeConfig = ServeConfig(), metrics: Metrics | None = None) -> FastAPI:
+    """An app serving ``generator``'s target under its name; the engine thread (app.state.batcher) runs while the app's lifespan does."""
     metrics = metrics or Metrics()
     batcher = Batcher(generator, config.max_batch, config.max_queue, metrics)
     model = generator.target.name
@@ -80,7 +71,7 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(await scrape() if scrape else metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -193,6 +184,9 @@ async def _result(job: Job, request: Request) -> GenerationResult:
     while True:
         try:
             kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
+        except asyncio.CancelledError:  # the server dropped the request (its client left): so does the engine
+            job.cancel()
+            raise
         except TimeoutError:
             if await request.is_disconnected():
                 job.cancel()

@@ -1,25 +1,33 @@
 """Scale-out: specdec's server as a Ray Serve application.
 
-Every replica runs the single-process server (serving/app.py: the same routes,
-streaming and errors, its own continuous batcher) behind Ray Serve's HTTP
-proxy, which sends each request to the replica with fewer requests in flight
-of two sampled (Serve's default router) and restarts replicas that die.
-GET /metrics, answered by any one replica, gathers every replica's metrics
-(Serve's broadcast to the deployment) and labels each sample with its replica.
-Ray is an optional extra: ``pip install -e ".[ray]"``.
+Two deployments. ``engine``: N replicas, each the single-process server
+(serving/app.py: the same routes, streaming and errors, its own continuous
+batcher), answering requests relayed to it whole. ``ingress``: Serve's HTTP
+proxy hands it every request; it relays each to the engine replica with fewer
+requests in flight of two sampled (Serve's router) and, when that replica dies
+before any of its answer went out, to another (serving/relay.py). GET /metrics
+is answered by the ingress for every replica (Serve's broadcast), each sample
+labelled with its replica. Serve restarts replicas that die and autoscales the
+engine on requests in flight. Ray is an optional extra: ``pip install -e ".[ray]"``.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from specdec.config import BatchConfig, GenerationConfig, PrecisionPlan, RayConfig, RuntimeConfig, ServeConfig
 from specdec.errors import ConfigError, DeploymentError
 from specdec.serving.metrics import Metrics, merge_replicas
+from specdec.serving.relay import Forwarded, call_asgi, relay
 
-DEPLOYMENT = "specdec"
+APPLICATION, ENGINE, INGRESS = "specdec", "engine", "ingress"
+ATTEMPTS = 3  # replicas a request may be tried on before the client gets a 503
 SCRAPE_TIMEOUT_S = 5.0
 
 
@@ -45,18 +53,21 @@ class ReplicaSpec:
 
 
 def application(spec: ReplicaSpec, ray_config: RayConfig):
-    """A Ray Serve application of ``ray_config.replicas`` (to ``max_replicas``) specdec servers."""
-    _, serve = require_ray()
+    """A Ray Serve application: an ingress in front of ``ray_config.replicas`` (to ``max_replicas``) specdec servers."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    ray, serve = require_ray()
+    replica_failure = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
     @serve.deployment(
-        name=DEPLOYMENT,
+        name=ENGINE,
         ray_actor_options={"num_cpus": ray_config.cpus_per_replica, "num_gpus": ray_config.gpus_per_replica},
-        max_ongoing_requests=spec.serve.max_batch + spec.serve.max_queue,  # beyond this the replica answers 429 itself
+        max_ongoing_requests=spec.serve.max_batch + spec.serve.max_queue,
+        graceful_shutdown_timeout_s=spec.serve.drain_s,
         **_scaling(ray_config),
     )
-    @serve.ingress()
-    class SpecdecReplica:
-        """One replica: the single-process server, whose GET /metrics answers for every replica of the deployment."""
+    class Engine:
+        """One engine replica: the single-process server, run request by request by the ingress."""
 
         def __init__(self) -> None:
             from specdec.engine import Generator
@@ -65,23 +76,70 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
             generator = Generator(spec.target, spec.draft, spec.generation, spec.runtime, batch=spec.batch)
             generator.batch_decoder()  # measure (or read the cached) batch costs before the first request
             self.name, self.metrics = REPLICA, Metrics()
-            self.server = create_app(generator, spec.serve, self.metrics, scrape=self.scrape_all)
+            self.server = create_app(generator, spec.serve, self.metrics)
+            self.batcher = self.server.state.batcher  # the engine thread: the app's lifespan would start it under a server
+            self.batcher.start()
 
-        def __serve_build_asgi_app__(self):
+        async def forward(self, request: Forwarded):
+            async for message in call_asgi(self.server, request):
+                yield message
+
+        def own_metrics(self) -> tuple[str, bytes]:
+            return self.name, self.metrics.render()
+
+        def __del__(self) -> None:  # Serve calls it once the replica's requests have drained (or drain_s passed)
+            if hasattr(self, "batcher"):
+                self.batcher.stop(spec.serve.drain_s)
+
+    @serve.deployment(name=INGRESS, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
+    @serve.ingress()
+    class Ingress:
+        """Serve's proxy hands every request here; it is relayed to an engine replica, or answered here (/metrics)."""
+
+        def __init__(self, engine) -> None:
+            from specdec.serving.app import REPLICA
+
+            self.name, self.registry = f"ingress-{REPLICA}", CollectorRegistry()
+            failures = Counter(
+                "specdec_replica_failures",
+                "Requests whose replica failed: started again elsewhere, or failed",
+                ["outcome"],
+                registry=self.registry,
+            )
+            for outcome in ("retried", "failed"):
+                failures.labels(outcome)  # both series exist from the start, at 0
+            self.server = _ingress_app(lambda request: engine.options(stream=True).forward.remote(request), replica_failure, failures)
+
+        def __serve_build_asgi_app__(self) -> FastAPI:
             return self.server
 
         def own_metrics(self) -> tuple[str, bytes]:
-            """This replica's name and metrics (called on every replica by whichever one is scraped)."""
-            return self.name, self.metrics.render()
+            return self.name, generate_latest(self.registry)
 
-        async def scrape_all(self) -> bytes:
-            """Every live replica's metrics, labelled by replica; one that does not answer in time is left out (and counted)."""
-            context = serve.get_replica_context()
-            handle = serve.get_deployment_handle(context.deployment, context.app_name)
+    return Ingress.bind(Engine.bind())
+
+
+def _ingress_app(send, replica_failure: tuple[type[BaseException], ...], failures) -> FastAPI:
+    """The ingress's routes: GET /metrics for every replica of the application; anything else relayed to an engine replica."""
+    from ray import serve
+
+    app = FastAPI(title="specdec ingress", docs_url=None, redoc_url=None, openapi_url=None)  # the engine's docs are relayed
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        context = serve.get_replica_context()
+        snapshots = {}
+        for deployment in (ENGINE, INGRESS):
+            handle = serve.get_deployment_handle(deployment, context.app_name)
             answers = await handle.broadcast("own_metrics").results_async(timeout_s=SCRAPE_TIMEOUT_S, return_exceptions=True)
-            return merge_replicas(dict(answer for answer in answers if isinstance(answer, tuple)))
+            snapshots |= dict(answer for answer in answers if isinstance(answer, tuple))
+        return Response(merge_replicas(snapshots), media_type=CONTENT_TYPE_LATEST)
 
-    return SpecdecReplica.bind()
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def relayed(request: Request) -> Response:
+        return await relay(await Forwarded.of(request), send, replica_failure, ATTEMPTS, failures)
+
+    return app
 
 
 def _scaling(config: RayConfig) -> dict:
@@ -92,6 +150,8 @@ def _scaling(config: RayConfig) -> dict:
             "min_replicas": config.replicas,
             "max_replicas": config.max_replicas,
             "target_ongoing_requests": config.target_ongoing_requests,
+            "upscale_delay_s": config.upscale_delay_s,
+            "downscale_delay_s": config.downscale_delay_s,
         }
     }
 
@@ -110,7 +170,7 @@ def serve_on_ray(spec: ReplicaSpec, ray_config: RayConfig, ready=lambda: None) -
     try:
         serve.start(http_options={"host": spec.serve.host, "port": spec.serve.port})
         try:
-            serve.run(application(spec, ray_config), name=DEPLOYMENT, route_prefix="/")
+            serve.run(application(spec, ray_config), name=APPLICATION, route_prefix="/")
         except RuntimeError:  # Serve gave up on the replicas: say why in one line, as the replica said it
             raise DeploymentError(f"the replicas failed to start: {_replica_failure(serve)}") from None
         ready()
@@ -122,8 +182,8 @@ def serve_on_ray(spec: ReplicaSpec, ray_config: RayConfig, ready=lambda: None) -
 
 def _replica_failure(serve) -> str:
     """The last line of the failed replicas' error: a specdec error's own message, else the exception line."""
-    status = serve.status().applications.get(DEPLOYMENT)
-    message = status.deployments[DEPLOYMENT].message if status and DEPLOYMENT in status.deployments else ""
+    status = serve.status().applications.get(APPLICATION)
+    message = status.deployments[ENGINE].message if status and ENGINE in status.deployments else ""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     if not lines:
         return "no reason given: see the replica logs under /tmp/ray/session_latest/logs/serve"
@@ -139,5 +199,5 @@ def app_builder(args: dict):
         runtime=RuntimeConfig(precision=PrecisionPlan.parse(args["precision"]) if args.get("precision") else None),
         serve=ServeConfig(**{k: args[k] for k in ("max_batch", "max_queue", "default_max_tokens") if k in args}),
     )
-    ray_keys = ("replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica", "gpus_per_replica")
+    ray_keys = [f.name for f in fields(RayConfig) if f.name != "address"]
     return application(spec, RayConfig(**{k: args[k] for k in ray_keys if k in args}))

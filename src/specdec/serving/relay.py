@@ -1,0 +1,148 @@
+"""Carrying one HTTP request to a server in another process and its answer back, for an ingress that can retry.
+
+The engine side (``call_asgi``) runs a request through the server's ASGI app
+in its own process and yields the app's response messages as they are sent,
+so streams stay streams. The ingress side (``relay``) sends a request to a
+replica through a caller-given ``send`` and answers the client: a replica that
+dies before any of its answer has reached the client is replaced by another
+(the request starts again there: greedy and seeded answers are the same);
+one that dies mid-stream ends the stream with an error event in the shape the
+server's own streams use, so that no request is lost silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import Counter
+
+from specdec.serving import protocol as api
+
+DISCONNECT_GRACE_S = 2.0  # what a request's handler gets to notice its client left before it is cancelled
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """An HTTP request as it travels to a replica (picklable)."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+    @classmethod
+    async def of(cls, request: Request) -> Forwarded:
+        scope = request.scope
+        return cls(scope["method"], scope["path"], scope["query_string"], list(scope["headers"]), await request.body())
+
+
+async def call_asgi(app: Callable, request: Forwarded) -> AsyncIterator[dict]:
+    """Run ``request`` through the ASGI ``app`` here, yielding its ``http.response.*`` messages as it sends them.
+
+    Closing the iterator early (the client left) tells the app its client disconnected, as a server would.
+    """
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": request.method,
+        "scheme": "http",
+        "path": request.path,
+        "raw_path": request.path.encode(),
+        "query_string": request.query,
+        "root_path": "",
+        "headers": request.headers,
+        "client": None,
+        "server": None,
+    }
+    sent: asyncio.Queue = asyncio.Queue()
+    gone = asyncio.Event()
+    body = [{"type": "http.request", "body": request.body, "more_body": False}]
+
+    async def receive() -> dict:
+        if body:
+            return body.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    task = asyncio.create_task(app(scope, receive, sent.put))
+    try:
+        while True:
+            message = asyncio.create_task(sent.get())
+            await asyncio.wait({message, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not message.done():  # the app returned (or failed) without a further message
+                message.cancel()
+                task.result()
+                return
+            yield message.result()
+            if message.result()["type"] == "http.response.body" and not message.result().get("more_body", False):
+                return
+    finally:
+        gone.set()
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(task), DISCONNECT_GRACE_S)
+        task.cancel()
+
+
+async def relay(
+    request: Forwarded,
+    send: Callable[[Forwarded], AsyncIterator[dict]],
+    replica_failure: tuple[type[BaseException], ...],
+    attempts: int,
+    failures: Counter,
+) -> Response:
+    """Answer ``request`` from a replica reached through ``send``, trying another while none of an answer has been sent.
+
+    ``failures`` counts, by outcome, requests started again elsewhere ("retried") and requests failed with their replica ("failed").
+    """
+    for attempt in range(1, attempts + 1):
+        messages = send(request)
+        try:
+            start = await anext(messages)
+            first = await anext(messages)  # a whole answer, or a stream's first event: the last moment to start again
+        except replica_failure:
+            await _close(messages)
+            if attempt < attempts:
+                failures.labels("retried").inc()
+            continue
+        except BaseException:
+            await _close(messages)
+            raise
+        headers = {key.decode(): value.decode() for key, value in start["headers"] if key.lower() != b"content-length"}
+        if not first.get("more_body", False):
+            return Response(first.get("body", b""), start["status"], headers)
+        return StreamingResponse(_rest(first, messages, replica_failure, failures), start["status"], headers)
+    failures.labels("failed").inc()
+    error = api.APIError(503, f"no replica could answer: {attempts} tried, each failed: retry", kind="server_error", code="replica_failed")
+    return JSONResponse(error.body(), status_code=503, headers={"Retry-After": "1"})
+
+
+async def _rest(
+    first: dict, messages: AsyncIterator[dict], replica_failure: tuple[type[BaseException], ...], failures: Counter
+) -> AsyncIterator[bytes]:
+    try:
+        yield first.get("body", b"")
+        async for message in messages:
+            yield message.get("body", b"")
+    except replica_failure:
+        failures.labels("failed").inc()
+        error = api.APIError(503, "the replica serving this stream failed: retry the request", kind="server_error", code="replica_failed")
+        yield f"data: {json.dumps(error.body())}\n\n".encode()
+    finally:
+        await _close(messages)
+
+
+async def _close(messages: AsyncIterator[dict]) -> None:
+    close = getattr(messages, "aclose", None) or getattr(messages, "cancel", None)
+    if close is not None:
+        with contextlib.suppress(BaseException):
+            result = close()
+            if asyncio.iscoroutine(result):
+                await result
