@@ -1,11 +1,13 @@
-"""Ray Serve autoscaling on load: a 1-2 replica deployment grows under queued requests and shrinks when they stop.
+"""Ray Serve deployments that come and go: autoscaling on load, and replicas that cannot start.
 
-Its own module: Serve runs one application per name and one HTTP proxy per cluster, so this deployment
+Their own module: Serve runs one application per name and one HTTP proxy per cluster, so these deployments
 cannot live beside tests/test_ray_serve.py's (module-scoped) one.
 """
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from test_ray_serve import _running, driver  # noqa: F401 - the driver fixture joins this process to the cluster
-from test_serve import Server, folder  # noqa: F401 - the same tiny chat model folder
+from test_serve import Server, _free_port, folder  # noqa: F401 - the same tiny chat model folder
 
 ray = pytest.importorskip("ray")
 
@@ -53,3 +55,11 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(folder: Path
         server.stop()
     assert statuses and set(statuses) == {200}, "no request failed while the deployment scaled"
     assert len(served_by) == 2, "the added replica served requests"
+
+
+def test_replicas_that_cannot_start_are_a_one_line_error(ray_cluster: str) -> None:
+    command = [shutil.which("specdec"), "serve", "--ray", "--replicas", "1", "--ray-address", ray_cluster, "--target", "/no/such/model", "--port", str(_free_port())]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the replicas failed to start: unknown model '/no/such/model'"), last

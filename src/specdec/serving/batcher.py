@@ -44,8 +44,11 @@ class Job:
     first_token_s: float | None = None
 
     def emit(self, kind: str, payload: object) -> None:
-        """Hand an event to the request's handler (from the engine thread)."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        """Hand an event to the request's handler (from the engine thread); a handler whose event loop is gone cancels the job."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the loop is closed: nobody will read this request's events
+            self.cancel()
 
     def cancel(self) -> None:
         """Ask the engine to drop this request (client gone); takes effect before the next step."""

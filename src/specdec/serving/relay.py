@@ -104,9 +104,14 @@ async def relay(
     """
     for attempt in range(1, attempts + 1):
         messages = send(request)
-        try:
+        try:  # a whole answer, or a stream's first event: until then, the request can start again elsewhere
             start = await anext(messages)
-            first = await anext(messages)  # a whole answer, or a stream's first event: the last moment to start again
+            headers = {key.decode(): value.decode() for key, value in start["headers"] if key.lower() != b"content-length"}
+            if headers.get("content-type", "").startswith("text/event-stream"):
+                first = await anext(messages)
+                return StreamingResponse(_rest(first, messages, replica_failure, failures), start["status"], headers)
+            body = b"".join([message.get("body", b"") async for message in messages])
+            return Response(body, start["status"], headers)
         except replica_failure:
             await _close(messages)
             if attempt < attempts:
@@ -115,10 +120,6 @@ async def relay(
         except BaseException:
             await _close(messages)
             raise
-        headers = {key.decode(): value.decode() for key, value in start["headers"] if key.lower() != b"content-length"}
-        if not first.get("more_body", False):
-            return Response(first.get("body", b""), start["status"], headers)
-        return StreamingResponse(_rest(first, messages, replica_failure, failures), start["status"], headers)
     failures.labels("failed").inc()
     error = api.APIError(503, f"no replica could answer: {attempts} tried, each failed: retry", kind="server_error", code="replica_failed")
     return JSONResponse(error.body(), status_code=503, headers={"Retry-After": "1"})

@@ -1,0 +1,130 @@
+"""The ingress's relay (serving/relay.py) without Ray: a request run through the server's ASGI app in-process, and
+what the client gets when the replica answering it fails before or while answering."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from conftest import char_tokenizer, loaded, tiny_llama
+from fastapi.responses import StreamingResponse
+from prometheus_client import CollectorRegistry, Counter
+
+from specdec import GenerationConfig, Generator
+from specdec.serving.app import create_app
+from specdec.serving.relay import Forwarded, call_asgi, relay
+
+
+class ReplicaDied(Exception):
+    """Stands in for Ray's actor-died error."""
+
+
+def _post(path: str, body: dict) -> Forwarded:
+    return Forwarded("POST", path, b"", [(b"content-type", b"application/json")], json.dumps(body).encode())
+
+
+@pytest.fixture(scope="module")
+def server():
+    tokenizer = char_tokenizer()
+    target = loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)
+    app = create_app(Generator(target, "prompt-lookup", GenerationConfig(k=4, k_policy="fixed")))
+    app.state.batcher.start()
+    yield app
+    app.state.batcher.stop(5)
+
+
+async def _all(messages: AsyncIterator[dict]) -> list[dict]:
+    return [message async for message in messages]
+
+
+def test_call_asgi_answers_whole_and_streamed(server) -> None:
+    whole = asyncio.run(_all(call_asgi(server, _post("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}))))
+    assert whole[0]["type"] == "http.response.start" and whole[0]["status"] == 200
+    assert {m["type"] for m in whole[1:]} == {"http.response.body"} and not whole[-1].get("more_body", False)
+    assert json.loads(b"".join(m["body"] for m in whole[1:]))["usage"]["completion_tokens"] == 6
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "stream": True}
+    streamed = asyncio.run(_all(call_asgi(server, _post("/v1/completions", body))))
+    assert streamed[0]["status"] == 200 and streamed[-1].get("more_body", False) is False
+    assert b"data: [DONE]" in b"".join(m.get("body", b"") for m in streamed[1:])
+    bad = asyncio.run(_all(call_asgi(server, _post("/v1/completions", {"prompt": [5], "temperature": -1}))))
+    assert bad[0]["status"] == 400 and b"temperature" in b"".join(m.get("body", b"") for m in bad[1:])
+
+
+def test_closing_call_asgi_early_cancels_the_request(server) -> None:
+    body = {"prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+
+    async def leave_after_two() -> None:
+        messages = call_asgi(server, _post("/v1/completions", body))
+        await anext(messages)
+        await anext(messages)
+        await messages.aclose()  # what the ingress does when its client goes away
+
+    asyncio.run(leave_after_two())
+    deadline = time.monotonic() + 10
+    while server.state.batcher.load != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.state.batcher.load == (0, 0)
+    assert b"specdec_cancelled_requests_total 1.0" in server.state.batcher.metrics.render()
+
+
+def _replicas(*behaviours: list):
+    """A ``send`` whose n-th call yields behaviours[n]'s messages, raising ReplicaDied where an item is one."""
+    calls = iter(behaviours)
+
+    async def send(request: Forwarded) -> AsyncIterator[dict]:
+        for item in next(calls):
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    return send
+
+
+STREAM = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+JSON = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+
+
+def _relay(send) -> tuple[object, list[bytes], Counter]:
+    """The response, the parts of its body as the client would read them, and the failure counts."""
+    failures = Counter("f", "f", ["outcome"], registry=CollectorRegistry())
+
+    async def run() -> tuple[object, list[bytes]]:
+        response = await relay(_post("/v1/completions", {}), send, (ReplicaDied,), 3, failures)
+        if isinstance(response, StreamingResponse):
+            return response, [part async for part in response.body_iterator]
+        return response, [response.body]
+
+    return *asyncio.run(run()), failures
+
+
+def _count(failures: Counter, outcome: str) -> float:
+    return failures.labels(outcome)._value.get()
+
+
+def test_relay_starts_again_on_another_replica_when_one_dies_before_answering() -> None:
+    part = {"type": "http.response.body", "body": b'{"ok": ', "more_body": True}
+    end = {"type": "http.response.body", "body": b"true}"}
+    response, body, failures = _relay(_replicas([ReplicaDied()], [JSON, part, ReplicaDied()], [JSON, part, end]))
+    assert response.status_code == 200 and body == [b'{"ok": true}']
+    assert (_count(failures, "retried"), _count(failures, "failed")) == (2, 0)
+    stream = [STREAM, ReplicaDied()]  # died before the stream's first event
+    response, body, failures = _relay(_replicas(stream, [STREAM, part, end]))
+    assert isinstance(response, StreamingResponse) and body == [b'{"ok": ', b"true}"] and _count(failures, "retried") == 1
+
+
+def test_relay_ends_a_stream_whose_replica_dies_with_an_error_event() -> None:
+    chunk = {"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True}
+    response, body, failures = _relay(_replicas([STREAM, chunk, chunk, ReplicaDied()]))
+    assert isinstance(response, StreamingResponse) and body[:2] == [b"data: {}\n\n"] * 2
+    assert json.loads(body[-1].removeprefix(b"data: "))["error"]["code"] == "replica_failed"
+    assert (_count(failures, "retried"), _count(failures, "failed")) == (0, 1)
+
+
+def test_relay_answers_503_when_every_replica_tried_fails() -> None:
+    response, body, failures = _relay(_replicas([ReplicaDied()], [ReplicaDied()], [ReplicaDied()]))
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert json.loads(body[0])["error"]["code"] == "replica_failed"
+    assert (_count(failures, "retried"), _count(failures, "failed")) == (2, 1)
