@@ -304,3 +304,21 @@ def test_ray_missing_is_a_one_line_error(folder: Path, monkeypatch: pytest.Monke
     monkeypatch.setitem(__import__("sys").modules, "ray", None)  # as if the extra were not installed
     result = CliRunner().invoke(app, ["serve", "--ray", "--target", str(folder)])
     assert result.exit_code == 2 and 'pip install -e ".[ray]"' in result.output
+
+
+def test_ray_options_reach_the_typed_config(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("ray")
+    from typer.testing import CliRunner
+
+    from specdec.cli.main import app
+    from specdec.config import RayConfig
+    from specdec.serving import ray_serve
+
+    started = []
+    monkeypatch.setattr(ray_serve, "serve_on_ray", lambda spec, config, ready: started.append((spec, config)))
+    options = "--replicas 1 --max-replicas 3 --target-ongoing-requests 2 --upscale-delay 4 --downscale-delay 5 --cpus-per-replica 0.5 --gpus-per-replica 1 --ingress-replicas 2 --ray-address auto --max-batch 4 --port 9001"  # fmt: skip
+    result = CliRunner().invoke(app, ["serve", "--ray", "--target", str(folder), "--draft", "prompt-lookup", *options.split()])
+    assert result.exit_code == 0, result.output
+    spec, config = started[0]
+    assert config == RayConfig(1, 3, 2.0, 4.0, 5.0, 0.5, 1.0, 2, "auto")
+    assert (spec.target, spec.draft, spec.serve.max_batch, spec.serve.port) == (str(folder), "prompt-lookup", 4, 9001)

@@ -169,11 +169,12 @@ class RayConfig:
     downscale_delay_s: float = 600.0  # ... and below it this long before one is removed (Serve's default)
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
+    ingress_replicas: int = 1  # the relay in front of the replicas (no CPU reserved); on many nodes, about one per node
     address: str | None = None  # a running Ray cluster ("auto", "ray://host:10001"); None starts one on this machine
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if self.replicas < 1 or self.ingress_replicas < 1:
+            raise ConfigError(f"replicas and ingress_replicas must be >= 1, got {self.replicas} and {self.ingress_replicas}")
         if self.max_replicas is not None and self.max_replicas < self.replicas:
             raise ConfigError(f"max_replicas ({self.max_replicas}) must be >= replicas ({self.replicas}), the autoscaling minimum")
         if self.target_ongoing_requests <= 0 or self.cpus_per_replica < 0 or self.gpus_per_replica < 0:

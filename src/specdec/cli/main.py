@@ -432,6 +432,9 @@ def serve(
     ] = 600.0,
     cpus_per_replica: Annotated[float, typer.Option(help="With --ray: CPUs each replica reserves.")] = 1.0,
     gpus_per_replica: Annotated[float, typer.Option(help="With --ray: GPUs each replica reserves.")] = 0.0,
+    ingress_replicas: Annotated[
+        int, typer.Option(help="With --ray: replicas of the ingress that relays requests (on many nodes, about one per node).")
+    ] = 1,
     ray_address: Annotated[
         str | None,
         typer.Option(envvar="RAY_ADDRESS", help="With --ray: a running cluster (auto, ray://host:10001); default starts one here."),
@@ -449,14 +452,15 @@ def serve(
         from specdec.serving.ray_serve import ReplicaSpec, require_ray, serve_on_ray
 
         ray_config = RayConfig(
-            replicas,
-            max_replicas,
-            target_ongoing_requests,
-            upscale_delay,
-            downscale_delay,
-            cpus_per_replica,
-            gpus_per_replica,
-            ray_address,
+            replicas=replicas,
+            max_replicas=max_replicas,
+            target_ongoing_requests=target_ongoing_requests,
+            upscale_delay_s=upscale_delay,
+            downscale_delay_s=downscale_delay,
+            cpus_per_replica=cpus_per_replica,
+            gpus_per_replica=gpus_per_replica,
+            ingress_replicas=ingress_replicas,
+            address=ray_address,
         )
         require_ray()
         spec = ReplicaSpec(target, draft, config, runtime, BatchConfig(window=window), serve_config)

@@ -91,7 +91,9 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
             if hasattr(self, "batcher"):
                 self.batcher.stop(spec.serve.drain_s)
 
-    @serve.deployment(name=INGRESS, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
+    @serve.deployment(
+        name=INGRESS, num_replicas=ray_config.ingress_replicas, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000
+    )
     @serve.ingress()
     class Ingress:
         """Serve's proxy hands every request here; it is relayed to an engine replica, or answered here (/metrics)."""
