@@ -7,6 +7,7 @@ cannot live beside tests/test_ray_serve.py's (module-scoped) one.
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -63,3 +64,33 @@ def test_replicas_that_cannot_start_are_a_one_line_error(ray_cluster: str) -> No
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: the replicas failed to start: unknown model '/no/such/model'"), last
+
+
+def test_the_serve_config_file_runs_with_serve_run(folder: Path, ray_cluster: str, tmp_path: Path) -> None:  # noqa: F811
+    """deploy/specdec-serve.yaml as users run it (`serve run`), with this test's model, port and one small replica."""
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "specdec-serve.yaml").read_text())
+    port = _free_port()
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    args = config["applications"][0]["args"]
+    args.pop("precision")
+    args |= {"target": str(folder), "replicas": 1, "max_replicas": 2, "cpus_per_replica": 1, "max_batch": 4}
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
+    command = [shutil.which("serve"), "run", str(tmp_path / "serve.yaml"), "--address", ray_cluster]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        answer = httpx.post(f"{url}/v1/completions", json={"prompt": "abc", "max_tokens": 5, "temperature": 0}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 5
+        assert 'specdec_generated_tokens_total{replica="' in httpx.get(f"{url}/metrics").text
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(120)

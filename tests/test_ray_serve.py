@@ -118,3 +118,5 @@ def test_the_serve_config_file_builds_the_application() -> None:
     assert isinstance(app_builder(entry["args"]), Application)
     with pytest.raises(Exception, match="max_replicas"):
         app_builder({"replicas": 3, "max_replicas": 2})
+    with pytest.raises(Exception, match="unknown specdec setting.*colour"):
+        app_builder({"colour": "red"})

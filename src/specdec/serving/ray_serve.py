@@ -194,12 +194,36 @@ def _replica_failure(serve) -> str:
 
 
 def app_builder(args: dict):
-    """Entry point for a Serve config file (``import_path: specdec.serving.ray_serve:app_builder``); ``args`` as in README."""
+    """Entry point for a Serve config file (``import_path: specdec.serving.ray_serve:app_builder``).
+
+    ``args``: target, draft, k, k_policy, dtype, precision, window, ServeConfig's request limits
+    (max_batch, max_queue, default_max_tokens, drain_s) and RayConfig's fields but the address: the
+    settings `specdec serve --ray` takes, by their typed names.
+    """
+    known = {
+        "spec": ("target", "draft"),
+        "generation": ("k", "k_policy"),
+        "runtime": ("dtype", "precision"),
+        "batch": ("window",),
+        "serve": ("max_batch", "max_queue", "default_max_tokens", "drain_s"),
+        "ray": tuple(f.name for f in fields(RayConfig) if f.name != "address"),
+    }
+    unknown = sorted(set(args) - {key for keys in known.values() for key in keys})
+    if unknown:
+        raise ConfigError(f"unknown specdec setting(s) in the Serve config's args: {', '.join(unknown)}; known: {known}")
+
+    def part(name: str) -> dict:
+        return {key: args[key] for key in known[name] if key in args}
+
+    runtime = part("runtime")
+    if runtime.get("precision"):
+        runtime["precision"] = PrecisionPlan.parse(runtime["precision"])
     spec = ReplicaSpec(
         target=args.get("target", "gemma-3-270m"),
         draft=args.get("draft", "prompt-lookup"),
-        runtime=RuntimeConfig(precision=PrecisionPlan.parse(args["precision"]) if args.get("precision") else None),
-        serve=ServeConfig(**{k: args[k] for k in ("max_batch", "max_queue", "default_max_tokens") if k in args}),
+        generation=GenerationConfig(**part("generation")),
+        runtime=RuntimeConfig(**runtime),
+        batch=BatchConfig(**part("batch")),
+        serve=ServeConfig(**part("serve")),
     )
-    ray_keys = [f.name for f in fields(RayConfig) if f.name != "address"]
-    return application(spec, RayConfig(**{k: args[k] for k in ray_keys if k in args}))
+    return application(spec, RayConfig(**part("ray")))
