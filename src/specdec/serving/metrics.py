@@ -55,6 +55,21 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+class RelayMetrics:
+    """The ingress's own count: requests whose replica failed, started again elsewhere ("retried") or failed ("failed")."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.replica_failures = Counter(
+            "specdec_replica_failures", "Requests whose replica failed, by outcome", ["outcome"], registry=self.registry
+        )
+        for outcome in ("retried", "failed"):
+            self.replica_failures.labels(outcome)  # both series exist from the start, at 0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
 def merge_replicas(snapshots: Mapping[str, bytes]) -> bytes:
     """Several replicas' metrics as one exposition: every sample labelled with its replica (sum over ``replica`` for totals).
 

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
 from specdec.config import BatchConfig, GenerationConfig, PrecisionPlan, RayConfig, RuntimeConfig, ServeConfig
 from specdec.errors import ConfigError, DeploymentError
-from specdec.serving.metrics import Metrics, merge_replicas
+from specdec.serving.metrics import Metrics, RelayMetrics, merge_replicas
 from specdec.serving.relay import Forwarded, call_asgi, relay
 
 APPLICATION, ENGINE, INGRESS = "specdec", "engine", "ingress"
@@ -54,8 +55,6 @@ class ReplicaSpec:
 
 def application(spec: ReplicaSpec, ray_config: RayConfig):
     """A Ray Serve application: an ingress in front of ``ray_config.replicas`` (to ``max_replicas``) specdec servers."""
-    from prometheus_client import CollectorRegistry, Counter, generate_latest
-
     ray, serve = require_ray()
     replica_failure = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
@@ -80,7 +79,7 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
             self.batcher = self.server.state.batcher  # the engine thread: the app's lifespan would start it under a server
             self.batcher.start()
 
-        async def forward(self, request: Forwarded):
+        async def forward(self, request: Forwarded) -> AsyncIterator[dict]:
             async for message in call_asgi(self.server, request):
                 yield message
 
@@ -101,27 +100,21 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
         def __init__(self, engine) -> None:
             from specdec.serving.app import REPLICA
 
-            self.name, self.registry = f"ingress-{REPLICA}", CollectorRegistry()
-            failures = Counter(
-                "specdec_replica_failures",
-                "Requests whose replica failed: started again elsewhere, or failed",
-                ["outcome"],
-                registry=self.registry,
-            )
-            for outcome in ("retried", "failed"):
-                failures.labels(outcome)  # both series exist from the start, at 0
-            self.server = _ingress_app(lambda request: engine.options(stream=True).forward.remote(request), replica_failure, failures)
+            self.name, self.metrics = f"ingress-{REPLICA}", RelayMetrics()
+            self.server = _ingress_app(engine.options(stream=True).forward.remote, replica_failure, self.metrics.replica_failures)
 
         def __serve_build_asgi_app__(self) -> FastAPI:
             return self.server
 
         def own_metrics(self) -> tuple[str, bytes]:
-            return self.name, generate_latest(self.registry)
+            return self.name, self.metrics.render()
 
     return Ingress.bind(Engine.bind())
 
 
-def _ingress_app(send, replica_failure: tuple[type[BaseException], ...], failures) -> FastAPI:
+def _ingress_app(
+    send: Callable[[Forwarded], AsyncIterator[dict]], replica_failure: tuple[type[BaseException], ...], failures: Counter
+) -> FastAPI:
     """The ingress's routes: GET /metrics for every replica of the application; anything else relayed to an engine replica."""
     from ray import serve
 

@@ -75,14 +75,15 @@ async def call_asgi(app: Callable, request: Forwarded) -> AsyncIterator[dict]:
     task = asyncio.create_task(app(scope, receive, sent.put))
     try:
         while True:
-            message = asyncio.create_task(sent.get())
-            await asyncio.wait({message, task}, return_when=asyncio.FIRST_COMPLETED)
-            if not message.done():  # the app returned (or failed) without a further message
-                message.cancel()
+            next_message = asyncio.create_task(sent.get())
+            await asyncio.wait({next_message, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not next_message.done():  # the app returned (or failed) without a further message
+                next_message.cancel()
                 task.result()
                 return
-            yield message.result()
-            if message.result()["type"] == "http.response.body" and not message.result().get("more_body", False):
+            message = next_message.result()
+            yield message
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
                 return
     finally:
         gone.set()
