@@ -171,6 +171,15 @@ def test_seeded_sampling_is_reproducible(server: Server) -> None:
     assert len({ask(s) for s in range(4)}) > 1
 
 
+def test_ignore_eos_generates_past_end_of_sequence(server: Server) -> None:
+    model = server.client.models.list().data[0].id
+    ended = server.client.completions.create(model=model, prompt="abc", max_tokens=100, temperature=0).choices[0]
+    forced = server.client.completions.create(model=model, prompt="abc", max_tokens=100, temperature=0, extra_body={"ignore_eos": True})
+    assert ended.finish_reason == "stop" and len(ended.text) < 100, "this tiny model ends 'abc' early"
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 100
+    assert forced.choices[0].text.startswith(ended.text)
+
+
 def test_disconnect_cancels_and_frees_capacity(server: Server) -> None:
     # ignore_eos: this tiny model would end "abc" after 39 tokens, before the disconnect arrives (through Serve's proxy too).
     body = {"prompt": "abc", "max_tokens": 240, "temperature": 0, "stream": True, "ignore_eos": True}

@@ -32,9 +32,9 @@ RETRY_AFTER_S = 1
 REPLICA = f"{socket.gethostname()}:{os.getpid()}"  # answers name the process that served them (which replica, behind a proxy)
 
 
-def create_app(generator: Generator, config: ServeConfig = ServeConfig(), metrics: Metrics | None = None) -> FastAPI:
+def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> FastAPI:
     """An app serving ``generator``'s target under its name; the engine thread (app.state.batcher) runs while the app's lifespan does."""
-    metrics = metrics or Metrics()
+    metrics = Metrics()
     batcher = Batcher(generator, config.max_batch, config.max_queue, metrics)
     model = generator.target.name
 

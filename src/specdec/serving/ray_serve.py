@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
 from specdec.config import BatchConfig, GenerationConfig, PrecisionPlan, RayConfig, RuntimeConfig, ServeConfig
 from specdec.errors import ConfigError, DeploymentError
-from specdec.serving.metrics import Metrics, RelayMetrics, merge_replicas
+from specdec.serving.metrics import RelayMetrics, merge_replicas
 from specdec.serving.relay import Forwarded, call_asgi, relay
 
 APPLICATION, ENGINE, INGRESS = "specdec", "engine", "ingress"
@@ -74,8 +74,7 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
 
             generator = Generator(spec.target, spec.draft, spec.generation, spec.runtime, batch=spec.batch)
             generator.batch_decoder()  # measure (or read the cached) batch costs before the first request
-            self.name, self.metrics = REPLICA, Metrics()
-            self.server = create_app(generator, spec.serve, self.metrics)
+            self.name, self.server = REPLICA, create_app(generator, spec.serve)
             self.batcher = self.server.state.batcher  # the engine thread: the app's lifespan would start it under a server
             self.batcher.start()
 
@@ -84,7 +83,7 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
                 yield message
 
         def own_metrics(self) -> tuple[str, bytes]:
-            return self.name, self.metrics.render()
+            return self.name, self.batcher.metrics.render()
 
         def __del__(self) -> None:  # Serve calls it once the replica's requests have drained (or drain_s passed)
             if hasattr(self, "batcher"):
