@@ -65,9 +65,11 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
         return await api_error(request, _validation_error(exc))
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> JSONResponse:
         running, waiting = batcher.load
-        return {"status": "ok", "model": model, "running": running, "waiting": waiting}
+        status = "ok" if batcher.alive else "engine stopped"  # a 503 tells a load balancer (or Serve) to replace this server
+        body = {"status": status, "model": model, "running": running, "waiting": waiting}
+        return JSONResponse(body, status_code=200 if batcher.alive else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -72,10 +72,17 @@ class Batcher:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (it ends only on stop(), or if a bug escapes its error handling)."""
+        return self._thread.is_alive()
+
     def submit(self, job: Job) -> None:
         with self._wake:
             if not self._accepting:
                 raise ShuttingDownError("the server is shutting down")
+            if not self.alive:  # nothing would ever answer this request
+                raise ShuttingDownError("the server's engine thread has stopped")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFullError(f"{len(self.active)} requests are running and {len(self.waiting)} waiting")
             self.waiting.append(job)
@@ -110,29 +117,32 @@ class Batcher:
             if not self.active:
                 continue
             try:
-                new = self.decoder.step()
+                self._step()
             except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
                 log.exception("a decoding step failed")
                 for row in list(self.active):
                     self._finish(row, error=(500, f"internal error while decoding: {exc}"))
-                continue
-            for row, tokens in new.items():
-                job = self.active[row]
-                if job.first_token_s is None:
-                    job.first_token_s = time.perf_counter() - job.submitted
-                    self.metrics.ttft.observe(job.first_token_s)
-                piece = job.completion.take(tokens.tolist())
-                if piece:
-                    job.emit("text", piece)
-            for row, job in list(self.active.items()):
-                if row in self.decoder.failed:
-                    self._finish(row, error=(400, str(self.decoder.failed[row])))
-                elif job.cancelled.is_set():
-                    self._finish(row, error=None, cancelled=True)
-                elif job.completion.ended or self.decoder.exhausted(row):
-                    self._finish(row, error=None)
         for job in list(self.waiting) + list(self.active.values()):
             job.emit("error", (503, "the server shut down before this request finished"))
+
+    def _step(self) -> None:
+        """One decoding step of the batch: hand out the new text, then retire the rows that ended."""
+        new = self.decoder.step()
+        for row, tokens in new.items():
+            job = self.active[row]
+            if job.first_token_s is None:
+                job.first_token_s = time.perf_counter() - job.submitted
+                self.metrics.ttft.observe(job.first_token_s)
+            piece = job.completion.take(tokens.tolist())
+            if piece:
+                job.emit("text", piece)
+        for row, job in list(self.active.items()):
+            if row in self.decoder.failed:
+                self._finish(row, error=(400, str(self.decoder.failed[row])))
+            elif job.cancelled.is_set():
+                self._finish(row, error=None, cancelled=True)
+            elif job.completion.ended or self.decoder.exhausted(row):
+                self._finish(row, error=None)
 
     def _admit(self) -> None:
         """Move waiting jobs into the batch while there is room (called with the lock held)."""

@@ -85,6 +85,10 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
         def own_metrics(self) -> tuple[str, bytes]:
             return self.name, self.batcher.metrics.render()
 
+        def check_health(self) -> None:  # Serve calls it periodically and replaces a replica on which it raises
+            if not self.batcher.alive:
+                raise RuntimeError("the replica's engine thread has stopped")
+
         def __del__(self) -> None:  # Serve calls it once the replica's requests have drained (or drain_s passed)
             if hasattr(self, "batcher"):
                 self.batcher.stop(spec.serve.drain_s)

@@ -1,13 +1,16 @@
-"""The ingress's relay (serving/relay.py) without Ray: a request run through the server's ASGI app in-process, and
-what the client gets when the replica answering it fails before or while answering."""
+"""What clients get when part of the server fails, in-process (no Ray): the ingress's relay (a request run through
+the server's ASGI app, a replica that dies before or while answering) and the engine thread (a failing step, a
+thread that stopped)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 from conftest import char_tokenizer, loaded, tiny_llama
 from fastapi.responses import StreamingResponse
@@ -128,3 +131,51 @@ def test_relay_answers_503_when_every_replica_tried_fails() -> None:
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     assert json.loads(body[0])["error"]["code"] == "replica_failed"
     assert (_count(failures, "retried"), _count(failures, "failed")) == (2, 1)
+
+
+def _ask(app, method: str, path: str, body: dict | None = None):
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.request(method, path, json=body, timeout=60)
+
+    return asyncio.run(run())
+
+
+def _tiny_app():
+    tokenizer = char_tokenizer()
+    return create_app(Generator(loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer), "prompt-lookup", GenerationConfig(k=4, k_policy="fixed")))  # fmt: skip
+
+
+def test_a_failing_step_fails_its_request_and_the_engine_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specdec.engine.generator import Completion
+
+    app = _tiny_app()
+    app.state.batcher.start()
+    take, calls = Completion.take, []
+
+    def take_failing_once(self, ids):  # a bug in handing out text, outside the model's step
+        calls.append(ids)
+        if len(calls) == 1:
+            raise RuntimeError("decoding bug")
+        return take(self, ids)
+
+    monkeypatch.setattr(Completion, "take", take_failing_once)
+    try:
+        failed = _ask(app, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0})
+        assert failed.status_code == 500 and "decoding bug" in failed.json()["error"]["message"]
+        answered = _ask(app, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0})
+        assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] == 8
+        assert _ask(app, "GET", "/health").json()["status"] == "ok"
+    finally:
+        app.state.batcher.stop(5)
+
+
+def test_a_stopped_engine_thread_fails_health_and_refuses_requests() -> None:
+    app = _tiny_app()
+    app.state.batcher._thread = threading.Thread(target=lambda: None)  # an engine thread that has died
+    app.state.batcher.start()
+    app.state.batcher._thread.join()
+    health = _ask(app, "GET", "/health")
+    assert health.status_code == 503 and health.json()["status"] == "engine stopped"
+    refused = _ask(app, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8})
+    assert refused.status_code == 503 and "engine thread has stopped" in refused.json()["error"]["message"]
