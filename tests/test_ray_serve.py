@@ -22,8 +22,11 @@ ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
-def ray_server(folder: Path, ray_cluster: str) -> Iterator[Server]:  # noqa: F811
+def ray_server(folder: Path, ray_cluster: str, driver: None) -> Iterator[Server]:  # noqa: F811
     server = Server(str(folder), "--ray", "--replicas", "2", "--ray-address", ray_cluster, "--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--window", "fixed", "--max-batch", "8")  # fmt: skip
+    deadline = time.monotonic() + 120  # the ingress answers once one replica is up; wait for both
+    while _running() < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
     yield server
     server.stop()
 
