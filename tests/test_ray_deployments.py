@@ -11,6 +11,7 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -94,3 +95,17 @@ def test_the_serve_config_file_runs_with_serve_run(folder: Path, ray_cluster: st
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(120)
+
+
+def test_a_full_deployment_answers_429_like_a_full_server(folder: Path, ray_cluster: str) -> None:  # noqa: F811
+    server = Server(str(folder), "--ray", "--replicas", "1", "--ray-address", ray_cluster, "--draft", "prompt-lookup", "--max-batch", "1", "--max-queue", "1")  # fmt: skip
+    body = {"prompt": "abc", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    try:
+        with ThreadPoolExecutor(8) as pool:  # 1 running + 1 waiting in the replica + 1 waiting at the ingress; the rest 429
+            answers = list(pool.map(lambda _: httpx.post(f"{server.url}/v1/completions", json=body, timeout=120), range(8)))
+    finally:
+        server.stop()
+    statuses = sorted(answer.status_code for answer in answers)
+    assert 200 in statuses and 429 in statuses and set(statuses) == {200, 429}, statuses
+    refused = next(answer for answer in answers if answer.status_code == 429)
+    assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "queue_full"

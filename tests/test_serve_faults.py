@@ -90,12 +90,16 @@ STREAM = {"type": "http.response.start", "status": 200, "headers": [(b"content-t
 JSON = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
 
 
+class Overloaded(Exception):
+    """Stands in for Serve's back-pressure error."""
+
+
 def _relay(send) -> tuple[object, list[bytes], Counter]:
     """The response, the parts of its body as the client would read them, and the failure counts."""
     failures = Counter("f", "f", ["outcome"], registry=CollectorRegistry())
 
     async def run() -> tuple[object, list[bytes]]:
-        response = await relay(_post("/v1/completions", {}), send, (ReplicaDied,), 3, failures)
+        response = await relay(_post("/v1/completions", {}), send, (ReplicaDied,), 3, failures, (Overloaded,))
         if isinstance(response, StreamingResponse):
             return response, [part async for part in response.body_iterator]
         return response, [response.body]
@@ -131,6 +135,14 @@ def test_relay_answers_503_when_every_replica_tried_fails() -> None:
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     assert json.loads(body[0])["error"]["code"] == "replica_failed"
     assert (_count(failures, "retried"), _count(failures, "failed")) == (2, 1)
+
+
+def test_relay_answers_429_when_every_replica_and_the_queue_are_full() -> None:
+    response, body, failures = _relay(_replicas([Overloaded()]))
+    error = json.loads(body[0])["error"]
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
+    assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full"), "as one full server answers"
+    assert (_count(failures, "retried"), _count(failures, "failed")) == (0, 0)
 
 
 def _ask(app, method: str, path: str, body: dict | None = None):

@@ -57,11 +57,13 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
     """A Ray Serve application: an ingress in front of ``ray_config.replicas`` (to ``max_replicas``) specdec servers."""
     ray, serve = require_ray()
     replica_failure = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+    overloaded = (serve.exceptions.BackPressureError,)
 
     @serve.deployment(
         name=ENGINE,
         ray_actor_options={"num_cpus": ray_config.cpus_per_replica, "num_gpus": ray_config.gpus_per_replica},
-        max_ongoing_requests=spec.serve.max_batch + spec.serve.max_queue,
+        max_ongoing_requests=spec.serve.max_batch + spec.serve.max_queue,  # what one server holds: its batch and queue
+        max_queued_requests=spec.serve.max_queue,  # more wait at each ingress; beyond that, 429 (as one full server)
         graceful_shutdown_timeout_s=spec.serve.drain_s,
         **_scaling(ray_config),
     )
@@ -104,7 +106,8 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
             from specdec.serving.app import REPLICA
 
             self.name, self.metrics = f"ingress-{REPLICA}", RelayMetrics()
-            self.server = _ingress_app(engine.options(stream=True).forward.remote, replica_failure, self.metrics.replica_failures)
+            failures = self.metrics.replica_failures
+            self.server = _ingress_app(engine.options(stream=True).forward.remote, replica_failure, overloaded, failures)
 
         def __serve_build_asgi_app__(self) -> FastAPI:
             return self.server
@@ -116,7 +119,10 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
 
 
 def _ingress_app(
-    send: Callable[[Forwarded], AsyncIterator[dict]], replica_failure: tuple[type[BaseException], ...], failures: Counter
+    send: Callable[[Forwarded], AsyncIterator[dict]],
+    replica_failure: tuple[type[BaseException], ...],
+    overloaded: tuple[type[BaseException], ...],
+    failures: Counter,
 ) -> FastAPI:
     """The ingress's routes: GET /metrics for every replica of the application; anything else relayed to an engine replica."""
     from ray import serve
@@ -135,7 +141,7 @@ def _ingress_app(
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def relayed(request: Request) -> Response:
-        return await relay(await Forwarded.of(request), send, replica_failure, ATTEMPTS, failures)
+        return await relay(await Forwarded.of(request), send, replica_failure, ATTEMPTS, failures, overloaded)
 
     return app
 

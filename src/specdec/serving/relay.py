@@ -98,10 +98,12 @@ async def relay(
     replica_failure: tuple[type[BaseException], ...],
     attempts: int,
     failures: Counter,
+    overloaded: tuple[type[BaseException], ...] = (),
 ) -> Response:
     """Answer ``request`` from a replica reached through ``send``, trying another while none of an answer has been sent.
 
     ``failures`` counts, by outcome, requests started again elsewhere ("retried") and requests failed with their replica ("failed").
+    ``overloaded``: what ``send`` raises when every replica is full and so is the queue in front of them: a 429, as one server answers.
     """
     for attempt in range(1, attempts + 1):
         messages = send(request)
@@ -113,6 +115,15 @@ async def relay(
                 return StreamingResponse(_rest(first, messages, replica_failure, failures), start["status"], headers)
             body = b"".join([message.get("body", b"") async for message in messages])
             return Response(body, start["status"], headers)
+        except overloaded:
+            await _close(messages)
+            error = api.APIError(
+                429,
+                "every replica is at capacity and the queue before them is full: retry shortly",
+                kind="rate_limit_error",
+                code="queue_full",
+            )
+            return JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})
         except replica_failure:
             await _close(messages)
             if attempt < attempts:
