@@ -28,7 +28,6 @@ from specdec.serving import protocol as api
 from specdec.serving.batcher import Batcher, Job, QueueFullError, ShuttingDownError
 from specdec.serving.metrics import Metrics
 
-RETRY_AFTER_S = 1
 REPLICA = f"{socket.gethostname()}:{os.getpid()}"  # answers name the process that served them (which replica, behind a proxy)
 
 
@@ -57,8 +56,7 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
 
     @app.exception_handler(api.APIError)
     async def api_error(request: Request, exc: api.APIError) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:

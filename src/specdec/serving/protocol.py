@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from specdec.config import GenerationConfig, SamplingConfig
 from specdec.engine import GenerationResult
 
+RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait before retrying
+
 
 class APIError(Exception):
     """An error answered to the client in OpenAI's shape."""
@@ -30,6 +32,10 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None
 
 
 class StreamOptions(BaseModel):

@@ -7,7 +7,8 @@ replica through a caller-given ``send`` and answers the client: a replica that
 dies before any of its answer has reached the client is replaced by another
 (the request starts again there: greedy and seeded answers are the same);
 one that dies mid-stream ends the stream with an error event in the shape the
-server's own streams use, so that no request is lost silently.
+server's own streams use, so that no request is lost silently; when every
+replica and the queue before them are full, a 429, as a full server answers.
 """
 
 from __future__ import annotations
@@ -117,13 +118,8 @@ async def relay(
             return Response(body, start["status"], headers)
         except overloaded:
             await _close(messages)
-            error = api.APIError(
-                429,
-                "every replica is at capacity and the queue before them is full: retry shortly",
-                kind="rate_limit_error",
-                code="queue_full",
-            )
-            return JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})
+            message = "every replica is at capacity and the queue before them is full: retry shortly"
+            return _refusal(api.APIError(429, message, kind="rate_limit_error", code="queue_full"))
         except replica_failure:
             await _close(messages)
             if attempt < attempts:
@@ -133,8 +129,12 @@ async def relay(
             await _close(messages)
             raise
     failures.labels("failed").inc()
-    error = api.APIError(503, f"no replica could answer: {attempts} tried, each failed: retry", kind="server_error", code="replica_failed")
-    return JSONResponse(error.body(), status_code=503, headers={"Retry-After": "1"})
+    message = f"no replica could answer: {attempts} tried, each failed: retry"
+    return _refusal(api.APIError(503, message, kind="server_error", code="replica_failed"))
+
+
+def _refusal(error: api.APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 async def _rest(
