@@ -338,3 +338,12 @@ def test_ray_options_reach_the_typed_config(folder: Path, monkeypatch: pytest.Mo
     spec, config = started[0]
     assert config == RayConfig(1, 3, 2.0, 4.0, 5.0, 0.5, 1.0, 2, "auto")
     assert (spec.target, spec.draft, spec.serve.max_batch, spec.serve.port) == (str(folder), "prompt-lookup", 4, 9001)
+
+
+def test_ray_options_without_ray_are_a_one_line_error(folder: Path) -> None:
+    from typer.testing import CliRunner
+
+    from specdec.cli.main import app
+
+    result = CliRunner().invoke(app, ["serve", "--target", str(folder), "--replicas", "3", "--ray-address", "auto"])
+    assert result.exit_code == 2 and "--replicas, --ray-address apply only with --ray" in result.output

@@ -33,7 +33,7 @@ from specdec.config import (
     TypicalAcceptance,
 )
 from specdec.drafters import DRAFT_SPECS
-from specdec.errors import SpecDecError
+from specdec.errors import ConfigError, SpecDecError
 from specdec.models import ALIASES, DEFAULT_TARGET
 
 app = typer.Typer(help="Lossless speculative decoding for LLM text generation.", no_args_is_help=True, add_completion=False)
@@ -401,6 +401,7 @@ def quality(
 @app.command()
 @user_errors
 def serve(
+    context: typer.Context,
     target: Annotated[
         str, typer.Option("--target", "-t", envvar="SPECDEC_TARGET", help="Bundled alias, model folder or hub id.")
     ] = DEFAULT_TARGET,
@@ -444,6 +445,8 @@ def serve(
     from specdec import Generator
     from specdec.serving import serve as run_server
 
+    if not ray:
+        _refuse_ray_options_without_ray(context)
     serve_config = ServeConfig(host, port, max_batch, max_queue, default_max_tokens, drain)
     config = GenerationConfig(k=k, k_policy=k_policy)
     runtime = runtime_config("transformers", dtype, None, None, precision)
@@ -472,6 +475,27 @@ def serve(
         generator.batch_decoder()  # measures this machine's batch costs now (cached), not on the first request
     err.print(f"serving '{generator.target.name}' with draft '{draft}' on http://{host}:{port}/v1")
     run_server(generator, serve_config)
+
+
+RAY_OPTIONS = (
+    "replicas",
+    "max_replicas",
+    "target_ongoing_requests",
+    "upscale_delay",
+    "downscale_delay",
+    "cpus_per_replica",
+    "gpus_per_replica",
+    "ingress_replicas",
+    "ray_address",
+)
+
+
+def _refuse_ray_options_without_ray(context: typer.Context) -> None:
+    """Ray options typed on the command line without --ray would be ignored: say so (set from the environment, they are)."""
+    typed = [f"--{name.replace('_', '-')}" for name in RAY_OPTIONS if context.get_parameter_source(name).name == "COMMANDLINE"]
+    if typed:
+        verb = "applies" if len(typed) == 1 else "apply"
+        raise ConfigError(f"{', '.join(typed)} {verb} only with --ray: add --ray, or drop {'it' if len(typed) == 1 else 'them'}")
 
 
 @app.command("bench-serve")
