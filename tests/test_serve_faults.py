@@ -158,20 +158,21 @@ def _tiny_app():
     return create_app(Generator(loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer), "prompt-lookup", GenerationConfig(k=4, k_policy="fixed")))  # fmt: skip
 
 
-def test_a_failing_step_fails_its_request_and_the_engine_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("method", ["take", "close"])  # bugs outside the model's step: handing out text, retiring a finished row
+def test_a_failing_step_fails_its_request_and_the_engine_goes_on(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from specdec.engine.generator import Completion
 
     app = _tiny_app()
     app.state.batcher.start()
-    take, calls = Completion.take, []
+    original, calls = getattr(Completion, method), []
 
-    def take_failing_once(self, ids):  # a bug in handing out text, outside the model's step
-        calls.append(ids)
+    def failing_once(self, *args):
+        calls.append(args)
         if len(calls) == 1:
             raise RuntimeError("decoding bug")
-        return take(self, ids)
+        return original(self, *args)
 
-    monkeypatch.setattr(Completion, "take", take_failing_once)
+    monkeypatch.setattr(Completion, method, failing_once)
     try:
         failed = _ask(app, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0})
         assert failed.status_code == 500 and "decoding bug" in failed.json()["error"]["message"]

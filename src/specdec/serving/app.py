@@ -65,9 +65,9 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
     @app.get("/health")
     async def health() -> JSONResponse:
         running, waiting = batcher.load
-        status = "ok" if batcher.alive else "engine stopped"  # a 503 tells a load balancer (or Serve) to replace this server
-        body = {"status": status, "model": model, "running": running, "waiting": waiting}
-        return JSONResponse(body, status_code=200 if batcher.alive else 503)
+        alive = batcher.alive  # if not, a 503 tells a load balancer (or Serve) to replace this server
+        body = {"status": "ok" if alive else "engine stopped", "model": model, "running": running, "waiting": waiting}
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -163,10 +163,10 @@ class Batcher:
     def _finish(self, row: Row, error: tuple[int, str] | None, cancelled: bool = False) -> None:
         """Take ``row`` out of the batch and tell its handler how it ended (``error``: HTTP status and message)."""
         job = self.active[row]
-        self.decoder.leave(row)
-        if error is None:  # counted before the row stops showing as running, so /health and /metrics agree
-            tail = job.completion.close()
+        if error is None:  # first what can fail (the row is then still whole, for the step's error handling), and
+            tail = job.completion.close()  # counted before the row stops showing as running, so /health and /metrics agree
             self.metrics.record(job.completion, time.perf_counter() - job.submitted, cancelled)
+        self.decoder.leave(row)
         del self.active[row]
         self.metrics.active.set(len(self.active))
         if error is not None:

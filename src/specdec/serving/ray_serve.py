@@ -13,6 +13,7 @@ engine on requests in flight. Ray is an optional extra: ``pip install -e ".[ray]
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -132,11 +133,14 @@ def _ingress_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         context = serve.get_replica_context()
-        snapshots = {}
-        for deployment in (ENGINE, INGRESS):
-            handle = serve.get_deployment_handle(deployment, context.app_name)
-            answers = await handle.broadcast("own_metrics").results_async(timeout_s=SCRAPE_TIMEOUT_S, return_exceptions=True)
-            snapshots |= dict(answer for answer in answers if isinstance(answer, tuple))
+        scrapes = [
+            serve.get_deployment_handle(deployment, context.app_name)
+            .broadcast("own_metrics")
+            .results_async(timeout_s=SCRAPE_TIMEOUT_S, return_exceptions=True)
+            for deployment in (ENGINE, INGRESS)
+        ]
+        answers = [answer for answered in await asyncio.gather(*scrapes) for answer in answered]
+        snapshots = dict(answer for answer in answers if isinstance(answer, tuple))  # a replica that failed to answer is left out
         return Response(merge_replicas(snapshots), media_type=CONTENT_TYPE_LATEST)
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])

@@ -63,7 +63,7 @@ async def call_asgi(app: Callable, request: Forwarded) -> AsyncIterator[dict]:
         "client": None,
         "server": None,
     }
-    sent: asyncio.Queue = asyncio.Queue()
+    sent: asyncio.Queue = asyncio.Queue()  # the app's messages, then None once it has returned
     gone = asyncio.Event()
     body = [{"type": "http.request", "body": request.body, "more_body": False}]
 
@@ -73,19 +73,19 @@ async def call_asgi(app: Callable, request: Forwarded) -> AsyncIterator[dict]:
         await gone.wait()
         return {"type": "http.disconnect"}
 
-    task = asyncio.create_task(app(scope, receive, sent.put))
+    async def run() -> None:
+        try:
+            await app(scope, receive, sent.put)
+        finally:
+            sent.put_nowait(None)
+
+    task = asyncio.create_task(run())
     try:
-        while True:
-            next_message = asyncio.create_task(sent.get())
-            await asyncio.wait({next_message, task}, return_when=asyncio.FIRST_COMPLETED)
-            if not next_message.done():  # the app returned (or failed) without a further message
-                next_message.cancel()
-                task.result()
-                return
-            message = next_message.result()
+        while (message := await sent.get()) is not None:
             yield message
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 return
+        task.result()  # the app returned without finishing its answer: raise what it raised
     finally:
         gone.set()
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
