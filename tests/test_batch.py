@@ -142,10 +142,10 @@ def test_rows_joining_and_leaving_do_not_disturb_the_others() -> None:
 class _GreedyOnlyDrafter(PromptLookupDrafter):
     """Refuses sampling the way the cross-tokenizer drafter does, to make one request of a batch invalid."""
 
-    def propose(self, context, k, sampling, generator, min_confidence=0.0):
+    def propose(self, context, k, sampling, seeds, min_confidence=0.0):
         if not sampling.greedy:
             raise ConfigError("this drafter supports greedy decoding only")
-        return super().propose(context, k, sampling, generator, min_confidence)
+        return super().propose(context, k, sampling, seeds, min_confidence)
 
 
 def test_an_invalid_request_fails_alone() -> None:

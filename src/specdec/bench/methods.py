@@ -20,6 +20,7 @@ from specdec.models import LoadedModel, Target, load_model, resolve
 from specdec.models.llamacpp import INSTALL, end_of_generation_ids
 from specdec.models.precision import convert_draft
 from specdec.models.target import gguf_path
+from specdec.verification.seeds import Seeds
 
 PEER_METHODS = "hf-greedy, hf-prompt-lookup, hf-assisted:MODEL, llamacpp-greedy, llamacpp-prompt-lookup"
 K_FREE_METHODS = ("none", "hf-greedy", "llamacpp-greedy")  # run once, whatever --k lists
@@ -58,6 +59,7 @@ class OracleDrafter:
     """Proposes the target's own greedy continuation, computed beforehand: the engine's ceiling."""
 
     vocab_size = None
+    backend = None  # no model drafts
 
     def __init__(self) -> None:
         self.reference: list[int] = []
@@ -66,7 +68,7 @@ class OracleDrafter:
         pass
 
     def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
     ) -> Proposal:
         length = context.shape[1]
         if context[0].tolist() != self.reference[:length]:

@@ -12,6 +12,8 @@ from typing import Protocol
 import torch
 
 from specdec.config import SamplingConfig
+from specdec.models.backend import Backend
+from specdec.verification.seeds import Seeds
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,11 @@ class Proposal:
     tokens: torch.Tensor  # [B, k] long
     lengths: torch.Tensor  # [B] long: how many of the k tokens each row proposes
     probs: torch.Tensor | None = None  # [B, k, V] float
+
+    def to(self, device: torch.device) -> Proposal:
+        """The same proposal on ``device`` (the verifier works where the target's logits are)."""
+        probs = None if self.probs is None else self.probs.to(device)
+        return Proposal(self.tokens.to(device), self.lengths.to(device), probs)
 
     def cut(self, length: int) -> Proposal:
         """The first ``length`` tokens (of a single-row proposal)."""
@@ -47,13 +54,15 @@ class Drafter(Protocol):
 
     #: logits width for model drafters (checked against the target's); None for vocabulary-free drafters
     vocab_size: int | None
+    #: the model that drafts, None for model-free drafters; its measured one-token cost prices a draft token in seeded runs
+    backend: Backend | None
 
     def begin(self, prompt: torch.Tensor) -> None:
         """Start a new sequence from ``prompt`` [B, T]."""
         ...
 
     def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
     ) -> Proposal:
         """Propose up to ``k`` tokens following ``context`` [B, T] (every token so far).
 

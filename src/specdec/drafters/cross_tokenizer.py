@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from specdec.config import SamplingConfig
+from specdec.verification.seeds import Seeds
 from specdec.drafters.base import Proposal
 from specdec.errors import ConfigError
 from specdec.models.backend import Backend
@@ -44,7 +45,7 @@ class CrossTokenizerDrafter:
 
     @torch.inference_mode()
     def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
     ) -> Proposal:
         if not sampling.greedy:
             raise ConfigError(
@@ -64,7 +65,8 @@ class CrossTokenizerDrafter:
 
     def _draft(self, draft_ids: list[int], count: int) -> list[int]:
         """Greedily continue ``draft_ids`` by up to ``count`` draft tokens, reusing the cached prefix."""
-        if not draft_ids:
+        count = min(count, self.backend.max_context - len(draft_ids) + 1)  # the draft's own context limit
+        if not draft_ids or count <= 0:
             return []
         keep = 0
         limit = min(len(self._cached), len(draft_ids) - 1)  # at least one token must be fed to get logits

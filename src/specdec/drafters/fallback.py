@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdec.config import SamplingConfig
+from specdec.verification.seeds import Seeds
 from specdec.drafters.base import Drafter, Proposal
 
 
@@ -18,6 +19,7 @@ class FallbackDrafter:
     def __init__(self, first: Drafter, second: Drafter) -> None:
         self.first, self.second = first, second
         self.vocab_size = second.vocab_size if second.vocab_size is not None else first.vocab_size
+        self.backend = second.backend if second.backend is not None else first.backend  # the costlier one prices a draft token
         self._last: Drafter | None = None
 
     def begin(self, prompt: torch.Tensor) -> None:
@@ -26,12 +28,12 @@ class FallbackDrafter:
         self._last = None
 
     def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
     ) -> Proposal:
-        proposal = self.first.propose(context, k, sampling, generator, min_confidence=min_confidence)
+        proposal = self.first.propose(context, k, sampling, seeds, min_confidence=min_confidence)
         self._last = self.first
         if not proposal.tokens.shape[1]:
-            proposal = self.second.propose(context, k, sampling, generator, min_confidence=min_confidence)
+            proposal = self.second.propose(context, k, sampling, seeds, min_confidence=min_confidence)
             self._last = self.second
         return proposal
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdec.config import SamplingConfig
+from specdec.verification.seeds import Seeds
 from specdec.drafters.base import Proposal
 from specdec.models.backend import Backend
 from specdec.verification.shaping import to_probs
@@ -29,9 +30,14 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
     ) -> Proposal:
         batch = context.shape[0]
+        # The draft's own context limit: the context plus k - 1 fed drafts must fit its positions.
+        k = min(k, self.backend.max_context - context.shape[1] + 1)
+        if k <= 0:
+            self._context_length = self.backend.cached_length  # nothing fed: accepted(0) keeps the cache as it is
+            return Proposal.empty(batch, context.device)
         # Feed whatever the cache has not seen yet: the tokens accepted since the last step.
         logits = self.backend.forward(context[:, self.backend.cached_length :], last=1)[:, -1]
         self._context_length = context.shape[1]
@@ -45,7 +51,7 @@ class ModelDrafter:
                 token = logits.argmax(dim=-1)
             else:
                 dist = to_probs(logits, sampling)
-                token = torch.multinomial(dist, 1, generator=generator).squeeze(1)
+                token = torch.multinomial(dist, 1, generator=seeds.on(dist.device) if seeds else None).squeeze(1)
                 probs.append(dist)
             tokens.append(token)
             if i + 1 < k:
@@ -59,7 +65,7 @@ class ModelDrafter:
         )
 
     def accepted(self, counts: torch.Tensor) -> None:
-        # The cache holds the context plus the first k-1 drafts; keep the context plus the accepted ones.
+        # Called only after a proposal. The cache holds the context plus the first k-1 drafts; keep the context plus the accepted ones.
         # One cache length serves every row: the single-sequence engine passes one row.
         keep = self._context_length + int(counts[0])
         self.backend.truncate(min(keep, self.backend.cached_length))

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from specdec.config import SamplingConfig
+from specdec.verification.seeds import Seeds
 from specdec.drafters.base import Proposal
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError, ModelNotFoundError
@@ -124,6 +125,7 @@ class NgramDrafter:
     def __init__(self, table: NgramTable, min_share: float = 0.3) -> None:
         self.table = table
         self.vocab_size: int | None = table.vocab_size
+        self.backend = None  # no model drafts
         self.min_share = min_share
         self.lookup = PromptLookupDrafter()
 
@@ -137,11 +139,11 @@ class NgramDrafter:
         return self  # no per-sequence state
 
     def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
     ) -> Proposal:
         if context.shape[0] != 1:
             raise ConfigError("the n-gram drafter drafts one sequence at a time")
-        copied = self.lookup.propose(context, k, sampling, generator)
+        copied = self.lookup.propose(context, k, sampling, seeds)
         if copied.tokens.shape[1]:
             return copied
         history = context[0, -self.table.order :].tolist()
@@ -161,7 +163,7 @@ class NgramDrafter:
                     break
                 dist = torch.zeros(self.table.vocab_size)
                 dist[torch.from_numpy(followers)] = torch.from_numpy(counts / counts.sum()).float()
-                token = int(torch.multinomial(dist, 1, generator=generator))
+                token = int(torch.multinomial(dist, 1, generator=seeds.on(dist.device) if seeds else None))
                 probs.append(dist)
             tokens.append(token)
             history = (history + [token])[-self.table.order :]

@@ -5,17 +5,19 @@ from __future__ import annotations
 import torch
 
 from specdec.config import SamplingConfig
+from specdec.verification.seeds import Seeds
 from specdec.drafters.base import Proposal
 
 
 class NoDrafter:
     vocab_size = None
+    backend = None  # no model drafts
 
     def begin(self, prompt: torch.Tensor) -> None:
         pass
 
     def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
     ) -> Proposal:
         return Proposal.empty(context.shape[0], context.device)
 

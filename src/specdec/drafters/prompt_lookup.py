@@ -10,12 +10,14 @@ from __future__ import annotations
 import torch
 
 from specdec.config import SamplingConfig
+from specdec.verification.seeds import Seeds
 from specdec.drafters.base import Proposal
 from specdec.errors import ConfigError
 
 
 class PromptLookupDrafter:
     vocab_size = None
+    backend = None  # no model drafts
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -27,7 +29,7 @@ class PromptLookupDrafter:
         pass
 
     def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, min_confidence: float = 0.0
+        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
     ) -> Proposal:
         rows = [self._lookup(row, k) for row in context]
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long, device=context.device)

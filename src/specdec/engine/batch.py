@@ -1,12 +1,12 @@
 """The batched speculative step: every active sequence drafts, one target forward verifies them all.
 
 Each row keeps what the single-sequence loop keeps (its tokens, its drafter,
-its k policy, its random generator, its stats) and the same invariant between
+its k policy, its random generators, its stats) and the same invariant between
 steps: the target's cache holds every token of the row but the pending one.
 A step drafts for every row (each row's k is its own policy's choice, capped
 by the batch's window), feeds each row its pending token and drafts in one
 forward of the batched backend, verifies (greedy rows in one vectorised call;
-sampled rows with their own generators), and rolls each row's cache back to
+sampled rows with their own generators, on the device of the logits), and rolls each row's cache back to
 its own accepted prefix. Rows join and leave between steps; joining rows'
 prompts are read in forwards of their own, grouped by similar length, so that
 no row is padded much.
@@ -27,6 +27,7 @@ from specdec.errors import SpecDecError
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.scheduling import AcceptanceEstimate, KPolicy, LoadWindow, StepOutcome
 from specdec.verification import verify
+from specdec.verification.seeds import Seeds
 
 
 @dataclass(eq=False)
@@ -37,7 +38,7 @@ class Row:
     config: GenerationConfig
     drafter: Drafter
     policy: KPolicy
-    generator: torch.Generator
+    seeds: Seeds
     stats: DecodeStats = field(default_factory=DecodeStats)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     id: int = field(default_factory=itertools.count().__next__)
@@ -138,7 +139,7 @@ class BatchDecoder:
             t_row = time.perf_counter()
             try:
                 proposal = (
-                    row.drafter.propose(row.tokens, k, row.config.sampling, row.generator, min_confidence=row.policy.min_confidence)
+                    row.drafter.propose(row.tokens, k, row.config.sampling, row.seeds, min_confidence=row.policy.min_confidence)
                     if k > 0
                     else Proposal.empty(1)
                 )
@@ -160,26 +161,28 @@ class BatchDecoder:
         indices = [position[row] for row in group]
         lengths = [int(p.lengths[0]) for p, _ in proposals]
         width = max(lengths)
-        drafts = [p.tokens[0, :n] for (p, _), n in zip(proposals, lengths, strict=True)]
+        drafts = [p.tokens[0, :n].cpu() for (p, _), n in zip(proposals, lengths, strict=True)]  # the context lives on the host
         feeds = [torch.cat([row.tokens[0, self.backend.lengths[i] :], d]) for row, i, d in zip(group, indices, drafts, strict=True)]
         logits = self.backend.forward(indices, feeds, last=width + 1)
         # Row i's k_i drafts sit at the end of its feed: shift its logits left so position j judges draft j.
-        shift = torch.tensor([width - n for n in lengths])
-        columns = (torch.arange(width + 1)[None, :] + shift[:, None]).clamp(max=width)
-        if shift.any():
-            logits = logits.gather(1, columns[:, :, None].expand(-1, -1, logits.shape[-1]).to(logits.device))
+        device = logits.device
+        shift = torch.tensor([width - n for n in lengths], device=device)
+        columns = (torch.arange(width + 1, device=device)[None, :] + shift[:, None]).clamp(max=width)
+        if any(n < width for n in lengths):
+            logits = logits.gather(1, columns[:, :, None].expand(-1, -1, logits.shape[-1]))
         tokens = torch.zeros(len(group), width, dtype=torch.long)
         for i, d in enumerate(drafts):
             tokens[i, : lengths[i]] = d
-        verdicts = self._verify(group, tokens, torch.tensor(lengths), logits, [p for p, _ in proposals])
+        verdicts = self._verify(group, tokens.to(device), torch.tensor(lengths, device=device), logits, [p for p, _ in proposals])
         t2 = time.perf_counter()
 
         new: dict[Row, torch.Tensor] = {}
-        for i, (row, index, (proposal, draft_s)) in enumerate(zip(group, indices, proposals, strict=True)):
+        for i, (row, index, (_, draft_s)) in enumerate(zip(group, indices, proposals, strict=True)):
             accepted, next_token = verdicts[i]
             self.backend.truncate(index, row.length + accepted)
-            row.drafter.accepted(torch.tensor([accepted]))
-            tokens_i = torch.cat([proposal.tokens[0, :accepted], next_token.view(1)])
+            if asked[i] > 0:  # a row that did not draft this step leaves its drafter's state as it was
+                row.drafter.accepted(torch.tensor([accepted]))
+            tokens_i = torch.cat([drafts[i][:accepted], next_token.view(1)])
             row.tokens = torch.cat([row.tokens, tokens_i[None]], dim=1)
             row.policy.observe(StepOutcome(lengths[i], accepted, draft_s, row.length, logits[i, : accepted + 1], tokens_i))
             row.acceptance.observe(lengths[i], accepted)
@@ -196,16 +199,15 @@ class BatchDecoder:
         out: list[tuple[int, torch.Tensor] | None] = [None] * len(group)
         greedy = [i for i, row in enumerate(group) if row.config.sampling.greedy]
         if greedy:
-            pick = torch.tensor(greedy)
+            pick = torch.tensor(greedy, device=logits.device)
             verdict = verify(tokens[pick], lengths[pick], logits[pick], None, group[greedy[0]].config.sampling)
             for j, i in enumerate(greedy):
                 out[i] = (int(verdict.accepted[j]), verdict.next_token[j].cpu())
         for i, row in enumerate(group):
             if out[i] is None:
                 n = int(lengths[i])
-                probs = proposals[i].probs
-                verdict = verify(
-                    tokens[i : i + 1, :n], lengths[i : i + 1], logits[i : i + 1, : n + 1], probs, row.config.sampling, row.generator
-                )
+                probs = None if proposals[i].probs is None else proposals[i].probs.to(logits.device)
+                generator = row.seeds.on(logits.device)
+                verdict = verify(tokens[i : i + 1, :n], lengths[i : i + 1], logits[i : i + 1, : n + 1], probs, row.config.sampling, generator)
                 out[i] = (int(verdict.accepted[0]), verdict.next_token[0].cpu())
         return out  # type: ignore[return-value]

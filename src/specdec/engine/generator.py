@@ -18,10 +18,11 @@ from specdec.engine.costs import machine_batch_cost_curve, machine_cost_curve
 from specdec.engine.loop import DecodeStats, speculative_decode
 from specdec.engine.text import TextTracker
 from specdec.errors import ConfigError, PromptError, VocabularyMismatchError
-from specdec.models import DEFAULT_TARGET, LoadedModel, Target, TransformersBackend, open_target
+from specdec.models import DEFAULT_TARGET, Backend, LoadedModel, Target, TransformersBackend, open_target
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.quality import Guards, SentenceEmbedder, ignorable_tokens
-from specdec.scheduling import CostCurve, LoadWindow, build_k_policy, memory_in_use
+from specdec.scheduling import CostCurve, KPolicy, LoadWindow, build_k_policy, memory_in_use
+from specdec.verification.seeds import Seeds
 
 FinishReason = Literal["length", "eos", "stop", "context"]
 
@@ -76,6 +77,8 @@ class Generator:
         self._costs: CostCurve | None = None
         self._ignorable: frozenset[int] | None = None
         self._embedder: SentenceEmbedder | None = None
+        self._draft_cost: float | None = None
+        self._busy = False  # a single-sequence run is decoding on self.backend and self.drafter
 
     def ignorable(self) -> frozenset[int]:
         """Token ids that are only whitespace or punctuation (never a loop on their own); computed on first use."""
@@ -94,6 +97,36 @@ class Generator:
         if self._costs is None:
             self._costs = machine_cost_curve(self.backend)
         return self._costs
+
+    def draft_cost(self) -> float:
+        """Seconds per draft token from cached measurements only: the draft model's one-token forward, 0 for model-free drafters."""
+        if self._draft_cost is None:
+            backend = self.drafter.backend
+            self._draft_cost = machine_cost_curve(backend.fork())(1) if backend is not None else 0.0
+        return self._draft_cost
+
+    def k_policy(self, config: GenerationConfig) -> KPolicy:
+        """A fresh k policy for one sequence. With a seed, the cost model prices drafts from cached measurements, not live timings, so the seed reproduces the output."""
+        draft_cost = self.draft_cost if config.seed is not None else None
+        return build_k_policy(config.k_policy, config.k, self.costs, draft_cost)
+
+    def acquire(self) -> tuple[Backend, Drafter]:
+        """The target cache and drafter for a single-sequence run: this Generator's own, or forks of them while another run holds those."""
+        if not self._busy:
+            self._busy = True
+            return self.backend, self.drafter
+        try:
+            return self.backend.fork(), self.drafter.fork()
+        except ConfigError:
+            raise ConfigError(
+                "another completion of this Generator is still decoding, and this backend decodes one sequence at a time: "
+                "finish or close the first one, or use a second Generator"
+            ) from None
+
+    def release(self, backend: Backend) -> None:
+        """A run that decoded on ``backend`` ended."""
+        if backend is self.backend:
+            self._busy = False
 
     def completion(self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object) -> Completion:
         """A generation of ``prompt`` (text, or token ids), checked and encoded, not yet decoded."""
@@ -162,8 +195,8 @@ class Generator:
         if run.guards is not None or run.config.typical_acceptance is not None:
             raise ConfigError("guards and typical acceptance run in single-sequence generation (generate, stream), not in batches")
         tokens = torch.tensor([run.prompt_ids], dtype=torch.long)
-        policy = build_k_policy(run.config.k_policy, run.config.k, self.costs)
-        return Row(tokens, run.config, self.drafter.fork(), policy, run.rng, run.stats)
+        policy = self.k_policy(run.config)
+        return Row(tokens, run.config, self.drafter.fork(), policy, run.seeds, run.stats)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -204,7 +237,7 @@ class Completion:
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason = "length"
         self.text = TextTracker(generator.tokenizer, config.stop) if generator.tokenizer is not None else None
-        self.rng = torch.Generator().manual_seed(config.seed if config.seed is not None else random.randrange(2**63))
+        self.seeds = Seeds(config.seed if config.seed is not None else random.randrange(2**63))
         guards = config.guards
         ignorable = generator.ignorable() if guards.repetition else frozenset()
         self.guards = Guards(guards, len(self.prompt_ids), config.sampling.temperature, ignorable) if guards.active else None
@@ -216,19 +249,23 @@ class Completion:
 
     def __iter__(self) -> Iterator[str]:
         gen = self.generator
-        policy = build_k_policy(self.config.k_policy, self.config.k, gen.costs)
+        policy = gen.k_policy(self.config)
         prompt = torch.tensor([self.prompt_ids], dtype=torch.long)
-        for new in speculative_decode(gen.backend, gen.drafter, policy, prompt, self.config, self.stats, self.rng, self.guards):
-            piece = self.take(new.tolist())
-            if piece:
-                yield piece
-            if self.ended:
-                break
+        backend, drafter = gen.acquire()
+        try:
+            for new in speculative_decode(backend, drafter, policy, prompt, self.config, self.stats, self.seeds, self.guards):
+                piece = self.take(new.tolist())
+                if piece:
+                    yield piece
+                if self.ended:
+                    break
+        finally:
+            gen.release(backend)
         if tail := self.close():
             yield tail
 
     def take(self, ids: list[int]) -> str:
-        """Add the tokens one step accepted; return the text they complete. Ends the run at EOS or a stop string."""
+        """Add the tokens one step accepted; return the text they complete. Ends the run at EOS or a stop string (the stats then count only what was kept)."""
         if self.config.stop_on_eos:
             eos_at = next((i for i, t in enumerate(ids) if t in self.generator.eos_ids), None)
             if eos_at is not None:
@@ -238,6 +275,7 @@ class Completion:
             ids = self.text.add(ids)
             if self.text.stopped:
                 self.finish_reason = "stop"
+        self.stats.keep_emitted(len(ids))
         before = len(self.token_ids)
         self.token_ids += ids
         if self.config.guards.drift_threshold is not None:

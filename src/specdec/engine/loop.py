@@ -14,6 +14,7 @@ from specdec.models.backend import Backend
 from specdec.quality.guards import Guards
 from specdec.scheduling import KPolicy, StepOutcome
 from specdec.verification import typical_verify, verify
+from specdec.verification.seeds import Seeds
 
 
 @dataclass
@@ -30,6 +31,7 @@ class DecodeStats:
     wall_s: float = 0.0
     ttft_s: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)
+    proposed_per_step: list[int] = field(default_factory=list)  # draft tokens the target judged at each step
     k_per_step: list[int] = field(default_factory=list)  # the k chosen by the policy (before length limits)
     draft_s_per_step: list[float] = field(default_factory=list)  # the drafter's latency at each step that drafted
     anchors: int = 0  # target-only anchor steps taken by the guards
@@ -65,6 +67,7 @@ class DecodeStats:
         self.draft_tokens_proposed += proposed
         self.draft_tokens_accepted += accepted
         self.accepted_per_step.append(accepted)
+        self.proposed_per_step.append(proposed)
         self.k_per_step.append(chosen)
         if k:
             self.draft_s_per_step.append(draft_s)
@@ -77,6 +80,22 @@ class DecodeStats:
         else:
             self.verify_s += target_s
 
+    def keep_emitted(self, emitted: int) -> None:
+        """Only the first ``emitted`` tokens of the last step were emitted (EOS or a stop string cut the rest): count only those.
+
+        A cut inside the accepted drafts leaves ``emitted`` drafts proposed and
+        accepted at that step (the drafts after them decided nothing that was emitted).
+        """
+        produced = self.accepted_per_step[-1] + 1
+        if emitted >= produced:
+            return
+        self.new_tokens -= produced - emitted
+        accepted, proposed = self.accepted_per_step[-1], self.proposed_per_step[-1]
+        if emitted < accepted:
+            self.draft_tokens_accepted -= accepted - emitted
+            self.draft_tokens_proposed -= proposed - emitted
+            self.accepted_per_step[-1] = self.proposed_per_step[-1] = emitted
+
     def as_dict(self) -> dict[str, float | int | list[int]]:
         keys = (
             "new_tokens steps target_forwards draft_tokens_proposed draft_tokens_accepted acceptance_rate "
@@ -84,6 +103,7 @@ class DecodeStats:
         ).split()
         return {key: getattr(self, key) for key in keys} | {
             "accepted_per_step": list(self.accepted_per_step),
+            "proposed_per_step": list(self.proposed_per_step),
             "k_per_step": list(self.k_per_step),
             "draft_s_per_step": list(self.draft_s_per_step),
             "events": list(self.events),
@@ -97,10 +117,10 @@ def speculative_decode(
     prompt: torch.Tensor,
     config: GenerationConfig,
     stats: DecodeStats,
-    generator: torch.Generator | None = None,
+    seeds: Seeds | None = None,
     guards: Guards | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Yield the tokens [n] accepted at each step for a single sequence ``prompt`` [1, T].
+    """Yield the tokens [n] accepted at each step for a single sequence ``prompt`` [1, T] (on the host).
 
     Each step feeds the target every token its cache lacks (the whole prompt at
     the first step, afterwards only the pending token, the last one produced)
@@ -109,6 +129,9 @@ def speculative_decode(
     drafter has been told how many of its tokens survived. The caller stops
     iteration early for EOS or stop strings; the loop itself stops at
     max_new_tokens or the model's context length (prompt plus output never exceed it).
+
+    The context stays on the host; drafts cross to the device of the target's
+    logits for verification, which draws with that device's generator from ``seeds``.
 
     ``guards`` adjust the target's logits at every verified position as they
     would at each target-only step, and may make a step target-only (an anchor:
@@ -125,9 +148,10 @@ def speculative_decode(
         k = min(chosen, config.max_new_tokens - stats.new_tokens - 1, target.max_context - tokens.shape[1] - 1)
         anchor = guards is not None and guards.anchor_due(stats.new_tokens)
         context = tokens[0].tolist() if guards is not None else []  # the guards read the context as a list, once per step
+        drafting = k > 0 and not anchor
         t0 = time.perf_counter()
-        if k > 0 and not anchor:
-            proposal = drafter.propose(tokens, k, config.sampling, generator, min_confidence=policy.min_confidence)
+        if drafting:
+            proposal = drafter.propose(tokens, k, config.sampling, seeds, min_confidence=policy.min_confidence)
             if guards is not None and proposal.probs is None:
                 g0 = time.perf_counter()
                 proposal = proposal.cut(guards.trim(context, proposal.tokens[0].tolist()))
@@ -135,24 +159,27 @@ def speculative_decode(
         else:
             proposal = Proposal.empty(1)
         t1 = time.perf_counter()
-        n_draft = proposal.tokens.shape[1]
-        feed = torch.cat([tokens[:, target.cached_length :], proposal.tokens], dim=1)
-        logits = target.forward(feed, last=n_draft + 1)
+        drafts = proposal.tokens.to(tokens.device)
+        n_draft = drafts.shape[1]
+        logits = target.forward(torch.cat([tokens[:, target.cached_length :], drafts], dim=1), last=n_draft + 1)
         blocked: list[int] = []
         if guards is not None:
             g0 = time.perf_counter()
-            guarded, blocked = guards.adjust(context, proposal.tokens[0].tolist(), logits[0])
+            guarded, blocked = guards.adjust(context, drafts[0].tolist(), logits[0])
             logits = guarded[None]
             stats.guard_s += time.perf_counter() - g0
+        judged = proposal.to(logits.device)
+        generator = seeds.on(logits.device) if seeds is not None else None
         if config.typical_acceptance is not None:
-            verdict = typical_verify(proposal.tokens, proposal.lengths, logits, config.sampling, config.typical_acceptance, generator)
+            verdict = typical_verify(judged.tokens, judged.lengths, logits, config.sampling, config.typical_acceptance, generator)
         else:
-            verdict = verify(proposal.tokens, proposal.lengths, logits, proposal.probs, config.sampling, generator)
+            verdict = verify(judged.tokens, judged.lengths, logits, judged.probs, config.sampling, generator)
         accepted = int(verdict.accepted[0])
         target.truncate(tokens.shape[1] + accepted)
-        drafter.accepted(verdict.accepted)
+        if drafting:  # a step without drafts leaves the drafter's state as it was
+            drafter.accepted(verdict.accepted.cpu())
         proposed = int(proposal.lengths[0])
-        new = torch.cat([proposal.tokens[0, :accepted], verdict.next_token])
+        new = torch.cat([drafts[0, :accepted], verdict.next_token.to(tokens.device)])
         tokens = torch.cat([tokens, new[None]], dim=1)
         policy.observe(StepOutcome(proposed, accepted, t1 - t0, tokens.shape[1], logits[0, : accepted + 1], new))
         t2 = time.perf_counter()

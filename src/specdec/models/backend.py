@@ -93,9 +93,11 @@ class TransformersBackend:
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} positions to {length}")
-        if length == self._length:
-            return  # nothing to remove (and an empty cache's layers cannot be cropped)
-        self._cache.crop(length - self._length)  # a negative count removes that many positions
+        if self._length == 0:
+            return  # an empty cache's layers cannot be cropped
+        # A negative count removes that many positions; even 0 trims sliding-window layers back to their window,
+        # which keep every position until cropped (so that a rejection can roll them back).
+        self._cache.crop(length - self._length)
         self._length = length
 
 

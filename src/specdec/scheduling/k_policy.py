@@ -30,7 +30,7 @@ class StepOutcome:
     def token_nll(self) -> torch.Tensor:
         """Negative log-likelihood of each new token under the target (computed only when asked: it reads the full vocabulary)."""
         logp = torch.log_softmax(self.logits.float(), dim=-1)
-        return -logp.gather(-1, self.new_tokens[:, None]).squeeze(-1)
+        return -logp.gather(-1, self.new_tokens.to(logp.device)[:, None]).squeeze(-1).cpu()
 
 
 class KPolicy(Protocol):
@@ -207,14 +207,25 @@ class CostModelK:
 
     The acceptance rate is estimated online (AcceptanceEstimate); a step with k
     drafts yields expected_tokens(a, k) and costs a target forward over k + 1
-    tokens plus k draft steps.
+    tokens plus k draft steps. A draft step's cost is ``draft_s_per_token``
+    when given (then k depends only on the costs and the tokens, so a seeded
+    run repeats itself), otherwise learned from the measured drafting time.
     """
 
-    def __init__(self, max_k: int, costs: CostCurve, decay: float = 0.9, prior: float = 0.8, prior_weight: float = 1.0) -> None:
+    def __init__(
+        self,
+        max_k: int,
+        costs: CostCurve,
+        decay: float = 0.9,
+        prior: float = 0.8,
+        prior_weight: float = 1.0,
+        draft_s_per_token: float | None = None,
+    ) -> None:
         self.max_k = max_k
         self._verify_s = [costs(k + 1) for k in range(max_k + 1)]  # the curve is fixed: price each k once
         self.estimate = AcceptanceEstimate(decay, prior, prior_weight)
-        self._draft_s_per_token = 0.0
+        self._learn_draft_cost = draft_s_per_token is None
+        self._draft_s_per_token = draft_s_per_token or 0.0
         self._chosen = 0
         self.min_confidence = 0.0
 
@@ -234,6 +245,6 @@ class CostModelK:
 
     def observe(self, outcome: StepOutcome) -> None:
         self.estimate.observe(outcome.proposed, outcome.accepted)
-        if self._chosen:
+        if self._chosen and self._learn_draft_cost:
             per_token = outcome.draft_s / self._chosen
             self._draft_s_per_token += 0.5 * (per_token - self._draft_s_per_token)

@@ -37,6 +37,7 @@ def verify(
 
     Args:
         draft_tokens: [B, k] proposed tokens (entries past a row's length are ignored).
+            Every tensor argument and the generator are on the device of ``target_logits``.
         draft_lengths: [B] how many of the k tokens each row really proposed.
         target_logits: [B, k + 1, V] target logits; position i scores draft token i,
             position k gives the bonus token.
@@ -46,7 +47,7 @@ def verify(
         generator: random source, for reproducible runs.
     """
     k = draft_tokens.shape[1]
-    in_range = torch.arange(k, device=draft_tokens.device)[None, :] < draft_lengths[:, None]
+    in_range = torch.arange(k, device=target_logits.device)[None, :] < draft_lengths[:, None]
     if sampling.greedy:
         choice = target_logits.argmax(dim=-1)
         ok = (draft_tokens == choice[:, :k]) & in_range

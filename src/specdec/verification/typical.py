@@ -31,7 +31,7 @@ def typical_verify(
     entropy = -(p * p.clamp(min=1e-30).log()).sum(dim=-1)
     threshold = torch.minimum(torch.full_like(entropy, rule.epsilon), rule.alpha * torch.exp(-entropy))
     p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
-    in_range = torch.arange(k, device=draft_tokens.device)[None, :] < draft_lengths[:, None]
+    in_range = torch.arange(k, device=target_logits.device)[None, :] < draft_lengths[:, None]
     accepted = leading_true((p_draft > threshold[:, :k]) & in_range)
     p_next = p[torch.arange(p.shape[0], device=p.device), accepted]
     next_token = p_next.argmax(dim=-1) if sampling.greedy else torch.multinomial(p_next, 1, generator=generator).squeeze(1)
