@@ -166,14 +166,14 @@ class BatchDecoder:
         logits = self.backend.forward(indices, feeds, last=width + 1)
         # Row i's k_i drafts sit at the end of its feed: shift its logits left so position j judges draft j.
         device = logits.device
-        shift = torch.tensor([width - n for n in lengths], device=device)
+        shift = torch.tensor([width - n for n in lengths]).to(device)
         columns = (torch.arange(width + 1, device=device)[None, :] + shift[:, None]).clamp(max=width)
         if any(n < width for n in lengths):
             logits = logits.gather(1, columns[:, :, None].expand(-1, -1, logits.shape[-1]))
         tokens = torch.zeros(len(group), width, dtype=torch.long)
         for i, d in enumerate(drafts):
             tokens[i, : lengths[i]] = d
-        verdicts = self._verify(group, tokens.to(device), torch.tensor(lengths, device=device), logits, [p for p, _ in proposals])
+        verdicts = self._verify(group, tokens.to(device), torch.tensor(lengths).to(device), logits, [p for p, _ in proposals])
         t2 = time.perf_counter()
 
         new: dict[Row, torch.Tensor] = {}
@@ -199,7 +199,7 @@ class BatchDecoder:
         out: list[tuple[int, torch.Tensor] | None] = [None] * len(group)
         greedy = [i for i, row in enumerate(group) if row.config.sampling.greedy]
         if greedy:
-            pick = torch.tensor(greedy, device=logits.device)
+            pick = torch.tensor(greedy).to(logits.device)
             verdict = verify(tokens[pick], lengths[pick], logits[pick], None, group[greedy[0]].config.sampling)
             for j, i in enumerate(greedy):
                 out[i] = (int(verdict.accepted[j]), verdict.next_token[j].cpu())

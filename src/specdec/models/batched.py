@@ -38,7 +38,7 @@ class RowCache(Cache):
         self.values: list[torch.Tensor] = []
         self.rows = 0
         self.capacity = 0
-        # Set by the backend before each forward: which rows it covers, where each fed token goes, how many slots to read.
+        # Set by the backend at each forward: which rows it covers, where each fed token goes, how many slots to read.
         self.active: torch.Tensor = torch.zeros(0, dtype=torch.long)
         self.every_row = False
         self.slots: torch.Tensor = torch.zeros(0, 0, dtype=torch.long)
@@ -158,10 +158,10 @@ class BatchedTransformersBackend:
             width = max(64, 1 << (width - 1).bit_length())  # few distinct widths, so few graphs
         if width > self.cache.capacity:  # grow by half at least, so copies stay rare
             self._resize(capacity=max(_round_up(width, 64), self.cache.capacity * 3 // 2))
-        self.cache.active = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.cache.every_row = rows == list(range(self.rows))
         self.cache.width = width
-        inputs = {"tokens": tokens, "positions": positions, "slots": slots} | self._masks(positions, real, width)
+        active = torch.tensor(rows, dtype=torch.long)
+        inputs = {"tokens": tokens, "positions": positions, "slots": slots, "active": active} | self._masks(positions, real, width)
         inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
         logits = None
         if self.graphs is not None and self.cache.every_row:
@@ -173,7 +173,8 @@ class BatchedTransformersBackend:
         return logits
 
     def _run(self, inputs: dict[str, torch.Tensor], last: int) -> torch.Tensor:
-        self.cache.slots = inputs["slots"]
+        """The model over ``inputs``: every tensor the step reads that changes between steps is one of them (a captured graph replays with them)."""
+        self.cache.slots, self.cache.active = inputs["slots"], inputs["active"]
         masks = {kind: inputs[kind] for kind in ATTENTION_KINDS if kind in inputs}
         out = self.model(
             input_ids=inputs["tokens"],
