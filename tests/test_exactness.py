@@ -19,12 +19,12 @@ from specdec import GenerationConfig, Generator
 from specdec.config import BatchConfig
 from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
 from specdec.engine import DecodeStats, speculative_decode
+from specdec.engine.batch import BatchDecoder
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.models.cuda_graphs import CudaGraphs
 from specdec.models.target import Target
-from specdec.engine.batch import BatchDecoder
 from specdec.verification.seeds import Seeds
 
 PROMPT = [1, 5, 9, 5, 9, 5, 9, 12]
@@ -33,7 +33,9 @@ PROMPT = [1, 5, 9, 5, 9, 5, 9, 12]
 def _fake_device_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Seeds hand out the fake device's generators for the fake device (torch has none for it)."""
     create = Seeds._create
-    monkeypatch.setattr(Seeds, "_create", lambda self, device: FakeDevice.generator(self.seed) if device == DEVICE else create(self, device))
+    monkeypatch.setattr(
+        Seeds, "_create", lambda self, device: FakeDevice.generator(self.seed) if device == DEVICE else create(self, device)
+    )
 
 
 @pytest.mark.parametrize("draft_on", ["host", "fake device"])

@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 
 from specdec.config import SamplingConfig
-from specdec.verification.seeds import Seeds
 from specdec.drafters.base import Proposal
 from specdec.errors import ConfigError
 from specdec.models.backend import Backend
 from specdec.models.target import Tokenizer
+from specdec.verification.seeds import Seeds
 
 
 class CrossTokenizerDrafter:

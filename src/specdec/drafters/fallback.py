@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from specdec.config import SamplingConfig
-from specdec.verification.seeds import Seeds
 from specdec.drafters.base import Drafter, Proposal
+from specdec.verification.seeds import Seeds
 
 
 class FallbackDrafter:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from specdec.config import SamplingConfig
-from specdec.verification.seeds import Seeds
 from specdec.drafters.base import Proposal
 from specdec.models.backend import Backend
+from specdec.verification.seeds import Seeds
 from specdec.verification.shaping import to_probs
 
 

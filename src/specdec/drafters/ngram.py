@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from specdec.config import SamplingConfig
-from specdec.verification.seeds import Seeds
 from specdec.drafters.base import Proposal
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError, ModelNotFoundError
+from specdec.verification.seeds import Seeds
 
 FORMAT = "specdec-ngram"
 VERSION = 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from specdec.config import SamplingConfig
-from specdec.verification.seeds import Seeds
 from specdec.drafters.base import Proposal
+from specdec.verification.seeds import Seeds
 
 
 class NoDrafter:

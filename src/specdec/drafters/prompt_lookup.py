@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from specdec.config import SamplingConfig
-from specdec.verification.seeds import Seeds
 from specdec.drafters.base import Proposal
 from specdec.errors import ConfigError
+from specdec.verification.seeds import Seeds
 
 
 class PromptLookupDrafter:

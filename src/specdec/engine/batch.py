@@ -208,6 +208,8 @@ class BatchDecoder:
                 n = int(lengths[i])
                 probs = None if proposals[i].probs is None else proposals[i].probs.to(logits.device)
                 generator = row.seeds.on(logits.device)
-                verdict = verify(tokens[i : i + 1, :n], lengths[i : i + 1], logits[i : i + 1, : n + 1], probs, row.config.sampling, generator)
+                verdict = verify(
+                    tokens[i : i + 1, :n], lengths[i : i + 1], logits[i : i + 1, : n + 1], probs, row.config.sampling, generator
+                )
                 out[i] = (int(verdict.accepted[0]), verdict.next_token[0].cpu())
         return out  # type: ignore[return-value]

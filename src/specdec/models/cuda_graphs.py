@@ -51,9 +51,7 @@ class CudaGraphs:
         graph.replay()
         return output.clone()  # the next replay overwrites the graph's output buffer
 
-    def _record(
-        self, inputs: Inputs, forward: Callable[[Inputs], torch.Tensor]
-    ) -> tuple[Replayable, Inputs, torch.Tensor] | None:
+    def _record(self, inputs: Inputs, forward: Callable[[Inputs], torch.Tensor]) -> tuple[Replayable, Inputs, torch.Tensor] | None:
         # The graph reads only these static copies (refreshed in place before each replay) and buffers that outlive it.
         static = {name: tensor.clone() for name, tensor in inputs.items()}
         try:
