@@ -7,7 +7,6 @@ import itertools
 import pytest
 import torch
 from conftest import char_tokenizer, loaded, perturbed, tiny_gemma3, tiny_llama
-from scipy.stats import chisquare
 
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.config import BatchConfig
@@ -167,50 +166,6 @@ def test_an_invalid_request_fails_alone() -> None:
         assert bad in decoder.failed and bad.stats.new_tokens == 0
     decoder.leave(bad)
     assert not decoder.failed and produced == Generator(target, NoDrafter()).generate(PROMPTS[0], GREEDY).token_ids
-
-
-def _two_token_law(model, prompt: list[int], sampling: SamplingConfig) -> torch.Tensor:
-    from specdec.verification import to_probs
-
-    with torch.no_grad():
-        first = to_probs(model(torch.tensor([prompt])).logits[0, -1], sampling)
-        rows = torch.tensor([prompt + [t] for t in range(first.shape[0])])
-        second = to_probs(model(rows).logits[:, -1], sampling)
-    return (first[:, None] * second).flatten()
-
-
-def test_sampled_rows_follow_the_target_distribution() -> None:
-    """Each sampled row of a mixed batch (greedy rows, other temperatures alongside) follows the exact target law."""
-    vocab = 8
-    target = loaded(tiny_llama(3, vocab=vocab, scale=0.15))
-    gen = Generator(target, ModelDrafter(TransformersBackend(tiny_llama(4, vocab=vocab, scale=0.4))))
-    prompt, sampling = [1, 5, 3], SamplingConfig(temperature=0.8, top_k=6, top_p=0.9)
-    law = _two_token_law(target.model, prompt, sampling)
-    sampled = GenerationConfig(k=2, k_policy="fixed", max_new_tokens=2, stop_on_eos=False, sampling=sampling)
-    others = [
-        GenerationConfig(k=3, k_policy="fixed", max_new_tokens=4, stop_on_eos=False),
-        GenerationConfig(k=1, k_policy="fixed", max_new_tokens=3, stop_on_eos=False, sampling=SamplingConfig(temperature=1.3)),
-    ]
-    n, per_batch = 3000, 300
-    counts = torch.zeros(vocab * vocab)
-    for start in range(0, n, per_batch):
-        configs = [replace_seed(sampled, start + i) for i in range(per_batch)] + others
-        results = gen.generate_batch([prompt] * per_batch + [[1, 2, 6, 6], [1, 4]], configs)
-        for result in results[:per_batch]:
-            t1, t2 = result.token_ids
-            counts[t1 * vocab + t2] += 1
-    assert counts[law == 0].sum() == 0, "tokens outside the shaped target's support were produced"
-    big = law * n >= 5
-    observed = torch.cat([counts[big], counts[~big].sum()[None]]).double()
-    wanted = torch.cat([law[big], law[~big].sum()[None]]).double() * n
-    keep = wanted > 0
-    assert chisquare(observed[keep].numpy(), (wanted[keep] * observed.sum() / wanted[keep].sum()).numpy()).pvalue > 1e-3
-
-
-def replace_seed(config: GenerationConfig, seed: int) -> GenerationConfig:
-    from dataclasses import replace
-
-    return replace(config, seed=seed)
 
 
 def _compute_bound(per_token: float = 0.005, overhead: float = 0.02) -> BatchCostCurve:

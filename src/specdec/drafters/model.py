@@ -71,4 +71,4 @@ class ModelDrafter:
         self.backend.truncate(min(keep, self.backend.cached_length))
 
     def fork(self) -> ModelDrafter:
-        return ModelDrafter(self.backend.fork(), self.min_confidence)
+        return type(self)(self.backend.fork(), self.min_confidence)
