@@ -2,27 +2,24 @@
 
 Each run drafts k = 4 tokens for 5 new tokens, so its steps reach resampling
 at the first, second and later draft positions and the bonus token after
-several accepted drafts (the tests count that they did). The law of a
-continuation is the product of the target's conditionals, so the test
-compares, position by position, the next token's counts after each observed
-prefix with the exact shaped target distribution there (a chi-square summed
-over prefixes). Negative controls: the same test must fail with a wrong
+several accepted drafts (the tests count that they did); the check itself
+(bench/lossless.py) compares each position's next token after each prefix with
+the exact target law. Negative controls: the same test must fail with a wrong
 verifier (residual from p) and with a drafter that reports its distribution
 before top-k/top-p shaping.
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
 from dataclasses import replace
 
 import pytest
 import torch
 from conftest import loaded, perturbed, tiny_llama
-from scipy.stats import chi2
 
 import specdec.verification.rejection as rejection
 from specdec import GenerationConfig, Generator, SamplingConfig
+from specdec.bench.lossless import STEP_CASES, TargetLaw, sequential_pvalue, step_cases
 from specdec.drafters import ModelDrafter
 from specdec.drafters.base import Proposal
 from specdec.drafters.distilled import ReducedVocabBackend, build_draft
@@ -58,66 +55,6 @@ def _drafter(kind: str, target):
     return NgramDrafter(counter.table({}))
 
 
-class Law:
-    """The shaped target distribution of the next token after PROMPT + prefix, from full forwards."""
-
-    def __init__(self, model, sampling: SamplingConfig) -> None:
-        self.model, self.sampling, self.cache = model, sampling, {}
-
-    def __call__(self, prefix: tuple[int, ...]) -> torch.Tensor:
-        if prefix not in self.cache:
-            with torch.no_grad():
-                logits = self.model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
-            self.cache[prefix] = to_probs(logits, self.sampling).double()
-        return self.cache[prefix]
-
-
-def sequential_pvalue(samples: list[tuple[int, ...]], law: Law, min_group: int = 25) -> float:
-    """p-value of the samples under the target's law: chi-square of each position's next token after each prefix, summed.
-
-    Raises if any token outside the shaped support was produced.
-    """
-    stat, dof = 0.0, 0
-    for j in range(NEW):
-        groups: dict[tuple[int, ...], Counter] = defaultdict(Counter)
-        for sample in samples:
-            groups[sample[:j]][sample[j]] += 1
-        for prefix, counter in groups.items():
-            p = law(prefix)
-            observed = torch.zeros(VOCAB, dtype=torch.float64)
-            for token, count in counter.items():
-                observed[token] = count
-            assert observed[p == 0].sum() == 0, f"a token outside the shaped support after {prefix}"
-            n = observed.sum()
-            if n < min_group:
-                continue
-            expected = p * n
-            big = expected >= 5
-            obs = torch.cat([observed[big], observed[~big].sum()[None]])
-            exp = torch.cat([expected[big], expected[~big].sum()[None]])
-            keep = exp > 0
-            if keep.sum() < 2:
-                continue
-            stat += float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-            dof += int(keep.sum()) - 1
-    assert dof > 50, "too few prefixes were tested"
-    return float(chi2.sf(stat, dof))
-
-
-def exercised(stats: list[DecodeStats]) -> Counter:
-    """How many steps ended each way: rejection at the first, second, or a later draft; all of 2+ drafts accepted (bonus token)."""
-    cases: Counter = Counter()
-    for s in stats:
-        for proposed, accepted in zip(s.proposed_per_step, s.accepted_per_step, strict=True):
-            if not proposed:
-                continue
-            if accepted == proposed:
-                cases["bonus after all drafts" if proposed < 2 else "bonus after 2+ drafts"] += 1
-            else:
-                cases[{0: "rejected at 1st", 1: "rejected at 2nd"}.get(accepted, "rejected at 3rd+")] += 1
-    return cases
-
-
 def _config(sampling: SamplingConfig, seed: int) -> GenerationConfig:
     return GenerationConfig(k=K, k_policy="fixed", max_new_tokens=NEW, stop_on_eos=False, sampling=sampling, seed=seed)
 
@@ -142,15 +79,16 @@ def run_batched(gen: Generator, sampling: SamplingConfig, n: int, per_batch: int
     return samples, stats
 
 
-EVERY_CASE = ("rejected at 1st", "rejected at 2nd", "rejected at 3rd+", "bonus after 2+ drafts")
 RUN = {"single": run_single, "batched": run_batched}
 
 
-def _check(samples, stats, law: Law, cases: tuple[str, ...] = EVERY_CASE) -> float:
-    seen = exercised(stats)
+def _check(samples, stats, law: TargetLaw, cases: tuple[str, ...] = STEP_CASES) -> float:
+    seen = step_cases(stats)
     for case in cases:
         assert seen[case] >= len(samples) // 100, f"too few steps ended '{case}': {dict(seen)}"
-    return sequential_pvalue(samples, law)
+    pvalue, dof = sequential_pvalue(samples, law)
+    assert dof > 50, "too few prefixes were tested"
+    return pvalue
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
@@ -160,7 +98,7 @@ def test_sampled_output_follows_the_target_law(driver: str, sampling: str) -> No
     target = _target()
     gen = Generator(loaded(target), _drafter("noisy copy", target))
     samples, stats = RUN[driver](gen, SAMPLINGS[sampling], 3000)
-    assert _check(samples, stats, Law(target, SAMPLINGS[sampling])) > MIN_PVALUE
+    assert _check(samples, stats, TargetLaw(target, PROMPT, SAMPLINGS[sampling])) > MIN_PVALUE
 
 
 @pytest.mark.parametrize("drafter", ["other model", "reduced vocabulary", "ngram"])
@@ -169,7 +107,7 @@ def test_poor_and_partial_drafts_keep_the_target_law(drafter: str) -> None:
     target = _target()
     gen = Generator(loaded(target), _drafter(drafter, target))
     samples, stats = run_batched(gen, SAMPLINGS["shaped"], 3000)
-    assert _check(samples, stats, Law(target, SAMPLINGS["shaped"]), ("rejected at 1st", "rejected at 2nd")) > MIN_PVALUE
+    assert _check(samples, stats, TargetLaw(target, PROMPT, SAMPLINGS["shaped"]), ("rejected at 1st", "rejected at 2nd")) > MIN_PVALUE
 
 
 @pytest.mark.parametrize("driver", list(RUN))
@@ -179,7 +117,7 @@ def test_a_wrong_residual_fails(monkeypatch: pytest.MonkeyPatch, driver: str) ->
     target = _target()
     gen = Generator(loaded(target), _drafter("noisy copy", target))
     samples, stats = RUN[driver](gen, SAMPLINGS["plain"], 1500)
-    assert _check(samples, stats, Law(target, SAMPLINGS["plain"])) < MIN_PVALUE
+    assert _check(samples, stats, TargetLaw(target, PROMPT, SAMPLINGS["plain"])) < MIN_PVALUE
 
 
 class UnshapedReport(ModelDrafter):
@@ -200,4 +138,4 @@ def test_draft_probabilities_reported_before_shaping_fail() -> None:
     target = _target()
     gen = Generator(loaded(target), UnshapedReport(TransformersBackend(perturbed(target, noise=0.4, seed=1))))
     samples, stats = run_batched(gen, SAMPLINGS["shaped"], 1500)
-    assert _check(samples, stats, Law(target, SAMPLINGS["shaped"])) < MIN_PVALUE
+    assert _check(samples, stats, TargetLaw(target, PROMPT, SAMPLINGS["shaped"])) < MIN_PVALUE

@@ -289,13 +289,18 @@ def bench(
     for note in results["notes"]:
         err.print(f"[yellow]note:[/yellow] {note}")
     overall = {name: m["categories"]["overall"] for name, m in results["methods"].items()}
-    table = Table("method", "tok/s", "vs none", "acceptance", "identical")
+    greedy = temperature == 0
+    table = Table("method", "tok/s", "vs none", "acceptance", "identical to none" if greedy else "identical (sampled: n/a)")
     for name, row in overall.items():
         acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}"
-        table.add_row(
-            name, f"{row['tokens_per_s']:.2f}", f"{row['speedup_vs_none']:.2f}x", acc, f"{results['greedy_identical_share'][name]:.0%}"
-        )
+        identical = f"{results['greedy_identical_share'][name]:.0%}" if greedy else "-"
+        table.add_row(name, f"{row['tokens_per_s']:.2f}", f"{row['speedup_vs_none']:.2f}x", acc, identical)
     Console().print(table)
+    if greedy and backend == "llama.cpp" and (ubatch or 0) != 1 and min(results["greedy_identical_share"].values()) < 1:
+        err.print(
+            "[yellow]note:[/yellow] llama.cpp's many-token forward rounds differently from its one-token forward at its "
+            "default micro-batch, so near-ties can flip: --ubatch 1 makes speculative output identical (slower)"
+        )
     Console().print(f"report: {out / 'report.md'}")
 
 
