@@ -21,9 +21,16 @@ def test_gpu_check_smoke_on_cpu(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     checks = report["checks"]
-    assert {name.split(",")[0] for name in checks} >= {"greedy identity", "chi-square", "batched", "server batcher", "batched throughput"}
+    assert {name.split(",")[0] for name in checks} >= {
+        "greedy identity",
+        "chi-square",
+        "draft on the host",
+        "batched",
+        "server batcher",
+        "batched throughput",
+    }
     assert all(check["ok"] for check in checks.values())
-    for plan in ("float32", "bfloat16", "seed"):
+    for plan in ("fp32", "bf16", "seed"):
         figures = checks[f"greedy identity, {plan}"]["figures"]
         assert {"prompt-lookup", "default", "layerskip:9", "ngram (prompt set)"} <= set(figures)
         assert all(f["identical"] == 1.0 for name, f in figures.items() if isinstance(f, dict))
@@ -34,5 +41,7 @@ def test_gpu_check_refuses_cuda_without_a_gpu(tmp_path: Path) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--out", str(tmp_path / "x.json")], capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cuda", "--out", str(tmp_path / "x.json")], capture_output=True, text=True
+    )
     assert run.returncode != 0 and "--device cpu" in run.stderr and "Traceback" not in run.stderr

@@ -42,9 +42,10 @@ def markdown(results: dict) -> str:
         "",
         "Speed-up is tokens/s against specdec's target-only `none` in the same run; peers also against their own greedy.",
         "Predicted: Leviathan et al. expected tokens per step over step cost (ideal: verification costs one step;",
-        "measured: this machine's verification cost). Identical: share of prompts whose output equals `none`'s.",
+        "measured: this machine's verification cost). Identical: share of prompts whose output equals `none`'s (greedy runs).",
         "",
     ]
+    greedy = cfg["temperature"] == 0  # identity with `none` means something only for greedy runs
     header = "| method | tok/s (median, min-max) | vs none | vs own greedy | predicted (ideal / measured) | acceptance | tokens/step | fwd/token | TTFT s | peak mem Δ MB | identical |"
     for category in results["categories"]:
         lines += [f"## {category}", "", header, "|" + "---|" * 11]
@@ -56,7 +57,7 @@ def markdown(results: dict) -> str:
                 f"| {fmt(r['predicted_speedup'], '{:.2f}x')} / {fmt(r['predicted_speedup_measured_costs'], '{:.2f}x')} "
                 f"| {fmt(r['acceptance_rate'], '{:.0%}')} | {fmt(r['tokens_per_step'])} | {fmt(r['target_forwards_per_token'])} "
                 f"| {fmt(r['ttft_s'])} | {m['peak_memory_increase_vs_none_mb']:+.0f} "
-                f"| {r['identical_share']:.0%} |"
+                f"| {fmt(r['identical_share'] if greedy else None, '{:.0%}')} |"
             )
         lines.append("")
     best = max(

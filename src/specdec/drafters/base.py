@@ -23,6 +23,8 @@ class Proposal:
     ``probs`` holds the shaped distribution each token was drawn from, needed for
     exact rejection sampling; None means the drafter is deterministic (its
     distribution is one-hot on the proposed token), and in greedy mode.
+    Its tensors may live on the drafter's device; the engine moves the proposal
+    to the target's (:meth:`to`) before verifying it.
     """
 
     tokens: torch.Tensor  # [B, k] long
@@ -64,7 +66,9 @@ class Drafter(Protocol):
     def propose(
         self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
     ) -> Proposal:
-        """Propose up to ``k`` tokens following ``context`` [B, T] (every token so far).
+        """Propose up to ``k`` tokens following ``context`` [B, T] (every token so far, on the host).
+
+        A drafter that samples draws with ``seeds.on(device)`` for the device it draws on.
 
         A drafter that has a probability for its tokens stops before the first one
         whose probability is below ``min_confidence``; others ignore it.
@@ -72,7 +76,10 @@ class Drafter(Protocol):
         ...
 
     def accepted(self, counts: torch.Tensor) -> None:
-        """Learn how many tokens [B] of the last proposal the target accepted."""
+        """Learn how many tokens [B] (on the host) of the last proposal the target accepted.
+
+        Called after every step that called :meth:`propose`, never after a step without drafts (k = 0, an anchor).
+        """
         ...
 
     def fork(self) -> Drafter:

@@ -173,7 +173,7 @@ class BatchDecoder:
         tokens = torch.zeros(len(group), width, dtype=torch.long)
         for i, d in enumerate(drafts):
             tokens[i, : lengths[i]] = d
-        verdicts = self._verify(group, tokens.to(device), torch.tensor(lengths).to(device), logits, [p for p, _ in proposals])
+        verdicts = self._verify(group, tokens.to(device), lengths, logits, [p for p, _ in proposals])
         t2 = time.perf_counter()
 
         new: dict[Row, torch.Tensor] = {}
@@ -182,7 +182,7 @@ class BatchDecoder:
             self.backend.truncate(index, row.length + accepted)
             if asked[i] > 0:  # a row that did not draft this step leaves its drafter's state as it was
                 row.drafter.accepted(torch.tensor([accepted]))
-            tokens_i = torch.cat([drafts[i][:accepted], next_token.view(1)])
+            tokens_i = torch.cat([drafts[i][:accepted], torch.tensor([next_token])])
             row.tokens = torch.cat([row.tokens, tokens_i[None]], dim=1)
             row.policy.observe(StepOutcome(lengths[i], accepted, draft_s, row.length, logits[i, : accepted + 1], tokens_i))
             row.acceptance.observe(lengths[i], accepted)
@@ -193,23 +193,29 @@ class BatchDecoder:
         return new
 
     def _verify(
-        self, group: list[Row], tokens: torch.Tensor, lengths: torch.Tensor, logits: torch.Tensor, proposals: list[Proposal]
-    ) -> list[tuple[int, torch.Tensor]]:
-        """Greedy rows in one vectorised call; a sampled row alone, with its own generator (per-request seeds)."""
-        out: list[tuple[int, torch.Tensor] | None] = [None] * len(group)
+        self, group: list[Row], tokens: torch.Tensor, lengths: list[int], logits: torch.Tensor, proposals: list[Proposal]
+    ) -> list[tuple[int, int]]:
+        """Greedy rows in one vectorised call; a sampled row alone, with its own generator (per-request seeds). One host sync per call."""
+        out: list[tuple[int, int] | None] = [None] * len(group)
+        device = logits.device
         greedy = [i for i, row in enumerate(group) if row.config.sampling.greedy]
         if greedy:
-            pick = torch.tensor(greedy).to(logits.device)
-            verdict = verify(tokens[pick], lengths[pick], logits[pick], None, group[greedy[0]].config.sampling)
-            for j, i in enumerate(greedy):
-                out[i] = (int(verdict.accepted[j]), verdict.next_token[j].cpu())
+            pick = torch.tensor(greedy).to(device)
+            lengths_on_device = torch.tensor([lengths[i] for i in greedy]).to(device)
+            verdict = verify(tokens[pick], lengths_on_device, logits[pick], None, group[greedy[0]].config.sampling)
+            for i, accepted, token in zip(greedy, verdict.accepted.cpu().tolist(), verdict.next_token.cpu().tolist(), strict=True):
+                out[i] = (accepted, token)
         for i, row in enumerate(group):
             if out[i] is None:
-                n = int(lengths[i])
-                probs = None if proposals[i].probs is None else proposals[i].probs.to(logits.device)
-                generator = row.seeds.on(logits.device)
+                n = lengths[i]
+                judged = proposals[i].to(device)
                 verdict = verify(
-                    tokens[i : i + 1, :n], lengths[i : i + 1], logits[i : i + 1, : n + 1], probs, row.config.sampling, generator
+                    tokens[i : i + 1, :n],
+                    judged.lengths,
+                    logits[i : i + 1, : n + 1],
+                    judged.probs,
+                    row.config.sampling,
+                    row.seeds.on(device),
                 )
-                out[i] = (int(verdict.accepted[0]), verdict.next_token[0].cpu())
+                out[i] = (int(verdict.accepted[0]), int(verdict.next_token[0]))
         return out  # type: ignore[return-value]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -79,6 +80,7 @@ class Generator:
         self._embedder: SentenceEmbedder | None = None
         self._draft_cost: float | None = None
         self._busy = False  # a single-sequence run is decoding on self.backend and self.drafter
+        self._lock = threading.Lock()  # completions may start on several threads
 
     def ignorable(self) -> frozenset[int]:
         """Token ids that are only whitespace or punctuation (never a loop on their own); computed on first use."""
@@ -95,14 +97,14 @@ class Generator:
     def costs(self) -> CostCurve:
         """The target's forward cost curve on this machine (measured on first use, cached on disk)."""
         if self._costs is None:
-            self._costs = machine_cost_curve(self.backend)
+            self._costs = machine_cost_curve(_quiet_copy(self.backend))
         return self._costs
 
     def draft_cost(self) -> float:
         """Seconds per draft token from cached measurements only: the draft model's one-token forward, 0 for model-free drafters."""
         if self._draft_cost is None:
-            backend = self.drafter.backend
-            self._draft_cost = machine_cost_curve(backend.fork())(1) if backend is not None else 0.0
+            backend = getattr(self.drafter, "backend", None)  # drafters written before the attribute existed count as free
+            self._draft_cost = machine_cost_curve(_quiet_copy(backend))(1) if backend is not None else 0.0
         return self._draft_cost
 
     def k_policy(self, config: GenerationConfig) -> KPolicy:
@@ -112,21 +114,26 @@ class Generator:
 
     def acquire(self) -> tuple[Backend, Drafter]:
         """The target cache and drafter for a single-sequence run: this Generator's own, or forks of them while another run holds those."""
-        if not self._busy:
-            self._busy = True
-            return self.backend, self.drafter
-        try:
-            return self.backend.fork(), self.drafter.fork()
-        except ConfigError:
-            raise ConfigError(
-                "another completion of this Generator is still decoding, and this backend decodes one sequence at a time: "
-                "finish or close the first one, or use a second Generator"
-            ) from None
+        with self._lock:
+            if not self._busy:
+                self._busy = True
+                return self.backend, self.drafter
+        forks = []
+        for part, name in ((self.backend, "target"), (self.drafter, "drafter")):
+            try:
+                forks.append(part.fork())
+            except ConfigError:
+                raise ConfigError(
+                    f"another completion of this Generator is still decoding, and its {name} decodes one sequence at a time: "
+                    "finish or close the first one, or use a second Generator"
+                ) from None
+        return forks[0], forks[1]
 
     def release(self, backend: Backend) -> None:
         """A run that decoded on ``backend`` ended."""
         if backend is self.backend:
-            self._busy = False
+            with self._lock:
+                self._busy = False
 
     def completion(self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object) -> Completion:
         """A generation of ``prompt`` (text, or token ids), checked and encoded, not yet decoded."""
@@ -220,6 +227,15 @@ class Generator:
         return ids
 
 
+def _quiet_copy(backend: Backend) -> Backend:
+    """A backend to measure costs on without touching ``backend``'s cache: a fork, or the backend itself where it cannot fork
+    (llama.cpp, which also refuses a second live completion, so nobody else is using it)."""
+    try:
+        return backend.fork()
+    except ConfigError:
+        return backend
+
+
 class Completion:
     """One generation: iterating decodes it alone and yields text deltas; :meth:`result` gives the outcome afterwards.
 
@@ -249,10 +265,10 @@ class Completion:
 
     def __iter__(self) -> Iterator[str]:
         gen = self.generator
-        policy = gen.k_policy(self.config)
         prompt = torch.tensor([self.prompt_ids], dtype=torch.long)
         backend, drafter = gen.acquire()
         try:
+            policy = gen.k_policy(self.config)  # after acquiring: a first measurement must not disturb another run's cache
             for new in speculative_decode(backend, drafter, policy, prompt, self.config, self.stats, self.seeds, self.guards):
                 piece = self.take(new.tolist())
                 if piece:
@@ -305,7 +321,6 @@ class Completion:
         """Settle the outcome after the last step; return any text held back for a possible stop string."""
         if not self.ended and len(self.token_ids) < self.config.max_new_tokens:
             self.finish_reason = "context"
-        self.stats.new_tokens = len(self.token_ids)
         return self.text.delta(final=True) if self.text is not None else ""
 
     def result(self) -> GenerationResult:

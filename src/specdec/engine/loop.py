@@ -86,6 +86,8 @@ class DecodeStats:
         A cut inside the accepted drafts leaves ``emitted`` drafts proposed and
         accepted at that step (the drafts after them decided nothing that was emitted).
         """
+        if not self.accepted_per_step:
+            return
         produced = self.accepted_per_step[-1] + 1
         if emitted >= produced:
             return

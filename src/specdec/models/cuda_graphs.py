@@ -31,6 +31,7 @@ class CudaGraphs:
     def __init__(self) -> None:
         self.graphs: dict[tuple[int, ...], tuple[Replayable, Inputs, torch.Tensor]] = {}
         self.failed = False
+        self.replays = 0  # steps run through a graph (checks and benchmarks read it)
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -49,6 +50,7 @@ class CudaGraphs:
         for name, tensor in inputs.items():
             static[name].copy_(tensor)
         graph.replay()
+        self.replays += 1
         return output.clone()  # the next replay overwrites the graph's output buffer
 
     def _record(self, inputs: Inputs, forward: Callable[[Inputs], torch.Tensor]) -> tuple[Replayable, Inputs, torch.Tensor] | None:
