@@ -55,9 +55,9 @@ def main() -> None:
     size = Sizes(smoke=args.smoke)
     started = time.perf_counter()
     checks: dict[str, dict] = {}
-    texts = [p.prompt for p in load_prompts(PROMPTS)][: size.prompts]
+    texts = [p.prompt for p in load_prompts(PROMPTS)][: size.batch_prompts]
     for plan in PLANS:
-        checks[f"greedy identity, {plan}"] = run_check(lambda plan=plan: greedy_identity(plan, device, texts, size))
+        checks[f"greedy identity, {plan}"] = run_check(lambda plan=plan: greedy_identity(plan, device, texts[: size.prompts], size))
     checks["chi-square, tiny model"] = run_check(lambda: chi_square(device, size))
     checks["draft on the host, target on the device"] = run_check(lambda: draft_on_host(device))
     gemma = load_model("gemma-3-270m", "float32", str(device))
@@ -82,7 +82,8 @@ class Sizes:
     """How much each check runs: the full check on a GPU, a small one for a smoke run."""
 
     def __init__(self, smoke: bool) -> None:
-        self.prompts = 2 if smoke else 8
+        self.prompts = 1 if smoke else 8  # for greedy identity, per drafter and plan
+        self.batch_prompts = 2 if smoke else 8  # for the batched checks
         self.new_tokens = 8 if smoke else 48
         self.samples = 300 if smoke else 3000
         self.rows = (4,) if smoke else (8, 32)
