@@ -355,3 +355,22 @@ def test_each_device_draws_its_own_stream() -> None:
     assert per_device[0] == 7 and len(set(per_device)) == 4
     assert all(0 <= s < 2**63 for s in per_device) and Seeds(7).seed_for(torch.device("cuda:1")) == per_device[2]
     assert seeds.on("cpu") is seeds.on(torch.device("cpu")) and seeds.on("cpu").initial_seed() == 7
+
+
+def test_distilled_drafts_live_on_the_targets_device(tmp_path) -> None:
+    """A distilled draft borrows the target's embedding and head: its own layers must be built on the target's device too."""
+    from specdec.drafters.distilled import build_draft, build_exit_draft, load_draft, save_draft
+
+    keep = torch.tensor([0, 2, 3, 5, 7, 11])
+    save_draft(build_draft(tiny_llama(0), [1], keep), tmp_path / "layers", {"arch": {}})
+    save_draft(build_exit_draft(tiny_llama(0), 1, keep), tmp_path / "exit", {"arch": {"exit": 1}})
+    target = tiny_llama(0).to("meta")  # any device but the host: parameters built on the host would show
+    drafts = {
+        "built": build_draft(target, [1], keep),
+        "exit": build_exit_draft(target, 1, keep),
+        "loaded": load_draft(tmp_path / "layers", target),
+        "loaded exit": load_draft(tmp_path / "exit", target),
+    }
+    for name, draft in drafts.items():
+        placed = {t.device.type for t in list(draft.parameters()) + list(draft.buffers())}
+        assert placed == {"meta"}, f"{name}: {placed}"

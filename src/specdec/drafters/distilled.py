@@ -49,7 +49,7 @@ def build_draft(target: PreTrainedModel, layer_ids: list[int], keep_ids: torch.T
         config.layer_types = [target.config.layer_types[i] for i in layer_ids]
     config.vocab_size = len(keep_ids)
     config.tie_word_embeddings = False
-    draft = AutoModelForCausalLM.from_config(config).to(target.dtype)
+    draft = AutoModelForCausalLM.from_config(config).to(device=target.device, dtype=target.dtype)
     for mine, theirs in zip(draft.model.layers, (stack[i] for i in layer_ids), strict=True):
         mine.load_state_dict(theirs.state_dict())
     draft.model.norm.load_state_dict(target.model.norm.state_dict())
@@ -60,7 +60,7 @@ def build_draft(target: PreTrainedModel, layer_ids: list[int], keep_ids: torch.T
 def build_exit_draft(target: PreTrainedModel, layers: int, keep_ids: torch.Tensor) -> PreTrainedModel:
     """The target's first ``layers`` layers (shared) with a trainable exit (identity map + the target's final norm)."""
     hidden = target.config.hidden_size
-    adapter = nn.Linear(hidden, hidden, bias=False, dtype=target.dtype)
+    adapter = nn.Linear(hidden, hidden, bias=False, dtype=target.dtype, device=target.device)
     with torch.no_grad():
         adapter.weight.copy_(torch.eye(hidden))
     exit_norm = nn.Sequential(adapter, copy.deepcopy(target.model.norm))
@@ -85,7 +85,7 @@ def attach_target(draft: PreTrainedModel, target: PreTrainedModel, keep_ids: tor
     rows = target.get_output_embeddings().weight.detach()[keep_ids].clone()
     draft.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype)
     draft.lm_head.weight = nn.Parameter(rows, requires_grad=False)
-    draft.register_buffer("keep_ids", keep_ids.clone(), persistent=False)
+    draft.register_buffer("keep_ids", keep_ids.to(rows.device, copy=True), persistent=False)
 
 
 def own_parameters(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
@@ -108,7 +108,7 @@ def read_meta(folder: str | Path) -> dict:
 
 
 def load_draft(folder: str | Path, target: PreTrainedModel) -> PreTrainedModel:
-    """A saved draft on ``target``'s embedding, in the target's dtype."""
+    """A saved draft on ``target``'s embedding, in the target's dtype and on its device."""
     folder = Path(folder)
     meta = read_meta(folder)
     config = AutoConfig.from_pretrained(folder)
@@ -119,7 +119,7 @@ def load_draft(folder: str | Path, target: PreTrainedModel) -> PreTrainedModel:
     if meta.get("arch", {}).get("exit"):
         draft = build_exit_draft(target, meta["arch"]["exit"], keep_ids)
     else:
-        draft = AutoModelForCausalLM.from_config(config).to(target.dtype)
+        draft = AutoModelForCausalLM.from_config(config).to(device=target.device, dtype=target.dtype)
         attach_target(draft, target, keep_ids)
     own = set(own_parameters(draft))
     missing, unexpected = draft.load_state_dict(tensors, strict=False)

@@ -195,7 +195,7 @@ class BatchDecoder:
     def _verify(
         self, group: list[Row], tokens: torch.Tensor, lengths: list[int], logits: torch.Tensor, proposals: list[Proposal]
     ) -> list[tuple[int, int]]:
-        """Greedy rows in one vectorised call; a sampled row alone, with its own generator (per-request seeds). One host sync per call."""
+        """Greedy rows in one vectorised call (their verdicts cross to the host together); a sampled row alone, with its own generator (per-request seeds)."""
         out: list[tuple[int, int] | None] = [None] * len(group)
         device = logits.device
         greedy = [i for i, row in enumerate(group) if row.config.sampling.greedy]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -38,9 +39,9 @@ def forward_cost_curve(backend: Backend, sizes: tuple[int, ...] = DEFAULT_SIZES,
     for n in sizes:
         times = []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = _clock()
             backend.forward(tokens[:, context : context + n], last=n)
-            times.append(time.perf_counter() - start)
+            times.append(_clock() - start)
             backend.truncate(context)
         curve[n] = statistics.median(times)
     backend.reset()
@@ -68,9 +69,9 @@ def batch_cost_curve(
         for n in sizes:
             times = []
             for _ in range(repeats):
-                start = time.perf_counter()
+                start = _clock()
                 backend.forward(ids, [tokens[context : context + n]] * count, last=n)
-                times.append(time.perf_counter() - start)
+                times.append(_clock() - start)
                 for row in ids:
                     backend.truncate(row, context)
             seconds[n] = statistics.median(times)
@@ -104,5 +105,14 @@ def _cached(identity: str, measure: Callable[[], dict]) -> dict:
         return json.loads(path.read_text())["seconds"]
     seconds = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": key, "seconds": seconds}, indent=1))
+    partial = path.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: a reader never sees half a file
+    partial.write_text(json.dumps({"key": key, "seconds": seconds}, indent=1))
+    partial.replace(path)
     return seconds
+
+
+def _clock() -> float:
+    """Seconds, after the accelerator has finished what was queued (a CUDA forward returns before its kernels run)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()

@@ -81,6 +81,7 @@ class Generator:
         self._draft_cost: float | None = None
         self._busy = False  # a single-sequence run is decoding on self.backend and self.drafter
         self._lock = threading.Lock()  # completions may start on several threads
+        self._measuring = threading.Lock()
 
     def ignorable(self) -> frozenset[int]:
         """Token ids that are only whitespace or punctuation (never a loop on their own); computed on first use."""
@@ -96,19 +97,21 @@ class Generator:
 
     def costs(self) -> CostCurve:
         """The target's forward cost curve on this machine (measured on first use, cached on disk)."""
-        if self._costs is None:
-            self._costs = machine_cost_curve(_quiet_copy(self.backend))
+        with self._measuring:  # completions starting together on several threads measure once, not against each other
+            if self._costs is None:
+                self._costs = machine_cost_curve(_quiet_copy(self.backend))
         return self._costs
 
     def draft_cost(self) -> float:
-        """Seconds per draft token from cached measurements only: the draft model's one-token forward, 0 for model-free drafters."""
-        if self._draft_cost is None:
-            backend = getattr(self.drafter, "backend", None)  # drafters written before the attribute existed count as free
-            self._draft_cost = machine_cost_curve(_quiet_copy(backend))(1) if backend is not None else 0.0
+        """Seconds per draft token from the cached cost curve of the draft model (its one-token forward; measured on first use), 0 for model-free drafters."""
+        with self._measuring:
+            if self._draft_cost is None:
+                backend = getattr(self.drafter, "backend", None)  # drafters written before the attribute existed count as free
+                self._draft_cost = machine_cost_curve(_quiet_copy(backend))(1) if backend is not None else 0.0
         return self._draft_cost
 
     def k_policy(self, config: GenerationConfig) -> KPolicy:
-        """A fresh k policy for one sequence. With a seed, the cost model prices drafts from cached measurements, not live timings, so the seed reproduces the output."""
+        """A fresh k policy for one sequence. With a seed, the cost model prices drafts from measured (cached) costs, not live timings, so the seed reproduces the output."""
         draft_cost = self.draft_cost if config.seed is not None else None
         return build_k_policy(config.k_policy, config.k, self.costs, draft_cost)
 
@@ -202,8 +205,8 @@ class Generator:
         if run.guards is not None or run.config.typical_acceptance is not None:
             raise ConfigError("guards and typical acceptance run in single-sequence generation (generate, stream), not in batches")
         tokens = torch.tensor([run.prompt_ids], dtype=torch.long)
-        policy = self.k_policy(run.config)
-        return Row(tokens, run.config, self.drafter.fork(), policy, run.seeds, run.stats)
+        drafter = self.drafter.fork()  # first: a drafter that cannot fork is refused before anything is measured on it
+        return Row(tokens, run.config, drafter, self.k_policy(run.config), run.seeds, run.stats)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
