@@ -7,7 +7,7 @@ import torch
 from specdec.config import SamplingConfig
 from specdec.drafters.base import Proposal
 from specdec.models.backend import Backend
-from specdec.verification.seeds import Seeds
+from specdec.verification.seeds import Seeds, generator_on
 from specdec.verification.shaping import to_probs
 
 
@@ -51,7 +51,7 @@ class ModelDrafter:
                 token = logits.argmax(dim=-1)
             else:
                 dist = to_probs(logits, sampling)
-                token = torch.multinomial(dist, 1, generator=seeds.on(dist.device) if seeds else None).squeeze(1)
+                token = torch.multinomial(dist, 1, generator=generator_on(seeds, dist.device)).squeeze(1)
                 probs.append(dist)
             tokens.append(token)
             if i + 1 < k:

@@ -21,7 +21,7 @@ from specdec.config import SamplingConfig
 from specdec.drafters.base import Proposal
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError, ModelNotFoundError
-from specdec.verification.seeds import Seeds
+from specdec.verification.seeds import Seeds, generator_on
 
 FORMAT = "specdec-ngram"
 VERSION = 1
@@ -163,7 +163,7 @@ class NgramDrafter:
                     break
                 dist = torch.zeros(self.table.vocab_size)
                 dist[torch.from_numpy(followers)] = torch.from_numpy(counts / counts.sum()).float()
-                token = int(torch.multinomial(dist, 1, generator=seeds.on(dist.device) if seeds else None))
+                token = int(torch.multinomial(dist, 1, generator=generator_on(seeds, dist.device)))
                 probs.append(dist)
             tokens.append(token)
             history = (history + [token])[-self.table.order :]

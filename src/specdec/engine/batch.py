@@ -203,7 +203,7 @@ class BatchDecoder:
             pick = torch.tensor(greedy).to(device)
             lengths_on_device = torch.tensor([lengths[i] for i in greedy]).to(device)
             verdict = verify(tokens[pick], lengths_on_device, logits[pick], None, group[greedy[0]].config.sampling)
-            for i, accepted, token in zip(greedy, verdict.accepted.cpu().tolist(), verdict.next_token.cpu().tolist(), strict=True):
+            for i, (accepted, token) in zip(greedy, verdict.on_host().T.tolist(), strict=True):
                 out[i] = (accepted, token)
         for i, row in enumerate(group):
             if out[i] is None:
@@ -217,5 +217,6 @@ class BatchDecoder:
                     row.config.sampling,
                     row.seeds.on(device),
                 )
-                out[i] = (int(verdict.accepted[0]), int(verdict.next_token[0]))
+                accepted, token = verdict.on_host()[:, 0].tolist()
+                out[i] = (accepted, token)
         return out  # type: ignore[return-value]

@@ -14,7 +14,7 @@ from specdec.models.backend import Backend
 from specdec.quality.guards import Guards
 from specdec.scheduling import KPolicy, StepOutcome
 from specdec.verification import typical_verify, verify
-from specdec.verification.seeds import Seeds
+from specdec.verification.seeds import Seeds, generator_on
 
 
 @dataclass
@@ -171,17 +171,18 @@ def speculative_decode(
             logits = guarded[None]
             stats.guard_s += time.perf_counter() - g0
         judged = proposal.to(logits.device)
-        generator = seeds.on(logits.device) if seeds is not None else None
+        generator = generator_on(seeds, logits.device)
         if config.typical_acceptance is not None:
             verdict = typical_verify(judged.tokens, judged.lengths, logits, config.sampling, config.typical_acceptance, generator)
         else:
             verdict = verify(judged.tokens, judged.lengths, logits, judged.probs, config.sampling, generator)
-        accepted = int(verdict.accepted[0])
+        accepted_host, next_host = verdict.on_host()
+        accepted = int(accepted_host[0])
         target.truncate(tokens.shape[1] + accepted)
         if drafting:  # a step without drafts leaves the drafter's state as it was
-            drafter.accepted(verdict.accepted.cpu())
+            drafter.accepted(accepted_host)
         proposed = int(proposal.lengths[0])
-        new = torch.cat([drafts[0, :accepted], verdict.next_token.to(tokens.device)])
+        new = torch.cat([drafts[0, :accepted], next_host])
         tokens = torch.cat([tokens, new[None]], dim=1)
         policy.observe(StepOutcome(proposed, accepted, t1 - t0, tokens.shape[1], logits[0, : accepted + 1], new))
         t2 = time.perf_counter()

@@ -24,6 +24,10 @@ class Verdict:
     accepted: torch.Tensor  # [B] long: draft tokens accepted, 0..draft_lengths
     next_token: torch.Tensor  # [B] long: the target's token after the accepted prefix
 
+    def on_host(self) -> torch.Tensor:
+        """[2, B] on the host, accepted counts then next tokens: one device-to-host transfer for the caller's bookkeeping."""
+        return torch.stack([self.accepted, self.next_token]).cpu()
+
 
 def verify(
     draft_tokens: torch.Tensor,

@@ -42,6 +42,11 @@ class Seeds:
         return torch.Generator(device=device).manual_seed(self.seed_for(device))
 
 
+def generator_on(seeds: Seeds | None, device: torch.device) -> torch.Generator | None:
+    """``seeds``' generator for ``device``, or None (torch's global one) when the caller passed no seeds."""
+    return seeds.on(device) if seeds is not None else None
+
+
 def _mix(x: int) -> int:
     """SplitMix64's finaliser: nearby inputs give unrelated outputs."""
     x = (x + 0x9E3779B97F4A7C15) & MASK
