@@ -8,20 +8,19 @@ import time
 
 import torch
 
-from specdec import SamplingConfig
-from specdec.drafters import NgramDrafter, NgramTable
+from specdec.drafters import DraftSettings, NgramDrafter, NgramTable
 from specdec.models import load_model
 
 tok = load_model("gemma-3-270m").tokenizer
 d = NgramDrafter(NgramTable.load("/tmp/gemma-corpus.ngram"))
-g = SamplingConfig()
+d.begin(DraftSettings())  # greedy
 lat = []
 for line in open("benchmarks/prompts/default.jsonl"):
     ids = tok(json.loads(line)["prompt"])["input_ids"]
     for cut in range(max(2, len(ids) - 40), len(ids) + 1):
-        ctx = torch.tensor([ids[:cut]])
+        ctx = torch.tensor(ids[:cut])
         t = time.perf_counter()
-        d.propose(ctx, 8, g, None)
+        d.propose(ctx, 8)
         lat.append((time.perf_counter() - t) * 1000)
 lat.sort()
 print(len(lat), "p50", round(lat[len(lat) // 2], 3), "p99", round(lat[int(0.99 * len(lat))], 3), "max", round(lat[-1], 3))

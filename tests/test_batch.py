@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import char_tokenizer, loaded, perturbed, tiny_gemma3, tiny_llama
 
 from specdec import GenerationConfig, Generator, SamplingConfig
-from specdec.config import BatchConfig
+from specdec.config import BatchConfig, GuardConfig, TypicalAcceptance
 from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
-from specdec.engine.batch import BatchDecoder, Row
+from specdec.engine import Decoder
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend
 from specdec.models.batched import BatchedTransformersBackend
-from specdec.scheduling import BatchCostCurve, CostCurve, FixedK, LoadWindow
+from specdec.scheduling import BatchCostCurve, CostCurve, LoadWindow
 
 PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 12], [1, 40, 41, 42, 43, 40, 41], [1, 7], [1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3], [1, 60, 61]]
 GREEDY = GenerationConfig(k=4, k_policy="fixed", max_new_tokens=30, stop_on_eos=False)
@@ -108,43 +109,32 @@ def test_rows_joining_and_leaving_do_not_disturb_the_others() -> None:
     target = loaded(tiny_gemma3(2))
     gen = Generator(target, ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.2, seed=2))), GREEDY)
     expected = {tuple(p): Generator(target, NoDrafter()).generate(p, GREEDY).token_ids for p in PROMPTS}
-    decoder = BatchDecoder(BatchedTransformersBackend(target.model))
-
-    def row(prompt: list[int]) -> Row:
-        return Row(torch.tensor([prompt]), GREEDY, gen.drafter.fork(), FixedK(4), torch.Generator())
-
-    rows = [row(PROMPTS[0]), row(PROMPTS[1])]
-    for r in rows:
-        decoder.join(r)
-    produced = {r.id: [] for r in rows}
-    dropped = None
+    decoder = gen.batch_decoder()
+    runs = [gen.completion(p) for p in (PROMPTS[0], PROMPTS[1])]
+    for run in runs:
+        gen.admit(decoder, run)
     for step in itertools.count():
-        if step == 2:  # a row joins mid-run
-            rows.append(row(PROMPTS[3]))
-            decoder.join(rows[-1])
-            produced[rows[-1].id] = []
+        if step == 2:  # a run joins mid-way
+            runs.append(gen.completion(PROMPTS[3]))
+            gen.admit(decoder, runs[-1])
         if step == 3:  # and one leaves before it is done
-            dropped = rows[1]
-            decoder.leave(dropped)
-        for r, new in decoder.step().items():
-            produced[r.id] += new.tolist()
-        for r in [r for r in decoder.rows if decoder.exhausted(r)]:
-            decoder.leave(r)
+            decoder.leave(runs[1])
+        updates = decoder.step()
+        assert all(u.done == (u.run not in decoder.rows) for u in updates)
         if not decoder.rows:
             break
-    assert produced[rows[0].id] == expected[tuple(PROMPTS[0])]
-    assert produced[rows[2].id] == expected[tuple(PROMPTS[3])]
-    assert produced[dropped.id] == expected[tuple(PROMPTS[1])][: len(produced[dropped.id])]
+    assert runs[0].token_ids == expected[tuple(PROMPTS[0])] and runs[0].finish_reason == "length"
+    assert runs[2].token_ids == expected[tuple(PROMPTS[3])]
+    assert 0 < len(runs[1].token_ids) < 30 and runs[1].token_ids == expected[tuple(PROMPTS[1])][: len(runs[1].token_ids)]
     assert decoder.backend.rows == 0
 
 
 class _GreedyOnlyDrafter(PromptLookupDrafter):
     """Refuses sampling the way the cross-tokenizer drafter does, to make one request of a batch invalid."""
 
-    def propose(self, context, k, sampling, seeds, min_confidence=0.0):
-        if not sampling.greedy:
+    def begin(self, settings):
+        if not settings.sampling.greedy:
             raise ConfigError("this drafter supports greedy decoding only")
-        return super().propose(context, k, sampling, seeds, min_confidence)
 
 
 def test_an_invalid_request_fails_alone() -> None:
@@ -153,19 +143,56 @@ def test_an_invalid_request_fails_alone() -> None:
     sampled = GenerationConfig(k=4, k_policy="fixed", max_new_tokens=30, sampling=SamplingConfig(temperature=0.8))
     with pytest.raises(ConfigError, match="greedy decoding only"):
         gen.generate_batch(PROMPTS[:2], [GREEDY, sampled])
-    decoder = BatchDecoder(BatchedTransformersBackend(target.model))
-    good, bad = (
-        Row(torch.tensor([p]), c, gen.drafter.fork(), FixedK(4), torch.Generator())
-        for p, c in zip(PROMPTS[:2], (GREEDY, sampled), strict=True)
-    )
-    decoder.join(good)
-    decoder.join(bad)
-    produced: list[int] = []
-    while not decoder.exhausted(good):
-        produced += decoder.step().get(good, torch.tensor([], dtype=torch.long)).tolist()
-        assert bad in decoder.failed and bad.stats.new_tokens == 0
-    decoder.leave(bad)
-    assert not decoder.failed and produced == Generator(target, NoDrafter()).generate(PROMPTS[0], GREEDY).token_ids
+    decoder = gen.batch_decoder()
+    good, bad = gen.completion(PROMPTS[0], GREEDY), gen.completion(PROMPTS[1], sampled)
+    gen.admit(decoder, good)
+    with pytest.raises(ConfigError, match="greedy decoding only"):  # refused when it joins, before any step
+        gen.admit(decoder, bad)
+    assert list(decoder.rows) == [good] and decoder.backend.rows == 1
+    while decoder.rows:
+        decoder.step()
+    assert good.token_ids == Generator(target, NoDrafter()).generate(PROMPTS[0], GREEDY).token_ids
+
+
+GUARDED = [
+    GuardConfig(repetition=True, loop_repeats=2, loop_min_span=4),
+    GuardConfig(anchor_every=7),
+    GuardConfig(repetition=True, loop_repeats=2, loop_min_span=4, anchor_every=5),
+]
+
+
+@pytest.mark.parametrize("make_target", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
+def test_guarded_and_typical_rows_in_a_batch_equal_each_row_alone(make_target) -> None:
+    """Guards and (greedy) typical acceptance run in batches: each row's greedy output is what it gets decoded alone."""
+    target = loaded(make_target(3))
+    longer = replace(GREEDY, max_new_tokens=40)
+    configs = [replace(longer, guards=g) for g in GUARDED] + [replace(longer, typical_acceptance=TypicalAcceptance()), longer]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[0], PROMPTS[4]]
+    for drafter in (PromptLookupDrafter(), ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.3, seed=3)))):
+        gen = Generator(target, drafter, GREEDY, batch=BatchConfig(window="fixed"))
+        together = gen.generate_batch(prompts, configs)
+        for prompt, config, got in zip(prompts, configs, together, strict=True):
+            alone = gen.generate(prompt, config)
+            assert got.token_ids == alone.token_ids and got.stats.events == alone.stats.events
+        assert any(e["kind"] == "loop_blocked" for e in together[0].stats.events)  # the guard had something to do
+        assert together[1].stats.anchors >= 5 and together[3].stats.lossy and not together[4].stats.lossy
+    plain = Generator(target, NoDrafter()).generate(PROMPTS[1], longer)
+    assert together[1].token_ids == plain.token_ids  # anchors change no greedy output
+
+
+def test_sampled_guarded_rows_in_a_batch_follow_their_seeds() -> None:
+    """A temperature schedule and typical acceptance with sampling: a seeded row gives the same output in a batch as alone."""
+    target = loaded(tiny_llama(4))
+    sampled = replace(GREEDY, sampling=SamplingConfig(temperature=0.9), seed=11)
+    configs = [
+        replace(sampled, guards=GuardConfig(temperature_schedule=(0.5, 1.5), schedule_tokens=20)),
+        replace(sampled, typical_acceptance=TypicalAcceptance()),
+        sampled,
+    ]
+    gen = Generator(target, PromptLookupDrafter(), GREEDY, batch=BatchConfig(window="fixed"))
+    together = gen.generate_batch(PROMPTS[:3], configs)
+    for prompt, config, got in zip(PROMPTS[:3], configs, together, strict=True):
+        assert got.token_ids == gen.generate(prompt, config).token_ids
 
 
 def _compute_bound(per_token: float = 0.005, overhead: float = 0.02) -> BatchCostCurve:
@@ -201,53 +228,14 @@ def test_window_caps_each_rows_own_policy() -> None:
     )
     # Verifying more than 3 tokens per row is dear; forwards are priced in seconds so that drafting time is negligible.
     steep = CostCurve({1: 1.0, 2: 1.1, 3: 1.2, 5: 100.0, 9: 200.0})
-    decoder = BatchDecoder(BatchedTransformersBackend(target.model), LoadWindow(BatchCostCurve({1: steep}), memory=lambda: 0.0))
-    runs = [Row(torch.tensor([p]), gen.config, gen.drafter.fork(), FixedK(6), torch.Generator()) for p in PROMPTS]
-    for r in runs:
-        decoder.join(r)
-    while any(not decoder.exhausted(r) for r in decoder.rows):
+    decoder = Decoder(BatchedTransformersBackend(target.model), LoadWindow(BatchCostCurve({1: steep}), memory=lambda: 0.0))
+    runs = [gen.completion(p) for p in PROMPTS]
+    for run in runs:
+        gen.admit(decoder, run)
+    while decoder.rows:
         decoder.step()
     windows = [report.window for report in decoder.reports]
     assert all(w is not None and 0 < w <= 2 for w in windows)  # the window stays where verification is cheap
-    for r in runs:
-        assert r.stats.k_per_step == [6] * r.stats.steps  # each row's policy still chose 6
-        assert max(r.stats.accepted_per_step) <= max(windows)
-
-
-def test_cuda_graphs_are_skipped_without_cuda() -> None:
-    """On a CPU the graph option changes nothing: no graphs are made and outputs are those of plain forwards."""
-    model = tiny_gemma3(0)
-    with_graphs, without = BatchedTransformersBackend(model, cuda_graphs=True), BatchedTransformersBackend(model, cuda_graphs=False)
-    assert with_graphs.graphs is None and without.graphs is None
-    for backend in (with_graphs, without):
-        backend.add_rows(2)
-    feeds = [torch.tensor([1, 5, 9, 5]), torch.tensor([1, 7])]
-    assert torch.equal(with_graphs.forward([0, 1], feeds, last=2), without.forward([0, 1], feeds, last=2))
-    assert with_graphs.cache.width == without.cache.width == 4  # no widths rounded up for graph reuse
-
-
-def test_batched_generation_errors() -> None:
-    target = loaded(tiny_llama(0))
-    gen = Generator(target, "prompt-lookup")
-    with pytest.raises(ConfigError, match="one config, or one per prompt"):
-        gen.generate_batch([[1, 2], [1, 3]], [GREEDY])
-    with pytest.raises(ConfigError, match="unknown window"):
-        BatchConfig(window="adaptive")
-    with pytest.raises(ConfigError, match="memory_threshold"):
-        BatchConfig(memory_threshold=1.5)
-
-
-@pytest.mark.real_model
-def test_gemma_batched_greedy_equals_alone(gemma) -> None:
-    prompts = [
-        "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-        "The three primary colours are",
-        "Question: What is the capital of France?\nAnswer:",
-        "import numpy as np\nx = np.arange(10)\ny = x ** 2\nprint(",
-    ]
-    config = GenerationConfig(k=6, k_policy="fixed", max_new_tokens=24)
-    alone = Generator(gemma, "none", config)
-    expected = [alone.generate(p) for p in prompts]
-    results = Generator(gemma, "prompt-lookup", config, batch=BatchConfig(window="dynamic")).generate_batch(prompts)
-    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
-    assert [r.text for r in results] == [e.text for e in expected]
+    for run in runs:
+        assert run.stats.k_per_step == [6] * run.stats.steps  # each row's policy still chose 6
+        assert max(run.stats.accepted_per_step) <= max(windows)

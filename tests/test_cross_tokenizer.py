@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import Generator, SamplingConfig
-from specdec.drafters import CrossTokenizerDrafter
+from specdec import Generator
+from specdec.drafters import CrossTokenizerDrafter, DraftSettings
 from specdec.errors import ConfigError
 from specdec.models import load_model, open_target
 
@@ -51,8 +51,8 @@ def test_proposals_spell_what_the_draft_wrote(gemma, smollm, gemma_with_smollm, 
     """Appending the proposal to the context adds a prefix of the draft's own greedy text, without special tokens."""
     drafter = gemma_with_smollm.drafter
     ids = gemma.tokenizer(prompt)["input_ids"]
-    drafter.begin(torch.tensor([ids]))
-    proposal = drafter.propose(torch.tensor([ids]), 6, SamplingConfig(), None).tokens[0].tolist()
+    drafter.begin(DraftSettings())
+    proposal = drafter.propose(torch.tensor(ids), 6).tokens.tolist()
     assert proposal, "the draft should propose something here"
     assert not set(proposal) & set(gemma.tokenizer.all_special_ids)
     context_text = gemma.tokenizer.decode(ids, skip_special_tokens=True)

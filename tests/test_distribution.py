@@ -124,14 +124,14 @@ def test_a_wrong_residual_fails(monkeypatch: pytest.MonkeyPatch, driver: str) ->
 class UnshapedReport(ModelDrafter):
     """Samples its drafts from the shaped distribution but reports the one before top-k/top-p (a classic bug)."""
 
-    def propose(self, context, k, sampling, seeds, min_confidence=0.0):
-        proposal = super().propose(context, k, sampling, seeds, min_confidence)
+    def propose(self, context, k):
+        proposal = super().propose(context, k)
         if proposal.probs is None:
             return proposal
         with torch.no_grad():
-            logits = self.backend.model(torch.cat([context, proposal.tokens[:, :-1]], dim=1).to(self.backend.device)).logits
-        plain = to_probs(logits[:, -proposal.tokens.shape[1] :], replace(sampling, top_k=None, top_p=1.0))
-        return Proposal(proposal.tokens, proposal.lengths, plain)
+            logits = self.backend.model(torch.cat([context, proposal.tokens[:-1]])[None].to(self.backend.device)).logits[0]
+        plain = to_probs(logits[-len(proposal) :], replace(self.settings.sampling, top_k=None, top_p=1.0))
+        return Proposal(proposal.tokens, plain)
 
 
 def test_draft_probabilities_reported_before_shaping_fail() -> None:

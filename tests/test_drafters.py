@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from specdec import Generator, SamplingConfig
 from specdec.cli.main import app
-from specdec.drafters import NgramDrafter, NgramTable, build_drafter
+from specdec.drafters import DraftSettings, NgramDrafter, NgramTable, build_drafter
 from specdec.drafters.layer_skip import shallow_view
 from specdec.drafters.ngram import context_hash, context_hashes
 from specdec.errors import ConfigError
@@ -92,15 +92,15 @@ def test_ngram_drafter_copies_first_then_continues_from_the_table(tmp_path: Path
     corpus = tmp_path / "c.txt"
     corpus.write_text("hello world. " * 20)
     drafter = NgramDrafter(build([str(corpus)], order=4))
-    greedy = SamplingConfig()
-    context = torch.tensor(char_ids(["say hel"]))
-    proposal = drafter.propose(context, 5, greedy, None)
-    assert TOKENIZER.decode(proposal.tokens[0].tolist()) == "lo wo"
-    context = torch.tensor(char_ids(["qrs qr"]))  # repeats itself: prompt lookup's copy wins
-    assert TOKENIZER.decode(drafter.propose(context, 2, greedy, None).tokens[0].tolist()) == "s "
-    sampled = drafter.propose(torch.tensor(char_ids(["say hel"])), 3, SamplingConfig(temperature=1.0), Seeds(0))
-    assert sampled.probs is not None and sampled.probs.shape == (1, 3, len(TOKENIZER))
-    assert torch.allclose(sampled.probs.sum(-1), torch.ones(1, 3))
+    drafter.begin(DraftSettings())
+    proposal = drafter.propose(torch.tensor(char_ids(["say hel"])[0]), 5)
+    assert TOKENIZER.decode(proposal.tokens.tolist()) == "lo wo"
+    context = torch.tensor(char_ids(["qrs qr"])[0])  # repeats itself: prompt lookup's copy wins
+    assert TOKENIZER.decode(drafter.propose(context, 2).tokens.tolist()) == "s "
+    drafter.begin(DraftSettings(SamplingConfig(temperature=1.0), Seeds(0)))
+    sampled = drafter.propose(torch.tensor(char_ids(["say hel"])[0]), 3)
+    assert sampled.probs is not None and sampled.probs.shape == (3, len(TOKENIZER))
+    assert torch.allclose(sampled.probs.sum(-1), torch.ones(3))
 
 
 def test_ngram_drafter_greedy_is_identical(tmp_path: Path) -> None:

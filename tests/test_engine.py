@@ -8,10 +8,11 @@ import pytest
 import torch
 from conftest import char_tokenizer, loaded, perturbed, tiny_gemma3, tiny_llama
 
-from specdec import GenerationConfig, Generator
+from specdec import Generator
 from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
-from specdec.engine import DecodeStats, speculative_decode
+from specdec.engine import Decoder
 from specdec.models import TransformersBackend
+from specdec.models.backend import OneRow
 from specdec.scheduling import FixedK
 
 PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 12], [1, 40, 41, 42, 43, 40, 41], [1, 7]]
@@ -72,13 +73,16 @@ def test_engine_keeps_caches_at_accepted_prefix() -> None:
     draft_model = perturbed(target_model, noise=0.5)
     target, draft = TransformersBackend(target_model), TransformersBackend(draft_model)
     drafter = ModelDrafter(draft)
-    prompt = torch.tensor([[1, 4, 8, 15, 16, 23, 42]])
-    stats = DecodeStats()
-    tokens = prompt
-    for new in speculative_decode(target, drafter, FixedK(4), prompt, GenerationConfig(k=4, max_new_tokens=40), stats):
-        tokens = torch.cat([tokens, new[None]], dim=1)
-        assert target.cached_length == tokens.shape[1] - 1  # all but the pending token
-        assert draft.cached_length <= tokens.shape[1] - 1
+    prompt = [1, 4, 8, 15, 16, 23, 42]
+    run = Generator(loaded(target_model), drafter).completion(prompt, max_new_tokens=40, stop_on_eos=False)
+    decoder = Decoder(OneRow(target))
+    decoder.join(run, drafter, FixedK(4))
+    while decoder.rows:
+        decoder.step()
+        tokens = len(prompt) + len(run.token_ids)
+        assert target.cached_length == tokens - 1  # all but the pending token
+        assert draft.cached_length <= tokens - 1
+    stats = run.stats
     assert stats.new_tokens == 40
     assert 0 < stats.draft_tokens_accepted < stats.draft_tokens_proposed
 

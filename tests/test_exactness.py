@@ -18,10 +18,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from specdec import GenerationConfig, Generator
 from specdec.config import BatchConfig
 from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
-from specdec.engine import DecodeStats, speculative_decode
-from specdec.engine.batch import BatchDecoder
+from specdec.engine import Decoder, DecodeStats
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend
+from specdec.models.backend import OneRow
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.models.cuda_graphs import CudaGraphs
 from specdec.models.target import Target
@@ -55,9 +55,9 @@ def test_every_tensor_meets_the_logits_on_their_device(monkeypatch: pytest.Monke
     with torch.inference_mode(), mode:
         assert gen.generate(PROMPT, **settings).token_ids == expected
         sampled = [gen.generate(PROMPT, temperature=1.0, seed=3, **settings).token_ids for _ in range(2)]
-        [batched] = gen.generate_batch([PROMPT], decoder=BatchDecoder(OnFakeDevice(BatchedTransformersBackend(model))), **settings)
+        [batched] = gen.generate_batch([PROMPT], decoder=Decoder(OnFakeDevice(BatchedTransformersBackend(model))), **settings)
         [batched_sampled] = gen.generate_batch(
-            [PROMPT], decoder=BatchDecoder(OnFakeDevice(BatchedTransformersBackend(model))), temperature=1.0, seed=3, **settings
+            [PROMPT], decoder=Decoder(OnFakeDevice(BatchedTransformersBackend(model))), temperature=1.0, seed=3, **settings
         )
     assert mode.operations > 100
     assert sampled[0] == sampled[1] == batched_sampled.token_ids  # a seed reproduces on the device it runs on
@@ -120,7 +120,7 @@ def test_captured_steps_read_only_static_inputs(make_target) -> None:
     backend = BatchedTransformersBackend(model)
     weights = list(model.parameters()) + list(model.buffers())
     backend.graphs = graphs = AuditedGraphs(lambda: weights + backend.cache.keys + backend.cache.values)
-    got = [r.token_ids for r in gen.generate_batch(prompts, decoder=BatchDecoder(backend), **settings)]
+    got = [r.token_ids for r in gen.generate_batch(prompts, decoder=Decoder(backend), **settings)]
     assert 0 < graphs.captures < graphs.replays, "steps were captured and replayed"
     assert got == expected  # replays on refreshed static inputs give the uncaptured outputs
     assert not graphs.outside, f"captured steps read tensors made outside the graph: {graphs.outside[:3]}"
@@ -194,11 +194,13 @@ def test_a_step_without_drafts_keeps_the_draft_cache() -> None:
     """Steps with k = 0 between drafting steps: the draft model never re-reads a token its cache already held."""
     target = tiny_llama(0)
     draft = Recording(TransformersBackend(perturbed(target, noise=0.5)))
-    stats = DecodeStats()
-    config = GenerationConfig(k=4, max_new_tokens=40, stop_on_eos=False)
-    tokens = list(PROMPT)
-    for new in speculative_decode(TransformersBackend(target), ModelDrafter(draft), Alternating(), torch.tensor([PROMPT]), config, stats):
-        tokens += new.tolist()
+    drafter = ModelDrafter(draft)
+    run = Generator(loaded(target), drafter).completion(PROMPT, k=4, max_new_tokens=40, stop_on_eos=False)
+    decoder = Decoder(OneRow(TransformersBackend(target)))
+    decoder.join(run, drafter, Alternating())
+    while decoder.rows:
+        decoder.step()
+    stats, tokens = run.stats, PROMPT + run.token_ids
     assert stats.draft_tokens_accepted > 0 and 0 in stats.k_per_step
     assert not draft.dropped, f"the draft's cache dropped accepted positions (kept, truncated to): {draft.dropped}"
     assert {p for p, _ in draft.writes} >= set(range(len(tokens) - 1 - 4))  # it did keep reading the new context
@@ -329,16 +331,14 @@ class JitteryClock:
 
 
 def test_a_seed_reproduces_output_under_the_default_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    import specdec.engine.batch as batch
-    import specdec.engine.loop as loop
+    import specdec.engine.step as step
 
     assert GenerationConfig().k_policy == "cost-model"
     target = tiny_llama(0, layers=8)  # costlier than its one-layer draft, so the cost model drafts
     settings = dict(max_new_tokens=30, temperature=1.0, seed=11, stop_on_eos=False)
     runs, batched = [], []
     for clock in range(3):
-        monkeypatch.setattr(loop, "time", JitteryClock(clock))
-        monkeypatch.setattr(batch, "time", JitteryClock(clock))
+        monkeypatch.setattr(step, "time", JitteryClock(clock))
         # A batch's dynamic window follows the load (other rows, memory): a seed reproduces a batched row under the fixed window.
         gen = Generator(loaded(target), ModelDrafter(TransformersBackend(tiny_llama(1, layers=1))), batch=BatchConfig(window="fixed"))
         runs.append(gen.generate(PROMPT, **settings))

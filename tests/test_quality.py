@@ -14,7 +14,7 @@ from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.cli.main import app
 from specdec.config import GuardConfig, TypicalAcceptance
 from specdec.errors import ConfigError
-from specdec.quality import Guards, SentenceEmbedder, find_loop
+from specdec.quality import Guards, NoGuards, SentenceEmbedder, find_loop
 from specdec.quality.metrics import contradiction_pairs, distinct_n, loop_onsets, measure, repeated_ngram_share
 from specdec.verification import shape_logits, typical_verify
 
@@ -47,16 +47,18 @@ def test_find_loop_ignores_indentation_and_rules() -> None:
 
 
 def test_guards_block_the_loop_and_schedule_the_temperature() -> None:
-    guards = Guards(GuardConfig(repetition=True, temperature_schedule=(0.5, 1.5), schedule_tokens=10), prompt_length=2, temperature=1.0)
-    tokens = [1, 2] + [7, 8] * 12  # the output loops on (7, 8)
-    logits, blocked = guards.adjust(tokens, [7], torch.zeros(2, 10))
-    assert blocked == [0, 1] and logits[0, 7] == float("-inf") and torch.isfinite(logits[0, :7]).all()
+    guards = Guards(GuardConfig(repetition=True, temperature_schedule=(0.5, 1.5), schedule_tokens=10), prompt_length=2)
+    tokens = torch.tensor([1, 2] + [7, 8] * 12)  # the output loops on (7, 8)
+    logits = torch.zeros(2, 10)
+    temperatures = guards.adjust(tokens, torch.tensor([7]), logits)  # in place
+    assert logits[0, 7] == float("-inf") and torch.isfinite(logits[0, :7]).all()
     assert logits[1, 8] == float("-inf")  # after the draft token 7 the loop continues with 8
+    assert guards.settle(at=24, accepted=1, anchored=False) == [{"kind": "loop_blocked", "at": 24}, {"kind": "loop_blocked", "at": 25}]
+    assert torch.allclose(temperatures, torch.tensor([guards.temperature_at(24), guards.temperature_at(25)]))
     assert guards.temperature_at(0) == 0.5 and guards.temperature_at(5) == 1.0 and guards.temperature_at(99) == 1.5
-    scaled, _ = Guards(GuardConfig(temperature_schedule=(0.5, 0.5)), 0, temperature=1.0).adjust([1], [], torch.ones(1, 3))
-    assert torch.equal(scaled, torch.full((1, 3), 2.0))  # shaping divides by 1.0: the result is logits / 0.5
-    assert guards.trim(tokens, [7, 8]) == 0 and guards.trim(tokens, [5, 7]) == 2
-    anchor = Guards(GuardConfig(anchor_every=10), 0, 0.0)
+    assert guards.trim(tokens, torch.tensor([7, 8])) == 0 and guards.trim(tokens, torch.tensor([5, 7])) == 2
+    assert NoGuards().adjust(tokens, torch.tensor([7]), logits) is None and NoGuards().trim(tokens, torch.tensor([7, 8])) == 2
+    anchor = Guards(GuardConfig(anchor_every=10), 0)
     assert [anchor.anchor_due(n) for n in (0, 9, 10, 11, 25, 29, 30)] == [False, False, True, False, True, False, True]
 
 
@@ -181,9 +183,6 @@ def test_guard_and_acceptance_errors() -> None:
         GuardConfig(anchor_every=0)
     with pytest.raises(ConfigError, match="epsilon"):
         TypicalAcceptance(epsilon=0)
-    gen = Generator(loaded(tiny_llama(0)), "prompt-lookup")
-    with pytest.raises(ConfigError, match="not in batches"):
-        gen.generate_batch([[1, 2], [1, 3]], guards=GuardConfig(repetition=True))
 
 
 def test_token_measures() -> None:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import loaded, perturbed, tiny_llama
 
-from specdec import Generator, SamplingConfig
+from specdec import Generator
 from specdec.config import K_POLICIES
-from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
+from specdec.drafters import DraftSettings, ModelDrafter, NoDrafter, PromptLookupDrafter
 from specdec.engine import costs as cost_module
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend
@@ -142,9 +142,8 @@ def test_confidence_policy_stops_unsure_drafts() -> None:
     always = Generator(target, drafter).generate([1, 5, 9], max_new_tokens=20, k=6, k_policy="fixed", stop_on_eos=False)
     assert sure.token_ids == always.token_ids
     assert sure.stats.draft_tokens_proposed < always.stats.draft_tokens_proposed
-    context = torch.tensor([[1, 5, 9]])
-    drafter.begin(context)
-    assert drafter.propose(context, 4, SamplingConfig(), None, min_confidence=1.01).tokens.shape[1] == 0
+    drafter.begin(DraftSettings(min_confidence=1.01))
+    assert len(drafter.propose(torch.tensor([1, 5, 9]), 4)) == 0
     assert ConfidenceK(6, threshold=0.9).min_confidence == 0.9
 
 

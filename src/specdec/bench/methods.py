@@ -11,16 +11,15 @@ from typing import Protocol
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from specdec.config import GenerationConfig, RuntimeConfig, SamplingConfig
+from specdec.config import GenerationConfig, RuntimeConfig
 from specdec.drafters import DRAFT_SPECS, build_drafter
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import DraftSettings, Proposal
 from specdec.engine import Generator
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel, Target, load_model, resolve
 from specdec.models.llamacpp import INSTALL, end_of_generation_ids
 from specdec.models.precision import convert_draft
 from specdec.models.target import gguf_path
-from specdec.verification.seeds import Seeds
 
 PEER_METHODS = "hf-greedy, hf-prompt-lookup, hf-assisted:MODEL, llamacpp-greedy, llamacpp-prompt-lookup"
 K_FREE_METHODS = ("none", "hf-greedy", "llamacpp-greedy")  # run once, whatever --k lists
@@ -64,19 +63,16 @@ class OracleDrafter:
     def __init__(self) -> None:
         self.reference: list[int] = []
 
-    def begin(self, prompt: torch.Tensor) -> None:
+    def begin(self, settings: DraftSettings) -> None:
         pass
 
-    def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
-    ) -> Proposal:
-        length = context.shape[1]
-        if context[0].tolist() != self.reference[:length]:
-            return Proposal.empty(1, context.device)
-        tokens = torch.tensor([self.reference[length : length + k]], dtype=torch.long, device=context.device)
-        return Proposal(tokens, torch.tensor([tokens.shape[1]], device=context.device))
+    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+        length = context.shape[0]
+        if context.tolist() != self.reference[:length]:
+            return Proposal.empty()
+        return Proposal(torch.tensor(self.reference[length : length + k], dtype=torch.long))
 
-    def accepted(self, counts: torch.Tensor) -> None:
+    def accept(self, n: int) -> None:
         pass
 
     def fork(self) -> OracleDrafter:

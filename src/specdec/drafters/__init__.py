@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from specdec.config import RuntimeConfig
-from specdec.drafters.base import Drafter, Proposal
+from specdec.drafters.base import Drafter, DraftSettings, Proposal
 from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdec.drafters.distilled import ReducedVocabBackend, is_distilled_draft, load_draft, read_meta
 from specdec.drafters.fallback import FallbackDrafter
@@ -76,6 +76,7 @@ __all__ = [
     "CrossTokenizerDrafter",
     "FallbackDrafter",
     "Drafter",
+    "DraftSettings",
     "ModelDrafter",
     "NgramDrafter",
     "NgramTable",

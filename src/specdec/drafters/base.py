@@ -1,12 +1,14 @@
 """The drafter protocol: propose candidate tokens; learn how many were accepted.
 
-Every drafter (no model, n-gram, small model, ...) implements these four
-methods and nothing else, so new drafters plug into the engine untouched.
+A drafter is told once, when a sequence begins, how that sequence samples
+(:class:`DraftSettings`); each step it is asked for up to k tokens after the
+context and then told how many the target accepted. That is all the engine
+needs, so new drafters plug in without touching the decode step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -17,69 +19,62 @@ from specdec.verification.seeds import Seeds
 
 
 @dataclass(frozen=True)
+class DraftSettings:
+    """What stays fixed for one sequence: how it samples, its random generators, and the confidence floor of its k policy."""
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rng: Seeds | None = None  # draw on device d with ``rng.on(d)``; None: unseeded
+    min_confidence: float = 0.0  # a drafter with probabilities stops before its first token below this
+
+
+@dataclass(frozen=True)
 class Proposal:
-    """Candidate tokens for each batch row.
+    """Candidate tokens for one sequence.
 
     ``probs`` holds the shaped distribution each token was drawn from, needed for
     exact rejection sampling; None means the drafter is deterministic (its
     distribution is one-hot on the proposed token), and in greedy mode.
-    Its tensors may live on the drafter's device; the engine moves the proposal
-    to the target's (:meth:`to`) before verifying it.
+    Its tensors may live on the drafter's device; the engine moves them to the target's.
     """
 
-    tokens: torch.Tensor  # [B, k] long
-    lengths: torch.Tensor  # [B] long: how many of the k tokens each row proposes
-    probs: torch.Tensor | None = None  # [B, k, V] float
+    tokens: torch.Tensor  # [n] long
+    probs: torch.Tensor | None = None  # [n, V] float
 
-    def to(self, device: torch.device) -> Proposal:
-        """The same proposal on ``device`` (the verifier works where the target's logits are)."""
-        probs = None if self.probs is None else self.probs.to(device)
-        return Proposal(self.tokens.to(device), self.lengths.to(device), probs)
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
 
     def cut(self, length: int) -> Proposal:
-        """The first ``length`` tokens (of a single-row proposal)."""
-        if length >= self.tokens.shape[1]:
+        """The first ``length`` tokens."""
+        if length >= len(self):
             return self
-        probs = None if self.probs is None else self.probs[:, :length]
-        return Proposal(self.tokens[:, :length], self.lengths.clamp(max=length), probs)
+        return Proposal(self.tokens[:length], None if self.probs is None else self.probs[:length])
 
     @staticmethod
-    def empty(batch: int, device: torch.device | str = "cpu") -> Proposal:
-        return Proposal(
-            torch.zeros(batch, 0, dtype=torch.long, device=device),
-            torch.zeros(batch, dtype=torch.long, device=device),
-        )
+    def empty() -> Proposal:
+        return Proposal(torch.zeros(0, dtype=torch.long))
 
 
 class Drafter(Protocol):
-    """Proposes up to k next tokens for the current context."""
+    """Proposes up to k next tokens for the current context of one sequence."""
 
     #: logits width for model drafters (checked against the target's); None for vocabulary-free drafters
     vocab_size: int | None
     #: the model that drafts, None for model-free drafters; its measured one-token cost prices a draft token in seeded runs
     backend: Backend | None
 
-    def begin(self, prompt: torch.Tensor) -> None:
-        """Start a new sequence from ``prompt`` [B, T]."""
-        ...
+    def begin(self, settings: DraftSettings) -> None:
+        """Start a sequence (or start over on the same one): forget per-sequence state, keep ``settings`` for its steps.
 
-    def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
-    ) -> Proposal:
-        """Propose up to ``k`` tokens following ``context`` [B, T] (every token so far, on the host).
-
-        A drafter that samples draws with ``seeds.on(device)`` for the device it draws on.
-
-        A drafter that has a probability for its tokens stops before the first one
-        whose probability is below ``min_confidence``; others ignore it.
+        Raises ConfigError for settings this drafter cannot serve (for example sampling with a greedy-only drafter).
         """
         ...
 
-    def accepted(self, counts: torch.Tensor) -> None:
-        """Learn how many tokens [B] (on the host) of the last proposal the target accepted.
+    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+        """Propose up to ``k`` tokens following ``context`` [T] (every token so far, on the host)."""
+        ...
 
-        Called after every step that called :meth:`propose`, never after a step without drafts (k = 0, an anchor).
-        """
+    def accept(self, n: int) -> None:
+        """The target accepted the first ``n`` tokens of the last proposal. Called after every step that proposed, never after one that did not."""
         ...
 
     def fork(self) -> Drafter:

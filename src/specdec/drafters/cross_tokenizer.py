@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from specdec.config import SamplingConfig
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import DraftSettings, Proposal
 from specdec.errors import ConfigError
 from specdec.models.backend import Backend
 from specdec.models.target import Tokenizer
-from specdec.verification.seeds import Seeds
 
 
 class CrossTokenizerDrafter:
@@ -33,26 +31,24 @@ class CrossTokenizerDrafter:
         self.eos_ids = eos_ids
         self._cached: list[int] = []  # the draft tokens whose states the draft's cache holds
 
-    def begin(self, prompt: torch.Tensor) -> None:
+    def begin(self, settings: DraftSettings) -> None:
+        if not settings.sampling.greedy:
+            raise ConfigError(
+                "a draft with another tokenizer supports greedy decoding only (its drafts have no distribution over "
+                "the target's tokens): use temperature 0, or --draft prompt-lookup / ngram:FILE for sampling"
+            )
         self.backend.reset()
         self._cached = []
 
-    def accepted(self, counts: torch.Tensor) -> None:
+    def accept(self, n: int) -> None:
         pass  # the next proposal re-reads the context and keeps the common prefix
 
     def fork(self) -> CrossTokenizerDrafter:
         return CrossTokenizerDrafter(self.backend.fork(), self.tokenizer, self.target_tokenizer, self.eos_ids)
 
     @torch.inference_mode()
-    def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
-    ) -> Proposal:
-        if not sampling.greedy:
-            raise ConfigError(
-                "a draft with another tokenizer supports greedy decoding only (its drafts have no distribution over "
-                "the target's tokens): use temperature 0, or --draft prompt-lookup / ngram:FILE for sampling"
-            )
-        target_ids = context[0].tolist()
+    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+        target_ids = context.tolist()
         text = self.target_tokenizer.decode(target_ids, skip_special_tokens=True)
         draft_ids = self.tokenizer(text)["input_ids"]
         drafted = self._draft(draft_ids, k + 1)
@@ -60,8 +56,7 @@ class CrossTokenizerDrafter:
         ended = bool(drafted) and drafted[-1] in self.eos_ids
         proposal = self._target_tokens(target_ids, new_text)
         proposal = proposal[:k] if ended else proposal[: min(k, len(proposal) - 1)]
-        tokens = torch.tensor([proposal], dtype=torch.long, device=context.device)
-        return Proposal(tokens, torch.tensor([len(proposal)], device=context.device))
+        return Proposal(torch.tensor(proposal, dtype=torch.long))
 
     def _draft(self, draft_ids: list[int], count: int) -> list[int]:
         """Greedily continue ``draft_ids`` by up to ``count`` draft tokens, reusing the cached prefix."""

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.config import SamplingConfig
-from specdec.drafters.base import Drafter, Proposal
-from specdec.verification.seeds import Seeds
+from specdec.drafters.base import Drafter, DraftSettings, Proposal
 
 
 class FallbackDrafter:
@@ -20,26 +18,23 @@ class FallbackDrafter:
         self.first, self.second = first, second
         self.vocab_size = second.vocab_size if second.vocab_size is not None else first.vocab_size
         self.backend = second.backend if second.backend is not None else first.backend  # the costlier one prices a draft token
-        self._last: Drafter | None = None
+        self._last: Drafter = first
 
-    def begin(self, prompt: torch.Tensor) -> None:
-        self.first.begin(prompt)
-        self.second.begin(prompt)
-        self._last = None
-
-    def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
-    ) -> Proposal:
-        proposal = self.first.propose(context, k, sampling, seeds, min_confidence=min_confidence)
+    def begin(self, settings: DraftSettings) -> None:
+        self.first.begin(settings)
+        self.second.begin(settings)
         self._last = self.first
-        if not proposal.tokens.shape[1]:
-            proposal = self.second.propose(context, k, sampling, seeds, min_confidence=min_confidence)
+
+    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+        proposal = self.first.propose(context, k)
+        self._last = self.first
+        if not len(proposal):
+            proposal = self.second.propose(context, k)
             self._last = self.second
         return proposal
 
-    def accepted(self, counts: torch.Tensor) -> None:
-        if self._last is not None:
-            self._last.accepted(counts)
+    def accept(self, n: int) -> None:
+        self._last.accept(n)
 
     def fork(self) -> FallbackDrafter:
         return FallbackDrafter(self.first.fork(), self.second.fork())

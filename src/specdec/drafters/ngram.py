@@ -17,11 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.config import SamplingConfig
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import DraftSettings, Proposal
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError, ModelNotFoundError
-from specdec.verification.seeds import Seeds, generator_on
+from specdec.verification.seeds import rng_on
 
 FORMAT = "specdec-ngram"
 VERSION = 1
@@ -128,25 +127,23 @@ class NgramDrafter:
         self.backend = None  # no model drafts
         self.min_share = min_share
         self.lookup = PromptLookupDrafter()
+        self.settings = DraftSettings()
 
-    def begin(self, prompt: torch.Tensor) -> None:
-        pass
+    def begin(self, settings: DraftSettings) -> None:
+        self.settings = settings
 
-    def accepted(self, counts: torch.Tensor) -> None:
+    def accept(self, n: int) -> None:
         pass
 
     def fork(self) -> NgramDrafter:
-        return self  # no per-sequence state
+        return NgramDrafter(self.table, self.min_share)  # shares the table; its settings are its own sequence's
 
-    def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
-    ) -> Proposal:
-        if context.shape[0] != 1:
-            raise ConfigError("the n-gram drafter drafts one sequence at a time")
-        copied = self.lookup.propose(context, k, sampling, seeds)
-        if copied.tokens.shape[1]:
+    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+        copied = self.lookup.propose(context, k)
+        if len(copied):
             return copied
-        history = context[0, -self.table.order :].tolist()
+        sampling, min_confidence = self.settings.sampling, self.settings.min_confidence
+        history = context[-self.table.order :].tolist()
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for _ in range(k):
@@ -163,9 +160,8 @@ class NgramDrafter:
                     break
                 dist = torch.zeros(self.table.vocab_size)
                 dist[torch.from_numpy(followers)] = torch.from_numpy(counts / counts.sum()).float()
-                token = int(torch.multinomial(dist, 1, generator=generator_on(seeds, dist.device)))
+                token = int(torch.multinomial(dist, 1, generator=rng_on(self.settings.rng, dist.device)))
                 probs.append(dist)
             tokens.append(token)
             history = (history + [token])[-self.table.order :]
-        ids = torch.tensor([tokens], dtype=torch.long, device=context.device)
-        return Proposal(ids, torch.tensor([len(tokens)], device=context.device), torch.stack(probs)[None] if probs else None)
+        return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)

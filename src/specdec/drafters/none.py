@@ -4,24 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from specdec.config import SamplingConfig
-from specdec.drafters.base import Proposal
-from specdec.verification.seeds import Seeds
+from specdec.drafters.base import DraftSettings, Proposal
 
 
 class NoDrafter:
     vocab_size = None
     backend = None  # no model drafts
 
-    def begin(self, prompt: torch.Tensor) -> None:
+    def begin(self, settings: DraftSettings) -> None:
         pass
 
-    def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
-    ) -> Proposal:
-        return Proposal.empty(context.shape[0], context.device)
+    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+        return Proposal.empty()
 
-    def accepted(self, counts: torch.Tensor) -> None:
+    def accept(self, n: int) -> None:
         pass
 
     def fork(self) -> NoDrafter:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.config import SamplingConfig
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import DraftSettings, Proposal
 from specdec.errors import ConfigError
-from specdec.verification.seeds import Seeds
 
 
 class PromptLookupDrafter:
@@ -25,32 +23,22 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def begin(self, prompt: torch.Tensor) -> None:
-        pass
+    def begin(self, settings: DraftSettings) -> None:
+        pass  # copies are deterministic: the same for greedy and sampled sequences
 
-    def propose(
-        self, context: torch.Tensor, k: int, sampling: SamplingConfig, seeds: Seeds | None, min_confidence: float = 0.0
-    ) -> Proposal:
-        rows = [self._lookup(row, k) for row in context]
-        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long, device=context.device)
-        tokens = torch.zeros(context.shape[0], max((len(r) for r in rows), default=0), dtype=torch.long, device=context.device)
-        for i, row in enumerate(rows):
-            tokens[i, : len(row)] = row
-        return Proposal(tokens, lengths)
-
-    def accepted(self, counts: torch.Tensor) -> None:
+    def accept(self, n: int) -> None:
         pass
 
     def fork(self) -> PromptLookupDrafter:
         return self  # no per-sequence state
 
-    def _lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
+    def propose(self, context: torch.Tensor, k: int) -> Proposal:
         """Up to k tokens that followed the most recent earlier match of the longest possible suffix."""
-        length = seq.shape[0]
+        length = context.shape[0]
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            windows = seq[: length - 1].unfold(0, n, 1)  # every n-gram that has at least one token after it
-            hits = (windows == seq[length - n :]).all(dim=1).nonzero()
+            windows = context[: length - 1].unfold(0, n, 1)  # every n-gram that has at least one token after it
+            hits = (windows == context[length - n :]).all(dim=1).nonzero()
             if hits.numel():
                 start = int(hits[-1]) + n
-                return seq[start : start + k]
-        return seq[:0]
+                return Proposal(context[start : start + k])
+        return Proposal(context[:0])

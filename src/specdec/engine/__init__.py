@@ -1,7 +1,8 @@
-"""The decode engine: the speculative loop and the Generator API around it."""
+"""The decode engine: one speculative step, the row lifecycle every driver uses, and the Generator API around them."""
 
-from specdec.engine.batch import BatchDecoder, Row
+from specdec.engine.decoder import Decoder, Update
 from specdec.engine.generator import Completion, GenerationResult, Generator
-from specdec.engine.loop import DecodeStats, speculative_decode
+from specdec.engine.stats import DecodeStats
+from specdec.engine.step import Row, speculative_step
 
-__all__ = ["BatchDecoder", "Completion", "DecodeStats", "GenerationResult", "Generator", "Row", "speculative_decode"]
+__all__ = ["Completion", "DecodeStats", "Decoder", "GenerationResult", "Generator", "Row", "Update", "speculative_step"]

@@ -10,18 +10,17 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
-import torch
-
 from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig, with_overrides
 from specdec.drafters import Drafter, build_drafter
-from specdec.engine.batch import BatchDecoder, Row
 from specdec.engine.costs import machine_batch_cost_curve, machine_cost_curve
-from specdec.engine.loop import DecodeStats, speculative_decode
+from specdec.engine.decoder import Decoder
+from specdec.engine.stats import DecodeStats
 from specdec.engine.text import TextTracker
 from specdec.errors import ConfigError, PromptError, VocabularyMismatchError
 from specdec.models import DEFAULT_TARGET, Backend, LoadedModel, Target, TransformersBackend, open_target
+from specdec.models.backend import OneRow
 from specdec.models.batched import BatchedTransformersBackend
-from specdec.quality import Guards, SentenceEmbedder, ignorable_tokens
+from specdec.quality import Guards, NoGuards, SentenceEmbedder, ignorable_tokens
 from specdec.scheduling import CostCurve, KPolicy, LoadWindow, build_k_policy, memory_in_use
 from specdec.verification.seeds import Seeds
 
@@ -157,7 +156,7 @@ class Generator:
         self,
         prompts: Sequence[str | list[int]],
         config: GenerationConfig | Sequence[GenerationConfig] | None = None,
-        decoder: BatchDecoder | None = None,
+        decoder: Decoder | None = None,
         **overrides: object,
     ) -> list[GenerationResult]:
         """Generate completions of many prompts together (one target forward per step for all); results in prompt order.
@@ -171,23 +170,18 @@ class Generator:
         if len(configs) != len(prompts):
             raise ConfigError(f"got {len(configs)} configs for {len(prompts)} prompts: pass one config, or one per prompt")
         runs = [self.completion(prompt, c, **overrides) for prompt, c in zip(prompts, configs, strict=True)]
-        decoder = decoder or self.batch_decoder()
-        by_row = {}
-        for run in runs:
-            row = self.start_row(run)
-            decoder.join(row)
-            by_row[row] = run
-        while decoder.rows:
-            for row, new in decoder.step().items():
-                by_row[row].take(new.tolist())
-            if decoder.failed:
-                raise next(iter(decoder.failed.values()))
-            for row in [r for r in decoder.rows if by_row[r].ended or decoder.exhausted(r)]:
-                by_row[row].close()
-                decoder.leave(row)
+        decoder = decoder if decoder is not None else self.batch_decoder()
+        try:
+            for run in runs:
+                self.admit(decoder, run)
+            while any(run in decoder.rows for run in runs):
+                decoder.step()
+        finally:  # a failure leaves a passed-in decoder without these runs
+            for run in runs:
+                decoder.leave(run)
         return [run.result() for run in runs]
 
-    def batch_decoder(self) -> BatchDecoder:
+    def batch_decoder(self) -> Decoder:
         """A decoder over this target's weights for sequences that join and leave between steps (the server's engine)."""
         if not isinstance(self.backend, TransformersBackend):
             raise ConfigError(
@@ -195,18 +189,15 @@ class Generator:
             )
         backend = BatchedTransformersBackend(self.backend.model, cuda_graphs=self.batch.cuda_graphs)
         if self.batch.window == "fixed":
-            return BatchDecoder(backend)
+            return Decoder(backend)
         memory = partial(memory_in_use, backend.device)
         window = LoadWindow(machine_batch_cost_curve(backend), self.batch.memory_threshold, memory)
-        return BatchDecoder(backend, window)
+        return Decoder(backend, window)
 
-    def start_row(self, run: Completion) -> Row:
-        """A batch row for ``run``: a forked drafter, a fresh k policy, the run's own random generator and stats."""
-        if run.guards is not None or run.config.typical_acceptance is not None:
-            raise ConfigError("guards and typical acceptance run in single-sequence generation (generate, stream), not in batches")
-        tokens = torch.tensor([run.prompt_ids], dtype=torch.long)
+    def admit(self, decoder: Decoder, run: Completion) -> None:
+        """Add ``run`` to a batch ``decoder`` with a forked drafter and a fresh k policy."""
         drafter = self.drafter.fork()  # first: a drafter that cannot fork is refused before anything is measured on it
-        return Row(tokens, run.config, drafter, self.k_policy(run.config), run.seeds, run.stats)
+        decoder.join(run, drafter, self.k_policy(run.config))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -242,8 +233,8 @@ def _quiet_copy(backend: Backend) -> Backend:
 class Completion:
     """One generation: iterating decodes it alone and yields text deltas; :meth:`result` gives the outcome afterwards.
 
-    In a batch (:meth:`Generator.start_row`) the decoder produces the tokens and
-    the caller hands each step's to :meth:`take`, then calls :meth:`close`.
+    In a batch (:meth:`Generator.admit`) the decoder decodes it with others, handing
+    each step's tokens to :meth:`take` and calling :meth:`close` when it ends.
     """
 
     def __init__(self, generator: Generator, prompt: str | list[int], config: GenerationConfig) -> None:
@@ -256,10 +247,10 @@ class Completion:
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason = "length"
         self.text = TextTracker(generator.tokenizer, config.stop) if generator.tokenizer is not None else None
-        self.seeds = Seeds(config.seed if config.seed is not None else random.randrange(2**63))
+        self.rng = Seeds(config.seed if config.seed is not None else random.randrange(2**63))
         guards = config.guards
         ignorable = generator.ignorable() if guards.repetition else frozenset()
-        self.guards = Guards(guards, len(self.prompt_ids), config.sampling.temperature, ignorable) if guards.active else None
+        self.guards = Guards(guards, len(self.prompt_ids), ignorable) if guards.active else NoGuards()
         if guards.drift_threshold is not None:
             if generator.tokenizer is None:
                 raise ConfigError("the drift monitor compares text, and this model has no tokenizer")
@@ -267,21 +258,20 @@ class Completion:
             self.prompt_text = generator.tokenizer.decode(self.prompt_ids, skip_special_tokens=True)
 
     def __iter__(self) -> Iterator[str]:
+        """Decode alone: the same step as a batch, on this Generator's own (or a forked) single-sequence backend."""
         gen = self.generator
-        prompt = torch.tensor([self.prompt_ids], dtype=torch.long)
         backend, drafter = gen.acquire()
         try:
-            policy = gen.k_policy(self.config)  # after acquiring: a first measurement must not disturb another run's cache
-            for new in speculative_decode(backend, drafter, policy, prompt, self.config, self.stats, self.seeds, self.guards):
-                piece = self.take(new.tolist())
-                if piece:
-                    yield piece
-                if self.ended:
-                    break
+            decoder = Decoder(OneRow(backend))
+            decoder.join(
+                self, drafter, gen.k_policy(self.config)
+            )  # after acquiring: a first measurement must not disturb another run's cache
+            while decoder.rows:
+                for update in decoder.step():
+                    if update.text:
+                        yield update.text
         finally:
             gen.release(backend)
-        if tail := self.close():
-            yield tail
 
     def take(self, ids: list[int]) -> str:
         """Add the tokens one step accepted; return the text they complete. Ends the run at EOS or a stop string (the stats then count only what was kept)."""
@@ -311,8 +301,8 @@ class Completion:
             similarity = self.embedder.similarity(self.prompt_text, [window])[0]
             if similarity < guards.drift_threshold:  # type: ignore[operator]
                 self.stats.events.append({"kind": "drift", "at": end, "similarity": round(similarity, 4)})
-                if guards.drift_anchor and self.guards is not None:
-                    self.guards.anchor_requested = True
+                if guards.drift_anchor:
+                    self.guards.anchor_requested = True  # type: ignore[union-attr]  # drift is a guard: self.guards is Guards
         self.stats.guard_s += time.perf_counter() - start
 
     @property

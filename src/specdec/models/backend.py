@@ -13,6 +13,8 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdec.errors import ConfigError
+
 
 class Backend(Protocol):
     """A model with a KV cache over one token sequence per batch row."""
@@ -45,6 +47,67 @@ class Backend(Protocol):
     def fork(self) -> Backend:
         """A backend over the same weights with an empty cache of its own."""
         ...
+
+
+class RowBackend(Protocol):
+    """A model with one cache row per sequence, each with its own length: what the decode step runs on.
+
+    Rows are numbered 0..rows-1 in the order they were added; removing rows renumbers the rest.
+    """
+
+    vocab_size: int
+    max_context: int
+    lengths: list[int]  # cached positions of each row
+
+    def add_rows(self, count: int) -> None:
+        """Append ``count`` empty rows."""
+        ...
+
+    def remove_rows(self, rows: list[int]) -> None:
+        """Drop rows (their cache is freed)."""
+        ...
+
+    def forward(self, rows: list[int], feeds: list[torch.Tensor], last: int) -> torch.Tensor:
+        """Append ``feeds[i]`` (1-D token ids) to row ``rows[i]``; logits [len(rows), last, V] of each feed's last ``last`` tokens, right-aligned."""
+        ...
+
+    def truncate(self, row: int, length: int) -> None:
+        """Keep only the first ``length`` cached positions of ``row``."""
+        ...
+
+
+class OneRow:
+    """A single-sequence :class:`Backend` seen as a :class:`RowBackend` of at most one row.
+
+    Runtimes without a batched implementation (llama.cpp), and single-sequence
+    generation, where the plain cache is the fastest, run the decode step this way.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.vocab_size = backend.vocab_size
+        self.max_context = backend.max_context
+        self._rows = 0
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self.backend.cached_length] * self._rows
+
+    def add_rows(self, count: int) -> None:
+        if self._rows + count > 1:
+            raise ConfigError("this backend decodes one sequence at a time: use the batched transformers backend for more")
+        self.backend.reset()
+        self._rows += count
+
+    def remove_rows(self, rows: list[int]) -> None:
+        self._rows -= len(rows)
+
+    def forward(self, rows: list[int], feeds: list[torch.Tensor], last: int) -> torch.Tensor:
+        (feed,) = feeds
+        return self.backend.forward(feed[None], last=last)
+
+    def truncate(self, row: int, length: int) -> None:
+        self.backend.truncate(length)
 
 
 class TransformersBackend:

@@ -82,7 +82,7 @@ class ModelSource:
     cache_key: str | None = None  # for GGUF sources: the converted copy's folder name
 
 
-DRAFTS_FOLDER = Path(__file__).resolve().parent.parent / "drafts"  # distilled drafts shipped in the package
+DRAFTS_FOLDER = Path(__file__).resolve().parent.parent / "data" / "drafts"  # distilled drafts shipped in the package
 
 
 def bundled_draft(target: str) -> Path | None:

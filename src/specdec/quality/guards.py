@@ -71,17 +71,44 @@ def ignorable_tokens(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     return frozenset(i for i, text in enumerate(texts) if not any(ch.isalnum() for ch in text))
 
 
-class Guards:
-    """The guards of one generation: logits adjustments, proposal trimming, and when to anchor."""
+class NoGuards:
+    """The guard hook of a sequence without guards: the decode step calls it like :class:`Guards`, and nothing changes."""
 
-    def __init__(self, config: GuardConfig, prompt_length: int, temperature: float, ignorable: frozenset[int] = frozenset()) -> None:
+    def anchor_due(self, new_tokens: int) -> bool:
+        return False
+
+    def trim(self, context: torch.Tensor, drafts: torch.Tensor) -> int:
+        return drafts.shape[0]
+
+    def adjust(self, context: torch.Tensor, drafts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def settle(self, at: int, accepted: int, anchored: bool) -> list[dict[str, object]]:
+        return []
+
+
+class Guards:
+    """The guards of one generation, as the decode step's hook: when to anchor, draft trimming, logits adjustments, events.
+
+    The step calls, for each of its sequence's steps: :meth:`anchor_due` (a
+    target-only step?), :meth:`trim` on deterministic drafts, :meth:`adjust`
+    on the target's logits at the verified positions, and :meth:`settle` once the step is decided.
+    """
+
+    def __init__(self, config: GuardConfig, prompt_length: int, ignorable: frozenset[int] = frozenset()) -> None:
         self.config = config
         self.prompt_length = prompt_length
-        self.temperature = temperature  # the request's, which shaping divides by
         self.ignorable = ignorable
         self.next_anchor = config.anchor_every
         self.anchor_requested = False  # set by a drift event when config.drift_anchor
         self._loops: dict[int, Loop | None] = {}  # accepted output length -> the loop the output of that length ends in
+        self._context: tuple[torch.Tensor, list[int]] | None = None  # the step's context, read into a list once
+        self._blocked: list[int] = []  # positions of the last adjust() where a loop was blocked
+
+    def _as_list(self, context: torch.Tensor) -> list[int]:
+        if self._context is None or self._context[0] is not context:
+            self._context = (context, context.tolist())
+        return self._context[1]
 
     def _loop_at(self, output: list[int], length: int, accepted: int) -> Loop | None:
         """The loop ``output[:length]`` ends in (remembered for accepted prefixes, which never change)."""
@@ -116,28 +143,35 @@ class Guards:
         start, end = self.config.temperature_schedule  # type: ignore[misc]
         return start + (end - start) * min(new_index / self.config.schedule_tokens, 1.0)
 
-    def adjust(self, tokens: list[int], drafts: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Guarded logits [n, V] for positions following ``tokens + drafts[:i]``; also the positions where a loop was blocked."""
-        c = self.config
-        if not c.repetition and c.temperature_schedule is None:
-            return logits, []
-        logits = logits.float().clone()
-        blocked = []
-        for i in range(logits.shape[0]):
-            context = tokens + drafts[:i]
-            if banned := self.blocked(context, len(tokens)):
-                logits[i, list(banned)] = float("-inf")
-                blocked.append(i)
-            if c.temperature_schedule is not None:  # shaping divides by the request's temperature: the result is the scheduled one
-                logits[i] *= self.temperature / self.temperature_at(len(context) - self.prompt_length)
-        return logits, blocked
+    def adjust(self, context: torch.Tensor, drafts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | None:
+        """Block looping tokens in ``logits`` [n + 1, V] (in place) at the positions following ``context + drafts[:i]``.
 
-    def trim(self, tokens: list[int], drafts: list[int]) -> int:
+        Returns the scheduled temperature of each position [n + 1] for the
+        verifier (None without a schedule); the request's own temperature
+        still shapes the drafts, which exact verification allows.
+        """
+        c = self.config
+        self._blocked = []
+        if c.repetition:
+            tokens, extra = self._as_list(context), drafts.tolist()
+            for i in range(logits.shape[0]):
+                if banned := self.blocked(tokens + extra[:i], len(tokens)):
+                    logits[i, list(banned)] = float("-inf")
+                    self._blocked.append(i)
+        if c.temperature_schedule is None:
+            return None
+        produced = context.shape[0] - self.prompt_length
+        return torch.tensor([self.temperature_at(produced + i) for i in range(logits.shape[0])]).to(logits.device)
+
+    def trim(self, context: torch.Tensor, drafts: torch.Tensor) -> int:
         """How many leading draft tokens the guard lets through (for deterministic drafts: a blocked token would be rejected)."""
-        for i, token in enumerate(drafts):
-            if token in self.blocked(tokens + drafts[:i], len(tokens)):
+        if not self.config.repetition:
+            return drafts.shape[0]
+        tokens, extra = self._as_list(context), drafts.tolist()
+        for i, token in enumerate(extra):
+            if token in self.blocked(tokens + extra[:i], len(tokens)):
                 return i
-        return len(drafts)
+        return len(extra)
 
     def anchor_due(self, new_tokens: int) -> bool:
         """Whether the next step is a target-only anchor step (every anchor_every tokens, or after a drift event)."""
@@ -148,3 +182,9 @@ class Guards:
                 while self.next_anchor <= new_tokens:
                     self.next_anchor += self.config.anchor_every  # type: ignore[operator]
         return due
+
+    def settle(self, at: int, accepted: int, anchored: bool) -> list[dict[str, object]]:
+        """Events of the step just decided, whose first new token is output token ``at``: loops blocked where output was kept, an anchor."""
+        events: list[dict[str, object]] = [{"kind": "loop_blocked", "at": at + i} for i in self._blocked if i <= accepted]
+        self._blocked = []
+        return events + ([{"kind": "anchor", "at": at}] if anchored else [])

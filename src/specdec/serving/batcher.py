@@ -1,12 +1,13 @@
-"""Continuous batching: one thread owns the batch decoder; requests join it between steps and leave when done.
+"""Continuous batching: one thread owns the engine's decoder; requests join it between steps and leave when done.
 
 HTTP handlers run on the event loop and never touch the model. They submit a
 Job and read its events from an asyncio queue that this thread fills:
 ("text", piece) as tokens are accepted, then ("done", GenerationResult) or
 ("error", (HTTP status, message)). Between two steps the thread admits waiting
-jobs up to ``max_batch`` rows and drops finished or cancelled ones, whose
-cache slots are freed at once. A failing step fails the jobs of that step
-with an error event and the loop goes on serving the others.
+jobs up to ``max_batch`` rows and drops cancelled ones (the decoder retires
+finished ones itself), whose cache slots are freed at once. A request the
+engine cannot take (its drafter refuses its settings) fails alone with a 400; a
+failing step fails the jobs of that step and the loop goes on serving the others.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from specdec.engine import Completion, Generator, Row
+from specdec.engine import Completion, Generator
+from specdec.errors import SpecDecError
 from specdec.serving.metrics import Metrics
 
 log = logging.getLogger("specdec.serve")
@@ -63,7 +65,7 @@ class Batcher:
         self.metrics = metrics
         self.decoder = generator.batch_decoder()
         self.waiting: deque[Job] = deque()
-        self.active: dict[Row, Job] = {}
+        self.active: dict[Completion, Job] = {}
         self._wake = threading.Condition()
         self._accepting = True
         self._stop = False
@@ -120,29 +122,25 @@ class Batcher:
                 self._step()
             except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
                 log.exception("a decoding step failed")
-                for row in list(self.active):
-                    self._finish(row, error=(500, f"internal error while decoding: {exc}"))
+                for run in list(self.active):
+                    self._finish(run, error=(500, f"internal error while decoding: {exc}"))
         for job in list(self.waiting) + list(self.active.values()):
             job.emit("error", (503, "the server shut down before this request finished"))
 
     def _step(self) -> None:
-        """One decoding step of the batch: hand out the new text, then retire the rows that ended."""
-        new = self.decoder.step()
-        for row, tokens in new.items():
-            job = self.active[row]
+        """One decoding step of the batch: hand out the new text, answer the requests that ended, drop the cancelled ones."""
+        for update in self.decoder.step():
+            job = self.active[update.run]
             if job.first_token_s is None:
                 job.first_token_s = time.perf_counter() - job.submitted
                 self.metrics.ttft.observe(job.first_token_s)
-            piece = job.completion.take(tokens.tolist())
-            if piece:
-                job.emit("text", piece)
-        for row, job in list(self.active.items()):
-            if row in self.decoder.failed:
-                self._finish(row, error=(400, str(self.decoder.failed[row])))
-            elif job.cancelled.is_set():
-                self._finish(row, error=None, cancelled=True)
-            elif job.completion.ended or self.decoder.exhausted(row):
-                self._finish(row, error=None)
+            if update.text:
+                job.emit("text", update.text)
+            if update.done:
+                self._finish(update.run, error=None)
+        for run, job in list(self.active.items()):
+            if job.cancelled.is_set():
+                self._finish(run, error=None, cancelled=True)
 
     def _admit(self) -> None:
         """Move waiting jobs into the batch while there is room (called with the lock held)."""
@@ -151,29 +149,26 @@ class Batcher:
             if job.cancelled.is_set():
                 continue
             try:
-                row = self.generator.start_row(job.completion)
-                self.decoder.join(row)
+                self.generator.admit(self.decoder, job.completion)
+            except SpecDecError as exc:  # the request asks what this engine cannot do (e.g. sampling with a greedy-only drafter)
+                job.emit("error", (400, str(exc)))
+                continue
             except Exception as exc:  # noqa: BLE001 - a request the engine cannot take fails alone
                 job.emit("error", (500, f"could not start decoding: {exc}"))
                 continue
-            self.active[row] = job
+            self.active[job.completion] = job
         self.metrics.queue_depth.set(len(self.waiting))
         self.metrics.active.set(len(self.active))
 
-    def _finish(self, row: Row, error: tuple[int, str] | None, cancelled: bool = False) -> None:
-        """Take ``row`` out of the batch and tell its handler how it ended (``error``: HTTP status and message)."""
-        job = self.active[row]
-        if error is None:  # first what can fail (the row is then still whole, for the step's error handling), and
-            tail = job.completion.close()  # counted before the row stops showing as running, so /health and /metrics agree
-            self.metrics.record(job.completion, time.perf_counter() - job.submitted, cancelled)
-        self.decoder.leave(row)
-        del self.active[row]
+    def _finish(self, run: Completion, error: tuple[int, str] | None, cancelled: bool = False) -> None:
+        """Take ``run`` out of the batch (if the decoder has not retired it) and tell its handler how it ended (``error``: HTTP status and message)."""
+        job = self.active[run]
+        if error is None:  # counted before the request stops showing as running, so /health and /metrics agree
+            self.metrics.record(run, time.perf_counter() - job.submitted, cancelled)
+        self.decoder.leave(run)
+        del self.active[run]
         self.metrics.active.set(len(self.active))
         if error is not None:
             job.emit("error", error)
-            return
-        if cancelled:
-            return
-        if tail:
-            job.emit("text", tail)
-        job.emit("done", job.completion.result())
+        elif not cancelled:
+            job.emit("done", run.result())

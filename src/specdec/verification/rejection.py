@@ -35,7 +35,8 @@ def verify(
     target_logits: torch.Tensor,
     draft_probs: torch.Tensor | None,
     sampling: SamplingConfig,
-    generator: torch.Generator | None = None,
+    rng: torch.Generator | None = None,
+    temperature: torch.Tensor | None = None,
 ) -> Verdict:
     """Decide acceptance for a batch of draft runs.
 
@@ -48,7 +49,8 @@ def verify(
         draft_probs: [B, k, V] the (shaped) distributions the drafts were drawn from,
             or None when the drafter is deterministic (one-hot q).
         sampling: the shaping applied to the target logits (and already to draft_probs).
-        generator: random source, for reproducible runs.
+        rng: random source, for reproducible runs.
+        temperature: [B, k + 1] per-position temperatures replacing ``sampling.temperature`` (a scheduled temperature), or None.
     """
     k = draft_tokens.shape[1]
     in_range = torch.arange(k, device=target_logits.device)[None, :] < draft_lengths[:, None]
@@ -58,10 +60,10 @@ def verify(
         accepted = leading_true(ok)
         return Verdict(accepted, choice.gather(1, accepted[:, None]).squeeze(1))
 
-    p = to_probs(target_logits, sampling)
+    p = to_probs(target_logits, sampling, temperature)
     p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
     q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    u = torch.rand(p_draft.shape, generator=generator, device=p.device)
+    u = torch.rand(p_draft.shape, generator=rng, device=p.device)
     ok = (u * q_draft < p_draft) & in_range  # u < p/q without dividing by zero
     accepted = leading_true(ok)
 
@@ -75,7 +77,7 @@ def verify(
         else:
             q_next = draft_probs[rows, at]
         p_next = torch.where(rejected[:, None], residual_distribution(p_next, q_next), p_next)
-    next_token = torch.multinomial(p_next, 1, generator=generator).squeeze(1)
+    next_token = torch.multinomial(p_next, 1, generator=rng).squeeze(1)
     return Verdict(accepted, next_token)
 
 

@@ -11,13 +11,15 @@ import torch
 from specdec.config import SamplingConfig
 
 
-def shape_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+def shape_logits(logits: torch.Tensor, sampling: SamplingConfig, temperature: torch.Tensor | None = None) -> torch.Tensor:
     """Return float32 logits divided by the temperature, with filtered entries at -inf.
 
     ``logits`` has the vocabulary as its last dimension; any leading shape is kept.
+    ``temperature`` (optional, the leading shape of ``logits``) replaces the
+    sampling temperature position by position: a guard's temperature schedule.
     Must not be called in greedy mode (temperature 0), where only the argmax matters.
     """
-    logits = logits.float() / sampling.temperature
+    logits = logits.float() / (sampling.temperature if temperature is None else temperature[..., None])
     vocab = logits.shape[-1]
     if sampling.top_k is not None and sampling.top_k < vocab:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
@@ -32,6 +34,6 @@ def shape_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
     return logits
 
 
-def to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Shaped probability distribution (float32) over the last dimension."""
-    return shape_logits(logits, sampling).softmax(dim=-1)
+def to_probs(logits: torch.Tensor, sampling: SamplingConfig, temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """Shaped probability distribution (float32) over the last dimension (see :func:`shape_logits`)."""
+    return shape_logits(logits, sampling, temperature).softmax(dim=-1)

@@ -23,16 +23,17 @@ def typical_verify(
     target_logits: torch.Tensor,
     sampling: SamplingConfig,
     rule: TypicalAcceptance,
-    generator: torch.Generator | None = None,
+    rng: torch.Generator | None = None,
+    temperature: torch.Tensor | None = None,
 ) -> Verdict:
     """Accept drafts [B, k] against target logits [B, k + 1, V] by the typical rule; see :func:`verify` for the shapes."""
     k = draft_tokens.shape[1]
-    p = target_logits.float().softmax(dim=-1) if sampling.greedy else to_probs(target_logits, sampling)
+    p = target_logits.float().softmax(dim=-1) if sampling.greedy else to_probs(target_logits, sampling, temperature)
     entropy = -(p * p.clamp(min=1e-30).log()).sum(dim=-1)
     threshold = torch.minimum(torch.full_like(entropy, rule.epsilon), rule.alpha * torch.exp(-entropy))
     p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
     in_range = torch.arange(k, device=target_logits.device)[None, :] < draft_lengths[:, None]
     accepted = leading_true((p_draft > threshold[:, :k]) & in_range)
     p_next = p[torch.arange(p.shape[0], device=p.device), accepted]
-    next_token = p_next.argmax(dim=-1) if sampling.greedy else torch.multinomial(p_next, 1, generator=generator).squeeze(1)
+    next_token = p_next.argmax(dim=-1) if sampling.greedy else torch.multinomial(p_next, 1, generator=rng).squeeze(1)
     return Verdict(accepted, next_token)

@@ -1,0 +1,126 @@
+"""The row lifecycle: completions join, step together and leave; every driver (generate, stream, generate_batch, the server) uses it.
+
+A joining completion becomes a :class:`~specdec.engine.step.Row` with its own
+drafter, k policy, random generators, guards and stats. Each :meth:`Decoder.step`
+runs the speculative step over every row (joining rows' prompts are read in
+forwards of their own, grouped by similar length, so that no row is padded
+much), hands each row's new tokens to its completion, and retires the rows
+that ended (EOS, a stop string, their token budget or the model's context).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec.drafters.base import Drafter
+from specdec.engine.step import Row, speculative_step
+from specdec.errors import PromptError
+from specdec.models.backend import RowBackend
+from specdec.scheduling import KPolicy, LoadWindow
+
+if TYPE_CHECKING:
+    from specdec.engine.generator import Completion
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one step of the decoder did, for schedulers and benchmarks."""
+
+    rows: int
+    window: int | None  # the cap on k, None when no window is used
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one step did for one completion."""
+
+    run: Completion
+    text: str  # the text the step completed (and, when the run ended, the text held back until then)
+    done: bool  # the run ended and left the decoder; its result is settled
+
+
+class Decoder:
+    """Completions decoded together on one :class:`RowBackend`, joining and leaving between steps.
+
+    ``window`` (optional) caps every row's k each step from the load; without it
+    each row drafts what its own policy chooses.
+    """
+
+    def __init__(self, backend: RowBackend, window: LoadWindow | None = None) -> None:
+        self.backend = backend
+        self.window = window
+        self.rows: dict[Completion, Row] = {}  # in the backend's row order
+        self.reports: list[StepReport] = []
+        self._draft_s_per_token = 0.0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def join(self, run: Completion, drafter: Drafter, policy: KPolicy) -> None:
+        """Add ``run`` with its own ``drafter`` and ``policy``; its prompt is read at the next step.
+
+        Raises ConfigError when the drafter cannot serve the run's settings, PromptError when the prompt fills the context.
+        """
+        if len(run.prompt_ids) >= self.backend.max_context:
+            raise PromptError(f"a prompt of {len(run.prompt_ids)} tokens does not fit the context of {self.backend.max_context}")
+        row = Row(torch.tensor(run.prompt_ids, dtype=torch.long), run.config, drafter, policy, run.rng, run.stats, run.guards)
+        row.stats.lossy = run.config.typical_acceptance is not None
+        drafter.begin(row.draft_settings)
+        self.backend.add_rows(1)
+        self.rows[run] = row
+
+    def leave(self, run: Completion) -> None:
+        """Remove ``run`` (finished, cancelled or failed) and free its cache; a run not in the decoder is ignored."""
+        if run in self.rows:
+            self.backend.remove_rows([list(self.rows).index(run)])
+            del self.rows[run]
+
+    def step(self) -> list[Update]:
+        """Advance every row by one speculative step; hand each completion its tokens; retire the rows that ended."""
+        if not self.rows:
+            return []
+        start = time.perf_counter()
+        rows = list(self.rows.values())
+        window = self._window(rows)
+        slot = {row: i for i, row in enumerate(rows)}
+        joining = [row for row in rows if self.backend.lengths[slot[row]] == 0]
+        running = [row for row in rows if self.backend.lengths[slot[row]] > 0]
+        new: dict[Row, torch.Tensor] = {}
+        for group in _by_length(joining) + ([running] if running else []):
+            result = speculative_step(self.backend, [slot[row] for row in group], group, window)
+            new.update(zip(group, result.new, strict=True))
+            if result.drafted:
+                self._draft_s_per_token += 0.5 * (result.draft_s / result.drafted - self._draft_s_per_token)
+        self.reports.append(StepReport(len(rows), window, time.perf_counter() - start))
+
+        updates = []
+        for run, row in list(self.rows.items()):
+            text = run.take(new[row].tolist())
+            done = run.ended or row.stats.new_tokens >= row.config.max_new_tokens or row.length >= self.backend.max_context
+            if done:
+                text += run.close()
+                self.leave(run)
+            updates.append(Update(run, text, done))
+        return updates
+
+    def _window(self, rows: list[Row]) -> int | None:
+        if self.window is None:
+            return None
+        max_k = max(row.config.k for row in rows)
+        return self.window.choose([row.acceptance.value for row in rows], self._draft_s_per_token, max_k)
+
+
+def _by_length(rows: list[Row]) -> list[list[Row]]:
+    """Joining rows in groups of similar prompt length, so that reading prompts together pads little."""
+    groups: list[list[Row]] = []
+    for row in sorted(rows, key=lambda r: r.length):
+        if groups and row.length - groups[-1][0].length <= max(8, groups[-1][0].length // 4):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups

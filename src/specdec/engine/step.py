@@ -1,0 +1,171 @@
+"""The speculative step: every row drafts, one target forward scores all drafts, each row keeps its accepted prefix.
+
+One step, for rows of any number (batch 1 is a batch: single-sequence
+generation runs it on a :class:`~specdec.models.backend.OneRow` backend):
+
+1. each row's k policy chooses k, capped by the batch's window and the row's
+   limits (a step yields the accepted drafts plus one target token, never past
+   max_new_tokens or the context), and its drafter proposes up to k tokens
+   (none on a guard's anchor step);
+2. each row is fed the tokens its cache lacks (the whole prompt at its first
+   step, afterwards the pending token, the last one produced) followed by its
+   drafts, all rows in ONE target forward;
+3. each row's guards adjust its logits, then the verifier judges the drafts:
+   exact greedy rows in one vectorised call, every other row alone with its own
+   random generator, on the device of the logits;
+4. each row's cache is rolled back to its accepted prefix, and its drafter,
+   k policy and stats learn what happened.
+
+Invariant between steps: the target's cache holds every token of a row but the pending one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import GenerationConfig
+from specdec.drafters.base import Drafter, DraftSettings, Proposal
+from specdec.engine.stats import DecodeStats
+from specdec.models.backend import RowBackend
+from specdec.quality.guards import Guards, NoGuards
+from specdec.scheduling import AcceptanceEstimate, KPolicy, StepOutcome
+from specdec.verification import typical_verify, verify
+from specdec.verification.seeds import Seeds
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence: its tokens and everything that decides its steps."""
+
+    tokens: torch.Tensor  # [T] on the host: the prompt and every token accepted so far
+    config: GenerationConfig
+    drafter: Drafter
+    policy: KPolicy
+    rng: Seeds
+    stats: DecodeStats
+    guards: Guards | NoGuards = field(default_factory=NoGuards)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # what the batch's window reads
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def draft_settings(self) -> DraftSettings:
+        return DraftSettings(self.config.sampling, self.rng, self.policy.min_confidence)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One row's part of a step before verification."""
+
+    chosen: int  # the k policy's choice
+    k: int  # draft tokens requested: the choice within the window and the row's limits (0 on an anchor step)
+    proposal: Proposal
+    seconds: float
+    anchored: bool  # a guard made this a target-only step
+
+
+@dataclass(frozen=True)
+class StepResult:
+    new: list[torch.Tensor]  # per row: its accepted drafts and the target's next token, on the host
+    drafted: int  # draft tokens proposed over all rows
+    draft_s: float  # seconds spent drafting over all rows
+
+
+@torch.inference_mode()
+def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], window: int | None = None) -> StepResult:
+    """Advance ``rows`` (held in ``target``'s cache rows ``slots``) by one speculative step; ``window`` caps every row's k."""
+    t0 = time.perf_counter()
+    drafts = [_draft(row, window, target.max_context) for row in rows]
+    t1 = time.perf_counter()
+    lengths = [len(d.proposal) for d in drafts]
+    feeds = [
+        torch.cat([row.tokens[target.lengths[slot] :], d.proposal.tokens.cpu()]) for row, slot, d in zip(rows, slots, drafts, strict=True)
+    ]
+    logits = _align(target.forward(slots, feeds, last=max(lengths) + 1), lengths)
+    verdicts = _verify(rows, [d.proposal for d in drafts], logits)
+    t2 = time.perf_counter()
+
+    new = []
+    for i, (row, slot, d) in enumerate(zip(rows, slots, drafts, strict=True)):
+        accepted, next_token = verdicts[i]
+        target.truncate(slot, row.length + accepted)
+        if d.k:  # a step without drafts leaves the drafter's state as it was
+            row.drafter.accept(accepted)
+        tokens = torch.cat([d.proposal.tokens[:accepted].cpu(), torch.tensor([next_token])])
+        row.tokens = torch.cat([row.tokens, tokens])
+        row.policy.observe(StepOutcome(lengths[i], accepted, d.seconds, row.length, logits[i, : accepted + 1], tokens))
+        row.acceptance.observe(lengths[i], accepted)
+        row.stats.record_step(d.chosen, d.k, lengths[i], accepted, len(tokens), d.seconds, t2 - t1, time.perf_counter() - row.started)
+        row.stats.events += row.guards.settle(row.stats.new_tokens - len(tokens), accepted, d.anchored)
+        if d.anchored:
+            row.stats.anchors += 1
+            row.drafter.begin(row.draft_settings)  # resynchronise the drafter on the whole context
+        new.append(tokens)
+    return StepResult(new, sum(lengths), t1 - t0)
+
+
+def _draft(row: Row, window: int | None, max_context: int) -> Draft:
+    chosen = row.policy.choose(row.length)
+    limit = min(row.config.max_new_tokens - row.stats.new_tokens, max_context - row.length) - 1
+    k = max(0, min(chosen, limit, chosen if window is None else window))
+    anchored = row.guards.anchor_due(row.stats.new_tokens)
+    if anchored or not k:
+        return Draft(chosen, 0, Proposal.empty(), 0.0, anchored)
+    start = time.perf_counter()
+    proposal = row.drafter.propose(row.tokens, k)
+    if proposal.probs is None:  # a deterministic draft token that a guard blocks would only be rejected
+        g0 = time.perf_counter()
+        proposal = proposal.cut(row.guards.trim(row.tokens, proposal.tokens))
+        row.stats.guard_s += time.perf_counter() - g0
+    return Draft(chosen, k, proposal, time.perf_counter() - start, anchored)
+
+
+def _align(logits: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Logits [B, width + 1, V] with position j of row i judging that row's draft j (feeds end in their drafts, so rows with fewer are shifted left)."""
+    width = logits.shape[1] - 1
+    if all(n == width for n in lengths):
+        return logits
+    device = logits.device
+    shift = torch.tensor([width - n for n in lengths]).to(device)
+    columns = (torch.arange(width + 1, device=device)[None, :] + shift[:, None]).clamp(max=width)
+    return logits.gather(1, columns[:, :, None].expand(-1, -1, logits.shape[-1]))
+
+
+def _verify(rows: list[Row], proposals: list[Proposal], logits: torch.Tensor) -> list[tuple[int, int]]:
+    """(accepted, next token) per row: guards adjust the logits, exact greedy rows are judged together, other rows alone."""
+    device = logits.device
+    lengths = [len(p) for p in proposals]
+    tokens = torch.zeros(len(rows), logits.shape[1] - 1, dtype=torch.long)
+    for i, p in enumerate(proposals):
+        tokens[i, : lengths[i]] = p.tokens.cpu()
+    tokens, counts = tokens.to(device), torch.tensor(lengths).to(device)
+    temperatures = []
+    for i, (row, p) in enumerate(zip(rows, proposals, strict=True)):
+        g0 = time.perf_counter()
+        temperatures.append(row.guards.adjust(row.tokens, p.tokens, logits[i, : lengths[i] + 1]))
+        row.stats.guard_s += time.perf_counter() - g0
+
+    verdicts = torch.zeros(2, len(rows), dtype=torch.long)
+    together = [i for i, row in enumerate(rows) if row.config.sampling.greedy and row.config.typical_acceptance is None]
+    if together:
+        pick = slice(None) if len(together) == len(rows) else torch.tensor(together).to(device)
+        verdict = verify(tokens[pick], counts[pick], logits[pick], None, rows[together[0]].config.sampling)
+        verdicts[:, together] = verdict.on_host()
+    for i in sorted(set(range(len(rows))) - set(together)):
+        config, n = rows[i].config, lengths[i]
+        rng, temperature = rows[i].rng.on(device), temperatures[i]
+        args = (tokens[i : i + 1, :n], counts[i : i + 1], logits[i : i + 1, : n + 1])
+        temperature = None if temperature is None else temperature[None]
+        if config.typical_acceptance is not None:
+            verdict = typical_verify(*args, config.sampling, config.typical_acceptance, rng, temperature)
+        else:
+            probs = None if proposals[i].probs is None else proposals[i].probs.to(device)[None]
+            verdict = verify(*args, probs, config.sampling, rng, temperature)
+        verdicts[:, i] = verdict.on_host()[:, 0]
+    return verdicts.T.tolist()
