@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -177,3 +178,35 @@ def test_layer_skip_needs_the_transformers_backend() -> None:
     target.backend = object()  # any other runtime
     with pytest.raises(ConfigError, match="backend transformers"):
         build_drafter("layerskip:1", target)
+
+
+def _readme_drafter_example() -> tuple[str, str]:
+    """The README's example drafter: the class, then its use."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("### Writing a drafter", 1)[1].split("\n### ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 2, "the README's drafter section should hold the class and its use"
+    return blocks[0], blocks[1]
+
+
+def test_the_readme_example_drafter_keeps_greedy_identity() -> None:
+    definition, _ = _readme_drafter_example()
+    assert len(definition.strip().splitlines()) <= 32  # a drafter is one small class
+    namespace: dict = {}
+    exec(definition, namespace)  # noqa: S102 - the README's own code
+    target = loaded(tiny_llama(0, vocab=len(TOKENIZER)), tokenizer=TOKENIZER)
+    settings = dict(max_new_tokens=30, stop_on_eos=False, k=4, k_policy="fixed")
+    expected = Generator(target, "none").generate("abc", **settings)
+    reference = TOKENIZER("abc", add_special_tokens=False)["input_ids"] + expected.token_ids  # the text the output quotes
+    got = Generator(target, namespace["ReferenceDrafter"](reference)).generate("abc", **settings)
+    assert got.token_ids == expected.token_ids
+    assert got.stats.draft_tokens_accepted > 0  # it did draft
+    batched = Generator(target, namespace["ReferenceDrafter"](reference)).generate_batch(["abc", "xyz"], **settings)
+    assert batched[0].token_ids == expected.token_ids
+
+
+@pytest.mark.real_model
+def test_the_readme_example_drafter_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    definition, use = _readme_drafter_example()
+    exec(definition + use, {})  # noqa: S102 - the README's own code
+    assert capsys.readouterr().out.strip()

@@ -20,6 +20,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import GenerationConfig, Generator
+from specdec.config import GuardConfig, TypicalAcceptance
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
@@ -147,6 +148,29 @@ def test_greedy_through_the_server_equals_specdec_generate(server: Server, folde
     assert got.choices[0].text == cli["text"]
 
 
+def test_guards_and_typical_acceptance_through_the_server(server: Server, local: Generator) -> None:
+    """The library's guard and typical-acceptance settings as request fields: the server's output is the library's."""
+    guards = {"repetition": True, "loop_repeats": 2, "loop_min_span": 4, "anchor_every": 6}
+    model = server.client.models.list().data[0].id
+    for extra in ({"guards": guards}, {"typical_acceptance": {"epsilon": 0.2}}, {"guards": guards, "typical_acceptance": {}}):
+        config = GenerationConfig(
+            k=4,
+            k_policy="fixed",
+            max_new_tokens=40,
+            guards=GuardConfig(**extra.get("guards", {})),
+            typical_acceptance=TypicalAcceptance(**extra["typical_acceptance"]) if "typical_acceptance" in extra else None,
+        )
+        expected = local.generate(PROMPTS[0], config)
+        got = server.client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=40, temperature=0, extra_body=extra)
+        assert got.choices[0].text == expected.text, extra
+    scheduled = {"guards": {"temperature_schedule": [0.5, 1.5], "schedule_tokens": 20}}
+    runs = [
+        server.client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=20, temperature=1.0, seed=5, extra_body=scheduled)
+        for _ in range(2)
+    ]
+    assert runs[0].choices[0].text == runs[1].choices[0].text  # a scheduled temperature samples, reproducibly with a seed
+
+
 def test_sixteen_concurrent_clients(server: Server, local: Generator) -> None:
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(16)]
     expected = [local.generate(p, max_new_tokens=16 + i).text for i, p in enumerate(prompts)]
@@ -214,6 +238,10 @@ def test_disconnect_cancels_and_frees_capacity(server: Server) -> None:
         ({"prompt": "x" * 300, "max_tokens": 5}, 400, "prompt", "context of 256"),
         ({"prompt": "hi", "max_tokens": 300}, 400, "prompt", "maximum context length is 256"),
         ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "does not exist"),
+        ({"prompt": "hi", "guards": {"colour": 1}}, 400, "guards", "no field 'colour'"),
+        ({"prompt": "hi", "guards": {"drift_threshold": 0.5}}, 400, "guards", "no field 'drift_threshold'"),
+        ({"prompt": "hi", "guards": {"anchor_every": 0}}, 400, "guards", "anchor_every must be >= 1"),
+        ({"prompt": "hi", "typical_acceptance": {"epsilon": 0}}, 400, "typical_acceptance", "epsilon"),
     ],
 )
 def test_bad_completion_requests(server: Server, body: dict, status: int, param: str, message: str) -> None:

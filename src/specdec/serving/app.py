@@ -120,7 +120,11 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
             )
         max_tokens = budget or config.default_max_tokens
         try:
-            completion = generator.completion(prompt, body.generation_config(generator.config, max_tokens))
+            settings = body.generation_config(generator.config, max_tokens)
+        except SpecDecError as exc:  # a sampling, guard or acceptance setting
+            raise api.APIError(400, str(exc)) from None
+        try:
+            completion = generator.completion(prompt, settings)
         except SpecDecError as exc:
             raise api.APIError(400, str(exc), param=field) from None
         used, limit = len(completion.prompt_ids), generator.backend.max_context

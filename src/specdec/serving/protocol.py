@@ -4,19 +4,23 @@ Requests are validated here so that a bad field gets a 400 naming it, in the
 shape OpenAI clients parse ({"error": {"message", "type", "param", "code"}}).
 Fields OpenAI defines that change what is generated and that specdec does
 not implement (n > 1, logprobs, echo, penalties, logit_bias) are refused
-by name rather than ignored.
+by name rather than ignored. Two specdec extensions take the library's own
+settings: ``guards`` (GuardConfig's fields) and ``typical_acceptance``
+(TypicalAcceptance's fields; LOSSY), each an object whose omitted fields keep the library's defaults.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from dataclasses import fields
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec.config import GenerationConfig, SamplingConfig
+from specdec.config import GenerationConfig, GuardConfig, SamplingConfig, TypicalAcceptance
 from specdec.engine import GenerationResult
+from specdec.errors import ConfigError
 
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait before retrying
 
@@ -63,6 +67,8 @@ class OpenAIRequest(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    guards: dict[str, Any] | None = None  # specdec: long-generation guards, GuardConfig's fields (drift excepted)
+    typical_acceptance: dict[str, float] | None = None  # specdec: LOSSY typical acceptance, TypicalAcceptance's fields
 
     def unsupported(self) -> None:
         """Refuse OpenAI options that would change the output and that specdec does not implement."""
@@ -84,6 +90,7 @@ class OpenAIRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def generation_config(self, defaults: GenerationConfig, max_tokens: int) -> GenerationConfig:
+        """The library's config for this request; an invalid sampling, guard or acceptance setting raises ConfigError."""
         sampling = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
         return GenerationConfig(
             k=defaults.k,
@@ -93,7 +100,29 @@ class OpenAIRequest(BaseModel):
             stop=self.stops,
             seed=self.seed,
             stop_on_eos=not self.ignore_eos,
+            guards=_settings(GuardConfig, self.guards, "guards", SERVER_GUARDS) if self.guards is not None else GuardConfig(),
+            typical_acceptance=_settings(TypicalAcceptance, self.typical_acceptance, "typical_acceptance")
+            if self.typical_acceptance is not None
+            else None,
         )
+
+
+# The drift monitor runs a sentence-embedding model on the decoding thread, which would stall every request of the batch.
+SERVER_GUARDS = tuple(f.name for f in fields(GuardConfig) if not f.name.startswith("drift_"))
+
+
+def _settings(kind: type, given: dict[str, Any], param: str, allowed: tuple[str, ...] | None = None) -> Any:
+    """``kind`` (a config dataclass) from a request's object; an unknown field is a 400 naming it and the known ones."""
+    allowed = allowed or tuple(f.name for f in fields(kind))
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise APIError(400, f"'{param}' has no field {', '.join(repr(u) for u in unknown)} here: use {', '.join(allowed)}", param=param)
+    if isinstance(given.get("temperature_schedule"), list):
+        given = given | {"temperature_schedule": tuple(given["temperature_schedule"])}
+    try:
+        return kind(**given)
+    except (TypeError, ConfigError) as exc:
+        raise APIError(400, f"'{param}': {exc}", param=param) from None
 
 
 class CompletionRequest(OpenAIRequest):
