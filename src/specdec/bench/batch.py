@@ -15,20 +15,20 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from specdec.bench.prompts import BenchPrompt, load_prompts
+from specdec.bench.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts
 from specdec.bench.report import fmt, machine_line
 from specdec.bench.runner import machine_info
 from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig
 from specdec.drafters import build_drafter
 from specdec.engine import GenerationResult, Generator
 from specdec.errors import ConfigError
-from specdec.models import open_target
+from specdec.models import DEFAULT_TARGET, open_target
 
 
 @dataclass(frozen=True)
 class BatchBenchConfig:
-    prompts: str
-    target: str
+    prompts: str = DEFAULT_PROMPTS
+    target: str = DEFAULT_TARGET
     draft: str = "prompt-lookup"
     batch_sizes: tuple[int, ...] = (8, 16, 32)
     k: int = 5  # the fixed window, and the dynamic window's largest

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from specdec.errors import ConfigError
 
+DEFAULT_PROMPTS = "benchmarks/prompts/default.jsonl"  # the project's 44 prompts in four categories
+
 
 @dataclass(frozen=True)
 class BenchPrompt:

@@ -16,12 +16,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specdec.bench.prompts import BenchPrompt, load_prompts
+from specdec.bench.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts
 from specdec.bench.report import fmt, machine_line
 from specdec.bench.runner import machine_info
 from specdec.config import GenerationConfig, GuardConfig, RuntimeConfig, SamplingConfig, TypicalAcceptance
 from specdec.engine import Generator
 from specdec.errors import ConfigError
+from specdec.models import DEFAULT_TARGET
 from specdec.quality.metrics import measure
 
 SCHEDULE = (0.7, 1.2)  # the seed's temperature schedule
@@ -56,14 +57,14 @@ def quality_configs(temperature: float, drift_threshold: float) -> dict[str, tup
 
 @dataclass(frozen=True)
 class QualityBenchConfig:
-    prompts: str
-    target: str
+    prompts: str = DEFAULT_PROMPTS
+    target: str = DEFAULT_TARGET
     draft: str = "default"
     categories: tuple[str, ...] = ("open-writing", "chat")
     per_category: int = 3
     max_new_tokens: int = 512
-    k: int = 8
-    k_policy: str = "cost-model"
+    k: int = GenerationConfig.k
+    k_policy: str = GenerationConfig.k_policy
     temperature: float = 0.7
     drift_threshold: float = 0.2
     configs: tuple[str, ...] = ()  # empty: all of quality_configs

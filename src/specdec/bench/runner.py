@@ -24,7 +24,7 @@ from specdec.bench.methods import (
     build_method,
     check_method,
 )
-from specdec.bench.prompts import BenchPrompt, load_prompts
+from specdec.bench.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts
 from specdec.config import GenerationConfig, RuntimeConfig, SamplingConfig
 from specdec.engine.costs import forward_cost_curve
 from specdec.errors import ConfigError, SpecDecError
@@ -35,7 +35,7 @@ DEFAULT_METHODS = ("none", "prompt-lookup", "oracle", "hf-greedy", "hf-prompt-lo
 
 @dataclass(frozen=True)
 class BenchConfig:
-    prompts: str
+    prompts: str = DEFAULT_PROMPTS
     target: str = DEFAULT_TARGET
     methods: tuple[str, ...] = DEFAULT_METHODS
     ks: tuple[int, ...] = (4,)

@@ -21,14 +21,15 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from specdec.bench.prompts import load_prompts
+from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from specdec.errors import ConfigError
+from specdec.models import DEFAULT_TARGET
 
 
 @dataclass(frozen=True)
 class LoadConfig:
-    prompts: str
-    target: str
+    prompts: str = DEFAULT_PROMPTS
+    target: str = DEFAULT_TARGET
     draft: str = "prompt-lookup"
     clients: int = 8
     duration_s: float = 60.0

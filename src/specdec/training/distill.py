@@ -52,6 +52,12 @@ class DraftArch:
     init: str = "spread"  # "spread": target layers evenly from first to last; "first": the first ones
     exit: int = 0  # > 0: an exit draft on the target's first `exit` layers
 
+    def __str__(self) -> str:
+        """The spec :meth:`parse` reads back."""
+        if self.exit:
+            return f"exit={self.exit},keep={self.keep}"
+        return f"layers={self.layers},keep={self.keep},init={self.init}"
+
     @staticmethod
     def parse(spec: str) -> DraftArch:
         values: dict[str, object] = {}

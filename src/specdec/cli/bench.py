@@ -1,0 +1,341 @@
+"""The benchmark commands: `bench`, `bench-batch`, `bench-serve`, `quality` and `ppl`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from specdec.bench.batch import BatchBenchConfig
+from specdec.bench.methods import PEER_METHODS
+from specdec.bench.quality import QualityBenchConfig
+from specdec.bench.runner import BenchConfig
+from specdec.bench.serve_load import LoadConfig
+from specdec.cli.options import (
+    BackendOpt,
+    Draft,
+    Dtype,
+    KPolicyOpt,
+    Precision,
+    Target,
+    Threads,
+    Ubatch,
+    default,
+    err,
+    fresh_output,
+    int_list,
+    runtime_config,
+    user_errors,
+)
+from specdec.config import (
+    K_POLICIES,
+    PRESETS,
+    GenerationConfig,
+    GuardConfig,
+    PrecisionPlan,
+    RuntimeConfig,
+    SamplingConfig,
+)
+from specdec.drafters import DRAFT_SPECS
+from specdec.models import DEFAULT_TARGET
+
+
+@user_errors
+def bench(
+    prompts: Annotated[str, typer.Option(help="JSONL prompt file: one {id, category, prompt} per line.")] = default(BenchConfig, "prompts"),
+    target: Target = DEFAULT_TARGET,
+    methods: Annotated[str, typer.Option(help=f"Comma-separated: drafters ({DRAFT_SPECS}), oracle, peers ({PEER_METHODS}).")] = ",".join(
+        default(BenchConfig, "methods")
+    ),
+    k: Annotated[
+        str,
+        typer.Option(
+            help=f"Draft tokens per step; a comma-separated list sweeps k. Deliberately one fixed k for every method, peers included, so that they compare at one depth (the library's default is {default(GenerationConfig, 'k')} under its {default(GenerationConfig, 'k_policy')} policy)."
+        ),
+    ] = ",".join(map(str, default(BenchConfig, "ks"))),
+    k_policy: Annotated[
+        str,
+        typer.Option(
+            help=f"k policies for specdec's drafters, comma-separated ({', '.join(K_POLICIES)}); deliberately fixed by default (the library's default is {default(GenerationConfig, 'k_policy')})."
+        ),
+    ] = ",".join(default(BenchConfig, "k_policies")),
+    max_new_tokens: Annotated[
+        int,
+        typer.Option(
+            help=f"New tokens per prompt; deliberately the length of every table in BENCHMARKS.md (the library's default is {default(GenerationConfig, 'max_new_tokens')})."
+        ),
+    ] = default(BenchConfig, "max_new_tokens"),
+    temperature: Annotated[float, typer.Option(help="0 = greedy (outputs are compared with none's).")] = default(
+        BenchConfig, "temperature"
+    ),
+    repeats: Annotated[int, typer.Option(help="Timed passes over all prompts (methods take turns per prompt, order rotated).")] = default(
+        BenchConfig, "repeats"
+    ),
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = default(BenchConfig, "seed"),
+    dtype: Dtype = default(RuntimeConfig, "dtype"),
+    precision: Precision = None,
+    backend: BackendOpt = default(RuntimeConfig, "backend"),
+    threads: Threads = default(RuntimeConfig, "threads"),
+    ubatch: Ubatch = default(RuntimeConfig, "ubatch"),
+    out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and plots.")] = Path("bench-out"),
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+    strict: Annotated[bool, typer.Option(help="Fail (exit 1) if any greedy output differs from none's.")] = default(BenchConfig, "strict"),
+    quick: Annotated[bool, typer.Option(help="Two prompts, 16 tokens: a smoke test.")] = default(BenchConfig, "quick"),
+) -> None:
+    """Benchmark methods side by side on the same prompts; write results.json, report.md and plots."""
+    from rich.progress import Progress
+
+    from specdec.bench.methods import check_method
+    from specdec.bench.prompts import load_prompts
+    from specdec.bench.report import write_report
+    from specdec.bench.runner import BenchConfig, GreedyMismatchError, method_plan, run_benchmark
+
+    fresh_output(out, overwrite)
+    ks = int_list("--k", k)
+    config = BenchConfig(
+        prompts=prompts,
+        target=target,
+        methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+        ks=ks,
+        k_policies=tuple(p.strip() for p in k_policy.split(",") if p.strip()),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        repeats=repeats,
+        seed=seed,
+        runtime=runtime_config(backend, dtype, threads, ubatch, precision),
+        strict=strict,
+        quick=quick,
+    )
+    count = 2 if quick else len(load_prompts(prompts))
+    runnable = ["none"] + [m for m in config.methods if m != "none" and check_method(m, target) is None]
+    total = len(method_plan(config, runnable)) * count * repeats
+    with Progress(console=err) as progress:
+        task = progress.add_task("loading models", total=total)
+        try:
+            results = run_benchmark(config, lambda name: progress.update(task, advance=1, description=name))
+        except GreedyMismatchError as exc:
+            err.print(f"[red]strict:[/red] {exc}")
+            raise typer.Exit(1) from None
+    write_report(results, out)
+    for note in results["notes"]:
+        err.print(f"[yellow]note:[/yellow] {note}")
+    overall = {name: m["categories"]["overall"] for name, m in results["methods"].items()}
+    greedy = temperature == 0
+    table = Table("method", "tok/s", "vs none", "acceptance", "identical to none" if greedy else "identical (sampled: n/a)")
+    for name, row in overall.items():
+        acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}"
+        identical = f"{results['greedy_identical_share'][name]:.0%}" if greedy else "-"
+        table.add_row(name, f"{row['tokens_per_s']:.2f}", f"{row['speedup_vs_none']:.2f}x", acc, identical)
+    Console().print(table)
+    if greedy and backend == "llama.cpp" and (ubatch or 0) != 1 and min(results["greedy_identical_share"].values()) < 1:
+        err.print(
+            "[yellow]note:[/yellow] llama.cpp's many-token forward rounds differently from its one-token forward at its "
+            "default micro-batch, so near-ties can flip: --ubatch 1 makes speculative output identical (slower)"
+        )
+    Console().print(f"report: {out / 'report.md'}")
+
+
+@user_errors
+def bench_batch(
+    prompts: Annotated[str, typer.Option(help="JSONL prompt file; a batch of B takes B prompts in turn from its categories.")] = default(
+        BatchBenchConfig, "prompts"
+    ),
+    target: Target = DEFAULT_TARGET,
+    draft: Draft = default(BatchBenchConfig, "draft"),
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = ",".join(
+        map(str, default(BatchBenchConfig, "batch_sizes"))
+    ),
+    k: Annotated[
+        int,
+        typer.Option(
+            help=f"The fixed window, and the largest dynamic window; deliberately the seed's fixed window (the library's default is {default(GenerationConfig, 'k')})."
+        ),
+    ] = default(BatchBenchConfig, "k"),
+    max_new_tokens: Annotated[
+        int,
+        typer.Option(
+            help=f"Most new tokens per request; deliberately the length of the other benchmarks (the library's default is {default(GenerationConfig, 'max_new_tokens')})."
+        ),
+    ] = default(BatchBenchConfig, "max_new_tokens"),
+    sequential: Annotated[bool, typer.Option(help="Also decode the requests one at a time (the baseline batching must beat).")] = default(
+        BatchBenchConfig, "sequential"
+    ),
+    dtype: Dtype = default(RuntimeConfig, "dtype"),
+    precision: Precision = None,
+    out: Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")] = Path("bench-batch-out"),
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+) -> None:
+    """Batched decoding: fixed vs dynamic speculation window per batch size, against batched target-only and one request at a time."""
+    from rich.progress import Progress
+
+    from specdec.bench.batch import METHODS, BatchBenchConfig, markdown, run_batch_benchmark
+
+    fresh_output(out, overwrite)
+    sizes = int_list("--batch-sizes", batch_sizes)
+    config = BatchBenchConfig(
+        prompts, target, draft, sizes, k, max_new_tokens, sequential, runtime_config("transformers", dtype, None, None, precision)
+    )
+    with Progress(console=err) as progress:
+        task = progress.add_task("loading models", total=len(sizes) * (len(METHODS) - (not sequential)))
+        results = run_batch_benchmark(config, lambda name: progress.update(task, advance=1, description=name))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "report.md").write_text(markdown(results))
+    table = Table("batch", "method", "tok/s", "vs target-only", "mean latency s", "identical")
+    for size, figures in results["batches"].items():
+        for name, f in figures.items():
+            table.add_row(
+                size,
+                name,
+                f"{f['tokens_per_s']:.1f}",
+                f"{f['throughput_vs_target_only']:.2f}x",
+                f"{f['mean_latency_s']:.2f}",
+                f"{f['identical_share']:.0%}",
+            )
+    Console().print(table)
+    Console().print(f"report: {out / 'report.md'}")
+
+
+@user_errors
+def bench_serve(
+    prompts: Annotated[str, typer.Option(help="JSONL prompt file; clients take its prompts in turn.")] = default(LoadConfig, "prompts"),
+    target: Target = DEFAULT_TARGET,
+    draft: Draft = default(LoadConfig, "draft"),
+    clients: Annotated[int, typer.Option(help="Concurrent streaming clients.")] = default(LoadConfig, "clients"),
+    duration: Annotated[float, typer.Option(help="Seconds of load per configuration.")] = default(LoadConfig, "duration_s"),
+    max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = default(LoadConfig, "max_tokens"),
+    server_args: Annotated[
+        str, typer.Option(help="More `specdec serve` options for both servers, e.g. '--precision cpu --max-batch 8'.")
+    ] = "",
+    out: Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")] = Path("bench-serve-out"),
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+) -> None:
+    """Load-test `specdec serve` on loopback: N clients for a bounded time, speculation off and on in the same run."""
+    from specdec.bench.serve_load import LoadConfig, markdown, run_load_benchmark
+
+    fresh_output(out, overwrite)
+    config = LoadConfig(prompts, target, draft, clients, duration, max_tokens, tuple(server_args.split()))
+    report = run_load_benchmark(config, say=lambda line: err.print(f"[dim]{line}[/dim]"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+@user_errors
+def quality(
+    prompts: Annotated[str, typer.Option(help="JSONL prompt file.")] = default(QualityBenchConfig, "prompts"),
+    target: Target = DEFAULT_TARGET,
+    draft: Draft = default(QualityBenchConfig, "draft"),
+    categories: Annotated[str, typer.Option(help="Comma-separated prompt categories to generate from.")] = ",".join(
+        default(QualityBenchConfig, "categories")
+    ),
+    per_category: Annotated[int, typer.Option(help="Prompts taken from each category.")] = default(QualityBenchConfig, "per_category"),
+    max_new_tokens: Annotated[
+        int,
+        typer.Option(
+            help=f"New tokens per output (EOS is ignored, so every output is this long); deliberately long, this benchmark is about long outputs (the library's default is {default(GenerationConfig, 'max_new_tokens')})."
+        ),
+    ] = default(QualityBenchConfig, "max_new_tokens"),
+    k: Annotated[int, typer.Option(help="The most draft tokens per step.")] = default(QualityBenchConfig, "k"),
+    k_policy: KPolicyOpt = default(QualityBenchConfig, "k_policy"),
+    temperature: Annotated[
+        float,
+        typer.Option(
+            help=f"Temperature of the sampled configurations (deliberately > 0; the library's default is {default(SamplingConfig, 'temperature')}, greedy)."
+        ),
+    ] = default(QualityBenchConfig, "temperature"),
+    drift_threshold: Annotated[
+        float,
+        typer.Option(
+            help=f"The drift monitor's threshold (cosine similarity to the prompt); deliberately set, the benchmark measures the monitor (the library's default is {default(GuardConfig, 'drift_threshold')}, off)."
+        ),
+    ] = default(QualityBenchConfig, "drift_threshold"),
+    configs: Annotated[str | None, typer.Option(help="Comma-separated configurations (default: all; see the report).")] = None,
+    dtype: Dtype = default(RuntimeConfig, "dtype"),
+    precision: Precision = None,
+    out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and the plots.")] = Path("quality-out"),
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+) -> None:
+    """Long generations under each guard and the lossy mode: repetition, loops, diversity, drift, contradictions, speed."""
+    from rich.progress import Progress
+
+    from specdec.bench.quality import QualityBenchConfig, configuration_names, run_quality_benchmark, write
+
+    fresh_output(out, overwrite)
+    chosen = tuple(c.strip() for c in configs.split(",")) if configs else ()
+    config = QualityBenchConfig(
+        prompts, target, draft, tuple(c.strip() for c in categories.split(",")), per_category, max_new_tokens, k, k_policy,
+        temperature, drift_threshold, chosen, runtime_config("transformers", dtype, None, None, precision),
+    )  # fmt: skip
+    runs = len(configuration_names(config)) * len(config.categories) * per_category
+    with Progress(console=err) as progress:
+        task = progress.add_task("loading models", total=runs + 1)
+        results = run_quality_benchmark(config, lambda name: progress.update(task, advance=1, description=name))
+    write(results, out)
+    table = Table("configuration", "tok/s", "vs baseline", "repeated 4-grams", "in a loop", "drift sim.", "contradictions")
+    for name, per_category in results["summary"].items():
+        f = per_category["all"]
+        table.add_row(
+            name,
+            f"{f['tokens_per_s']:.1f}",
+            f"{f['speed_vs_baseline']:.2f}x",
+            f"{f['repeated_4gram_share']:.1%}",
+            f"{f['looping_share']:.1%}",
+            f"{f['drift_mean']:.3f}",
+            str(f["contradictions"]),
+        )
+    Console().print(table)
+    Console().print(f"report: {out / 'report.md'}")
+
+
+@user_errors
+def ppl(
+    data: Annotated[str, typer.Option(help="Text or JSONL file to score.")],
+    target: Target = DEFAULT_TARGET,
+    precision: Annotated[
+        str,
+        typer.Option(
+            help=f"Precision plan: a preset ({', '.join(PRESETS)}) or component=format parts; deliberately bf16, since float32 against itself says nothing (the library's default is {default(RuntimeConfig, 'precision')}: float32 weights)."
+        ),
+    ] = "bf16",
+    max_tokens: Annotated[int, typer.Option(help="Tokens of the file to score.")] = 8192,
+    window: Annotated[int, typer.Option(help="Tokens per scored window (each scored from its own start).")] = 512,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Perplexity of the target under a precision plan, and its difference from float32 on the same tokens."""
+    from rich.progress import Progress
+
+    from specdec.bench.perplexity import perplexity
+
+    plan = PrecisionPlan.parse(precision)
+    with Progress(console=err, transient=True) as progress:
+        tasks: dict[str, object] = {}
+
+        def report(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = progress.add_task(f"scoring ({label})", total=total)
+            progress.update(tasks[label], completed=done)
+
+        result = perplexity(target, plan, data, max_tokens=max_tokens, window=window, progress=report)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "plan": result.plan,
+                    "perplexity": result.perplexity,
+                    "float32_perplexity": result.float32_perplexity,
+                    "delta": result.delta,
+                    "tokens": result.tokens,
+                }
+            )
+        )
+        return
+    Console().print(
+        f"{target} [{result.plan}]: perplexity {result.perplexity:.3f} vs float32 {result.float32_perplexity:.3f} "
+        f"(delta {result.delta:+.3f}) on {result.tokens:,} tokens of {data}"
+    )

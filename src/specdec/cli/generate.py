@@ -1,0 +1,159 @@
+"""`specdec generate` and `specdec demo`: text from one prompt."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from specdec.cli.options import (
+    BackendOpt,
+    Draft,
+    Dtype,
+    KPolicyOpt,
+    Precision,
+    Target,
+    Threads,
+    Ubatch,
+    default,
+    err,
+    float_pair,
+    runtime_config,
+    user_errors,
+)
+from specdec.config import (
+    GenerationConfig,
+    GuardConfig,
+    RuntimeConfig,
+    SamplingConfig,
+    TypicalAcceptance,
+)
+from specdec.errors import SpecDecError
+from specdec.models import DEFAULT_TARGET
+
+
+@user_errors
+def generate(
+    prompt: Annotated[str, typer.Argument(help="Text to continue.")],
+    target: Target = DEFAULT_TARGET,
+    draft: Draft = "prompt-lookup",
+    k: Annotated[int, typer.Option(help="Draft tokens per step (1-32); the most per step for an adaptive --k-policy.")] = default(
+        GenerationConfig, "k"
+    ),
+    k_policy: KPolicyOpt = default(GenerationConfig, "k_policy"),
+    max_new_tokens: Annotated[int, typer.Option(help="Most new tokens to generate.")] = default(GenerationConfig, "max_new_tokens"),
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = default(SamplingConfig, "temperature"),
+    top_k: Annotated[int | None, typer.Option(help="Keep only the k most likely tokens.")] = default(SamplingConfig, "top_k"),
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = default(SamplingConfig, "top_p"),
+    seed: Annotated[int | None, typer.Option(help="Random seed, for reproducible sampling.")] = default(GenerationConfig, "seed"),
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    dtype: Dtype = default(RuntimeConfig, "dtype"),
+    precision: Precision = None,
+    backend: BackendOpt = default(RuntimeConfig, "backend"),
+    threads: Threads = default(RuntimeConfig, "threads"),
+    ubatch: Ubatch = default(RuntimeConfig, "ubatch"),
+    stream: Annotated[bool, typer.Option(help="Print text as it is accepted.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text, token_ids and stats.")] = False,
+    repetition_guard: Annotated[
+        bool, typer.Option(help="Guard: while the output ends in a loop, block the token that continues it.")
+    ] = default(GuardConfig, "repetition"),
+    temperature_schedule: Annotated[
+        str | None, typer.Option(help="Guard: temperature from START to END over 512 new tokens, e.g. 0.7,1.2 (needs --temperature > 0).")
+    ] = None,
+    anchor_every: Annotated[
+        int | None, typer.Option(help="Guard: one target-only step and a drafter resync every N new tokens.")
+    ] = default(GuardConfig, "anchor_every"),
+    drift_threshold: Annotated[
+        float | None, typer.Option(help="Guard: report drift when a 100-token window's similarity to the prompt falls below this.")
+    ] = default(GuardConfig, "drift_threshold"),
+    drift_anchor: Annotated[bool, typer.Option(help="A drift event also triggers an anchor step.")] = default(GuardConfig, "drift_anchor"),
+    typical_acceptance: Annotated[
+        bool, typer.Option(help="LOSSY: accept any plausible draft token (typical acceptance); output is no longer the target's own.")
+    ] = False,
+) -> None:
+    """Generate a continuation of PROMPT with speculative decoding."""
+    from specdec import Generator
+
+    config = GenerationConfig(
+        k=k,
+        k_policy=k_policy,
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
+        stop=tuple(stop or ()),
+        seed=seed,
+        guards=GuardConfig(
+            repetition=repetition_guard,
+            temperature_schedule=float_pair("--temperature-schedule", temperature_schedule),
+            anchor_every=anchor_every,
+            drift_threshold=drift_threshold,
+            drift_anchor=drift_anchor,
+        ),
+        typical_acceptance=TypicalAcceptance() if typical_acceptance else None,
+    )
+    if typical_acceptance:
+        err.print("[yellow]typical acceptance is LOSSY: the output is not exactly the target's own[/yellow]")
+    if not prompt.strip():
+        raise SpecDecError("the prompt is empty: pass some text to continue")
+    with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
+        generator = Generator(target, draft, config, runtime_config(backend, dtype, threads, ubatch, precision))
+    if stream and not as_json:
+        run = generator.stream(prompt)
+        for piece in run:
+            print(piece, end="", flush=True)
+        print()
+        return
+    result = generator.generate(prompt)
+    if as_json:
+        print(json.dumps(result.to_dict()))
+        return
+    print(result.text)
+    s = result.stats
+    err.print(
+        f"[dim]{s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.1f} tok/s), {s.target_forwards} target forwards, "
+        f"acceptance {s.acceptance_rate:.0%}, finish: {result.finish_reason}[/dim]"
+    )
+    for event in s.events:
+        err.print(f"[dim]guard event: {event}[/dim]", highlight=False)
+
+
+DEMO_PROMPT = (
+    "def bubble_sort(items):\n    n = len(items)\n    for i in range(n):\n        for j in range(n - i - 1):\n"
+    "            if items[j] > items[j + 1]:\n                items[j], items[j + 1] = items[j + 1], items[j]\n"
+    "    return items\n\n\n# The same function with type hints and a docstring:\ndef bubble_sort("
+)
+
+
+@user_errors
+def demo(
+    target: Target = DEFAULT_TARGET,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate in each run.")] = default(GenerationConfig, "max_new_tokens"),
+    k: Annotated[int, typer.Option(help="Draft tokens per step.")] = default(GenerationConfig, "k"),
+) -> None:
+    """Generate once without and once with speculation (prompt lookup) and print the speed-up."""
+    from specdec import Generator
+    from specdec.models import load_model
+
+    with err.status(f"loading {target} (the first run converts the GGUF file once, about a minute)"):
+        model = load_model(target)
+    config = GenerationConfig(k=k, max_new_tokens=max_new_tokens)
+    runs = {}
+    for spec in ("none", "prompt-lookup"):
+        with err.status(f"generating with draft={spec}"):
+            generator = Generator(model, spec, config)
+            generator.generate(DEMO_PROMPT, max_new_tokens=4)  # warm-up
+            runs[spec] = generator.generate(DEMO_PROMPT)
+    base, spec_run = runs["none"], runs["prompt-lookup"]
+    err.print(f"[bold]prompt[/bold] ({target}):\n{DEMO_PROMPT}")
+    err.print(f"[bold]output[/bold]:\n{spec_run.text}\n")
+    table = Table("draft", "tokens", "tok/s", "target forwards", "acceptance")
+    for spec, r in runs.items():
+        s = r.stats
+        table.add_row(spec, str(s.new_tokens), f"{s.tokens_per_s:.1f}", str(s.target_forwards), f"{s.acceptance_rate:.0%}")
+    Console().print(table)
+    same = "identical" if base.token_ids == spec_run.token_ids else "DIFFERENT"
+    Console().print(
+        f"speed-up: [bold]{spec_run.stats.tokens_per_s / base.stats.tokens_per_s:.2f}x[/bold]; output {same} to target-only greedy"
+    )

@@ -1,0 +1,101 @@
+"""What every command shares: one-line errors, the common options, and parsing helpers; defaults come from the config types."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from specdec.config import DTYPES, FORMATS, K_POLICIES, PRESETS, RUNTIMES, PrecisionPlan, RuntimeConfig
+from specdec.drafters import DRAFT_SPECS
+from specdec.errors import SpecDecError
+
+err = Console(stderr=True)
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def default(config: type, name: str) -> Any:
+    """The default of field ``name`` of the config dataclass ``config``: the one place a command's default comes from."""
+    for f in fields(config):
+        if f.name == name:
+            if f.default is not MISSING:
+                return f.default
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+            raise ValueError(f"{config.__name__}.{name} has no default")
+    raise ValueError(f"{config.__name__} has no field {name}")
+
+
+def user_errors(fn: F) -> F:
+    """Turn a SpecDecError into one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: object, **kwargs: object) -> None:
+        try:
+            fn(*args, **kwargs)
+        except SpecDecError as exc:
+            err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)  # messages may hold [brackets]
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+Target = Annotated[str, typer.Option("--target", "-t", help="Bundled alias, model folder, .gguf file or hub id.")]
+Draft = Annotated[
+    str,
+    typer.Option(
+        "--draft",
+        "-d",
+        help=f"Drafter: {DRAFT_SPECS}. Deliberately prompt-lookup by default (free, and never slower in BENCHMARKS.md); the library's Generator drafts nothing (none) unless given a drafter.",
+    ),
+]
+Dtype = Annotated[str, typer.Option(help=f"Weights dtype (transformers backend): {', '.join(DTYPES)}.")]
+BackendOpt = Annotated[
+    str, typer.Option("--backend", help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases).")
+]
+Threads = Annotated[int | None, typer.Option(help="CPU threads for llama.cpp (default: all cores).")]
+KPolicyOpt = Annotated[
+    str, typer.Option(help=f"How k is chosen per step: {', '.join(K_POLICIES)} (cost-model prices this machine's target forwards).")
+]
+Precision = Annotated[
+    str | None,
+    typer.Option(
+        help=f"Precision plan (transformers; replaces --dtype): a preset ({', '.join(PRESETS)}) or parts like "
+        "attention=bfloat16,ffn=int8,head=int8,draft=bfloat16 (formats: " + ", ".join(FORMATS) + ")."
+    ),
+]
+Ubatch = Annotated[
+    int | None, typer.Option(help="llama.cpp micro-batch; 1 makes greedy verification bit-identical to one-token decoding (slower).")
+]
+
+
+def fresh_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise SpecDecError(f"output folder '{out}' exists: pass --overwrite or choose another --out")
+
+
+def int_list(option: str, value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise SpecDecError(f"{option} must be an integer or a comma-separated list of integers, got '{value}'") from None
+
+
+def float_pair(option: str, value: str | None) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    try:
+        start, end = (float(x) for x in value.split(","))
+    except ValueError:
+        raise SpecDecError(f"{option} takes two numbers, START,END (like 0.7,1.2), got '{value}'") from None
+    return start, end
+
+
+def runtime_config(backend: str, dtype: str, threads: int | None, ubatch: int | None, precision: str | None) -> RuntimeConfig:
+    return RuntimeConfig(backend, dtype, threads, ubatch, PrecisionPlan.parse(precision) if precision else None)

@@ -1,0 +1,153 @@
+"""`specdec serve`: the OpenAI-compatible server, in one process or on Ray Serve."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from specdec.cli.options import (
+    Dtype,
+    KPolicyOpt,
+    default,
+    err,
+    runtime_config,
+    user_errors,
+)
+from specdec.config import (
+    BatchConfig,
+    GenerationConfig,
+    RayConfig,
+    RuntimeConfig,
+    ServeConfig,
+)
+from specdec.drafters import DRAFT_SPECS
+from specdec.errors import ConfigError
+from specdec.models import DEFAULT_TARGET
+
+
+@user_errors
+def serve(
+    context: typer.Context,
+    target: Annotated[
+        str, typer.Option("--target", "-t", envvar="SPECDEC_TARGET", help="Bundled alias, model folder or hub id.")
+    ] = DEFAULT_TARGET,
+    draft: Annotated[
+        str,
+        typer.Option(
+            "--draft",
+            "-d",
+            envvar="SPECDEC_DRAFT",
+            help=f"Drafter: {DRAFT_SPECS}. Deliberately prompt-lookup by default (free, and never slower in BENCHMARKS.md); the library's Generator drafts nothing (none) unless given a drafter.",
+        ),
+    ] = "prompt-lookup",
+    host: Annotated[str, typer.Option(envvar="SPECDEC_HOST", help="Address to listen on (0.0.0.0 for every interface).")] = default(
+        ServeConfig, "host"
+    ),
+    port: Annotated[int, typer.Option(envvar="SPECDEC_PORT", help="TCP port.")] = default(ServeConfig, "port"),
+    k: Annotated[int, typer.Option(help="Draft tokens per step (the most per step for an adaptive --k-policy).")] = default(
+        GenerationConfig, "k"
+    ),
+    k_policy: KPolicyOpt = default(GenerationConfig, "k_policy"),
+    window: Annotated[str, typer.Option(help="Batch speculation window: dynamic (capped by load) or fixed.")] = default(
+        BatchConfig, "window"
+    ),
+    max_batch: Annotated[int, typer.Option(envvar="SPECDEC_MAX_BATCH", help="Sequences decoded together; more requests wait.")] = default(
+        ServeConfig, "max_batch"
+    ),
+    max_queue: Annotated[int, typer.Option(envvar="SPECDEC_MAX_QUEUE", help="Waiting requests before new ones get 429.")] = default(
+        ServeConfig, "max_queue"
+    ),
+    default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request does not set it.")] = default(
+        ServeConfig, "default_max_tokens"
+    ),
+    drain: Annotated[float, typer.Option(help="Seconds in-flight requests get to finish on shutdown.")] = default(ServeConfig, "drain_s"),
+    dtype: Dtype = default(RuntimeConfig, "dtype"),
+    precision: Annotated[
+        str | None, typer.Option(envvar="SPECDEC_PRECISION", help="Precision plan: a preset or parts (see `specdec generate --help`).")
+    ] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Run replicas on Ray Serve behind one endpoint (needs the ray extra).")] = False,
+    replicas: Annotated[int, typer.Option(envvar="SPECDEC_REPLICAS", help="With --ray: replicas (the autoscaling minimum).")] = default(
+        RayConfig, "replicas"
+    ),
+    max_replicas: Annotated[int | None, typer.Option(help="With --ray: autoscale up to this many replicas on load.")] = default(
+        RayConfig, "max_replicas"
+    ),
+    target_ongoing_requests: Annotated[
+        float, typer.Option(help="With --ray and --max-replicas: requests in flight per replica to aim at.")
+    ] = default(RayConfig, "target_ongoing_requests"),
+    upscale_delay: Annotated[
+        float, typer.Option(help="With --max-replicas: seconds load stays above target before a replica is added.")
+    ] = default(RayConfig, "upscale_delay_s"),
+    downscale_delay: Annotated[
+        float, typer.Option(help="With --max-replicas: seconds load stays below target before a replica is removed.")
+    ] = default(RayConfig, "downscale_delay_s"),
+    cpus_per_replica: Annotated[float, typer.Option(help="With --ray: CPUs each replica reserves.")] = default(
+        RayConfig, "cpus_per_replica"
+    ),
+    gpus_per_replica: Annotated[float, typer.Option(help="With --ray: GPUs each replica reserves.")] = default(
+        RayConfig, "gpus_per_replica"
+    ),
+    ingress_replicas: Annotated[
+        int, typer.Option(help="With --ray: replicas of the ingress that relays requests (on many nodes, about one per node).")
+    ] = default(RayConfig, "ingress_replicas"),
+    ray_address: Annotated[
+        str | None,
+        typer.Option(envvar="RAY_ADDRESS", help="With --ray: a running cluster (auto, ray://host:10001); default starts one here."),
+    ] = default(RayConfig, "address"),
+) -> None:
+    """Serve the target over an OpenAI-compatible HTTP API with speculative continuous batching."""
+    from specdec import Generator
+    from specdec.serving import serve as run_server
+
+    if not ray:
+        _refuse_ray_options_without_ray(context)
+    serve_config = ServeConfig(host, port, max_batch, max_queue, default_max_tokens, drain)
+    config = GenerationConfig(k=k, k_policy=k_policy)
+    runtime = runtime_config("transformers", dtype, None, None, precision)
+    if ray:
+        from specdec.config import RayConfig
+        from specdec.serving.ray_serve import ReplicaSpec, require_ray, serve_on_ray
+
+        ray_config = RayConfig(
+            replicas=replicas,
+            max_replicas=max_replicas,
+            target_ongoing_requests=target_ongoing_requests,
+            upscale_delay_s=upscale_delay,
+            downscale_delay_s=downscale_delay,
+            cpus_per_replica=cpus_per_replica,
+            gpus_per_replica=gpus_per_replica,
+            ingress_replicas=ingress_replicas,
+            address=ray_address,
+        )
+        require_ray()
+        spec = ReplicaSpec(target, draft, config, runtime, BatchConfig(window=window), serve_config)
+        err.print(f"starting {replicas} replica(s) of '{target}' with draft '{draft}' on Ray Serve")
+        serve_on_ray(spec, ray_config, ready=lambda: err.print(f"serving on http://{host}:{port}/v1 (Ray Serve)"))
+        return
+    with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
+        generator = Generator(target, draft, config, runtime, batch=BatchConfig(window=window))
+        generator.batch_decoder()  # measures this machine's batch costs now (cached), not on the first request
+    err.print(f"serving '{generator.target.name}' with draft '{draft}' on http://{host}:{port}/v1")
+    run_server(generator, serve_config)
+
+
+RAY_OPTIONS = (
+    "replicas",
+    "max_replicas",
+    "target_ongoing_requests",
+    "upscale_delay",
+    "downscale_delay",
+    "cpus_per_replica",
+    "gpus_per_replica",
+    "ingress_replicas",
+    "ray_address",
+)
+
+
+def _refuse_ray_options_without_ray(context: typer.Context) -> None:
+    """Ray options typed on the command line without --ray would be ignored: say so (set from the environment, they are)."""
+    typed = [f"--{name.replace('_', '-')}" for name in RAY_OPTIONS if context.get_parameter_source(name).name == "COMMANDLINE"]
+    if typed:
+        verb = "applies" if len(typed) == 1 else "apply"
+        raise ConfigError(f"{', '.join(typed)} {verb} only with --ray: add --ray, or drop {'it' if len(typed) == 1 else 'them'}")

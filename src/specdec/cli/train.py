@@ -1,0 +1,147 @@
+"""Commands that build drafters from data: `specdec distill` and `specdec ngram build`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from specdec.cli.options import (
+    Target,
+    default,
+    err,
+    user_errors,
+)
+from specdec.errors import SpecDecError
+from specdec.models import DEFAULT_TARGET
+from specdec.training.distill import DistillConfig
+from specdec.training.ngram import NgramBuildConfig
+
+
+@user_errors
+def distill(
+    data: Annotated[
+        list[str], typer.Option(help="Training text: files, folders, JSONL (prompt-only records are continued by the target). Repeatable.")
+    ],
+    out: Annotated[Path, typer.Option(help="Folder for the draft (loads as --draft model:DIR), its teacher data and checkpoints.")],
+    target: Target = DEFAULT_TARGET,
+    arch: Annotated[str, typer.Option(help="Draft architecture: layers=N,keep=N (kept vocabulary),init=spread|first.")] = str(
+        default(DistillConfig, "arch")
+    ),
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = default(DistillConfig, "steps"),
+    batch: Annotated[int, typer.Option(help="Chunks per step.")] = default(DistillConfig, "batch"),
+    seq_len: Annotated[int, typer.Option(help="Tokens per chunk.")] = default(DistillConfig, "seq_len"),
+    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine schedule).")] = default(DistillConfig, "lr"),
+    teacher_tokens: Annotated[int, typer.Option(help="Tokens of data the target scores once (top-k kept).")] = default(
+        DistillConfig, "teacher_tokens"
+    ),
+    on_policy_tokens: Annotated[
+        int, typer.Option(help="Of those, tokens the target writes itself, continuing prompts drawn from the data (on-policy).")
+    ] = default(DistillConfig, "on_policy_tokens"),
+    continue_tokens: Annotated[int, typer.Option(help="Longest continuation the target writes per prompt.")] = default(
+        DistillConfig, "continue_tokens"
+    ),
+    generate_batch: Annotated[int, typer.Option(help="Prompts the target continues at once.")] = default(DistillConfig, "generate_batch"),
+    top_k: Annotated[int, typer.Option(help="Teacher entries kept per position.")] = default(DistillConfig, "top_k"),
+    eval_every: Annotated[int, typer.Option(help="Steps between held-out acceptance evaluations.")] = default(DistillConfig, "eval_every"),
+    checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints.")] = default(DistillConfig, "checkpoint_every"),
+    resume: Annotated[bool, typer.Option(help="Continue the distillation saved in --out.")] = False,
+) -> None:
+    """Distil a draft model for a target: the target scores the data once, then a small draft learns to match it."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from specdec.models import load_model
+    from specdec.training.distill import DistillConfig, DraftArch
+    from specdec.training.distill import distill as run_distill
+
+    config = DistillConfig(
+        data=tuple(data),
+        out=str(out),
+        arch=DraftArch.parse(arch),
+        steps=steps,
+        batch=batch,
+        seq_len=seq_len,
+        lr=lr,
+        teacher_tokens=teacher_tokens,
+        on_policy_tokens=on_policy_tokens,
+        continue_tokens=continue_tokens,
+        generate_batch=generate_batch,
+        top_k=top_k,
+        eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
+    )
+    with err.status(f"loading {target}"):
+        model = load_model(target)
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} {task.fields[figures]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=err) as progress:
+        tasks: dict[str, object] = {}
+
+        def report(phase: str, done: float, total: float, figures: dict) -> None:
+            if phase not in tasks:
+                tasks[phase] = progress.add_task(phase, total=total, figures="")
+            text = ", ".join(f"{k} {v:.3f}" if k == "loss" else f"{k} {v:.0f}" for k, v in figures.items())
+            progress.update(tasks[phase], completed=done, total=total, figures=text)
+
+        record = run_distill(model, config, resume=resume, progress=report)
+    last = record["evaluations"][-1]
+    Console().print(
+        f"draft saved to {out} (use --draft model:{out}): {record['steps']} steps, {record['tokens_trained']:,} tokens, "
+        f"{record['train_s']:.0f} s training; held-out acceptance {last['acceptance_rate']:.0%}, "
+        f"top-1 agreement {last['top1_agreement']:.0%} (at step 0: {record['evaluations'][0]['acceptance_rate']:.0%})"
+    )
+
+
+@user_errors
+def ngram_build(
+    sources: Annotated[
+        list[str], typer.Argument(help="Text files, folders (searched for text and code), or JSONL files with prompt/continuation fields.")
+    ],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The table file to write.")],
+    target: Target = DEFAULT_TARGET,
+    order: Annotated[int, typer.Option(help="Longest context, in tokens (contexts of 1..ORDER tokens are counted).")] = default(
+        NgramBuildConfig, "order"
+    ),
+    max_mb: Annotated[float, typer.Option(help="Size limit of the table; the rarest n-grams are dropped to fit.")] = default(
+        NgramBuildConfig, "max_mb"
+    ),
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing table.")] = False,
+) -> None:
+    """Tokenize a corpus with the target's tokenizer and save an n-gram table for the target."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from specdec.models import load_model
+    from specdec.training.ngram import NgramBuildConfig, build_ngram_table
+
+    config = NgramBuildConfig(order=order, max_mb=max_mb)
+    if out.exists() and not overwrite:
+        raise SpecDecError(f"'{out}' exists: pass --overwrite or choose another --out")
+    with err.status(f"loading the tokenizer of {target}"):
+        model = load_model(target)
+    if model.tokenizer is None:
+        raise SpecDecError(f"model '{target}' has no tokenizer to tokenize the corpus with")
+    tokenizer = model.tokenizer
+    columns = (TextColumn("counting n-grams"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err) as progress:
+        task = progress.add_task("corpus", total=None)
+        table = build_ngram_table(
+            sources,
+            lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"],
+            model.vocab_size,
+            config,
+            {"target": model.name, "tokenizer": getattr(tokenizer, "name_or_path", "")},
+            lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table.save(out)
+    Console().print(
+        f"{table.meta['tokens']:,} tokens from {len(table.meta['sources'])} file(s) -> {len(table.keys):,} n-grams, "
+        f"{out.stat().st_size / 2**20:.1f} MB: {out}  (use --draft ngram:{out})"
+    )
