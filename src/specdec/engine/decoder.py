@@ -11,6 +11,7 @@ that ended (EOS, a stop string, their token budget or the model's context).
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ from specdec.scheduling import KPolicy, LoadWindow
 
 if TYPE_CHECKING:
     from specdec.engine.generator import Completion
+
+REPORTS_KEPT = 100_000  # the latest steps' reports; a server's decoder steps forever
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class Decoder:
         self.backend = backend
         self.window = window
         self.rows: dict[Completion, Row] = {}  # in the backend's row order
-        self.reports: list[StepReport] = []
+        self.reports: deque[StepReport] = deque(maxlen=REPORTS_KEPT)
         self._draft_s_per_token = 0.0
 
     def __len__(self) -> int:

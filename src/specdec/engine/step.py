@@ -143,7 +143,8 @@ def _verify(rows: list[Row], proposals: list[Proposal], logits: torch.Tensor) ->
     lengths = [len(p) for p in proposals]
     tokens = torch.zeros(len(rows), logits.shape[1] - 1, dtype=torch.long)
     for i, p in enumerate(proposals):
-        tokens[i, : lengths[i]] = p.tokens.cpu()
+        if lengths[i]:
+            tokens[i, : lengths[i]] = p.tokens.cpu()
     tokens, counts = tokens.to(device), torch.tensor(lengths).to(device)
     temperatures = []
     for i, (row, p) in enumerate(zip(rows, proposals, strict=True)):
@@ -151,13 +152,15 @@ def _verify(rows: list[Row], proposals: list[Proposal], logits: torch.Tensor) ->
         temperatures.append(row.guards.adjust(row.tokens, p.tokens, logits[i, : lengths[i] + 1]))
         row.stats.guard_s += time.perf_counter() - g0
 
-    verdicts = torch.zeros(2, len(rows), dtype=torch.long)
     together = [i for i, row in enumerate(rows) if row.config.sampling.greedy and row.config.typical_acceptance is None]
+    out: dict[int, tuple[int, int]] = {}
     if together:
         pick = slice(None) if len(together) == len(rows) else torch.tensor(together).to(device)
         verdict = verify(tokens[pick], counts[pick], logits[pick], None, rows[together[0]].config.sampling)
-        verdicts[:, together] = verdict.on_host()
-    for i in sorted(set(range(len(rows))) - set(together)):
+        out.update(zip(together, map(tuple, verdict.on_host().T.tolist()), strict=True))
+    for i in range(len(rows)):
+        if i in out:
+            continue
         config, n = rows[i].config, lengths[i]
         rng, temperature = rows[i].rng.on(device), temperatures[i]
         args = (tokens[i : i + 1, :n], counts[i : i + 1], logits[i : i + 1, : n + 1])
@@ -167,5 +170,6 @@ def _verify(rows: list[Row], proposals: list[Proposal], logits: torch.Tensor) ->
         else:
             probs = None if proposals[i].probs is None else proposals[i].probs.to(device)[None]
             verdict = verify(*args, probs, config.sampling, rng, temperature)
-        verdicts[:, i] = verdict.on_host()[:, 0]
-    return verdicts.T.tolist()
+        accepted, token = verdict.on_host()[:, 0].tolist()
+        out[i] = (accepted, token)
+    return [out[i] for i in range(len(rows))]
