@@ -10,7 +10,7 @@ import torch
 from conftest import char_tokenizer, loaded, perturbed, tiny_gemma3, tiny_llama
 
 from specdec import GenerationConfig, Generator, SamplingConfig
-from specdec.config import BatchConfig, GuardConfig, TypicalAcceptance
+from specdec.config import K_POLICIES, BatchConfig, GuardConfig, TypicalAcceptance
 from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
 from specdec.engine import Decoder
 from specdec.errors import ConfigError
@@ -239,3 +239,53 @@ def test_window_caps_each_rows_own_policy() -> None:
     for run in runs:
         assert run.stats.k_per_step == [6] * run.stats.steps  # each row's policy still chose 6
         assert max(run.stats.accepted_per_step) <= max(windows)
+
+
+@pytest.mark.parametrize("policy", K_POLICIES)
+def test_every_k_policy_runs_in_a_batch(policy: str) -> None:
+    """Each row keeps its own k policy in a batch: greedy rows still equal target-only, and the policy's choices are recorded."""
+    target = loaded(tiny_llama(2))
+    expected = [Generator(target, NoDrafter()).generate(p, GREEDY).token_ids for p in PROMPTS[:3]]
+    draft = ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.3, seed=2)))
+    results = Generator(target, draft, replace(GREEDY, k_policy=policy), batch=BatchConfig(window="fixed")).generate_batch(PROMPTS[:3])
+    assert [r.token_ids for r in results] == expected
+    assert all(len(r.stats.k_per_step) == r.stats.steps and max(r.stats.k_per_step) <= GREEDY.k for r in results)
+
+
+def test_cuda_graphs_are_skipped_without_cuda() -> None:
+    """On a CPU the graph option changes nothing: no graphs are made and outputs are those of plain forwards."""
+    model = tiny_gemma3(0)
+    with_graphs, without = BatchedTransformersBackend(model, cuda_graphs=True), BatchedTransformersBackend(model, cuda_graphs=False)
+    assert with_graphs.graphs is None and without.graphs is None
+    for backend in (with_graphs, without):
+        backend.add_rows(2)
+    feeds = [torch.tensor([1, 5, 9, 5]), torch.tensor([1, 7])]
+    assert torch.equal(with_graphs.forward([0, 1], feeds, last=2), without.forward([0, 1], feeds, last=2))
+    assert with_graphs.cache.width == without.cache.width == 4  # no widths rounded up for graph reuse
+
+
+def test_batched_generation_errors() -> None:
+    target = loaded(tiny_llama(0))
+    gen = Generator(target, "prompt-lookup")
+    with pytest.raises(ConfigError, match="one config, or one per prompt"):
+        gen.generate_batch([[1, 2], [1, 3]], [GREEDY])
+    with pytest.raises(ConfigError, match="unknown window"):
+        BatchConfig(window="adaptive")
+    with pytest.raises(ConfigError, match="memory_threshold"):
+        BatchConfig(memory_threshold=1.5)
+
+
+@pytest.mark.real_model
+def test_gemma_batched_greedy_equals_alone(gemma) -> None:
+    prompts = [
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+        "The three primary colours are",
+        "Question: What is the capital of France?\nAnswer:",
+        "import numpy as np\nx = np.arange(10)\ny = x ** 2\nprint(",
+    ]
+    config = GenerationConfig(k=6, k_policy="fixed", max_new_tokens=24)
+    alone = Generator(gemma, "none", config)
+    expected = [alone.generate(p) for p in prompts]
+    results = Generator(gemma, "prompt-lookup", config, batch=BatchConfig(window="dynamic")).generate_batch(prompts)
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    assert [r.text for r in results] == [e.text for e in expected]

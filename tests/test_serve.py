@@ -241,6 +241,9 @@ def test_disconnect_cancels_and_frees_capacity(server: Server) -> None:
         ({"prompt": "hi", "guards": {"colour": 1}}, 400, "guards", "no field 'colour'"),
         ({"prompt": "hi", "guards": {"drift_threshold": 0.5}}, 400, "guards", "no field 'drift_threshold'"),
         ({"prompt": "hi", "guards": {"anchor_every": 0}}, 400, "guards", "anchor_every must be >= 1"),
+        ({"prompt": "hi", "guards": {"repetition": True, "loop_max_unit": 8.5}}, 400, "guards", "'guards.loop_max_unit': Input should be"),
+        ({"prompt": "hi", "guards": {"repetition": "false"}}, 400, "guards", "'guards.repetition': Input should be a valid boolean"),
+        ({"prompt": "hi", "guards": {"temperature_schedule": [0.5, 1e-320]}}, 400, "guards", "both >= 1e-06"),
         ({"prompt": "hi", "typical_acceptance": {"epsilon": 0}}, 400, "typical_acceptance", "epsilon"),
     ],
 )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from specdec.errors import ConfigError
 
 MAX_K = 32
+MIN_TEMPERATURE = 1e-6  # below it, logits / temperature overflow float32 to inf (and probabilities to NaN)
 K_POLICIES = ("fixed", "heuristic", "perplexity", "confidence", "cost-model")
 
 
@@ -19,8 +20,8 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(f"top_k must be >= 1 or unset, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -58,8 +59,10 @@ class GuardConfig:
             raise ConfigError(
                 "loop detection needs loop_repeats >= 2, loop_min_span >= 2, loop_max_unit, loop_cooldown and block_ngram >= 1"
             )
-        if self.temperature_schedule is not None and (len(self.temperature_schedule) != 2 or min(self.temperature_schedule) <= 0):
-            raise ConfigError(f"temperature_schedule is (start, end) with both > 0, got {self.temperature_schedule}")
+        if self.temperature_schedule is not None and (
+            len(self.temperature_schedule) != 2 or min(self.temperature_schedule) < MIN_TEMPERATURE
+        ):
+            raise ConfigError(f"temperature_schedule is (start, end) with both >= {MIN_TEMPERATURE}, got {self.temperature_schedule}")
         if self.schedule_tokens < 1 or self.drift_window < 1:
             raise ConfigError("schedule_tokens and drift_window must be >= 1")
         if self.anchor_every is not None and self.anchor_every < 1:

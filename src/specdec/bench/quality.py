@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specdec.bench.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts
-from specdec.bench.report import fmt, machine_line
+from specdec.bench.report import fmt, machine_line, pyplot
 from specdec.bench.runner import machine_info
 from specdec.config import GenerationConfig, GuardConfig, RuntimeConfig, SamplingConfig, TypicalAcceptance
 from specdec.engine import Generator
@@ -206,7 +206,7 @@ def markdown(results: dict) -> str:
 
 def plot(results: dict, out: Path) -> list[Path]:
     """Drift and repetition along the output (mean over prompts per window), one panel per category."""
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     categories = sorted({r["category"] for r in results["runs"]})
     paths = []

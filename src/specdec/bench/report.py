@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+def pyplot() -> ModuleType:
+    """matplotlib's pyplot on the file-only Agg backend, imported when a plot is drawn (importing it costs half a second)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
 
 PLOTS = ("speedup_by_category.png", "accepted_per_step.png", "tokens_per_s_vs_k.png")
 
@@ -116,6 +123,7 @@ def markdown(results: dict) -> str:
 
 
 def _plot_speedups(results: dict, path: Path) -> None:
+    plt = pyplot()
     names = [n for n in results["methods"] if n != "none"]
     categories = results["categories"]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) * max(1, len(names)) / 2), 4))
@@ -133,6 +141,7 @@ def _plot_speedups(results: dict, path: Path) -> None:
 
 
 def _plot_histograms(results: dict, path: Path) -> None:
+    plt = pyplot()
     names = [n for n, m in results["methods"].items() if m["accepted_per_step_histogram"] and n != "none"]
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in names:
@@ -149,6 +158,7 @@ def _plot_histograms(results: dict, path: Path) -> None:
 
 
 def _plot_k(results: dict, path: Path) -> None:
+    plt = pyplot()
     series: dict[str, list[tuple[int, float]]] = {}
     for name, m in results["methods"].items():
         if m["k"] is not None:

@@ -20,6 +20,7 @@ from specdec.cli.options import (
     Draft,
     Dtype,
     KPolicyOpt,
+    Overwrite,
     Precision,
     Target,
     Threads,
@@ -82,7 +83,7 @@ def bench(
     threads: Threads = default(RuntimeConfig, "threads"),
     ubatch: Ubatch = default(RuntimeConfig, "ubatch"),
     out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and plots.")] = Path("bench-out"),
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+    overwrite: Overwrite = False,
     strict: Annotated[bool, typer.Option(help="Fail (exit 1) if any greedy output differs from none's.")] = default(BenchConfig, "strict"),
     quick: Annotated[bool, typer.Option(help="Two prompts, 16 tokens: a smoke test.")] = default(BenchConfig, "quick"),
 ) -> None:
@@ -167,7 +168,7 @@ def bench_batch(
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
     out: Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")] = Path("bench-batch-out"),
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Batched decoding: fixed vs dynamic speculation window per batch size, against batched target-only and one request at a time."""
     from rich.progress import Progress
@@ -212,7 +213,7 @@ def bench_serve(
         str, typer.Option(help="More `specdec serve` options for both servers, e.g. '--precision cpu --max-batch 8'.")
     ] = "",
     out: Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")] = Path("bench-serve-out"),
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Load-test `specdec serve` on loopback: N clients for a bounded time, speculation off and on in the same run."""
     from specdec.bench.serve_load import LoadConfig, markdown, run_load_benchmark
@@ -259,7 +260,7 @@ def quality(
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
     out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and the plots.")] = Path("quality-out"),
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Long generations under each guard and the lossy mode: repetition, loops, diversity, drift, contradictions, speed."""
     from rich.progress import Progress

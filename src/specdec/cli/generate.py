@@ -61,13 +61,19 @@ def generate(
         bool, typer.Option(help="Guard: while the output ends in a loop, block the token that continues it.")
     ] = default(GuardConfig, "repetition"),
     temperature_schedule: Annotated[
-        str | None, typer.Option(help="Guard: temperature from START to END over 512 new tokens, e.g. 0.7,1.2 (needs --temperature > 0).")
+        str | None,
+        typer.Option(
+            help=f"Guard: temperature from START to END over {default(GuardConfig, 'schedule_tokens')} new tokens, e.g. 0.7,1.2 (needs --temperature > 0)."
+        ),
     ] = None,
     anchor_every: Annotated[
         int | None, typer.Option(help="Guard: one target-only step and a drafter resync every N new tokens.")
     ] = default(GuardConfig, "anchor_every"),
     drift_threshold: Annotated[
-        float | None, typer.Option(help="Guard: report drift when a 100-token window's similarity to the prompt falls below this.")
+        float | None,
+        typer.Option(
+            help=f"Guard: report drift when a {default(GuardConfig, 'drift_window')}-token window's similarity to the prompt falls below this."
+        ),
     ] = default(GuardConfig, "drift_threshold"),
     drift_anchor: Annotated[bool, typer.Option(help="A drift event also triggers an anchor step.")] = default(GuardConfig, "drift_anchor"),
     typical_acceptance: Annotated[

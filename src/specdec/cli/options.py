@@ -17,6 +17,10 @@ from specdec.drafters import DRAFT_SPECS
 from specdec.errors import SpecDecError
 
 err = Console(stderr=True)
+DRAFT_HELP = (
+    f"Drafter: {DRAFT_SPECS}. Deliberately prompt-lookup by default (it needs no model and costs next to nothing); "
+    "the library's Generator drafts nothing (none) unless given a drafter."
+)
 F = TypeVar("F", bound=Callable[..., None])
 
 
@@ -52,7 +56,7 @@ Draft = Annotated[
     typer.Option(
         "--draft",
         "-d",
-        help=f"Drafter: {DRAFT_SPECS}. Deliberately prompt-lookup by default (free, and never slower in BENCHMARKS.md); the library's Generator drafts nothing (none) unless given a drafter.",
+        help=DRAFT_HELP,
     ),
 ]
 Dtype = Annotated[str, typer.Option(help=f"Weights dtype (transformers backend): {', '.join(DTYPES)}.")]
@@ -70,6 +74,7 @@ Precision = Annotated[
         "attention=bfloat16,ffn=int8,head=int8,draft=bfloat16 (formats: " + ", ".join(FORMATS) + ")."
     ),
 ]
+Overwrite = Annotated[bool, typer.Option(help="Replace an existing output folder.")]
 Ubatch = Annotated[
     int | None, typer.Option(help="llama.cpp micro-batch; 1 makes greedy verification bit-identical to one-token decoding (slower).")
 ]

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from specdec.cli.options import (
+    DRAFT_HELP,
     Dtype,
     KPolicyOpt,
     default,
@@ -21,7 +22,6 @@ from specdec.config import (
     RuntimeConfig,
     ServeConfig,
 )
-from specdec.drafters import DRAFT_SPECS
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET
 
@@ -38,7 +38,7 @@ def serve(
             "--draft",
             "-d",
             envvar="SPECDEC_DRAFT",
-            help=f"Drafter: {DRAFT_SPECS}. Deliberately prompt-lookup by default (free, and never slower in BENCHMARKS.md); the library's Generator drafts nothing (none) unless given a drafter.",
+            help=DRAFT_HELP,
         ),
     ] = "prompt-lookup",
     host: Annotated[str, typer.Option(envvar="SPECDEC_HOST", help="Address to listen on (0.0.0.0 for every interface).")] = default(

@@ -23,7 +23,7 @@ class DraftSettings:
     """What stays fixed for one sequence: how it samples, its random generators, and the confidence floor of its k policy."""
 
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    rng: Seeds | None = None  # draw on device d with ``rng.on(d)``; None: unseeded
+    seeds: Seeds | None = None  # draw on device d with ``rng_on(seeds, d)`` (verification/seeds.py); None: unseeded
     min_confidence: float = 0.0  # a drafter with probabilities stops before its first token below this
 
 

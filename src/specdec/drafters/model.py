@@ -50,7 +50,7 @@ class ModelDrafter:
                 token = logits.argmax(dim=-1, keepdim=True)
             else:
                 dist = to_probs(logits, sampling)
-                token = torch.multinomial(dist, 1, generator=rng_on(self.settings.rng, dist.device))
+                token = torch.multinomial(dist, 1, generator=rng_on(self.settings.seeds, dist.device))
                 probs.append(dist)
             tokens.append(token)
             if i + 1 < k:

@@ -160,7 +160,7 @@ class NgramDrafter:
                     break
                 dist = torch.zeros(self.table.vocab_size)
                 dist[torch.from_numpy(followers)] = torch.from_numpy(counts / counts.sum()).float()
-                token = int(torch.multinomial(dist, 1, generator=rng_on(self.settings.rng, dist.device)))
+                token = int(torch.multinomial(dist, 1, generator=rng_on(self.settings.seeds, dist.device)))
                 probs.append(dist)
             tokens.append(token)
             history = (history + [token])[-self.table.order :]

@@ -69,9 +69,11 @@ class Decoder:
 
         Raises ConfigError when the drafter cannot serve the run's settings, PromptError when the prompt fills the context.
         """
+        if run in self.rows:
+            raise ValueError("this completion is already decoding here: a completion joins a decoder once")
         if len(run.prompt_ids) >= self.backend.max_context:
             raise PromptError(f"a prompt of {len(run.prompt_ids)} tokens does not fit the context of {self.backend.max_context}")
-        row = Row(torch.tensor(run.prompt_ids, dtype=torch.long), run.config, drafter, policy, run.rng, run.stats, run.guards)
+        row = Row(torch.tensor(run.prompt_ids, dtype=torch.long), run.config, drafter, policy, run.seeds, run.stats, run.guards)
         row.stats.lossy = run.config.typical_acceptance is not None
         drafter.begin(row.draft_settings)
         self.backend.add_rows(1)
@@ -84,7 +86,10 @@ class Decoder:
             del self.rows[run]
 
     def step(self) -> list[Update]:
-        """Advance every row by one speculative step; hand each completion its tokens; retire the rows that ended."""
+        """Advance every row by one speculative step; hand each completion its tokens; retire the rows that ended.
+
+        If it raises, the rows' state is undefined (some may have advanced without their completion hearing of it): make them leave.
+        """
         if not self.rows:
             return []
         start = time.perf_counter()

@@ -247,7 +247,7 @@ class Completion:
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason = "length"
         self.text = TextTracker(generator.tokenizer, config.stop) if generator.tokenizer is not None else None
-        self.rng = Seeds(config.seed if config.seed is not None else random.randrange(2**63))
+        self.seeds = Seeds(config.seed if config.seed is not None else random.randrange(2**63))
         guards = config.guards
         ignorable = generator.ignorable() if guards.repetition else frozenset()
         self.guards = Guards(guards, len(self.prompt_ids), ignorable) if guards.active else NoGuards()

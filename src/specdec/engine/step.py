@@ -44,7 +44,7 @@ class Row:
     config: GenerationConfig
     drafter: Drafter
     policy: KPolicy
-    rng: Seeds
+    seeds: Seeds  # the sequence's random generators, one per device
     stats: DecodeStats
     guards: Guards | NoGuards = field(default_factory=NoGuards)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # what the batch's window reads
@@ -56,7 +56,7 @@ class Row:
 
     @property
     def draft_settings(self) -> DraftSettings:
-        return DraftSettings(self.config.sampling, self.rng, self.policy.min_confidence)
+        return DraftSettings(self.config.sampling, self.seeds, self.policy.min_confidence)
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def _verify(rows: list[Row], proposals: list[Proposal], logits: torch.Tensor) ->
         if i in out:
             continue
         config, n = rows[i].config, lengths[i]
-        rng, temperature = rows[i].rng.on(device), temperatures[i]
+        rng, temperature = rows[i].seeds.on(device), temperatures[i]
         args = (tokens[i : i + 1, :n], counts[i : i + 1], logits[i : i + 1, : n + 1])
         temperature = None if temperature is None else temperature[None]
         if config.typical_acceptance is not None:

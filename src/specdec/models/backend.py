@@ -68,7 +68,10 @@ class RowBackend(Protocol):
         ...
 
     def forward(self, rows: list[int], feeds: list[torch.Tensor], last: int) -> torch.Tensor:
-        """Append ``feeds[i]`` (1-D token ids) to row ``rows[i]``; logits [len(rows), last, V] of each feed's last ``last`` tokens, right-aligned."""
+        """Append ``feeds[i]`` (1-D token ids) to row ``rows[i]``; logits [len(rows), last, V] of each feed's last ``last`` tokens, right-aligned.
+
+        The logits are the caller's until the next forward: the step masks them in place (guards).
+        """
         ...
 
     def truncate(self, row: int, length: int) -> None:

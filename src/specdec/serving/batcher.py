@@ -6,8 +6,9 @@ Job and read its events from an asyncio queue that this thread fills:
 ("error", (HTTP status, message)). Between two steps the thread admits waiting
 jobs up to ``max_batch`` rows and drops cancelled ones (the decoder retires
 finished ones itself), whose cache slots are freed at once. A request the
-engine cannot take (its drafter refuses its settings) fails alone with a 400; a
-failing step fails the jobs of that step and the loop goes on serving the others.
+engine cannot take (its drafter refuses its settings) fails alone with a 400
+(in a stream, whose 200 is already sent, an error event); a failing step fails
+the jobs of that step and the loop goes on serving the others.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Batcher:
         self.max_queue = max_queue
         self.metrics = metrics
         self.decoder = generator.batch_decoder()
+        generator.drafter.fork()  # every request decodes with a fork: a drafter that cannot fork is refused now, not per request
         self.waiting: deque[Job] = deque()
         self.active: dict[Completion, Job] = {}
         self._wake = threading.Condition()

@@ -11,16 +11,16 @@ settings: ``guards`` (GuardConfig's fields) and ``typical_acceptance``
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import fields
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from specdec.config import GenerationConfig, GuardConfig, SamplingConfig, TypicalAcceptance
 from specdec.engine import GenerationResult
-from specdec.errors import ConfigError
 
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait before retrying
 
@@ -112,17 +112,17 @@ SERVER_GUARDS = tuple(f.name for f in fields(GuardConfig) if not f.name.startswi
 
 
 def _settings(kind: type, given: dict[str, Any], param: str, allowed: tuple[str, ...] | None = None) -> Any:
-    """``kind`` (a config dataclass) from a request's object; an unknown field is a 400 naming it and the known ones."""
+    """``kind`` (a config dataclass) from a request's object, its field types checked strictly: a bad field is a 400 naming it."""
     allowed = allowed or tuple(f.name for f in fields(kind))
     unknown = sorted(set(given) - set(allowed))
     if unknown:
         raise APIError(400, f"'{param}' has no field {', '.join(repr(u) for u in unknown)} here: use {', '.join(allowed)}", param=param)
-    if isinstance(given.get("temperature_schedule"), list):
-        given = given | {"temperature_schedule": tuple(given["temperature_schedule"])}
     try:
-        return kind(**given)
-    except (TypeError, ConfigError) as exc:
-        raise APIError(400, f"'{param}': {exc}", param=param) from None
+        return TypeAdapter(kind).validate_json(json.dumps(given), strict=True)  # JSON mode: arrays are tuples, 8.0 is no int
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in (param, *error["loc"]))
+        raise APIError(400, f"'{where}': {error['msg']}", param=param) from None
 
 
 class CompletionRequest(OpenAIRequest):

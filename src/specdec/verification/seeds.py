@@ -42,9 +42,9 @@ class Seeds:
         return torch.Generator(device=device).manual_seed(self.seed_for(device))
 
 
-def rng_on(rng: Seeds | None, device: torch.device) -> torch.Generator | None:
-    """``rng``'s generator for ``device``, or None (torch's global one) for an unseeded draw."""
-    return rng.on(device) if rng is not None else None
+def rng_on(seeds: Seeds | None, device: torch.device) -> torch.Generator | None:
+    """The random generator of ``seeds`` for ``device``, or None (torch's global one) for an unseeded draw."""
+    return seeds.on(device) if seeds is not None else None
 
 
 def _mix(x: int) -> int:
