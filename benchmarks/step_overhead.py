@@ -3,18 +3,21 @@
     python benchmarks/step_overhead.py                     # this checkout
     PYTHONPATH=OTHER/src python benchmarks/step_overhead.py  # another checkout, to compare engine versions
 
-Prints ms per step (min and median of 5 rounds of 10 generations of 64 tokens), target-only and prompt lookup.
+Prints ms per step (min and median of 5 rounds), target-only and prompt lookup: single sequences (10 generations
+of 64 tokens per round) and batches of 8 (2 batches of 8 generations of 64 tokens per round, fixed window).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from specdec import Generator
+from specdec.config import BatchConfig
 from specdec.drafters import NoDrafter, PromptLookupDrafter
 
 
@@ -25,15 +28,34 @@ def main() -> None:
     torch.set_num_threads(2)
     model = tiny_gemma3(0)
     settings = dict(max_new_tokens=64, k=4, k_policy="fixed", stop_on_eos=False)
+    prompts = [[1, 5, 9, 5, 9], [1, 40, 41, 42, 43, 40, 41], [1, 7], [1, 3, 3, 3, 3], [1, 60, 61], [1, 9, 8], [1, 5], [1, 20, 21, 20]]
     for name, drafter in (("target-only", NoDrafter()), ("prompt lookup", PromptLookupDrafter())):
-        gen = Generator(loaded(model), drafter)
-        gen.generate([1, 5, 9, 5, 9], **settings)  # warm-up
-        rounds = []
-        for _ in range(5):
-            start = time.perf_counter()
-            steps = sum(gen.generate([1, 5, 9, 5, 9], **settings).stats.steps for _ in range(10))
-            rounds.append((time.perf_counter() - start) / steps * 1e3)
-        print(f"{name}: ms per step min {min(rounds):.3f}, median {sorted(rounds)[2]:.3f}")
+        gen = Generator(loaded(model), drafter, batch=BatchConfig(window="fixed"))
+
+        def alone(gen: Generator = gen) -> int:
+            return sum(gen.generate(prompts[0], **settings).stats.steps for _ in range(10))
+
+        def batched(gen: Generator = gen) -> int:
+            steps = 0
+            for _ in range(2):
+                decoder = gen.batch_decoder()
+                gen.generate_batch(prompts, decoder=decoder, **settings)
+                steps += len(decoder.reports)
+            return steps
+
+        alone(), batched()  # warm-up
+        _report(f"{name}, one sequence", alone)
+        _report(f"{name}, batch of 8", batched)
+
+
+def _report(name: str, run: Callable[[], int]) -> None:
+    """Time 5 rounds of ``run``, which returns how many steps it took."""
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        steps = run()
+        rounds.append((time.perf_counter() - start) / steps * 1e3)
+    print(f"{name}: ms per step min {min(rounds):.3f}, median {sorted(rounds)[2]:.3f}")
 
 
 if __name__ == "__main__":
