@@ -42,6 +42,10 @@ class APIError(Exception):
         return {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None
 
 
+# The drift monitor runs a sentence-embedding model on the decoding thread, which would stall every request of the batch.
+SERVER_GUARDS = tuple(f.name for f in fields(GuardConfig) if not f.name.startswith("drift_"))
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -67,8 +71,16 @@ class OpenAIRequest(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    guards: dict[str, Any] | None = None  # specdec: long-generation guards, GuardConfig's fields (drift excepted)
-    typical_acceptance: dict[str, float] | None = None  # specdec: LOSSY typical acceptance, TypicalAcceptance's fields
+    guards: dict[str, Any] | None = Field(
+        None,
+        description="specdec extension: long-generation guards, an object of GuardConfig's fields except the drift monitor's "
+        f"({', '.join(SERVER_GUARDS)}); omitted fields keep the library's defaults",
+    )
+    typical_acceptance: dict[str, float] | None = Field(
+        None,
+        description="specdec extension, LOSSY: typical acceptance, an object of TypicalAcceptance's fields "
+        f"({', '.join(f.name for f in fields(TypicalAcceptance))}); {{}} for the defaults",
+    )
 
     def unsupported(self) -> None:
         """Refuse OpenAI options that would change the output and that specdec does not implement."""
@@ -105,10 +117,6 @@ class OpenAIRequest(BaseModel):
             if self.typical_acceptance is not None
             else None,
         )
-
-
-# The drift monitor runs a sentence-embedding model on the decoding thread, which would stall every request of the batch.
-SERVER_GUARDS = tuple(f.name for f in fields(GuardConfig) if not f.name.startswith("drift_"))
 
 
 def _settings(kind: type, given: dict[str, Any], param: str, allowed: tuple[str, ...] | None = None) -> Any:
