@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 
 from specdec.config import SamplingConfig
 from specdec.verification import rejection, verify
+from specdec.verification.sampling import draw
 
 ALPHA = 1e-3  # significance level of every distribution test here
 
@@ -83,3 +84,23 @@ def test_all_accepted_gives_bonus_from_last_position() -> None:
     verdict = verify(torch.tensor([[1, 1]]), torch.tensor([2]), logits, probs, SamplingConfig(temperature=1.0))
     assert verdict.accepted.tolist() == [2]
     assert verdict.next_token.tolist() == [2]
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_never_a_zero() -> None:
+    """The sampler every draw uses (verification/sampling.py): the target's law exactly, zeros never, rows independent, seeds repeat."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.1, 0.0, 0.0, 0.0, 0.0, 0.9]])
+    rng = torch.Generator().manual_seed(0)
+    draws = torch.stack([draw(probs, rng) for _ in range(20_000)])  # [N, 2]
+    for row in range(2):
+        counts = torch.bincount(draws[:, row], minlength=6)
+        support = probs[row] > 0
+        assert counts[~support].sum() == 0  # a zero-probability token is never drawn
+        assert chisquare(counts[support].numpy(), (probs[row, support] * 20_000).numpy()).pvalue > 1e-3
+    unnormalised = draw(probs[:1] * 7.0, torch.Generator().manual_seed(5))
+    assert torch.equal(unnormalised, draw(probs[:1], torch.Generator().manual_seed(5)))  # any positive total
+    assert draw(probs[0], rng).shape == () and draw(probs[None], rng).shape == (1, 2)
+    big = torch.softmax(3 * torch.randn(262_144, generator=torch.Generator().manual_seed(1)), dim=0)  # Gemma's vocabulary size
+    top, mass = int(big.argmax()), float(big.max())
+    assert mass > 0.02  # a token with visible mass among 262,144: float rounding of the sum must not shift it
+    hits = sum(int(draw(big, rng)) == top for _ in range(4000))
+    assert abs(hits / 4000 - mass) < 5 * (mass * (1 - mass) / 4000) ** 0.5

@@ -6,6 +6,7 @@ import torch
 
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.models.backend import Backend
+from specdec.verification.sampling import draw
 from specdec.verification.seeds import rng_on
 from specdec.verification.shaping import to_probs
 
@@ -50,7 +51,7 @@ class ModelDrafter:
                 token = logits.argmax(dim=-1, keepdim=True)
             else:
                 dist = to_probs(logits, sampling)
-                token = torch.multinomial(dist, 1, generator=rng_on(self.settings.seeds, dist.device))
+                token = draw(dist[None], rng_on(self.settings.seeds, dist.device))
                 probs.append(dist)
             tokens.append(token)
             if i + 1 < k:

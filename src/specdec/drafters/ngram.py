@@ -20,6 +20,7 @@ import torch
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError, ModelNotFoundError
+from specdec.verification.sampling import draw
 from specdec.verification.seeds import rng_on
 
 FORMAT = "specdec-ngram"
@@ -160,7 +161,7 @@ class NgramDrafter:
                     break
                 dist = torch.zeros(self.table.vocab_size)
                 dist[torch.from_numpy(followers)] = torch.from_numpy(counts / counts.sum()).float()
-                token = int(torch.multinomial(dist, 1, generator=rng_on(self.settings.seeds, dist.device)))
+                token = int(draw(dist, rng_on(self.settings.seeds, dist.device)))
                 probs.append(dist)
             tokens.append(token)
             history = (history + [token])[-self.table.order :]

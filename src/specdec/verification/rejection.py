@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import SamplingConfig
+from specdec.verification.sampling import draw
 from specdec.verification.shaping import to_probs
 
 
@@ -77,7 +78,7 @@ def verify(
         else:
             q_next = draft_probs[rows, at]
         p_next = torch.where(rejected[:, None], residual_distribution(p_next, q_next), p_next)
-    next_token = torch.multinomial(p_next, 1, generator=rng).squeeze(1)
+    next_token = draw(p_next, rng)
     return Verdict(accepted, next_token)
 
 
