@@ -176,3 +176,13 @@ def test_bench_runs_a_precision_plan(tiny_folder: Path, prompts: Path, tmp_path:
     assert results["greedy_identical_share"]["prompt-lookup@k4"] == 1.0  # the same plan's target-only output
     refused = _bench(tiny_folder, prompts, tmp_path / "p2", "--precision", "cpu", "--backend", "llama.cpp")
     assert refused.exit_code == 2 and "GGUF" in refused.output
+
+
+def test_a_bench_in_a_log_says_where_it_is_and_sampled_identity_is_na(tiny_folder: Path, prompts: Path, tmp_path: Path) -> None:
+    """Without a terminal (a CI log, a pipe) each finished unit prints a line with an ETA; a sampled run's identity reads n/a."""
+    result = _bench(tiny_folder, prompts, tmp_path / "out", "--methods", "none,prompt-lookup", "--temperature", "0.8")
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if " done: " in line]
+    assert len(lines) == 4 and lines[0].startswith("1/4 done: ") and lines[-1].startswith("4/4 done: ") and "s left)" in lines[0]
+    assert all(row.rstrip(" │").endswith("n/a") for row in result.output.splitlines() if row.startswith(("│ none", "│ prompt-lookup")))
+    assert "| n/a |" in (tmp_path / "out" / "report.md").read_text()

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from conftest import char_tokenizer, tiny_llama
 from openai import OpenAI
@@ -25,6 +26,7 @@ from specdec.config import GuardConfig, TypicalAcceptance
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
+KEY = "sk-specdec-test-key"
 PROMPTS = ["abc abc abc", "hello there", "the cat sat on the mat. the cat", "1, 2, 3, 4, 5", "xyz", "Question: why?"]
 
 
@@ -37,10 +39,13 @@ def _free_port() -> int:
 class Server:
     """A `specdec serve` subprocess; stopped with SIGINT like a user's Ctrl-C."""
 
-    def __init__(self, target: str, *args: str) -> None:
+    def __init__(self, target: str, *args: str, key: str | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.key = key
         command = [shutil.which("specdec"), "serve", "--target", target, "--port", str(self.port), *args]
+        command += ["--api-key", key] if key else []
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=60)
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -53,7 +58,7 @@ class Server:
                 time.sleep(0.2)
         else:
             raise RuntimeError("server did not start in time")
-        self.client = OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+        self.client = OpenAI(base_url=f"{self.url}/v1", api_key=key or "unused", max_retries=0)
 
     def stop(self) -> tuple[int, str]:
         self.process.send_signal(signal.SIGINT)
@@ -69,7 +74,7 @@ class Server:
 
     def metric(self, sample: str, **labels: str) -> float:
         """A sample's value summed over its label sets that include ``labels`` (a Ray deployment labels each replica's)."""
-        families = text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text)
+        families = text_string_to_metric_families(self.http.get("/metrics").text)
         return sum(s.value for f in families for s in f.samples if s.name == sample and labels.items() <= s.labels.items())
 
 
@@ -91,7 +96,7 @@ def server(request: pytest.FixtureRequest, folder: Path) -> Iterator[Server]:
     args = ["--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--window", "fixed", "--max-batch", "8"]
     if request.param == "ray":
         args += ["--ray", "--replicas", "1", "--ray-address", request.getfixturevalue("ray_cluster")]
-    server = Server(str(folder), *args)
+    server = Server(str(folder), *args, key=KEY)  # every client test runs with a key set
     yield server
     server.stop()
 
@@ -177,7 +182,7 @@ def test_sixteen_concurrent_clients(server: Server, local: Generator) -> None:
     model = server.client.models.list().data[0].id
 
     def ask(i: int) -> str:
-        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        client = OpenAI(base_url=f"{server.url}/v1", api_key=server.key or "unused", max_retries=0)
         return client.completions.create(model=model, prompt=prompts[i], max_tokens=16 + i, temperature=0).choices[0].text
 
     with ThreadPoolExecutor(16) as pool:
@@ -211,7 +216,7 @@ def test_disconnect_cancels_and_frees_capacity(server: Server) -> None:
     body = {"prompt": "abc", "max_tokens": 240, "temperature": 0, "stream": True, "ignore_eos": True}
     for _ in range(3):
         cancelled = server.metric("specdec_cancelled_requests_total")
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        with server.http.stream("POST", "/v1/completions", json=body, timeout=30) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
             assert server.health()["running"] == 1
@@ -248,25 +253,25 @@ def test_disconnect_cancels_and_frees_capacity(server: Server) -> None:
     ],
 )
 def test_bad_completion_requests(server: Server, body: dict, status: int, param: str, message: str) -> None:
-    response = httpx.post(f"{server.url}/v1/completions", json=body)
+    response = server.http.post("/v1/completions", json=body)
     assert response.status_code == status
     error = response.json()["error"]
     assert error["param"] == param and message in error["message"] and error["type"]
 
 
 def test_bad_chat_and_body(server: Server) -> None:
-    response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []})
+    response = server.http.post("/v1/chat/completions", json={"messages": []})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
-    response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}]})
+    response = server.http.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
-    response = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    response = server.http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
     assert server.health()["status"] == "ok"  # none of it hurt the engine
 
 
 def test_metrics_parse(server: Server) -> None:
     server.client.completions.create(model=server.client.models.list().data[0].id, prompt=PROMPTS[3], max_tokens=12, temperature=0)
-    families = {family.name: family for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    families = {family.name: family for family in text_string_to_metric_families(server.http.get("/metrics").text)}
     for name in (
         "specdec_requests",
         "specdec_generated_tokens",
@@ -292,7 +297,7 @@ def test_full_queue_answers_429_and_shutdown_drains(folder: Path) -> None:
 
     def ask() -> None:
         start.wait()  # all at once: one runs, one waits, the rest find the queue full
-        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        response = server.http.post("/v1/completions", json=body, timeout=60)
         statuses.append(response.status_code)
         if response.status_code == 429:
             retry_after.append(response.headers.get("retry-after"))
@@ -305,7 +310,7 @@ def test_full_queue_answers_429_and_shutdown_drains(folder: Path) -> None:
     assert statuses.count(200) >= 2 and statuses.count(429) >= 1 and all(retry_after), statuses
     # Shutdown while a request runs: it finishes (drain), then the process exits cleanly.
     finished: list[int] = []
-    runner = threading.Thread(target=lambda: finished.append(httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code))
+    runner = threading.Thread(target=lambda: finished.append(server.http.post("/v1/completions", json=body, timeout=60).status_code))
     runner.start()
     deadline = time.monotonic() + 10
     while server.health()["running"] == 0 and not finished and time.monotonic() < deadline:
@@ -378,3 +383,90 @@ def test_ray_options_without_ray_are_a_one_line_error(folder: Path) -> None:
 
     result = CliRunner().invoke(app, ["serve", "--target", str(folder), "--replicas", "3", "--ray-address", "auto"])
     assert result.exit_code == 2 and "--replicas, --ray-address apply only with --ray" in result.output
+
+
+def test_api_keys_guard_every_v1_route_and_the_metrics(server: Server) -> None:
+    """With a key set: /v1 routes, /metrics and the API docs answer OpenAI's 401 without it; /health stays open for load balancers."""
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/metrics")):
+        for headers, code in (
+            ({}, None),
+            ({"Authorization": "Bearer sk-wrong"}, "invalid_api_key"),
+            ({"Authorization": KEY}, "invalid_api_key"),
+        ):
+            response = httpx.request(method, f"{server.url}{path}", json={"prompt": "hi"}, headers=headers)
+            assert response.status_code == 401, (path, headers)
+            assert response.json()["error"] | {"message": None} == {
+                "message": None,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": code,
+            }
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+    assert server.client.models.list().data and server.http.get("/metrics").status_code == 200
+
+
+def test_serving_beyond_loopback_needs_keys_or_a_stated_choice(folder: Path) -> None:
+    from typer.testing import CliRunner
+
+    from specdec.cli.main import app
+
+    refused = CliRunner().invoke(app, ["serve", "--target", str(folder), "--host", "0.0.0.0"], env={"SPECDEC_API_KEYS": ""})
+    assert refused.exit_code == 2 and "--insecure-no-auth" in refused.output and "Traceback" not in refused.output
+
+
+@pytest.fixture(scope="module")
+def slow_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A deeper tiny Llama: a few hundred tokens take it a second or more, long enough to disconnect mid-way."""
+    tokenizer = char_tokenizer()
+    folder = tmp_path_factory.mktemp("serve") / "tiny-deep"
+    tiny_llama(0, vocab=len(tokenizer), layers=24).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_non_streaming_client_that_disconnects_is_cancelled(slow_folder: Path) -> None:
+    """A raw socket sends a whole request and closes before the answer: the engine drops the sequence, not runs it to the end."""
+    server = Server(str(slow_folder), "--draft", "none", "--k-policy", "fixed", key=KEY)
+    try:
+        body = json.dumps({"prompt": "abc", "max_tokens": 250, "temperature": 0.7, "ignore_eos": True}).encode()
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+        for _ in range(3):  # a disconnect that reaches the engine after the request ended cancels nothing: ask again
+            cancelled = server.metric("specdec_cancelled_requests_total")
+            with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                deadline = time.monotonic() + 5
+                while not server.health()["running"] and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                time.sleep(0.2)
+            deadline = time.monotonic() + 10
+            while server.health()["running"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if server.metric("specdec_cancelled_requests_total") == cancelled + 1:
+                break
+        else:
+            pytest.fail("3 non-streaming requests whose client closed the connection all ran to their end")
+        assert server.health()["running"] == 0
+    finally:
+        server.stop()
+
+
+def test_admission_fills_free_slots_before_refusing(folder: Path) -> None:
+    """Capacity is max_batch running plus max_queue waiting, whether or not the engine thread has admitted the waiting ones yet."""
+    import asyncio
+
+    from specdec.serving.batcher import Batcher, Job, QueueFullError
+    from specdec.serving.metrics import Metrics
+
+    generator = Generator(str(folder), "prompt-lookup")
+    batcher = Batcher(generator, max_batch=4, max_queue=2, metrics=Metrics())  # not started: submitted jobs all stay waiting
+    batcher._thread.is_alive = lambda: True  # noqa: SLF001 - as if its engine thread ran but were busy with a long step
+    loop = asyncio.new_event_loop()
+    try:
+        for _ in range(6):
+            batcher.submit(Job(generator.completion("abc"), loop))
+        with pytest.raises(QueueFullError, match="at most 4 running and 2 waiting"):
+            batcher.submit(Job(generator.completion("abc"), loop))
+    finally:
+        loop.close()

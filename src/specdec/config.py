@@ -150,10 +150,14 @@ class ServeConfig:
     max_queue: int = 64  # waiting requests; beyond this a request gets 429 with Retry-After
     default_max_tokens: int = 256  # when a request does not say
     drain_s: float = 30.0  # on shutdown, how long in-flight requests may take to finish before they are cancelled
+    api_keys: tuple[str, ...] = ()  # set: every /v1 route needs `Authorization: Bearer KEY` with one of them
+    open_metrics: bool = False  # with keys set, /metrics and the API docs stay open (a scraper without the key)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if any(not key or any(ch.isspace() for ch in key) for key in self.api_keys):
+            raise ConfigError("an API key must be a non-empty string without spaces")
         for name in ("max_batch", "max_queue", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -64,7 +64,7 @@ def markdown(results: dict) -> str:
                 f"| {fmt(r['predicted_speedup'], '{:.2f}x')} / {fmt(r['predicted_speedup_measured_costs'], '{:.2f}x')} "
                 f"| {fmt(r['acceptance_rate'], '{:.0%}')} | {fmt(r['tokens_per_step'])} | {fmt(r['target_forwards_per_token'])} "
                 f"| {fmt(r['ttft_s'])} | {m['peak_memory_increase_vs_none_mb']:+.0f} "
-                f"| {fmt(r['identical_share'] if greedy else None, '{:.0%}')} |"
+                f"| {fmt(r['identical_share'], '{:.0%}') if greedy else 'n/a'} |"
             )
         lines.append("")
     best = max(

@@ -29,6 +29,7 @@ from specdec.cli.options import (
     err,
     fresh_output,
     int_list,
+    progress,
     runtime_config,
     user_errors,
 )
@@ -88,7 +89,6 @@ def bench(
     quick: Annotated[bool, typer.Option(help="Two prompts, 16 tokens: a smoke test.")] = default(BenchConfig, "quick"),
 ) -> None:
     """Benchmark methods side by side on the same prompts; write results.json, report.md and plots."""
-    from rich.progress import Progress
 
     from specdec.bench.methods import check_method
     from specdec.bench.prompts import load_prompts
@@ -114,10 +114,9 @@ def bench(
     count = 2 if quick else len(load_prompts(prompts))
     runnable = ["none"] + [m for m in config.methods if m != "none" and check_method(m, target) is None]
     total = len(method_plan(config, runnable)) * count * repeats
-    with Progress(console=err) as progress:
-        task = progress.add_task("loading models", total=total)
+    with progress(total) as advance:
         try:
-            results = run_benchmark(config, lambda name: progress.update(task, advance=1, description=name))
+            results = run_benchmark(config, advance)
         except GreedyMismatchError as exc:
             err.print(f"[red]strict:[/red] {exc}")
             raise typer.Exit(1) from None
@@ -126,10 +125,10 @@ def bench(
         err.print(f"[yellow]note:[/yellow] {note}")
     overall = {name: m["categories"]["overall"] for name, m in results["methods"].items()}
     greedy = temperature == 0
-    table = Table("method", "tok/s", "vs none", "acceptance", "identical to none" if greedy else "identical (sampled: n/a)")
+    table = Table("method", "tok/s", "vs none", "acceptance", "identical to none")
     for name, row in overall.items():
         acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}"
-        identical = f"{results['greedy_identical_share'][name]:.0%}" if greedy else "-"
+        identical = f"{results['greedy_identical_share'][name]:.0%}" if greedy else "n/a"
         table.add_row(name, f"{row['tokens_per_s']:.2f}", f"{row['speedup_vs_none']:.2f}x", acc, identical)
     Console().print(table)
     if greedy and backend == "llama.cpp" and (ubatch or 0) != 1 and min(results["greedy_identical_share"].values()) < 1:
@@ -171,7 +170,6 @@ def bench_batch(
     overwrite: Overwrite = False,
 ) -> None:
     """Batched decoding: fixed vs dynamic speculation window per batch size, against batched target-only and one request at a time."""
-    from rich.progress import Progress
 
     from specdec.bench.batch import METHODS, BatchBenchConfig, markdown, run_batch_benchmark
 
@@ -180,9 +178,8 @@ def bench_batch(
     config = BatchBenchConfig(
         prompts, target, draft, sizes, k, max_new_tokens, sequential, runtime_config("transformers", dtype, None, None, precision)
     )
-    with Progress(console=err) as progress:
-        task = progress.add_task("loading models", total=len(sizes) * (len(METHODS) - (not sequential)))
-        results = run_batch_benchmark(config, lambda name: progress.update(task, advance=1, description=name))
+    with progress(len(sizes) * (len(METHODS) - (not sequential))) as advance:
+        results = run_batch_benchmark(config, advance)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "report.md").write_text(markdown(results))
@@ -263,7 +260,6 @@ def quality(
     overwrite: Overwrite = False,
 ) -> None:
     """Long generations under each guard and the lossy mode: repetition, loops, diversity, drift, contradictions, speed."""
-    from rich.progress import Progress
 
     from specdec.bench.quality import QualityBenchConfig, configuration_names, run_quality_benchmark, write
 
@@ -274,9 +270,8 @@ def quality(
         temperature, drift_threshold, chosen, runtime_config("transformers", dtype, None, None, precision),
     )  # fmt: skip
     runs = len(configuration_names(config)) * len(config.categories) * per_category
-    with Progress(console=err) as progress:
-        task = progress.add_task("loading models", total=runs + 1)
-        results = run_quality_benchmark(config, lambda name: progress.update(task, advance=1, description=name))
+    with progress(runs + 1) as advance:
+        results = run_quality_benchmark(config, advance)
     write(results, out)
     table = Table("configuration", "tok/s", "vs baseline", "repeated 4-grams", "in a loop", "drift sim.", "contradictions")
     for name, per_category in results["summary"].items():
@@ -314,13 +309,13 @@ def ppl(
     from specdec.bench.perplexity import perplexity
 
     plan = PrecisionPlan.parse(precision)
-    with Progress(console=err, transient=True) as progress:
+    with Progress(console=err, transient=True) as bar:
         tasks: dict[str, object] = {}
 
         def report(label: str, done: int, total: int) -> None:
             if label not in tasks:
-                tasks[label] = progress.add_task(f"scoring ({label})", total=total)
-            progress.update(tasks[label], completed=done)
+                tasks[label] = bar.add_task(f"scoring ({label})", total=total)
+            bar.update(tasks[label], completed=done)
 
         result = perplexity(target, plan, data, max_tokens=max_tokens, window=window, progress=report)
     if as_json:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -11,6 +13,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import Progress, TimeElapsedColumn
 
 from specdec.config import DTYPES, FORMATS, K_POLICIES, PRESETS, RUNTIMES, PrecisionPlan, RuntimeConfig
 from specdec.drafters import DRAFT_SPECS
@@ -104,3 +107,21 @@ def float_pair(option: str, value: str | None) -> tuple[float, float] | None:
 
 def runtime_config(backend: str, dtype: str, threads: int | None, ubatch: int | None, precision: str | None) -> RuntimeConfig:
     return RuntimeConfig(backend, dtype, threads, ubatch, PrecisionPlan.parse(precision) if precision else None)
+
+
+@contextmanager
+def progress(total: int) -> Iterator[Callable[[str], None]]:
+    """A callback to call as each unit of a long run ends, named: a live bar with ETA on a terminal, one line per unit with ETA in a log."""
+    start, done = time.perf_counter(), 0
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=err, disable=not err.is_terminal) as bar:
+        task = bar.add_task("loading models", total=total)
+
+        def advance(name: str) -> None:
+            nonlocal done
+            done += 1
+            bar.update(task, advance=1, description=name)
+            if not err.is_terminal:
+                left = (time.perf_counter() - start) / done * (total - done)
+                err.print(f"{done}/{total} done: {name} (about {left:.0f} s left)", highlight=False, soft_wrap=True)
+
+        yield advance

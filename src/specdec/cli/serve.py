@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -62,6 +64,19 @@ def serve(
         ServeConfig, "default_max_tokens"
     ),
     drain: Annotated[float, typer.Option(help="Seconds in-flight requests get to finish on shutdown.")] = default(ServeConfig, "drain_s"),
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="An API key clients must send as `Authorization: Bearer KEY` (repeatable; also SPECDEC_API_KEYS, comma-separated)."
+        ),
+    ] = None,
+    api_key_file: Annotated[Path | None, typer.Option(help="A file of API keys, one per line (# starts a comment).")] = None,
+    open_metrics: Annotated[
+        bool, typer.Option(help="With keys set, leave /metrics and the API docs open (for a scraper without the key).")
+    ] = default(ServeConfig, "open_metrics"),
+    insecure_no_auth: Annotated[
+        bool, typer.Option(help="Serve on a non-loopback address without API keys (anyone who can reach it can use it).")
+    ] = False,
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Annotated[
         str | None, typer.Option(envvar="SPECDEC_PRECISION", help="Precision plan: a preset or parts (see `specdec generate --help`).")
@@ -102,7 +117,15 @@ def serve(
 
     if not ray:
         _refuse_ray_options_without_ray(context)
-    serve_config = ServeConfig(host, port, max_batch, max_queue, default_max_tokens, drain)
+    keys = api_keys(api_key or [], api_key_file)
+    if not keys and host not in LOOPBACK:
+        if not insecure_no_auth:
+            raise ConfigError(
+                f"--host {host} serves beyond this machine without API keys: set --api-key (or SPECDEC_API_KEYS, --api-key-file), "
+                "or pass --insecure-no-auth to accept that anyone who can reach it can use it"
+            )
+        err.print(f"[yellow]warning:[/yellow] serving on {host} without API keys (--insecure-no-auth): anyone who can reach it can use it")
+    serve_config = ServeConfig(host, port, max_batch, max_queue, default_max_tokens, drain, keys, open_metrics)
     config = GenerationConfig(k=k, k_policy=k_policy)
     runtime = runtime_config("transformers", dtype, None, None, precision)
     if ray:
@@ -130,6 +153,19 @@ def serve(
         generator.batch_decoder()  # measures this machine's batch costs now (cached), not on the first request
     err.print(f"serving '{generator.target.name}' with draft '{draft}' on http://{host}:{port}/v1")
     run_server(generator, serve_config)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def api_keys(given: list[str], key_file: Path | None) -> tuple[str, ...]:
+    """Keys from --api-key, SPECDEC_API_KEYS (comma-separated) and --api-key-file (one per line, # comments), in that order."""
+    keys = [*given, *os.environ.get("SPECDEC_API_KEYS", "").split(",")]
+    if key_file is not None:
+        if not key_file.is_file():
+            raise ConfigError(f"--api-key-file {key_file} does not exist: pass a file with one key per line")
+        keys += [line.split("#", 1)[0] for line in key_file.read_text().splitlines()]
+    return tuple(dict.fromkeys(key.strip() for key in keys if key.strip()))
 
 
 RAY_OPTIONS = (

@@ -10,6 +10,7 @@ that disconnects cancels its sequence, which leaves the batch before the next st
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import os
 import socket
@@ -46,13 +47,7 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.batcher = batcher
 
-    @app.middleware("http")
-    async def count(request: Request, call_next: Callable) -> Response:
-        response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
-        response.headers["x-specdec-replica"] = REPLICA
-        return response
+    app.add_middleware(_Gate, metrics=metrics, keys=config.api_keys, open_metrics=config.open_metrics)
 
     @app.exception_handler(api.APIError)
     async def api_error(request: Request, exc: api.APIError) -> JSONResponse:
@@ -150,6 +145,65 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
     return app
 
 
+DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request asks whether its client is still there
+DOCS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
+class _Gate:
+    """Every HTTP request passes here: API keys are checked, requests counted by route and status, answers tagged with the replica.
+
+    A plain ASGI middleware: it passes ``receive`` through untouched (Starlette's ``@app.middleware("http")``
+    wraps it), so a handler sees its client's disconnect directly.
+    """
+
+    def __init__(self, app: Callable, metrics: Metrics, keys: tuple[str, ...], open_metrics: bool) -> None:
+        self.app, self.metrics, self.keys, self.open_metrics = app, metrics, keys, open_metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def tagged(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-specdec-replica", REPLICA.encode())]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, tagged)
+            else:
+                await self.app(scope, receive, tagged)
+        finally:
+            route = scope.get("route")
+            self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
+
+    def _refusal(self, scope: dict) -> JSONResponse | None:
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        error = key_refusal(self.keys, self.open_metrics, scope["path"], header)
+        return None if error is None else JSONResponse(error.body(), status_code=error.status)
+
+
+def key_refusal(keys: tuple[str, ...], open_metrics: bool, path: str, authorization: str) -> api.APIError | None:
+    """OpenAI's 401 when ``path`` needs a key (keys set: /v1 routes, and /metrics and the docs unless open) and ``authorization`` has none that matches."""
+    guarded = path.startswith("/v1/") or (path in DOCS and not open_metrics)
+    if not keys or not guarded:
+        return None
+    scheme, _, given = authorization.partition(" ")
+    if scheme.lower() == "bearer" and any(hmac.compare_digest(given.strip().encode(), key.encode()) for key in keys):
+        return None
+    message = (
+        "Incorrect API key provided."
+        if authorization
+        else "You didn't provide an API key: send it in an Authorization header using Bearer auth (Authorization: Bearer YOUR_KEY)."
+    )
+    return api.APIError(401, message, code="invalid_api_key" if authorization else None)
+
+
 class _Chunks:
     """How one endpoint shapes its stream: a chunk per text piece, the closing chunk, an optional opening chunk."""
 
@@ -184,22 +238,26 @@ def _stream(job: Job, chunks: _Chunks, prompt_tokens: int, options: api.StreamOp
 
 
 async def _result(job: Job, request: Request) -> GenerationResult:
-    """Wait for the job's end, cancelling it if the client disconnects meanwhile."""
+    """Wait for the job's end, cancelling it if the client disconnects meanwhile (checked every half second, events or not)."""
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + DISCONNECT_CHECK_S
     while True:
         try:
-            kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
+            kind, payload = await asyncio.wait_for(job.events.get(), timeout=max(check_at - loop.time(), 0.0))
         except asyncio.CancelledError:  # the server dropped the request (its client left): so does the engine
             job.cancel()
             raise
         except TimeoutError:
-            if await request.is_disconnected():
-                job.cancel()
-                raise api.APIError(499, "the client closed the request") from None
-            continue
+            kind, payload = None, None
         if kind == "done":
             return payload
         if kind == "error":
             raise _failure(*payload)
+        if loop.time() >= check_at:  # text events arrive every step: the check must not wait for a quiet moment
+            if await request.is_disconnected():
+                job.cancel()
+                raise api.APIError(499, "the client closed the request")
+            check_at = loop.time() + DISCONNECT_CHECK_S
 
 
 def _failure(status: int, message: str) -> api.APIError:

@@ -87,8 +87,13 @@ class Batcher:
                 raise ShuttingDownError("the server is shutting down")
             if not self.alive:  # nothing would ever answer this request
                 raise ShuttingDownError("the server's engine thread has stopped")
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFullError(f"{len(self.active)} requests are running and {len(self.waiting)} waiting")
+            # Free batch slots count as room: the engine thread admits waiting jobs only between steps, so a burst
+            # arriving during one step queues up even while slots are free.
+            if len(self.active) + len(self.waiting) >= self.max_batch + self.max_queue:
+                raise QueueFullError(
+                    f"{len(self.active)} requests are running and {len(self.waiting)} waiting "
+                    f"(at most {self.max_batch} running and {self.max_queue} waiting)"
+                )
             self.waiting.append(job)
             self.metrics.queue_depth.set(len(self.waiting))
             self._wake.notify()

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
 from specdec.config import BatchConfig, GenerationConfig, PrecisionPlan, RayConfig, RuntimeConfig, ServeConfig
@@ -108,7 +108,7 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
 
             self.name, self.metrics = f"ingress-{REPLICA}", RelayMetrics()
             failures = self.metrics.replica_failures
-            self.server = _ingress_app(engine.options(stream=True).forward.remote, replica_failure, overloaded, failures)
+            self.server = _ingress_app(engine.options(stream=True).forward.remote, replica_failure, overloaded, failures, spec.serve)
 
         def __serve_build_asgi_app__(self) -> FastAPI:
             return self.server
@@ -124,14 +124,20 @@ def _ingress_app(
     replica_failure: tuple[type[BaseException], ...],
     overloaded: tuple[type[BaseException], ...],
     failures: Counter,
+    config: ServeConfig,
 ) -> FastAPI:
-    """The ingress's routes: GET /metrics for every replica of the application; anything else relayed to an engine replica."""
+    """The ingress's routes: GET /metrics for every replica of the application (keyed as a replica's is); anything else relayed to an engine replica."""
     from ray import serve
+
+    from specdec.serving.app import key_refusal
 
     app = FastAPI(title="specdec ingress", docs_url=None, redoc_url=None, openapi_url=None)  # the engine's docs are relayed
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        refusal = key_refusal(config.api_keys, config.open_metrics, "/metrics", request.headers.get("authorization", ""))
+        if refusal is not None:
+            return JSONResponse(refusal.body(), status_code=refusal.status)
         context = serve.get_replica_context()
         scrapes = [
             serve.get_deployment_handle(deployment, context.app_name)
@@ -202,8 +208,8 @@ def _replica_failure(serve) -> str:
 def app_builder(args: dict):
     """Entry point for a Serve config file (``import_path: specdec.serving.ray_serve:app_builder``).
 
-    ``args``: target, draft, k, k_policy, dtype, precision, window, ServeConfig's request limits
-    (max_batch, max_queue, default_max_tokens, drain_s) and RayConfig's fields but the address: the
+    ``args``: target, draft, k, k_policy, dtype, precision, window, ServeConfig's request limits and keys
+    (max_batch, max_queue, default_max_tokens, drain_s, api_keys, open_metrics) and RayConfig's fields but the address: the
     settings `specdec serve --ray` takes, by their typed names.
     """
     known = {
@@ -211,7 +217,7 @@ def app_builder(args: dict):
         "generation": ("k", "k_policy"),
         "runtime": ("dtype", "precision"),
         "batch": ("window",),
-        "serve": ("max_batch", "max_queue", "default_max_tokens", "drain_s"),
+        "serve": ("max_batch", "max_queue", "default_max_tokens", "drain_s", "api_keys", "open_metrics"),
         "ray": tuple(f.name for f in fields(RayConfig) if f.name != "address"),
     }
     unknown = sorted(set(args) - {key for keys in known.values() for key in keys})
@@ -230,6 +236,6 @@ def app_builder(args: dict):
         generation=GenerationConfig(**part("generation")),
         runtime=RuntimeConfig(**runtime),
         batch=BatchConfig(**part("batch")),
-        serve=ServeConfig(**part("serve")),
+        serve=ServeConfig(**part("serve") | {"api_keys": tuple(args.get("api_keys", ()))}),
     )
     return application(spec, RayConfig(**part("ray")))
