@@ -470,3 +470,32 @@ def test_admission_fills_free_slots_before_refusing(folder: Path) -> None:
             batcher.submit(Job(generator.completion("abc"), loop))
     finally:
         loop.close()
+
+
+def test_large_bodies_are_refused_and_tokenizing_never_blocks_health(folder: Path) -> None:
+    """Past --max-request-bytes: OpenAI's 413, announced or chunked. Below it, a huge prompt is tokenized off the event loop."""
+    server = Server(str(folder), "--draft", "prompt-lookup", "--max-request-bytes", "3000000", key=KEY)
+    try:
+        too_big = {"prompt": "x" * 3_100_000}
+        response = server.http.post("/v1/completions", json=too_big)
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+        chunked = server.http.post(
+            "/v1/completions", content=iter([json.dumps(too_big).encode()]), headers={"content-type": "application/json"}
+        )
+        assert chunked.status_code == 413
+        answers: list[int] = []
+        sender = threading.Thread(
+            target=lambda: answers.append(server.http.post("/v1/completions", json={"prompt": "ab " * 950_000}).status_code)
+        )
+        sender.start()
+        latencies = []
+        while sender.is_alive():
+            start = time.perf_counter()
+            assert httpx.get(f"{server.url}/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.02)
+        sender.join()
+        assert answers == [400] and len(latencies) >= 5  # too long for the context, found by tokenizing (which took a while)
+        assert sorted(latencies)[-2] < 0.1, latencies  # the worst but one: a single scheduling hiccup of this shared machine aside
+    finally:
+        server.stop()

@@ -152,13 +152,14 @@ class ServeConfig:
     drain_s: float = 30.0  # on shutdown, how long in-flight requests may take to finish before they are cancelled
     api_keys: tuple[str, ...] = ()  # set: every /v1 route needs `Authorization: Bearer KEY` with one of them
     open_metrics: bool = False  # with keys set, /metrics and the API docs stay open (a scraper without the key)
+    max_request_bytes: int = 4 * 2**20  # a larger request body gets a 413 before it is parsed
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if any(not key or any(ch.isspace() for ch in key) for key in self.api_keys):
             raise ConfigError("an API key must be a non-empty string without spaces")
-        for name in ("max_batch", "max_queue", "default_max_tokens"):
+        for name in ("max_batch", "max_queue", "default_max_tokens", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.drain_s < 0:

@@ -70,6 +70,9 @@ def serve(
             help="An API key clients must send as `Authorization: Bearer KEY` (repeatable; also SPECDEC_API_KEYS, comma-separated)."
         ),
     ] = None,
+    max_request_bytes: Annotated[int, typer.Option(help="Largest request body accepted (413 beyond it, before parsing).")] = default(
+        ServeConfig, "max_request_bytes"
+    ),
     api_key_file: Annotated[Path | None, typer.Option(help="A file of API keys, one per line (# starts a comment).")] = None,
     open_metrics: Annotated[
         bool, typer.Option(help="With keys set, leave /metrics and the API docs open (for a scraper without the key).")
@@ -125,7 +128,7 @@ def serve(
                 "or pass --insecure-no-auth to accept that anyone who can reach it can use it"
             )
         err.print(f"[yellow]warning:[/yellow] serving on {host} without API keys (--insecure-no-auth): anyone who can reach it can use it")
-    serve_config = ServeConfig(host, port, max_batch, max_queue, default_max_tokens, drain, keys, open_metrics)
+    serve_config = ServeConfig(host, port, max_batch, max_queue, default_max_tokens, drain, keys, open_metrics, max_request_bytes)
     config = GenerationConfig(k=k, k_policy=k_policy)
     runtime = runtime_config("transformers", dtype, None, None, precision)
     if ray:

@@ -47,7 +47,9 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.batcher = batcher
 
-    app.add_middleware(_Gate, metrics=metrics, keys=config.api_keys, open_metrics=config.open_metrics)
+    app.add_middleware(
+        _Gate, metrics=metrics, keys=config.api_keys, open_metrics=config.open_metrics, max_request_bytes=config.max_request_bytes
+    )
 
     @app.exception_handler(api.APIError)
     async def api_error(request: Request, exc: api.APIError) -> JSONResponse:
@@ -74,7 +76,7 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
-        job, prompt_tokens = _submit(body, body.prompt, "prompt", body.max_tokens)
+        job, prompt_tokens = await _submit(body, body.prompt, "prompt", body.max_tokens)
         rid = api.new_id("cmpl")
         if body.stream:
             chunks = _Chunks(
@@ -85,8 +87,8 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
 
     @app.post("/v1/chat/completions")
     async def chat(body: api.ChatRequest, request: Request) -> Response:
-        ids = _chat_prompt(body)
-        job, prompt_tokens = _submit(body, ids, "messages", body.token_budget)
+        ids = await asyncio.to_thread(_chat_prompt, body)  # templating and tokenizing take seconds on a long prompt: off the event loop
+        job, prompt_tokens = await _submit(body, ids, "messages", body.token_budget)
         rid = api.new_id("chatcmpl")
         if body.stream:
             chunks = _Chunks(
@@ -107,7 +109,7 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
         except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (roles, order)
             raise api.APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from None
 
-    def _submit(body: api.OpenAIRequest, prompt: str | list[int], field: str, budget: int | None) -> tuple[Job, int]:
+    async def _submit(body: api.OpenAIRequest, prompt: str | list[int], field: str, budget: int | None) -> tuple[Job, int]:
         body.unsupported()
         if body.model not in (None, model):
             raise api.APIError(
@@ -119,7 +121,7 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
         except SpecDecError as exc:  # a sampling, guard or acceptance setting
             raise api.APIError(400, str(exc)) from None
         try:
-            completion = generator.completion(prompt, settings)
+            completion = await asyncio.to_thread(generator.completion, prompt, settings)  # tokenizing: off the event loop
         except SpecDecError as exc:
             raise api.APIError(400, str(exc), param=field) from None
         used, limit = len(completion.prompt_ids), generator.backend.max_context
@@ -149,15 +151,31 @@ DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request asks whether its c
 DOCS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
+def _replay(body: bytes, receive: Callable) -> Callable:
+    """A ``receive`` that hands the app the body read already, then the connection's own (so disconnects still show)."""
+    sent = False
+
+    async def replayed() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
 class _Gate:
     """Every HTTP request passes here: API keys are checked, requests counted by route and status, answers tagged with the replica.
 
-    A plain ASGI middleware: it passes ``receive`` through untouched (Starlette's ``@app.middleware("http")``
-    wraps it), so a handler sees its client's disconnect directly.
+    A plain ASGI middleware (Starlette's ``@app.middleware("http")`` wraps ``receive``): it reads the
+    body itself, refusing it past ``max_request_bytes`` (413) before anything parses it, then hands the
+    app the body and the connection's own ``receive``, so a handler sees its client's disconnect directly.
     """
 
-    def __init__(self, app: Callable, metrics: Metrics, keys: tuple[str, ...], open_metrics: bool) -> None:
+    def __init__(self, app: Callable, metrics: Metrics, keys: tuple[str, ...], open_metrics: bool, max_request_bytes: int) -> None:
         self.app, self.metrics, self.keys, self.open_metrics = app, metrics, keys, open_metrics
+        self.max_request_bytes = max_request_bytes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -173,14 +191,44 @@ class _Gate:
             await send(message)
 
         try:
-            refusal = self._refusal(scope)
+            refusal = self._refusal(scope) or self._too_large(scope)
+            if refusal is None:
+                body = await self._read_body(receive)
+                if body is None:
+                    refusal = self._too_large_answer()
             if refusal is not None:
                 await refusal(scope, receive, tagged)
             else:
-                await self.app(scope, receive, tagged)
+                await self.app(scope, _replay(body, receive), tagged)
         finally:
             route = scope.get("route")
             self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
+
+    async def _read_body(self, receive: Callable) -> bytes | None:
+        """The whole request body, or None past the limit (also when no Content-Length announced it: chunked)."""
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending: the app will see that at its next receive
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_request_bytes:
+                return None
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+    def _too_large(self, scope: dict) -> JSONResponse | None:
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        return self._too_large_answer() if length.isdigit() and int(length) > self.max_request_bytes else None
+
+    def _too_large_answer(self) -> JSONResponse:
+        error = api.APIError(
+            413,
+            f"the request body is larger than this server's limit of {self.max_request_bytes} bytes: shorten the prompt",
+            code="request_too_large",
+        )
+        return JSONResponse(error.body(), status_code=413)
 
     def _refusal(self, scope: dict) -> JSONResponse | None:
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")

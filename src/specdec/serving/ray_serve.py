@@ -217,7 +217,7 @@ def app_builder(args: dict):
         "generation": ("k", "k_policy"),
         "runtime": ("dtype", "precision"),
         "batch": ("window",),
-        "serve": ("max_batch", "max_queue", "default_max_tokens", "drain_s", "api_keys", "open_metrics"),
+        "serve": ("max_batch", "max_queue", "default_max_tokens", "drain_s", "api_keys", "open_metrics", "max_request_bytes"),
         "ray": tuple(f.name for f in fields(RayConfig) if f.name != "address"),
     }
     unknown = sorted(set(args) - {key for keys in known.values() for key in keys})
