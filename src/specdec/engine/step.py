@@ -84,9 +84,7 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
     drafts = [_draft(row, window, target.max_context) for row in rows]
     t1 = time.perf_counter()
     lengths = [len(d.proposal) for d in drafts]
-    feeds = [
-        torch.cat([row.tokens[target.lengths[slot] :], d.proposal.tokens.cpu()]) for row, slot, d in zip(rows, slots, drafts, strict=True)
-    ]
+    feeds = [torch.cat([row.tokens[target.lengths[slot] :], d.proposal.tokens]) for row, slot, d in zip(rows, slots, drafts, strict=True)]
     logits = _align(target.forward(slots, feeds, last=max(lengths) + 1), lengths)
     verdicts = _verify(rows, [d.proposal for d in drafts], logits)
     t2 = time.perf_counter()
@@ -97,7 +95,7 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
         target.truncate(slot, row.length + accepted)
         if d.k:  # a step without drafts leaves the drafter's state as it was
             row.drafter.accept(accepted)
-        tokens = torch.cat([d.proposal.tokens[:accepted].cpu(), torch.tensor([next_token])])
+        tokens = torch.cat([d.proposal.tokens[:accepted], torch.tensor([next_token])])
         row.tokens = torch.cat([row.tokens, tokens])
         row.policy.observe(StepOutcome(lengths[i], accepted, d.seconds, row.length, logits[i, : accepted + 1], tokens))
         row.acceptance.observe(lengths[i], accepted)
@@ -123,6 +121,8 @@ def _draft(row: Row, window: int | None, max_context: int) -> Draft:
         g0 = time.perf_counter()
         proposal = proposal.cut(row.guards.trim(row.tokens, proposal.tokens))
         row.stats.guard_s += time.perf_counter() - g0
+    # The context lives on the host: draft tokens cross once (probabilities stay where they are, for the verifier).
+    proposal = Proposal(proposal.tokens.cpu(), proposal.probs)
     return Draft(chosen, k, proposal, time.perf_counter() - start, anchored)
 
 
@@ -144,7 +144,7 @@ def _verify(rows: list[Row], proposals: list[Proposal], logits: torch.Tensor) ->
     tokens = torch.zeros(len(rows), logits.shape[1] - 1, dtype=torch.long)
     for i, p in enumerate(proposals):
         if lengths[i]:
-            tokens[i, : lengths[i]] = p.tokens.cpu()
+            tokens[i, : lengths[i]] = p.tokens
     tokens, counts = tokens.to(device), torch.tensor(lengths).to(device)
     temperatures = []
     for i, (row, p) in enumerate(zip(rows, proposals, strict=True)):

@@ -191,7 +191,7 @@ class _Gate:
             await send(message)
 
         try:
-            refusal = self._refusal(scope) or self._too_large(scope)
+            refusal = self._refusal(scope)
             if refusal is None:
                 body = await self._read_body(receive)
                 if body is None:
@@ -217,10 +217,6 @@ class _Gate:
                 return None
             more = message.get("more_body", False)
         return b"".join(chunks)
-
-    def _too_large(self, scope: dict) -> JSONResponse | None:
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        return self._too_large_answer() if length.isdigit() and int(length) > self.max_request_bytes else None
 
     def _too_large_answer(self) -> JSONResponse:
         error = api.APIError(

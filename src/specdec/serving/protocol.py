@@ -11,6 +11,7 @@ settings: ``guards`` (GuardConfig's fields) and ``typical_acceptance``
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -119,6 +120,12 @@ class OpenAIRequest(BaseModel):
         )
 
 
+@functools.cache
+def _adapter(kind: type) -> TypeAdapter:
+    """A validator for a config dataclass, built once (building one reads its whole schema)."""
+    return TypeAdapter(kind)
+
+
 def _settings(kind: type, given: dict[str, Any], param: str, allowed: tuple[str, ...] | None = None) -> Any:
     """``kind`` (a config dataclass) from a request's object, its field types checked strictly: a bad field is a 400 naming it."""
     allowed = allowed or tuple(f.name for f in fields(kind))
@@ -126,7 +133,7 @@ def _settings(kind: type, given: dict[str, Any], param: str, allowed: tuple[str,
     if unknown:
         raise APIError(400, f"'{param}' has no field {', '.join(repr(u) for u in unknown)} here: use {', '.join(allowed)}", param=param)
     try:
-        return TypeAdapter(kind).validate_json(json.dumps(given), strict=True)  # JSON mode: arrays are tuples, 8.0 is no int
+        return _adapter(kind).validate_json(json.dumps(given), strict=True)  # JSON mode: arrays are tuples, 8.0 is no int
     except ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in (param, *error["loc"]))
