@@ -25,7 +25,7 @@ CHARS = string.ascii_letters + string.digits + " .,;:!?'\"()-\n"
 SPECIALS = ["<unk>", "<bos>", "<eos>"]
 
 
-def tiny_llama(seed: int, vocab: int = 96, layers: int = 2, scale: float = 0.3) -> LlamaForCausalLM:
+def tiny_llama(seed: int, vocab: int = 96, layers: int = 2, scale: float = 0.3, context: int = 256) -> LlamaForCausalLM:
     """A random Llama whose logits are peaked enough that greedy ties are negligible."""
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -35,7 +35,7 @@ def tiny_llama(seed: int, vocab: int = 96, layers: int = 2, scale: float = 0.3) 
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         initializer_range=scale,
         bos_token_id=1,
         eos_token_id=2,

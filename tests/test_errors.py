@@ -14,6 +14,7 @@ from specdec.cli.main import app
 from specdec.drafters import ModelDrafter, build_drafter
 from specdec.errors import (
     ConfigError,
+    ContextLengthError,
     MissingPackageError,
     ModelNotFoundError,
     PromptError,
@@ -38,6 +39,8 @@ def _one_line(exc: pytest.ExceptionInfo) -> str:
         ({"k": 0}, "between 1 and 32"),
         ({"k": 33}, "between 1 and 32"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"seed": -1}, "0..18446744073709551615"),
+        ({"seed": 2**64}, "64 bits"),
     ],
 )
 def test_generation_config_ranges(kwargs: dict, words: str) -> None:
@@ -65,6 +68,21 @@ def test_empty_prompt_and_out_of_vocabulary_ids(tiny_folder: Path) -> None:
     with pytest.raises(PromptError) as exc:
         gen.generate([1, 10_000])
     assert "outside the vocabulary" in _one_line(exc)
+
+
+def test_text_that_is_not_unicode_or_cannot_fit_is_refused_before_tokenizing(tiny_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = Generator(str(tiny_folder), "none")
+    assert gen.max_prompt_chars == 256 * max(map(len, gen.tokenizer.get_vocab()))
+    monkeypatch.setattr(gen, "tokenizer", lambda *_: pytest.fail("tokenized a prompt that was refused"))
+    with pytest.raises(PromptError) as exc:
+        gen.encode("hi \ud800 there")
+    assert "lone surrogate ('\\ud800') at character 3" in _one_line(exc)
+    with pytest.raises(ContextLengthError) as exc:
+        gen.encode("x" * (gen.max_prompt_chars + 1))
+    assert f"more than model '{gen.target.name}' can hold" in _one_line(exc)
+    with pytest.raises(PromptError) as exc:
+        gen.chat_ids([{"role": "user", "content": "hi"}])
+    assert "no chat template" in _one_line(exc)
 
 
 def test_prompt_longer_than_context() -> None:

@@ -47,10 +47,14 @@ class Server:
         command += ["--api-key", key] if key else []
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=60)
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []  # its log, read as it comes: a full pipe would block the server's event loop
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.process.stdout.read()}")
+                self._reader.join(timeout=10)
+                raise RuntimeError(f"server exited early:\n{''.join(self.lines)}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     break
@@ -60,14 +64,16 @@ class Server:
             raise RuntimeError("server did not start in time")
         self.client = OpenAI(base_url=f"{self.url}/v1", api_key=key or "unused", max_retries=0)
 
-    def stop(self) -> tuple[int, str]:
-        self.process.send_signal(signal.SIGINT)
+    def stop(self, sig: int = signal.SIGINT) -> tuple[int, str]:
+        """Signal the server, wait for it to exit: its exit code and log."""
+        self.process.send_signal(sig)
         try:
-            output, _ = self.process.communicate(timeout=60)
+            self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            output, _ = self.process.communicate()
-        return self.process.returncode, output
+            self.process.wait()
+        self._reader.join(timeout=10)
+        return self.process.returncode, "".join(self.lines)
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health").json()
@@ -289,7 +295,7 @@ def test_metrics_parse(server: Server) -> None:
 
 
 def test_full_queue_answers_429_and_shutdown_drains(folder: Path) -> None:
-    server = Server(str(folder), "--draft", "prompt-lookup", "--max-batch", "1", "--max-queue", "1", "--drain", "20")
+    server = Server(str(folder), "--draft", "prompt-lookup", "--max-batch", "1", "--max-queue", "1", "--shutdown-timeout", "20")
     body = {"prompt": "abc", "max_tokens": 200, "temperature": 0}
     statuses: list[int] = []
     retry_after: list[str | None] = []
@@ -472,9 +478,13 @@ def test_admission_fills_free_slots_before_refusing(folder: Path) -> None:
         loop.close()
 
 
-def test_large_bodies_are_refused_and_tokenizing_never_blocks_health(folder: Path) -> None:
-    """Past --max-request-bytes: OpenAI's 413, announced or chunked. Below it, a huge prompt is tokenized off the event loop."""
-    server = Server(str(folder), "--draft", "prompt-lookup", "--max-request-bytes", "3000000", key=KEY)
+def test_large_bodies_are_refused_and_tokenizing_never_blocks_health(tmp_path: Path) -> None:
+    """Past --max-request-bytes: OpenAI's 413, announced or chunked. Below it, a huge prompt is tokenized off the event loop
+    (a model with a context of a million tokens, so that the character bound does not refuse the prompt before tokenizing)."""
+    tokenizer = char_tokenizer()
+    tiny_llama(0, vocab=len(tokenizer), context=1_000_000).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    server = Server(str(tmp_path), "--draft", "prompt-lookup", "--max-request-bytes", "3000000", key=KEY)
     try:
         too_big = {"prompt": "x" * 3_100_000}
         response = server.http.post("/v1/completions", json=too_big)
@@ -499,3 +509,199 @@ def test_large_bodies_are_refused_and_tokenizing_never_blocks_health(folder: Pat
         assert sorted(latencies)[-2] < 0.1, latencies  # the worst but one: a single scheduling hiccup of this shared machine aside
     finally:
         server.stop()
+
+
+JSON = {"content-type": "application/json"}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "param", "code"),
+    [
+        ("POST", "/v1/completions", b'{"prompt": "hi", "seed": 18446744073709551616}', 400, "seed", None),
+        ("POST", "/v1/completions", b'{"prompt": "hi", "seed": -1}', 400, "seed", None),
+        ("POST", "/v1/completions", b'{"prompt": "hi \\ud800 there", "max_tokens": 2}', 400, "prompt", None),
+        ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\udfff"}]}', 400, "messages", None),
+        ("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": "5"}', 400, "max_tokens", None),
+        ("POST", "/v1/completions", b'{"prompt": "hi", "stream": "yes"}', 400, "stream", None),
+        ("POST", "/v1/completions", b'{"prompt": "hi", "seed": 1000.0}', 400, "seed", None),
+        ("POST", "/v1/completions", b'{"prompt": "hi", "stream_options": {"include_usage": "yes"}}', 400, "stream_options", None),
+        ("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, None),
+        ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None, None),
+        ("POST", "/v1/completions", b"[]", 400, None, None),
+        ("GET", "/v1/nothing-here", b"", 404, None, "unknown_url"),
+        ("DELETE", "/v1/completions", b"", 405, None, "method_not_allowed"),
+        ("POST", "/v1/completions", b'{"prompt": "hi", "model": "gpt-4"}', 404, "model", "model_not_found"),
+        ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}', 404, "model", "model_not_found"),
+        ("GET", "/v1/models/gpt-4", b"", 404, "model", "model_not_found"),
+        ("POST", "/v1/completions", json.dumps({"prompt": "ab " * 100}).encode(), 400, "prompt", "context_length_exceeded"),
+        ("POST", "/v1/completions", json.dumps({"prompt": "ab " * 5000}).encode(), 400, "prompt", "context_length_exceeded"),
+        ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "ab " * 5000}]}).encode(), 400, "messages", "context_length_exceeded"),
+        ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}', 400, "messages", None),
+    ],
+)  # fmt: skip
+def test_every_error_has_openai_shape(
+    server: Server, method: str, path: str, body: bytes, status: int, param: str | None, code: str | None
+) -> None:
+    """Bad values, unknown routes and methods, undecodable bodies: the right status, OpenAI's error object, never a 500."""
+    response = server.http.request(method, path, content=body, headers=JSON)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error" and error["message"]
+    assert (error["param"], error["code"]) == (param, code), error
+    assert server.health()["status"] == "ok"
+
+
+def test_errors_quote_only_an_excerpt_of_the_input(server: Server) -> None:
+    for body in ({"prompt": [[1, 2]] * 200_000}, {"prompt": "hi", "model": "m" * 1_000_000}):
+        response = server.http.post("/v1/completions", json=body)
+        assert response.status_code in (400, 404) and len(response.content) < 1000, response.content[:200]
+
+
+def test_chat_content_as_text_parts(server: Server) -> None:
+    """OpenAI's content parts: text parts are joined, the answer equals the same text given as a string."""
+    model = server.client.models.list().data[0].id
+    asked = [{"role": "user", "content": [{"type": "text", "text": "the cat "}, {"type": "text", "text": "sat"}]}]
+    parts = server.client.chat.completions.create(model=model, messages=asked, max_tokens=8, temperature=0)
+    plain = server.client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "the cat sat"}], max_tokens=8, temperature=0
+    )
+    assert parts.choices[0].message.content == plain.choices[0].message.content and parts.usage == plain.usage
+    assert server.http.get(f"/v1/models/{model}").json()["id"] == model
+
+
+def _fuzzed_requests(count: int, seed: int) -> Iterator[tuple[str, str, bytes]]:
+    """Malformed and borderline requests from a seeded generator: valid bodies with fields removed, retyped or set to
+    extreme values, unknown fields, broken JSON bytes, strange methods and paths."""
+    import random
+
+    rng = random.Random(seed)
+    weird = [None, True, -1, 0, 2**64, 10**30, -(2**63), 1e308, 0.5, "", "5", "\ud800", "x" * 5000, [], [1, "a"], [-5, 10**9], {}, {"a": {"b": []}}, "ǅ\u202e\x00"]  # fmt: skip
+    fields = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop", "model", "n", "logprobs", "guards", "typical_acceptance", "stream_options", "ignore_eos", "user", "max_completion_tokens", "colour"]  # fmt: skip
+    for _ in range(count):
+        chat = rng.random() < 0.5
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        body: dict = {"messages": [{"role": "user", "content": "hello"}]} if chat else {"prompt": "abc abc"}
+        body |= {"max_tokens": 3, "temperature": rng.choice([0, 0.8])}
+        for _ in range(rng.randint(1, 3)):
+            action, name = rng.random(), rng.choice(fields)
+            if action < 0.2:
+                body.pop(name, None)
+            elif action < 0.9:
+                body[name] = rng.choice(weird)
+            elif chat:
+                body["messages"] = [{"role": rng.choice(["user", "wizard", 7]), "content": rng.choice(weird)}]
+        raw = json.dumps(body).encode()  # ensure_ascii: a lone surrogate travels as an escape, as a client would send it
+        cut = rng.random()
+        if cut < 0.1:
+            raw = raw[: rng.randint(0, len(raw))]
+        elif cut < 0.15:
+            spot = rng.randrange(len(raw))
+            raw = raw[:spot] + bytes([rng.randrange(256)]) + raw[spot + 1 :]
+        method = rng.choice(["POST"] * 9 + ["GET", "PUT", "PATCH"])
+        yield method, rng.choice([path] * 9 + ["/v1/x", "/v1/models/x", "/" + "a" * 3000]), raw
+
+
+def test_fuzzed_requests_never_get_a_server_error(server: Server, request: pytest.FixtureRequest) -> None:
+    """300 seeded malformed requests: every answer is below 500 and in OpenAI's shape (streams too), and the server stays healthy."""
+    if request.node.callspec.params["server"] != "process":
+        pytest.skip("the error handling is the replica's own: once is enough")
+    for method, path, raw in _fuzzed_requests(300, seed=22):
+        response = server.http.request(method, path, content=raw, headers=JSON)
+        assert response.status_code < 500, (method, path, raw[:200], response.text[:300])
+        if response.status_code >= 400:
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text[:300]
+        elif response.headers["content-type"].startswith("text/event-stream"):
+            assert "server_error" not in response.text and response.text.endswith("data: [DONE]\n\n"), response.text[-300:]
+    health = server.health()
+    assert (health["status"], health["running"], health["waiting"]) == ("ok", 0, 0)
+
+
+def _closed_after(sock: socket.socket, limit: float = 10) -> tuple[float, bytes]:
+    """Seconds until the server closes ``sock`` (reading what it sent meanwhile)."""
+    sock.settimeout(limit)
+    start, received = time.monotonic(), b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - start, received
+
+
+def test_slow_and_idle_connections_are_cut_off(folder: Path) -> None:
+    """Silent and slowloris connections close after --header-timeout, a dribbled body gets a 408, idle keep-alive
+    connections close after --keep-alive; the Host allow-list; the replica header names no host or process."""
+    server = Server(str(folder), "--draft", "prompt-lookup", "--header-timeout", "1", "--body-timeout", "1", "--keep-alive", "1", "--allowed-host", "127.0.0.1", key=KEY)  # fmt: skip
+    address = ("127.0.0.1", server.port)
+    try:
+        with socket.create_connection(address) as silent:
+            assert _closed_after(silent)[0] < 3
+        with socket.create_connection(address) as slowloris:
+
+            def dribble() -> None:
+                try:
+                    slowloris.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+                    for i in range(30):
+                        time.sleep(0.2)
+                        slowloris.sendall(f"X-Slow-{i}: 1\r\n".encode())
+                except OSError:  # cut off: the point
+                    pass
+
+            sender = threading.Thread(target=dribble)
+            sender.start()
+            assert _closed_after(slowloris)[0] < 3
+            sender.join()
+        with socket.create_connection(address) as slow_body:
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+            slow_body.sendall(head.encode() + b'{"prompt": ')
+            _, answer = _closed_after(slow_body, limit=5)
+            assert answer.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in answer, answer[:300]
+        with socket.create_connection(address) as idle:
+            idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            seconds, answer = _closed_after(idle)
+            assert answer.startswith(b"HTTP/1.1 200") and 0.8 < seconds < 3, (seconds, answer[:100])
+
+        answer = server.http.get("/health")
+        replica = answer.headers["x-specdec-replica"]
+        assert socket.gethostname() not in replica and str(server.process.pid) not in replica
+        assert f"replica {replica}: pid {server.process.pid}" in "".join(server.lines), "the log maps the id to the process"
+        refused = server.http.get("/v1/models", headers={"Host": "attacker.example"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "host_not_allowed"
+        assert server.http.get("/v1/models", headers={"Host": f"127.0.0.1:{server.port}"}).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_sigterm_ends_every_request_in_its_protocol_and_exits_0(slow_folder: Path) -> None:
+    """SIGTERM under load: no new connections; after --shutdown-timeout each stream ends with an error event and [DONE],
+    a whole response is a 503 in OpenAI's shape; exit code 0 and no traceback."""
+    server = Server(str(slow_folder), "--draft", "none", "--k-policy", "fixed", "--shutdown-timeout", "0.5", key=KEY)
+    long = {"prompt": "abc", "max_tokens": 250, "temperature": 0.7, "ignore_eos": True}
+    answers: dict[str, tuple[int, list[str]]] = {}
+
+    def streamed(name: str) -> None:
+        with server.http.stream("POST", "/v1/completions", json=long | {"stream": True}) as response:
+            answers[name] = (response.status_code, [line for line in response.iter_lines() if line])
+
+    def whole() -> None:
+        response = server.http.post("/v1/completions", json=long)
+        answers["whole"] = (response.status_code, [response.text])
+
+    clients = [threading.Thread(target=streamed, args=(f"stream {i}",)) for i in range(3)] + [threading.Thread(target=whole)]
+    for client in clients:
+        client.start()
+    deadline = time.monotonic() + 30
+    while server.health()["running"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    code, output = server.stop(signal.SIGTERM)
+    for client in clients:
+        client.join()
+    assert code == 0 and "Traceback" not in output, output[-3000:]
+    for name in ("stream 0", "stream 1", "stream 2"):
+        status, lines = answers[name]
+        assert status == 200 and lines[-1] == "data: [DONE]", (name, lines[-3:])
+        assert json.loads(lines[-2].removeprefix("data: "))["error"]["message"].startswith("the server shut down"), lines[-2]
+    status, (text,) = answers["whole"]
+    assert status == 503 and json.loads(text)["error"]["type"] == "server_error", text
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health", timeout=2)

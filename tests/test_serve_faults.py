@@ -126,7 +126,8 @@ def test_relay_ends_a_stream_whose_replica_dies_with_an_error_event() -> None:
     chunk = {"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True}
     response, body, failures = _relay(_replicas([STREAM, chunk, chunk, ReplicaDied()]))
     assert isinstance(response, StreamingResponse) and body[:2] == [b"data: {}\n\n"] * 2
-    assert json.loads(body[-1].removeprefix(b"data: "))["error"]["code"] == "replica_failed"
+    error, done = body[-1].decode().strip().split("\n\n")
+    assert json.loads(error.removeprefix("data: "))["error"]["code"] == "replica_failed" and done == "data: [DONE]"
     assert (_count(failures, "retried"), _count(failures, "failed")) == (0, 1)
 
 

@@ -91,6 +91,9 @@ class TypicalAcceptance:
             raise ConfigError(f"typical acceptance needs 0 < epsilon <= 1 and 0 < alpha <= 1, got {self.epsilon}, {self.alpha}")
 
 
+MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit integers (torch's generators take no more)
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """One generation request: speculation depth, length, stopping, sampling, guards, and (only if asked) lossy acceptance."""
@@ -116,6 +119,8 @@ class GenerationConfig:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed must be an integer in 0..{MAX_SEED} (64 bits), got {self.seed}")
 
 
 WINDOWS = ("dynamic", "fixed")
@@ -149,10 +154,14 @@ class ServeConfig:
     max_batch: int = 16  # sequences decoded together; more requests wait in the queue
     max_queue: int = 64  # waiting requests; beyond this a request gets 429 with Retry-After
     default_max_tokens: int = 256  # when a request does not say
-    drain_s: float = 30.0  # on shutdown, how long in-flight requests may take to finish before they are cancelled
+    shutdown_timeout_s: float = 30.0  # on SIGTERM/SIGINT, how long requests in flight may take to finish before they are ended
     api_keys: tuple[str, ...] = ()  # set: every /v1 route needs `Authorization: Bearer KEY` with one of them
     open_metrics: bool = False  # with keys set, /metrics and the API docs stay open (a scraper without the key)
     max_request_bytes: int = 4 * 2**20  # a larger request body gets a 413 before it is parsed
+    allowed_hosts: tuple[str, ...] = ()  # set: a request whose Host header names none of these is refused (DNS rebinding)
+    header_timeout_s: float = 10.0  # a connection must send a request's headers within this long (slow clients are cut off)
+    body_timeout_s: float = 30.0  # ... and its body within this long after the headers (408 beyond)
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this long
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -162,8 +171,11 @@ class ServeConfig:
         for name in ("max_batch", "max_queue", "default_max_tokens", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.drain_s < 0:
-            raise ConfigError(f"drain_s must be >= 0, got {self.drain_s}")
+        if self.shutdown_timeout_s < 0:
+            raise ConfigError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,11 @@ class VocabularyMismatchError(SpecDecError):
 
 
 class PromptError(SpecDecError):
-    """The prompt is empty or does not fit the model's context."""
+    """The prompt is empty, not valid text, or does not fit the model's context."""
+
+
+class ContextLengthError(PromptError):
+    """The prompt does not fit the model's context (counted in tokens, or bounded by its characters before tokenizing)."""
 
 
 class DeploymentError(SpecDecError):

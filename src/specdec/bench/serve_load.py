@@ -2,13 +2,16 @@
 
 Each configuration gets its own `specdec serve` process on loopback (started,
 warmed up, measured, stopped with Ctrl-C), so the figures include HTTP,
-tokenization and continuous batching exactly as users meet them.
+tokenization and continuous batching exactly as users meet them; by default it
+requires an API key that the clients send, as a deployed server would.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import secrets
 import shutil
 import signal
 import socket
@@ -35,6 +38,7 @@ class LoadConfig:
     duration_s: float = 60.0
     max_tokens: int = 64
     server_args: tuple[str, ...] = ()  # more `specdec serve` options, the same for both configurations
+    keys: bool = True  # the servers require an API key (a fresh one per run) and the clients send it
 
     def __post_init__(self) -> None:
         if self.clients < 1 or self.duration_s <= 0 or self.max_tokens < 1:
@@ -56,19 +60,21 @@ def run_load_benchmark(config: LoadConfig, say: Callable[[str], None] = print) -
     results = {}
     for label, draft in (("speculation off", "none"), (f"speculation on ({config.draft})", config.draft)):
         say(f"{label}: starting the server")
-        with _Server(config.target, draft, config.server_args) as url:
-            asyncio.run(_load(url, prompts[:2], 1, 5, config.max_tokens))  # warm-up: loading, first-request costs
+        key = secrets.token_urlsafe(24) if config.keys else None
+        with _Server(config.target, draft, config.server_args, key) as url:
+            asyncio.run(_load(url, key, prompts[:2], 1, 5, config.max_tokens))  # warm-up: loading, first-request costs
             say(f"{label}: {config.clients} clients for {config.duration_s:.0f} s")
             start = time.perf_counter()
-            outcome = asyncio.run(_load(url, prompts, config.clients, config.duration_s, config.max_tokens))
+            outcome = asyncio.run(_load(url, key, prompts, config.clients, config.duration_s, config.max_tokens))
             results[label] = _summary(outcome, time.perf_counter() - start)
     return {"config": asdict(config), "results": results}
 
 
-async def _load(url: str, prompts: list[str], clients: int, duration_s: float, max_tokens: int) -> Outcome:
+async def _load(url: str, key: str | None, prompts: list[str], clients: int, duration_s: float, max_tokens: int) -> Outcome:
     outcome = Outcome()
     deadline = time.perf_counter() + duration_s
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
 
         async def one_client(index: int) -> None:
             turn = index
@@ -132,7 +138,8 @@ def markdown(report: dict) -> str:
         "# specdec server load benchmark",
         "",
         f"Target `{cfg['target']}`, {cfg['clients']} concurrent streaming clients for {cfg['duration_s']:.0f} s, "
-        f"max_tokens {cfg['max_tokens']}, greedy, prompts from `{cfg['prompts']}`; server options: {' '.join(cfg['server_args']) or 'defaults'}.",
+        f"max_tokens {cfg['max_tokens']}, greedy, prompts from `{cfg['prompts']}`; server options: {' '.join(cfg['server_args']) or 'defaults'}; "
+        + ("an API key required and sent." if cfg["keys"] else "no API key."),
         "",
         "| configuration | requests | req/s | tokens/s | latency p50 / p95 / p99 s | TTFT p50 / p95 / p99 s | errors |",
         "|---|---|---|---|---|---|---|",
@@ -152,7 +159,8 @@ def _p(values: dict) -> str:
 class _Server:
     """`specdec serve` on a free loopback port for the duration of a with-block."""
 
-    def __init__(self, target: str, draft: str, args: tuple[str, ...]) -> None:
+    def __init__(self, target: str, draft: str, args: tuple[str, ...], key: str | None) -> None:
+        self.key = key
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
@@ -170,7 +178,8 @@ class _Server:
 
     def __enter__(self) -> str:
         self.log = tempfile.TemporaryFile("w+")  # a pipe could fill up with access logs and stall the server
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        env = os.environ | {"SPECDEC_API_KEYS": self.key or ""}  # from the environment: not on the process list
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
         url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:

@@ -209,6 +209,9 @@ def bench_serve(
     server_args: Annotated[
         str, typer.Option(help="More `specdec serve` options for both servers, e.g. '--precision cpu --max-batch 8'.")
     ] = "",
+    keys: Annotated[
+        bool, typer.Option(help="The servers require an API key (fresh per run) that the clients send, as deployed.")
+    ] = default(LoadConfig, "keys"),
     out: Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")] = Path("bench-serve-out"),
     overwrite: Overwrite = False,
 ) -> None:
@@ -216,7 +219,7 @@ def bench_serve(
     from specdec.bench.serve_load import LoadConfig, markdown, run_load_benchmark
 
     fresh_output(out, overwrite)
-    config = LoadConfig(prompts, target, draft, clients, duration, max_tokens, tuple(server_args.split()))
+    config = LoadConfig(prompts, target, draft, clients, duration, max_tokens, tuple(server_args.split()), keys)
     report = run_load_benchmark(config, say=lambda line: err.print(f"[dim]{line}[/dim]"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2))

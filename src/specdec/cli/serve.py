@@ -63,7 +63,25 @@ def serve(
     default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request does not set it.")] = default(
         ServeConfig, "default_max_tokens"
     ),
-    drain: Annotated[float, typer.Option(help="Seconds in-flight requests get to finish on shutdown.")] = default(ServeConfig, "drain_s"),
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            help="On SIGTERM/SIGINT, seconds requests in flight get to finish; the rest then end with an error (streams with [DONE])."
+        ),
+    ] = default(ServeConfig, "shutdown_timeout_s"),
+    header_timeout: Annotated[
+        float, typer.Option(help="Seconds a connection has to send a request's headers (slow or silent clients are cut off).")
+    ] = default(ServeConfig, "header_timeout_s"),
+    body_timeout: Annotated[
+        float, typer.Option(help="Seconds a request's body may take to arrive after its headers (408 beyond).")
+    ] = default(ServeConfig, "body_timeout_s"),
+    keep_alive: Annotated[float, typer.Option(help="Seconds an idle keep-alive connection stays open.")] = default(
+        ServeConfig, "keep_alive_s"
+    ),
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option(help="Answer only requests whose Host header names this host (repeatable; against DNS rebinding of a local server)."),
+    ] = None,
     api_key: Annotated[
         list[str] | None,
         typer.Option(
@@ -128,7 +146,21 @@ def serve(
                 "or pass --insecure-no-auth to accept that anyone who can reach it can use it"
             )
         err.print(f"[yellow]warning:[/yellow] serving on {host} without API keys (--insecure-no-auth): anyone who can reach it can use it")
-    serve_config = ServeConfig(host, port, max_batch, max_queue, default_max_tokens, drain, keys, open_metrics, max_request_bytes)
+    serve_config = ServeConfig(
+        host=host,
+        port=port,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        default_max_tokens=default_max_tokens,
+        shutdown_timeout_s=shutdown_timeout,
+        api_keys=keys,
+        open_metrics=open_metrics,
+        max_request_bytes=max_request_bytes,
+        allowed_hosts=tuple(allowed_host or ()),
+        header_timeout_s=header_timeout,
+        body_timeout_s=body_timeout,
+        keep_alive_s=keep_alive,
+    )
     config = GenerationConfig(k=k, k_policy=k_policy)
     runtime = runtime_config("transformers", dtype, None, None, precision)
     if ray:

@@ -19,7 +19,7 @@ import torch
 
 from specdec.drafters.base import Drafter
 from specdec.engine.step import Row, speculative_step
-from specdec.errors import PromptError
+from specdec.errors import ContextLengthError
 from specdec.models.backend import RowBackend
 from specdec.scheduling import KPolicy, LoadWindow
 
@@ -72,7 +72,7 @@ class Decoder:
         if run in self.rows:
             raise ValueError("this completion is already decoding here: a completion joins a decoder once")
         if len(run.prompt_ids) >= self.backend.max_context:
-            raise PromptError(f"a prompt of {len(run.prompt_ids)} tokens does not fit the context of {self.backend.max_context}")
+            raise ContextLengthError(f"a prompt of {len(run.prompt_ids)} tokens does not fit the context of {self.backend.max_context}")
         row = Row(torch.tensor(run.prompt_ids, dtype=torch.long), run.config, drafter, policy, run.seeds, run.stats, run.guards)
         row.stats.lossy = run.config.typical_acceptance is not None
         drafter.begin(row.draft_settings)

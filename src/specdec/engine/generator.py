@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import Literal
 
 from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig, with_overrides
@@ -16,7 +16,7 @@ from specdec.engine.costs import machine_batch_cost_curve, machine_cost_curve
 from specdec.engine.decoder import Decoder
 from specdec.engine.stats import DecodeStats
 from specdec.engine.text import TextTracker
-from specdec.errors import ConfigError, PromptError, VocabularyMismatchError
+from specdec.errors import ConfigError, ContextLengthError, PromptError, VocabularyMismatchError
 from specdec.models import DEFAULT_TARGET, Backend, LoadedModel, Target, TransformersBackend, open_target
 from specdec.models.backend import OneRow
 from specdec.models.batched import BatchedTransformersBackend
@@ -200,12 +200,12 @@ class Generator:
         decoder.join(run, drafter, self.k_policy(run.config))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
+        """``prompt``'s token ids, checked: not empty, valid text or in-vocabulary ids, within the context."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise PromptError("the prompt is empty: pass some text to continue")
-            if self.tokenizer is None:
-                raise PromptError(f"model '{self.target.name}' has no tokenizer: pass token ids instead of text")
-            ids = self.tokenizer(prompt)["input_ids"]
+            self._check_text(prompt, "the prompt")
+            ids = self._tokenizer_for("text")(prompt)["input_ids"]
         else:
             ids = list(prompt)
             if not ids:
@@ -213,10 +213,56 @@ class Generator:
             bad = [t for t in ids if not 0 <= t < self.backend.vocab_size]
             if bad:
                 raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{self.backend.vocab_size - 1})")
-        if len(ids) >= self.backend.max_context:
+        return self._fits(ids, "prompt")
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Chat ``messages`` (OpenAI's role/content dicts, content as text) in the target's chat template, tokenized and checked."""
+        tokenizer = self._tokenizer_for("chat messages")
+        if not getattr(tokenizer, "chat_template", None):
+            raise PromptError(f"model '{self.target.name}' has no chat template: send a plain prompt (a completion) instead")
+        for i, message in enumerate(messages):
+            self._check_text(str(message.get("content", "")), f"message {i}")
+        self._check_text("".join(str(m.get("content", "")) for m in messages), "the messages together")
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (roles, order) raises what it likes
+            raise PromptError(f"the chat template rejected these messages: {str(exc)[:200]}") from None
+        return self._fits(list(ids), "messages")
+
+    def _tokenizer_for(self, what: str):
+        if self.tokenizer is None:
+            raise PromptError(f"model '{self.target.name}' has no tokenizer to encode {what}: pass token ids instead")
+        return self.tokenizer
+
+    def _check_text(self, text: str, what: str) -> None:
+        """Refuse text a tokenizer would choke on (lone surrogates) or that cannot fit the context, before spending time tokenizing it."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
             raise PromptError(
-                f"the prompt has {len(ids)} tokens but model '{self.target.name}' has a context of "
-                f"{self.backend.max_context}: shorten the prompt"
+                f"{what} is not valid Unicode: a lone surrogate ({text[exc.start]!a}) at character {exc.start}: send well-formed text"
+            ) from None
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise ContextLengthError(
+                f"{what} has {len(text)} characters, more than model '{self.target.name}' can hold in its context of "
+                f"{self.backend.max_context} tokens (at most {self.max_prompt_chars}: no token is longer than "
+                f"{self.max_prompt_chars // self.backend.max_context} characters): shorten it"
+            )
+
+    @cached_property
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a prompt can have and still fit the context: the context times the longest token's characters.
+
+        None where the tokenizer does not list its vocabulary (llama.cpp's): then only the token count is checked.
+        """
+        vocab = getattr(self.tokenizer, "get_vocab", None)
+        return None if vocab is None else self.backend.max_context * max(map(len, vocab()))
+
+    def _fits(self, ids: list[int], field: str) -> list[int]:
+        if len(ids) >= self.backend.max_context:
+            raise ContextLengthError(
+                f"the {field} has {len(ids)} tokens but model '{self.target.name}' has a context of "
+                f"{self.backend.max_context}: shorten the {field}"
             )
         return ids
 

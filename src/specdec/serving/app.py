@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import logging
 import os
 import socket
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -21,15 +22,19 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from specdec.config import ServeConfig
 from specdec.engine import GenerationResult, Generator
-from specdec.errors import SpecDecError
+from specdec.errors import ContextLengthError, SpecDecError
 from specdec.serving import protocol as api
 from specdec.serving.batcher import Batcher, Job, QueueFullError, ShuttingDownError
 from specdec.serving.metrics import Metrics
 
-REPLICA = f"{socket.gethostname()}:{os.getpid()}"  # answers name the process that served them (which replica, behind a proxy)
+log = logging.getLogger("specdec.serve")
+
+# Answers name the process that served them (which replica, behind a proxy) by an opaque id; the log maps it to host and pid.
+REPLICA = uuid.uuid4().hex[:12]
 
 
 def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> FastAPI:
@@ -41,23 +46,16 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         batcher.start()
+        log.info("replica %s: pid %d on %s", REPLICA, os.getpid(), socket.gethostname())  # answers name only the id
         yield
-        await asyncio.to_thread(batcher.stop, config.drain_s)
+        await asyncio.to_thread(batcher.stop, config.shutdown_timeout_s)
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.batcher = batcher
 
-    app.add_middleware(
-        _Gate, metrics=metrics, keys=config.api_keys, open_metrics=config.open_metrics, max_request_bytes=config.max_request_bytes
-    )
+    app.add_middleware(_Gate, metrics=metrics, config=config)
 
-    @app.exception_handler(api.APIError)
-    async def api_error(request: Request, exc: api.APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return await api_error(request, _validation_error(exc))
+    openai_errors(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -70,12 +68,20 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    card = {"id": model, "object": "model", "created": 0, "owned_by": "specdec"}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "specdec"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_card(name: str) -> dict:
+        _check_model(name)
+        return card
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
+        _check_request(body)
         job, prompt_tokens = await _submit(body, body.prompt, "prompt", body.max_tokens)
         rid = api.new_id("cmpl")
         if body.stream:
@@ -87,7 +93,10 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
 
     @app.post("/v1/chat/completions")
     async def chat(body: api.ChatRequest, request: Request) -> Response:
-        ids = await asyncio.to_thread(_chat_prompt, body)  # templating and tokenizing take seconds on a long prompt: off the event loop
+        _check_request(body)
+        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        # Templating and tokenizing take seconds on a long prompt: off the event loop.
+        ids = await _encode(generator.chat_ids, messages, "messages")
         job, prompt_tokens = await _submit(body, ids, "messages", body.token_budget)
         rid = api.new_id("chatcmpl")
         if body.stream:
@@ -99,31 +108,33 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
             return _stream(job, chunks, prompt_tokens, body.stream_options)
         return JSONResponse(api.chat_body(rid, model, await _result(job, request), prompt_tokens))
 
-    def _chat_prompt(body: api.ChatRequest) -> list[int]:
-        tokenizer = generator.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise api.APIError(400, f"model '{model}' has no chat template: use /v1/completions", param="messages")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    def _check_model(name: str | None) -> None:
+        if name not in (None, model):
+            raise api.APIError(
+                404, f"The model {api.excerpt(name)} does not exist: this server serves '{model}'", param="model", code="model_not_found"
+            )
+
+    def _check_request(body: api.OpenAIRequest) -> None:
+        """What can be refused before any work: another model, options this server does not implement."""
+        _check_model(body.model)
+        body.unsupported()
+
+    async def _encode(encode: Callable, prompt: object, field: str) -> object:
+        """``encode(prompt)`` off the event loop; a prompt the engine refuses is a 400 naming ``field``."""
         try:
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-        except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (roles, order)
-            raise api.APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from None
+            return await asyncio.to_thread(encode, prompt)
+        except ContextLengthError as exc:
+            raise api.APIError(400, str(exc), param=field, code="context_length_exceeded") from None
+        except SpecDecError as exc:  # an empty or malformed prompt, a setting this model cannot honour (stop strings without a tokenizer)
+            raise api.APIError(400, str(exc), param=field) from None
 
     async def _submit(body: api.OpenAIRequest, prompt: str | list[int], field: str, budget: int | None) -> tuple[Job, int]:
-        body.unsupported()
-        if body.model not in (None, model):
-            raise api.APIError(
-                404, f"The model '{body.model}' does not exist: this server serves '{model}'", param="model", code="model_not_found"
-            )
         max_tokens = budget or config.default_max_tokens
         try:
             settings = body.generation_config(generator.config, max_tokens)
         except SpecDecError as exc:  # a sampling, guard or acceptance setting
             raise api.APIError(400, str(exc)) from None
-        try:
-            completion = await asyncio.to_thread(generator.completion, prompt, settings)  # tokenizing: off the event loop
-        except SpecDecError as exc:
-            raise api.APIError(400, str(exc), param=field) from None
+        completion = await _encode(lambda p: generator.completion(p, settings), prompt, field)
         used, limit = len(completion.prompt_ids), generator.backend.max_context
         if used + max_tokens > limit:
             raise api.APIError(
@@ -147,6 +158,28 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
     return app
 
 
+def openai_errors(app: FastAPI) -> None:
+    """Every error ``app`` answers in OpenAI's shape: its own, request validation's, Starlette's (no such route, wrong
+    method, an unreadable body) and any bug's (a 500 whose details go to the log, not the client)."""
+
+    @app.exception_handler(api.APIError)
+    async def api_error(request: Request, exc: api.APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await api_error(request, _validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return await api_error(request, _http_error(request, exc))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.error("request %s %s failed", request.method, request.url.path, exc_info=exc)
+        return await api_error(request, api.APIError(500, "internal server error (the server's log has the details)", kind="server_error"))
+
+
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request asks whether its client is still there
 DOCS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
@@ -166,16 +199,15 @@ def _replay(body: bytes, receive: Callable) -> Callable:
 
 
 class _Gate:
-    """Every HTTP request passes here: API keys are checked, requests counted by route and status, answers tagged with the replica.
+    """Every HTTP request passes here: API keys and Host are checked, requests counted by route and status, answers tagged with the replica.
 
     A plain ASGI middleware (Starlette's ``@app.middleware("http")`` wraps ``receive``): it reads the
-    body itself, refusing it past ``max_request_bytes`` (413) before anything parses it, then hands the
-    app the body and the connection's own ``receive``, so a handler sees its client's disconnect directly.
+    body itself, refusing it past ``max_request_bytes`` (413) or ``body_timeout_s`` (408) before anything
+    parses it, then hands the app the body and the connection's own ``receive``, so a handler sees its client's disconnect directly.
     """
 
-    def __init__(self, app: Callable, metrics: Metrics, keys: tuple[str, ...], open_metrics: bool, max_request_bytes: int) -> None:
-        self.app, self.metrics, self.keys, self.open_metrics = app, metrics, keys, open_metrics
-        self.max_request_bytes = max_request_bytes
+    def __init__(self, app: Callable, metrics: Metrics, config: ServeConfig) -> None:
+        self.app, self.metrics, self.config = app, metrics, config
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -191,45 +223,59 @@ class _Gate:
             await send(message)
 
         try:
-            refusal = self._refusal(scope)
-            if refusal is None:
+            try:
+                self._check(scope)
                 body = await self._read_body(receive)
-                if body is None:
-                    refusal = self._too_large_answer()
-            if refusal is not None:
-                await refusal(scope, receive, tagged)
+            except api.APIError as refusal:
+                await JSONResponse(refusal.body(), status_code=refusal.status)(scope, receive, tagged)
             else:
                 await self.app(scope, _replay(body, receive), tagged)
         finally:
             route = scope.get("route")
             self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
 
-    async def _read_body(self, receive: Callable) -> bytes | None:
-        """The whole request body, or None past the limit (also when no Content-Length announced it: chunked)."""
+    def _check(self, scope: dict) -> None:
+        headers = dict(scope["headers"])
+        if self.config.allowed_hosts and _hostname(headers.get(b"host", b"").decode("latin-1")) not in self.config.allowed_hosts:
+            raise api.APIError(
+                400, f"this server answers only for the host names {', '.join(self.config.allowed_hosts)}", code="host_not_allowed"
+            )
+        error = key_refusal(
+            self.config.api_keys, self.config.open_metrics, scope["path"], headers.get(b"authorization", b"").decode("latin-1")
+        )
+        if error is not None:
+            raise error
+
+    async def _read_body(self, receive: Callable) -> bytes:
+        """The whole request body, refused past the size limit (also when no Content-Length announced it: chunked) or the time limit."""
         chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left while sending: the app will see that at its next receive
-                break
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_request_bytes:
-                return None
-            more = message.get("more_body", False)
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                while more:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client left while sending: the app sees that at its next receive
+                        break
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > self.config.max_request_bytes:
+                        raise api.APIError(
+                            413,
+                            f"the request body is larger than this server's limit of {self.config.max_request_bytes} bytes: shorten the prompt",
+                            code="request_too_large",
+                        )
+                    more = message.get("more_body", False)
+        except TimeoutError:
+            raise api.APIError(
+                408, f"the request body did not arrive within {self.config.body_timeout_s:g} s: send it at once", code="request_timeout"
+            ) from None
         return b"".join(chunks)
 
-    def _too_large_answer(self) -> JSONResponse:
-        error = api.APIError(
-            413,
-            f"the request body is larger than this server's limit of {self.max_request_bytes} bytes: shorten the prompt",
-            code="request_too_large",
-        )
-        return JSONResponse(error.body(), status_code=413)
 
-    def _refusal(self, scope: dict) -> JSONResponse | None:
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        error = key_refusal(self.keys, self.open_metrics, scope["path"], header)
-        return None if error is None else JSONResponse(error.body(), status_code=error.status)
+def _hostname(host: str) -> str:
+    """A Host header's name without its port ("[::1]:8000" is "::1")."""
+    if host.startswith("["):
+        return host[1 : host.find("]")]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
 def key_refusal(keys: tuple[str, ...], open_metrics: bool, path: str, authorization: str) -> api.APIError | None:
@@ -259,21 +305,21 @@ def _stream(job: Job, chunks: _Chunks, prompt_tokens: int, options: api.StreamOp
     async def events() -> AsyncIterator[str]:
         try:
             if chunks.first is not None:
-                yield _sse(chunks.first)
+                yield api.sse(chunks.first)
             while True:
                 kind, payload = await job.events.get()
                 if kind == "text":
-                    yield _sse(chunks.text(payload))
+                    yield api.sse(chunks.text(payload))
                 elif kind == "error":
-                    yield _sse(_failure(*payload).body())
+                    yield api.stream_error(_failure(*payload))
                     return
                 else:
-                    yield _sse(chunks.end(api.FINISH[payload.finish_reason]))
+                    yield api.sse(chunks.end(api.FINISH[payload.finish_reason]))
                     if options is not None and options.include_usage:
-                        yield _sse(
+                        yield api.sse(
                             chunks.end(api.FINISH[payload.finish_reason]) | {"choices": [], "usage": api.usage(prompt_tokens, payload)}
                         )
-                    yield "data: [DONE]\n\n"
+                    yield api.DONE
                     return
         finally:
             job.cancel()  # the client went away (or the stream ended): nothing more is wanted
@@ -308,10 +354,6 @@ def _failure(status: int, message: str) -> api.APIError:
     return api.APIError(status, message, kind="server_error" if status >= 500 else "invalid_request_error")
 
 
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
 def _validation_error(exc: RequestValidationError) -> api.APIError:
     """The first problem, named the way OpenAI names it."""
     error = exc.errors()[0]
@@ -324,4 +366,17 @@ def _validation_error(exc: RequestValidationError) -> api.APIError:
         return api.APIError(400, "the request body is not a valid JSON object")
     if error.get("type") == "missing":
         return api.APIError(400, f"'{path}' is required", param=field)
-    return api.APIError(400, f"'{path}': {error.get('msg', 'invalid value')} (got {error.get('input')!r})", param=field)
+    return api.APIError(400, f"'{path}': {error.get('msg', 'invalid value')} (got {api.excerpt(error.get('input'))})", param=field)
+
+
+def _http_error(request: Request, exc: HTTPException) -> api.APIError:
+    if exc.status_code == 404:
+        return api.APIError(404, f"no route {request.method} {api.excerpt(request.url.path)}: the API is under /v1", code="unknown_url")
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "another method")
+        return api.APIError(405, f"{request.method} is not allowed on {request.url.path}: use {allowed}", code="method_not_allowed")
+    if exc.status_code == 400:  # FastAPI could not decode the body (not UTF-8, nested past Python's recursion limit)
+        return api.APIError(400, "the request body is not valid JSON: send a UTF-8 JSON object")
+    return api.APIError(
+        exc.status_code, str(exc.detail)[: api.EXCERPT_CHARS], kind="server_error" if exc.status_code >= 500 else "invalid_request_error"
+    )

@@ -104,7 +104,10 @@ class Batcher:
         return len(self.active), len(self.waiting)
 
     def stop(self, drain_s: float) -> None:
-        """Stop taking requests, let in-flight ones finish for up to ``drain_s``, cancel the rest, end the thread."""
+        """Stop taking requests, let in-flight ones finish for up to ``drain_s``, end the rest with a 503, end the thread.
+
+        Safe to call again (from another thread too): it then returns once the first call's work is done.
+        """
         with self._wake:
             self._accepting = False
         deadline = time.monotonic() + drain_s
@@ -133,6 +136,8 @@ class Batcher:
                     self._finish(run, error=(500, f"internal error while decoding: {exc}"))
         for job in list(self.waiting) + list(self.active.values()):
             job.emit("error", (503, "the server shut down before this request finished"))
+        self.waiting.clear()  # a second stop() (the app's lifespan after the signal's) finds nothing left to wait for
+        self.active.clear()
 
     def _step(self) -> None:
         """One decoding step of the batch: hand out the new text, answer the requests that ended, drop the cancelled ones."""

@@ -20,10 +20,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from specdec.config import GenerationConfig, GuardConfig, SamplingConfig, TypicalAcceptance
+from specdec.config import MAX_SEED, GenerationConfig, GuardConfig, SamplingConfig, TypicalAcceptance
 from specdec.engine import GenerationResult
 
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait before retrying
+EXCERPT_CHARS = 60  # an error message quotes at most this much of what the client sent
 
 
 class APIError(Exception):
@@ -47,14 +48,24 @@ class APIError(Exception):
 SERVER_GUARDS = tuple(f.name for f in fields(GuardConfig) if not f.name.startswith("drift_"))
 
 
-class StreamOptions(BaseModel):
+def excerpt(value: object) -> str:
+    """``value`` as an error message may quote it: its repr, cut short (a client's 2 MB mistake is not echoed back)."""
+    text = repr(value)
+    return text if len(text) <= EXCERPT_CHARS else f"{text[:EXCERPT_CHARS]}... ({len(text)} characters)"
+
+
+class _Strict(BaseModel):
+    """Types as written: "5" is no integer, 1000.0 no seed, "yes" no boolean; unknown fields are refused by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class OpenAIRequest(BaseModel):
+class OpenAIRequest(_Strict):
     """Fields shared by both endpoints (OpenAI's names and defaults)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -63,7 +74,7 @@ class OpenAIRequest(BaseModel):
     top_k: Annotated[int, Field(ge=1)] | None = None  # not OpenAI's, but common in OpenAI-compatible servers
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence (load tests)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -153,11 +164,28 @@ class CompletionRequest(OpenAIRequest):
                 raise APIError(400, f"'{name}' is not supported by this server: leave it at its default", param=name)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool fields: passed to the chat template as they are
+class ChatMessage(_Strict):
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool fields: passed to the chat template as they are
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[dict[str, Any]]  # text, or OpenAI's content parts ({"type": "text", "text": ...}; text parts only)
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        """The message as a chat template takes it: content as one string (text parts joined)."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(_text_part(part, f"messages.{index}.content.{j}") for j, part in enumerate(self.content))
+        return message
+
+
+def _text_part(part: dict[str, Any], where: str) -> str:
+    if part.get("type") != "text" or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+        raise APIError(
+            400,
+            f'\'{where}\': only text parts are supported ({{"type": "text", "text": "..."}}), got {excerpt(part)}',
+            param="messages",
+        )
+    return part["text"]
 
 
 class ChatRequest(OpenAIRequest):
@@ -203,3 +231,16 @@ def chat_body(rid: str, model: str, result: GenerationResult, prompt_tokens: int
 
 def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None) -> dict:
     return _envelope(rid, "chat.completion.chunk", model, {"delta": delta, "finish_reason": finish})
+
+
+DONE = "data: [DONE]\n\n"  # a stream's last event
+
+
+def sse(data: dict) -> str:
+    """One server-sent event carrying ``data``."""
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def stream_error(error: APIError) -> str:
+    """How a stream whose 200 is already sent ends on an error: the error object as an event, then [DONE]."""
+    return sse(error.body()) + DONE

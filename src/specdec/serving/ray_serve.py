@@ -65,7 +65,7 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
         ray_actor_options={"num_cpus": ray_config.cpus_per_replica, "num_gpus": ray_config.gpus_per_replica},
         max_ongoing_requests=spec.serve.max_batch + spec.serve.max_queue,  # what one server holds: its batch and queue
         max_queued_requests=spec.serve.max_queue,  # more wait at each ingress; beyond that, 429 (as one full server)
-        graceful_shutdown_timeout_s=spec.serve.drain_s,
+        graceful_shutdown_timeout_s=spec.serve.shutdown_timeout_s,
         **_scaling(ray_config),
     )
     class Engine:
@@ -92,9 +92,9 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
             if not self.batcher.alive:
                 raise RuntimeError("the replica's engine thread has stopped")
 
-        def __del__(self) -> None:  # Serve calls it once the replica's requests have drained (or drain_s passed)
+        def __del__(self) -> None:  # Serve calls it once the replica's requests have drained (or shutdown_timeout_s passed)
             if hasattr(self, "batcher"):
-                self.batcher.stop(spec.serve.drain_s)
+                self.batcher.stop(spec.serve.shutdown_timeout_s)
 
     @serve.deployment(
         name=INGRESS, num_replicas=ray_config.ingress_replicas, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000
@@ -129,9 +129,10 @@ def _ingress_app(
     """The ingress's routes: GET /metrics for every replica of the application (keyed as a replica's is); anything else relayed to an engine replica."""
     from ray import serve
 
-    from specdec.serving.app import key_refusal
+    from specdec.serving.app import key_refusal, openai_errors
 
     app = FastAPI(title="specdec ingress", docs_url=None, redoc_url=None, openapi_url=None)  # the engine's docs are relayed
+    openai_errors(app)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -173,7 +174,7 @@ def _scaling(config: RayConfig) -> dict:
 def serve_on_ray(spec: ReplicaSpec, ray_config: RayConfig, ready=lambda: None) -> None:
     """Start (or join) a Ray cluster, run the application on spec.serve's host and port, and block until SIGINT or SIGTERM.
 
-    On either signal Serve shuts down (replicas drain their requests, ServeConfig.drain_s) and
+    On either signal Serve shuts down (replicas drain their requests, ServeConfig.shutdown_timeout_s) and
     this process leaves the cluster, so no replica outlives the command on a shared cluster.
     """
     ray, serve = require_ray()
@@ -209,7 +210,7 @@ def app_builder(args: dict):
     """Entry point for a Serve config file (``import_path: specdec.serving.ray_serve:app_builder``).
 
     ``args``: target, draft, k, k_policy, dtype, precision, window, ServeConfig's request limits and keys
-    (max_batch, max_queue, default_max_tokens, drain_s, api_keys, open_metrics) and RayConfig's fields but the address: the
+    (max_batch, max_queue, default_max_tokens, shutdown_timeout_s, api_keys, open_metrics, max_request_bytes, allowed_hosts) and RayConfig's fields but the address: the
     settings `specdec serve --ray` takes, by their typed names.
     """
     known = {
@@ -217,7 +218,16 @@ def app_builder(args: dict):
         "generation": ("k", "k_policy"),
         "runtime": ("dtype", "precision"),
         "batch": ("window",),
-        "serve": ("max_batch", "max_queue", "default_max_tokens", "drain_s", "api_keys", "open_metrics", "max_request_bytes"),
+        "serve": (
+            "max_batch",
+            "max_queue",
+            "default_max_tokens",
+            "shutdown_timeout_s",
+            "api_keys",
+            "open_metrics",
+            "max_request_bytes",
+            "allowed_hosts",
+        ),
         "ray": tuple(f.name for f in fields(RayConfig) if f.name != "address"),
     }
     unknown = sorted(set(args) - {key for keys in known.values() for key in keys})
@@ -236,6 +246,6 @@ def app_builder(args: dict):
         generation=GenerationConfig(**part("generation")),
         runtime=RuntimeConfig(**runtime),
         batch=BatchConfig(**part("batch")),
-        serve=ServeConfig(**part("serve") | {"api_keys": tuple(args.get("api_keys", ()))}),
+        serve=ServeConfig(**part("serve") | {name: tuple(args.get(name, ())) for name in ("api_keys", "allowed_hosts")}),
     )
     return application(spec, RayConfig(**part("ray")))

@@ -6,8 +6,8 @@ so streams stay streams. The ingress side (``relay``) sends a request to a
 replica through a caller-given ``send`` and answers the client: a replica that
 dies before any of its answer has reached the client is replaced by another
 (the request starts again there: greedy and seeded answers are the same);
-one that dies mid-stream ends the stream with an error event in the shape the
-server's own streams use, so that no request is lost silently; when every
+one that dies mid-stream ends the stream with an error event and [DONE], as the
+server's own streams end on an error, so that no request is lost silently; when every
 replica and the queue before them are full, a 429, as a full server answers.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -147,7 +146,7 @@ async def _rest(
     except replica_failure:
         failures.labels("failed").inc()
         error = api.APIError(503, "the replica serving this stream failed: retry the request", kind="server_error", code="replica_failed")
-        yield f"data: {json.dumps(error.body())}\n\n".encode()
+        yield api.stream_error(error).encode()
     finally:
         await _close(messages)
 
