@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -389,6 +390,8 @@ def test_ray_options_without_ray_are_a_one_line_error(folder: Path) -> None:
 
     result = CliRunner().invoke(app, ["serve", "--target", str(folder), "--replicas", "3", "--ray-address", "auto"])
     assert result.exit_code == 2 and "--replicas, --ray-address apply only with --ray" in result.output
+    result = CliRunner().invoke(app, ["serve", "--target", str(folder), "--ray", "--header-timeout", "3"])
+    assert result.exit_code == 2 and "--header-timeout applies only without --ray" in result.output
 
 
 def test_api_keys_guard_every_v1_route_and_the_metrics(server: Server) -> None:
@@ -548,6 +551,7 @@ def test_every_error_has_openai_shape(
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error" and error["message"]
     assert (error["param"], error["code"]) == (param, code), error
+    assert response.headers["x-specdec-replica"], "error answers name their replica too"
     assert server.health()["status"] == "ok"
 
 
@@ -654,8 +658,22 @@ def test_slow_and_idle_connections_are_cut_off(folder: Path) -> None:
         with socket.create_connection(address) as slow_body:
             head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
             slow_body.sendall(head.encode() + b'{"prompt": ')
-            _, answer = _closed_after(slow_body, limit=5)
+            slow_body.settimeout(5)
+            answer = slow_body.recv(65536)
             assert answer.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in answer, answer[:300]
+            stop = threading.Event()
+
+            def keep_dribbling() -> None:  # a client that goes on sending after its 408 does not keep the connection
+                with contextlib.suppress(OSError):
+                    while not stop.wait(0.3):
+                        slow_body.sendall(b" ")
+
+            dribbler = threading.Thread(target=keep_dribbling)
+            dribbler.start()
+            seconds, _ = _closed_after(slow_body, limit=5)
+            stop.set()
+            dribbler.join()
+            assert seconds < 2, seconds
         with socket.create_connection(address) as idle:
             idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             seconds, answer = _closed_after(idle)
@@ -665,9 +683,13 @@ def test_slow_and_idle_connections_are_cut_off(folder: Path) -> None:
         replica = answer.headers["x-specdec-replica"]
         assert socket.gethostname() not in replica and str(server.process.pid) not in replica
         assert f"replica {replica}: pid {server.process.pid}" in "".join(server.lines), "the log maps the id to the process"
-        refused = server.http.get("/v1/models", headers={"Host": "attacker.example"})
-        assert refused.status_code == 400 and refused.json()["error"]["code"] == "host_not_allowed"
-        assert server.http.get("/v1/models", headers={"Host": f"127.0.0.1:{server.port}"}).status_code == 200
+        for host in ("attacker.example", "127.0.0.1.attacker.example", "localhost"):
+            refused = server.http.get("/v1/models", headers={"Host": host})
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == "host_not_allowed", host
+            assert "127.0.0.1" not in refused.text, "the refusal does not list the allowed names"
+        for host in (f"127.0.0.1:{server.port}", "127.0.0.1", "127.0.0.1."):
+            assert server.http.get("/v1/models", headers={"Host": host}).status_code == 200, host
+        assert server.http.get("/health", headers={"Host": "10.0.0.7:8000"}).status_code == 200, "probes by address stay open"
     finally:
         server.stop()
 

@@ -193,3 +193,29 @@ def test_a_stopped_engine_thread_fails_health_and_refuses_requests() -> None:
     assert health.status_code == 503 and health.json()["status"] == "engine stopped"
     refused = _ask(app, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8})
     assert refused.status_code == 503 and "engine thread has stopped" in refused.json()["error"]["message"]
+
+
+def test_a_bug_in_a_handler_is_a_500_in_openai_shape_and_a_stream_still_ends_with_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole answers: OpenAI's 500 with the replica header, the traceback only in the log. Streams whose 200 is sent:
+    an error event and [DONE]."""
+    from specdec.serving import protocol
+
+    app = _tiny_app()
+    app.state.batcher.start()
+
+    def broken(*args: object, **kwargs: object) -> dict:
+        raise RuntimeError("secret internals")
+
+    try:
+        monkeypatch.setattr(protocol, "completion_body", broken)
+        failed = _ask(app, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
+        assert failed.status_code == 500 and failed.headers["x-specdec-replica"]
+        assert failed.json()["error"]["type"] == "server_error" and "secret" not in failed.text
+        monkeypatch.setattr(protocol, "completion_chunk", broken)
+        streamed = _ask(app, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "stream": True})
+        events = [line for line in streamed.text.split("\n\n") if line]
+        assert streamed.status_code == 200 and events[-1] == "data: [DONE]"
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "server_error"
+        assert _ask(app, "GET", "/health").json()["status"] == "ok"
+    finally:
+        app.state.batcher.stop(5)

@@ -166,6 +166,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        object.__setattr__(self, "allowed_hosts", tuple(host_name(h) for h in self.allowed_hosts))
         if any(not key or any(ch.isspace() for ch in key) for key in self.api_keys):
             raise ConfigError("an API key must be a non-empty string without spaces")
         for name in ("max_batch", "max_queue", "default_max_tokens", "max_request_bytes"):
@@ -176,6 +177,16 @@ class ServeConfig:
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+def host_name(host: str) -> str:
+    """A host as the Host allow-list compares it: lower case, without a port, brackets or a trailing dot ("[::1]:8000" is "::1")."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        host = host[1 : host.find("]")]
+    elif host.count(":") == 1:
+        host = host.rpartition(":")[0]
+    return host.rstrip(".")
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,7 @@ def serve(
     from specdec import Generator
     from specdec.serving import serve as run_server
 
-    if not ray:
-        _refuse_ray_options_without_ray(context)
+    _refuse_options_of_the_other_mode(context, ray)
     keys = api_keys(api_key or [], api_key_file)
     if not keys and host not in LOOPBACK:
         if not insecure_no_auth:
@@ -216,9 +215,15 @@ RAY_OPTIONS = (
 )
 
 
-def _refuse_ray_options_without_ray(context: typer.Context) -> None:
-    """Ray options typed on the command line without --ray would be ignored: say so (set from the environment, they are)."""
-    typed = [f"--{name.replace('_', '-')}" for name in RAY_OPTIONS if context.get_parameter_source(name).name == "COMMANDLINE"]
+# uvicorn's connection settings: under Ray, Serve's proxy holds the connections (and the ingress reads the body).
+PROCESS_OPTIONS = ("header_timeout", "body_timeout", "keep_alive")
+
+
+def _refuse_options_of_the_other_mode(context: typer.Context, ray: bool) -> None:
+    """Options typed on the command line that this mode would ignore: say so (set from the environment, they are)."""
+    names, needs = (PROCESS_OPTIONS, "without --ray") if ray else (RAY_OPTIONS, "with --ray")
+    typed = [f"--{name.replace('_', '-')}" for name in names if context.get_parameter_source(name).name == "COMMANDLINE"]
     if typed:
         verb = "applies" if len(typed) == 1 else "apply"
-        raise ConfigError(f"{', '.join(typed)} {verb} only with --ray: add --ray, or drop {'it' if len(typed) == 1 else 'them'}")
+        fix = "drop --ray" if ray else "add --ray"
+        raise ConfigError(f"{', '.join(typed)} {verb} only {needs}: {fix}, or drop {'it' if len(typed) == 1 else 'them'}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -221,7 +222,8 @@ class Generator:
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError(f"model '{self.target.name}' has no chat template: send a plain prompt (a completion) instead")
         for i, message in enumerate(messages):
-            self._check_text(str(message.get("content", "")), f"message {i}")
+            for field, value in message.items():  # content, and whatever else the template reads (name, tool fields)
+                self._check_text(json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value, f"message {i}'s {field}")
         self._check_text("".join(str(m.get("content", "")) for m in messages), "the messages together")
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from specdec.config import ServeConfig
+from specdec.config import ServeConfig, host_name
 from specdec.engine import GenerationResult, Generator
 from specdec.errors import ContextLengthError, SpecDecError
 from specdec.serving import protocol as api
@@ -152,7 +152,7 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
                 429, f"the server is at capacity ({exc}): retry shortly", kind="rate_limit_error", code="queue_full"
             ) from None
         except ShuttingDownError as exc:
-            raise api.APIError(503, f"{exc}: retry on another replica", kind="server_error") from None
+            raise api.APIError(503, f"{exc}: retry on another replica") from None
         return job, used
 
     return app
@@ -164,7 +164,7 @@ def openai_errors(app: FastAPI) -> None:
 
     @app.exception_handler(api.APIError)
     async def api_error(request: Request, exc: api.APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -174,10 +174,10 @@ def openai_errors(app: FastAPI) -> None:
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return await api_error(request, _http_error(request, exc))
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)  # an app behind the gate never gets here: the gate answers its bugs itself
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.error("request %s %s failed", request.method, request.url.path, exc_info=exc)
-        return await api_error(request, api.APIError(500, "internal server error (the server's log has the details)", kind="server_error"))
+        return api.INTERNAL_ERROR.response()
 
 
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request asks whether its client is still there
@@ -213,7 +213,7 @@ class _Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status = None
 
         async def tagged(message: dict) -> None:
             nonlocal status
@@ -226,20 +226,23 @@ class _Gate:
             try:
                 self._check(scope)
                 body = await self._read_body(receive)
-            except api.APIError as refusal:
-                await JSONResponse(refusal.body(), status_code=refusal.status)(scope, receive, tagged)
+            except api.APIError as refusal:  # the body may be unread: the connection closes after the answer
+                await refusal.response(close=True)(scope, receive, tagged)
             else:
                 await self.app(scope, _replay(body, receive), tagged)
+        except Exception:  # a bug: answered here (Starlette's own handler sits outside this gate, so its answer would be untagged)
+            log.exception("request %s %s failed", scope.get("method"), scope.get("path"))
+            if status is None:
+                await api.INTERNAL_ERROR.response()(scope, receive, tagged)
         finally:
             route = scope.get("route")
-            self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
+            self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status or 500)).inc()
 
     def _check(self, scope: dict) -> None:
         headers = dict(scope["headers"])
-        if self.config.allowed_hosts and _hostname(headers.get(b"host", b"").decode("latin-1")) not in self.config.allowed_hosts:
-            raise api.APIError(
-                400, f"this server answers only for the host names {', '.join(self.config.allowed_hosts)}", code="host_not_allowed"
-            )
+        host = host_name(headers.get(b"host", b"").decode("latin-1"))
+        if self.config.allowed_hosts and scope["path"] != "/health" and host not in self.config.allowed_hosts:
+            raise api.APIError(400, "this server does not answer for the host name in the Host header", code="host_not_allowed")
         error = key_refusal(
             self.config.api_keys, self.config.open_metrics, scope["path"], headers.get(b"authorization", b"").decode("latin-1")
         )
@@ -269,13 +272,6 @@ class _Gate:
                 408, f"the request body did not arrive within {self.config.body_timeout_s:g} s: send it at once", code="request_timeout"
             ) from None
         return b"".join(chunks)
-
-
-def _hostname(host: str) -> str:
-    """A Host header's name without its port ("[::1]:8000" is "::1")."""
-    if host.startswith("["):
-        return host[1 : host.find("]")]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
 def key_refusal(keys: tuple[str, ...], open_metrics: bool, path: str, authorization: str) -> api.APIError | None:
@@ -311,7 +307,7 @@ def _stream(job: Job, chunks: _Chunks, prompt_tokens: int, options: api.StreamOp
                 if kind == "text":
                     yield api.sse(chunks.text(payload))
                 elif kind == "error":
-                    yield api.stream_error(_failure(*payload))
+                    yield api.stream_error(api.APIError(*payload))
                     return
                 else:
                     yield api.sse(chunks.end(api.FINISH[payload.finish_reason]))
@@ -321,6 +317,9 @@ def _stream(job: Job, chunks: _Chunks, prompt_tokens: int, options: api.StreamOp
                         )
                     yield api.DONE
                     return
+        except Exception:  # a bug after the 200 went out: the stream still ends in its protocol
+            log.exception("a stream failed")
+            yield api.stream_error(api.INTERNAL_ERROR)
         finally:
             job.cancel()  # the client went away (or the stream ended): nothing more is wanted
 
@@ -342,7 +341,7 @@ async def _result(job: Job, request: Request) -> GenerationResult:
         if kind == "done":
             return payload
         if kind == "error":
-            raise _failure(*payload)
+            raise api.APIError(*payload)
         if loop.time() >= check_at:  # text events arrive every step: the check must not wait for a quiet moment
             if await request.is_disconnected():
                 job.cancel()
@@ -350,16 +349,12 @@ async def _result(job: Job, request: Request) -> GenerationResult:
             check_at = loop.time() + DISCONNECT_CHECK_S
 
 
-def _failure(status: int, message: str) -> api.APIError:
-    return api.APIError(status, message, kind="server_error" if status >= 500 else "invalid_request_error")
-
-
 def _validation_error(exc: RequestValidationError) -> api.APIError:
     """The first problem, named the way OpenAI names it."""
     error = exc.errors()[0]
     location = [str(part) for part in error.get("loc", ()) if part != "body"]
-    field = location[0] if location else None  # the request field; the message shows the full path
-    path = ".".join(location)
+    field = api.clip(location[0]) if location else None  # the request field; the message shows the full path
+    path = api.clip(".".join(location))
     if error.get("type") == "extra_forbidden":
         return api.APIError(400, f"Unrecognized request argument supplied: {path}", param=field)
     if error.get("type") == "json_invalid" or field is None:
@@ -374,9 +369,9 @@ def _http_error(request: Request, exc: HTTPException) -> api.APIError:
         return api.APIError(404, f"no route {request.method} {api.excerpt(request.url.path)}: the API is under /v1", code="unknown_url")
     if exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "another method")
-        return api.APIError(405, f"{request.method} is not allowed on {request.url.path}: use {allowed}", code="method_not_allowed")
+        return api.APIError(
+            405, f"{request.method} is not allowed on {api.excerpt(request.url.path)}: use {allowed}", code="method_not_allowed"
+        )
     if exc.status_code == 400:  # FastAPI could not decode the body (not UTF-8, nested past Python's recursion limit)
         return api.APIError(400, "the request body is not valid JSON: send a UTF-8 JSON object")
-    return api.APIError(
-        exc.status_code, str(exc.detail)[: api.EXCERPT_CHARS], kind="server_error" if exc.status_code >= 500 else "invalid_request_error"
-    )
+    return api.APIError(exc.status_code, str(exc.detail)[: api.EXCERPT_CHARS])

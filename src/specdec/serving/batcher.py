@@ -32,7 +32,7 @@ class QueueFullError(Exception):
 
 
 class ShuttingDownError(Exception):
-    """The server is draining for shutdown and takes no new requests."""
+    """The server is shutting down and takes no new requests."""
 
 
 @dataclass(eq=False)
@@ -103,14 +103,14 @@ class Batcher:
         """(running, waiting) requests."""
         return len(self.active), len(self.waiting)
 
-    def stop(self, drain_s: float) -> None:
-        """Stop taking requests, let in-flight ones finish for up to ``drain_s``, end the rest with a 503, end the thread.
+    def stop(self, timeout_s: float) -> None:
+        """Stop taking requests, let in-flight ones finish for up to ``timeout_s``, end the rest with a 503, end the thread.
 
         Safe to call again (from another thread too): it then returns once the first call's work is done.
         """
         with self._wake:
             self._accepting = False
-        deadline = time.monotonic() + drain_s
+        deadline = time.monotonic() + timeout_s
         while (self.active or self.waiting) and time.monotonic() < deadline:
             time.sleep(0.05)
         with self._wake:

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import fields
 from typing import Annotated, Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from specdec.config import MAX_SEED, GenerationConfig, GuardConfig, SamplingConfig, TypicalAcceptance
@@ -30,11 +31,10 @@ EXCERPT_CHARS = 60  # an error message quotes at most this much of what the clie
 class APIError(Exception):
     """An error answered to the client in OpenAI's shape."""
 
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
-    ) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -43,6 +43,13 @@ class APIError(Exception):
     def headers(self) -> dict[str, str] | None:
         return {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None
 
+    def response(self, close: bool = False) -> JSONResponse:
+        """The HTTP answer; ``close`` ends the connection after it (the request's body was not read to its end)."""
+        headers = (self.headers or {}) | ({"Connection": "close"} if close else {})
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
+
+
+INTERNAL_ERROR = APIError(500, "internal server error (the server's log has the details)")  # a bug: details go to the log only
 
 # The drift monitor runs a sentence-embedding model on the decoding thread, which would stall every request of the batch.
 SERVER_GUARDS = tuple(f.name for f in fields(GuardConfig) if not f.name.startswith("drift_"))
@@ -50,7 +57,11 @@ SERVER_GUARDS = tuple(f.name for f in fields(GuardConfig) if not f.name.startswi
 
 def excerpt(value: object) -> str:
     """``value`` as an error message may quote it: its repr, cut short (a client's 2 MB mistake is not echoed back)."""
-    text = repr(value)
+    return clip(repr(value))
+
+
+def clip(text: str) -> str:
+    """``text`` cut to what an error message may quote."""
     return text if len(text) <= EXCERPT_CHARS else f"{text[:EXCERPT_CHARS]}... ({len(text)} characters)"
 
 
@@ -142,13 +153,15 @@ def _settings(kind: type, given: dict[str, Any], param: str, allowed: tuple[str,
     allowed = allowed or tuple(f.name for f in fields(kind))
     unknown = sorted(set(given) - set(allowed))
     if unknown:
-        raise APIError(400, f"'{param}' has no field {', '.join(repr(u) for u in unknown)} here: use {', '.join(allowed)}", param=param)
+        raise APIError(
+            400, f"'{param}' has no field {clip(', '.join(repr(u) for u in unknown))} here: use {', '.join(allowed)}", param=param
+        )
     try:
         return _adapter(kind).validate_json(json.dumps(given), strict=True)  # JSON mode: arrays are tuples, 8.0 is no int
     except ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in (param, *error["loc"]))
-        raise APIError(400, f"'{where}': {error['msg']}", param=param) from None
+        raise APIError(400, f"'{clip(where)}': {error['msg']}", param=param) from None
 
 
 class CompletionRequest(OpenAIRequest):

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
 from specdec.config import BatchConfig, GenerationConfig, PrecisionPlan, RayConfig, RuntimeConfig, ServeConfig
@@ -138,7 +138,7 @@ def _ingress_app(
     async def metrics(request: Request) -> Response:
         refusal = key_refusal(config.api_keys, config.open_metrics, "/metrics", request.headers.get("authorization", ""))
         if refusal is not None:
-            return JSONResponse(refusal.body(), status_code=refusal.status)
+            return refusal.response()
         context = serve.get_replica_context()
         scrapes = [
             serve.get_deployment_handle(deployment, context.app_name)
@@ -150,7 +150,7 @@ def _ingress_app(
         snapshots = dict(answer for answer in answers if isinstance(answer, tuple))  # a replica that failed to answer is left out
         return Response(merge_replicas(snapshots), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])  # the replica answers every method
     async def relayed(request: Request) -> Response:
         return await relay(await Forwarded.of(request), send, replica_failure, ATTEMPTS, failures, overloaded)
 

@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import Counter
 
 from specdec.serving import protocol as api
 
 DISCONNECT_GRACE_S = 2.0  # what a request's handler gets to notice its client left before it is cancelled
+
+
+log = logging.getLogger("specdec.serve")
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,7 @@ async def relay(
         except overloaded:
             await _close(messages)
             message = "every replica is at capacity and the queue before them is full: retry shortly"
-            return _refusal(api.APIError(429, message, kind="rate_limit_error", code="queue_full"))
+            return api.APIError(429, message, kind="rate_limit_error", code="queue_full").response()
         except replica_failure:
             await _close(messages)
             if attempt < attempts:
@@ -129,11 +133,7 @@ async def relay(
             raise
     failures.labels("failed").inc()
     message = f"no replica could answer: {attempts} tried, each failed: retry"
-    return _refusal(api.APIError(503, message, kind="server_error", code="replica_failed"))
-
-
-def _refusal(error: api.APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    return api.APIError(503, message, code="replica_failed").response()
 
 
 async def _rest(
@@ -145,8 +145,11 @@ async def _rest(
             yield message.get("body", b"")
     except replica_failure:
         failures.labels("failed").inc()
-        error = api.APIError(503, "the replica serving this stream failed: retry the request", kind="server_error", code="replica_failed")
+        error = api.APIError(503, "the replica serving this stream failed: retry the request", code="replica_failed")
         yield api.stream_error(error).encode()
+    except Exception:  # anything else the replica raised mid-stream: the stream still ends in its protocol
+        log.exception("a relayed stream failed")
+        yield api.stream_error(api.INTERNAL_ERROR).encode()
     finally:
         await _close(messages)
 

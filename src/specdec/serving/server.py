@@ -24,7 +24,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from specdec.config import ServeConfig
 from specdec.engine import Generator
 
-SHUTDOWN_MARGIN_S = 5.0  # after the engine ends the last requests, their handlers get this long to send the final events
+# After --shutdown-timeout the engine ends the last requests between two steps (a step can take seconds on a CPU, and
+# Batcher.stop waits up to 10 s for its thread); their handlers then send the final events. uvicorn waits this much longer.
+SHUTDOWN_MARGIN_S = 15.0
 
 
 def serve(generator: Generator, config: ServeConfig = ServeConfig()) -> None:
