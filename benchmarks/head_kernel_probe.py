@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -107,9 +108,9 @@ def main() -> None:
         reference = (a8.float() @ w8.float().T) * a_scale[:, None] * w_scale[None, :]
         alone = torch.cat([kernel.head(a_u8[i : i + 1], a_scale[i : i + 1], w8, w_scale, w_sum) for i in range(n)])
         rows[n] = {
-            "int8 VNNI, weights read once": best_ms(lambda: kernel.head(a_u8, a_scale, w8, w_scale, w_sum)),
-            "torch bfloat16": best_ms(lambda: torch.nn.functional.linear(hidden.bfloat16(), bf16)),
-            "torch float32": best_ms(lambda: torch.nn.functional.linear(hidden, weight), repeats=3),
+            "int8 VNNI, weights read once": best_ms(partial(kernel.head, a_u8, a_scale, w8, w_scale, w_sum)),
+            "torch bfloat16": best_ms(partial(torch.nn.functional.linear, hidden.bfloat16(), bf16)),
+            "torch float32": best_ms(partial(torch.nn.functional.linear, hidden, weight), repeats=3),
             "max |error| vs float32 of the same int8 values": float((logits - reference).abs().max()),
             "rows equal computed alone": bool(torch.equal(logits, alone)),
         }

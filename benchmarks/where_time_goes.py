@@ -137,7 +137,11 @@ def llamacpp_breakdown(backend) -> dict[int, dict[str, float]]:
     rows = {}
     for n in SIZES:
         everywhere, last_only = _timed(backend, n, n), _timed(backend, n, 1)
-        rows[n] = {"total": everywhere, "logits at the last position only": last_only, "head at the other positions": everywhere - last_only}
+        rows[n] = {
+            "total": everywhere,
+            "logits at the last position only": last_only,
+            "head at the other positions": everywhere - last_only,
+        }
     return rows
 
 
@@ -179,7 +183,9 @@ def main() -> None:
         del target
         overhead = engine_overhead(RUNTIMES[name], prompts)
         report["runtimes"][name] = {"weight_MB": size / 1e6, "roofline_ms": roofline_ms, "forward": rows, "engine": overhead}
-        print(f"\n{name}: {size / 1e6:.0f} MB of weights per step, roofline {roofline_ms:.1f} ms; engine {overhead['per_step_ms']:.2f} ms/step")
+        print(
+            f"\n{name}: {size / 1e6:.0f} MB of weights per step, roofline {roofline_ms:.1f} ms; engine {overhead['per_step_ms']:.2f} ms/step"
+        )
         for n, parts in rows.items():
             cells = "  ".join(f"{k} {1000 * v:.1f}" for k, v in parts.items())
             print(f"  n={n:2d}: {cells}  (ms; {rows[n]['total'] / rows[1]['total']:.2f}x n=1)", flush=True)
