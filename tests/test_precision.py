@@ -40,9 +40,9 @@ def test_int8_and_float8_linears_stay_close_to_float() -> None:
     x = torch.randn(3, 5, 64)
     with torch.no_grad():
         expected = linear(x)
-    for fmt, tolerance in (("int8", 0.03), ("float8", 0.08)):
+    for fmt, tolerance in (("int8", 0.03), ("int8a8", 0.03), ("float8", 0.08)):
         quantized = QuantizedLinear(linear, fmt)
-        assert quantized.weight_q.dtype == (torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
+        assert quantized.weight_q.dtype == (torch.float8_e4m3fn if fmt == "float8" else torch.int8)
         got = quantized(x).float()
         assert got.shape == expected.shape
         assert float((got - expected).norm() / expected.norm()) < tolerance, fmt
@@ -63,11 +63,28 @@ def test_each_preset_converts_every_component_and_stays_close(preset: str) -> No
     layer = model.model.layers[0]
     for module, fmt in ((layer.self_attn, plan.attention), (layer.mlp, plan.ffn), (model.get_output_embeddings(), plan.head)):
         quantized = [m for m in module.modules() if isinstance(m, QuantizedLinear)]
-        if fmt in ("int8", "float8"):
+        if fmt in ("int8", "int8a8", "float8"):
             assert quantized and all(m.format == fmt for m in quantized)
         else:
             assert not quantized and all(p.dtype == getattr(torch, fmt) for p in module.parameters())
     assert model.get_input_embeddings().weight.shape == reference.get_input_embeddings().weight.shape
+
+
+def test_int8a8_products_are_exact_and_row_independent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The VNNI kernel (where this CPU has it) and the float64 path give the same bits; a row's result does not depend
+    on the rows computed with it (what speculative greedy identity needs); both equal the integer product, scaled."""
+    from specdec.models import int8_kernel
+
+    torch.manual_seed(0)
+    w8, w_scale = int8_kernel.quantize_rows(torch.randn(300, 128))
+    w_sum = w8.sum(dim=1, dtype=torch.int32)
+    a8, a_scale = int8_kernel.quantize_rows(torch.randn(21, 128) * 3)  # 21 rows: a block of 16 and one of 5
+    got = int8_kernel.matmul(a8, a_scale, w8, w_scale, w_sum)
+    integers = (a8.long() @ w8.long().T).float()
+    assert torch.equal(got, integers * a_scale[:, None] * w_scale[None, :])
+    assert torch.equal(got, torch.cat([int8_kernel.matmul(a8[i : i + 1], a_scale[i : i + 1], w8, w_scale, w_sum) for i in range(21)]))
+    monkeypatch.setattr(int8_kernel, "compiled", lambda: None)  # the path of a CPU without VNNI
+    assert torch.equal(int8_kernel.matmul(a8, a_scale, w8, w_scale, w_sum), got)
 
 
 def test_a_plan_applies_once_and_refuses_a_second_plan() -> None:
@@ -78,7 +95,7 @@ def test_a_plan_applies_once_and_refuses_a_second_plan() -> None:
         apply_plan(model, PRESETS["cpu"])
 
 
-@pytest.mark.parametrize("preset", ["bf16", "seed", "cpu"])
+@pytest.mark.parametrize("preset", ["bf16", "seed", "cpu", "cpu-vnni"])
 def test_speculative_greedy_equals_target_only_greedy_of_the_same_plan(preset: str) -> None:
     tokenizer = char_tokenizer()
     runtime = RuntimeConfig(precision=PRESETS[preset])

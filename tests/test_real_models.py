@@ -74,7 +74,7 @@ def test_demo_runs_on_the_default_model(gemma) -> None:
     assert "speed-up" in out.stdout and "identical" in out.stdout
 
 
-@pytest.mark.parametrize("preset", ["bf16", "cpu"])
+@pytest.mark.parametrize("preset", ["bf16", "cpu", "cpu-vnni"])
 def test_gemma_low_precision_speculation_equals_target_only_of_the_same_plan(preset: str) -> None:
     from specdec.config import PRESETS, RuntimeConfig
 

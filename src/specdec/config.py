@@ -214,7 +214,7 @@ class RayConfig:
             raise ConfigError("upscale_delay_s and downscale_delay_s must be >= 0 seconds")
 
 
-FORMATS = ("float32", "bfloat16", "float16", "int8", "float8")
+FORMATS = ("float32", "bfloat16", "float16", "int8", "int8a8", "float8")
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,8 @@ class PrecisionPlan:
     """The number format of the target's attention, FFN and output head, of the draft model, and of the logits the verifier reads.
 
     float32/bfloat16/float16 are the weights' and the compute's format; int8 and
-    float8 are weight-only formats computed in bfloat16 (specdec.models.precision).
+    float8 are weight-only formats computed in bfloat16, int8a8 quantizes activations too and
+    multiplies integers exactly (specdec.models.precision).
     ``verify`` is a float format: the target's logits are handed to the verifier in it.
     """
 
@@ -267,6 +268,9 @@ PRESETS: dict[str, PrecisionPlan] = {
     "seed": PrecisionPlan(attention="float16", ffn="int8", head="float16", draft="float8", verify="float16"),
     # The best plan measured on this project's CPU within the perplexity bound (BENCHMARKS.md).
     "cpu": PrecisionPlan(attention="bfloat16", ffn="int8", head="bfloat16", draft="bfloat16"),
+    # For CPUs with AVX-512 VNNI: the output head in exact int8 products, its weights read once per step (1.68x
+    # `cpu` target-only here, |dPPL| <= 0.12; BENCHMARKS.md, issue 23). Elsewhere it runs, exactly but slowly.
+    "cpu-vnni": PrecisionPlan(attention="bfloat16", ffn="int8", head="int8a8", draft="bfloat16"),
 }
 
 

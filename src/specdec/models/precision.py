@@ -7,6 +7,10 @@ A plan names the format of the target's attention, its feed-forward blocks
 - ``float32``, ``bfloat16``, ``float16``: the component's weights and compute.
 - ``int8``: weight-only int8 with one scale per output channel, computed by
   torch's own int8-weight matmul kernel (``_weight_int8pack_mm``) in bfloat16.
+- ``int8a8``: int8 weights (one scale per output channel) and int8 activations (one scale
+  per position), exact integer products (models/int8_kernel.py: AVX-512 VNNI, every weight
+  read once per step whatever the number of positions). A position's result does not depend
+  on the others by construction.
 - ``float8``: e4m3 weights with one scale per output channel. On a CPU (and on
   GPUs without float8 matmuls) they are stored in float8 and multiplied in
   bfloat16 after dequantisation: the memory of float8, not its speed.
@@ -41,6 +45,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from specdec.config import PRESETS, PrecisionPlan
 from specdec.errors import ConfigError
+from specdec.models import int8_kernel
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PADDED_ATTENTION = "specdec_padded_eager"
@@ -99,13 +104,19 @@ class RowStableLinear(nn.Linear):
         return stable_rows(lambda rows: F.linear(rows, self.weight, self.bias), x)
 
 
+QUANTIZED = ("int8", "int8a8", "float8")
+
+
 class QuantizedLinear(nn.Module):
-    """A weight-only quantized linear layer: int8 or float8 weights, one scale per output channel."""
+    """A quantized linear layer: int8 or float8 weights, one scale per output channel (int8a8: int8 activations too)."""
 
     def __init__(self, linear: nn.Linear, fmt: str) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
-        if fmt == "int8":
+        if fmt == "int8a8":
+            stored, scale = int8_kernel.quantize_rows(weight)
+            self.register_buffer("weight_sum", stored.sum(dim=1, dtype=torch.int32))
+        elif fmt == "int8":
             scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
             stored = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         else:
@@ -113,7 +124,7 @@ class QuantizedLinear(nn.Module):
             stored = (weight / scale[:, None]).to(torch.float8_e4m3fn)
         self.format = fmt
         self.register_buffer("weight_q", stored)
-        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.register_buffer("scale", scale if fmt == "int8a8" else scale.to(torch.bfloat16))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
@@ -123,6 +134,11 @@ class QuantizedLinear(nn.Module):
         return self.weight_q.to(torch.bfloat16) * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.format == "int8a8":  # integer products: no row depends on another, no stable_rows needed
+            rows = x.reshape(-1, x.shape[-1])
+            out = int8_kernel.matmul(*int8_kernel.quantize_rows(rows), self.weight_q, self.scale, self.weight_sum)
+            out = out.to(torch.bfloat16).reshape(*x.shape[:-1], self.out_features)
+            return out if self.bias is None else out + self.bias
         return stable_rows(self._matmul, x.to(torch.bfloat16))
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
@@ -154,7 +170,7 @@ def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
         _convert(layer.mlp, plan.ffn, residual)
     head = model.get_output_embeddings()
     compute = _compute_dtype(plan.head)
-    if plan.head in ("int8", "float8"):
+    if plan.head in QUANTIZED:
         head = QuantizedLinear(head, plan.head)
     elif compute != residual:  # a copy: a tied embedding keeps the residual format
         weight = head.weight.detach().to(compute).clone()
@@ -177,7 +193,7 @@ def convert_draft(draft: PreTrainedModel, fmt: str) -> PreTrainedModel:
     for layer in draft.model.layers:
         _convert(layer, fmt, residual)
     head = draft.get_output_embeddings()
-    if fmt in ("int8", "float8"):
+    if fmt in QUANTIZED:
         head = QuantizedLinear(head, fmt)
         draft.set_output_embeddings(head)
     else:
@@ -206,9 +222,9 @@ def _hook_casts(module: nn.Module, compute: torch.dtype, residual: torch.dtype) 
 
 
 def _replace_linears(module: nn.Module, fmt: str) -> None:
-    """Quantize the linear layers under ``module`` (int8, float8) or make 16-bit ones row-stable."""
+    """Quantize the linear layers under ``module`` (int8, int8a8, float8) or make 16-bit ones row-stable."""
     for name, child in module.named_children():
-        if isinstance(child, nn.Linear) and fmt in ("int8", "float8"):
+        if isinstance(child, nn.Linear) and fmt in QUANTIZED:
             setattr(module, name, QuantizedLinear(child, fmt))
         elif isinstance(child, nn.Linear) and fmt in ("bfloat16", "float16"):
             child.__class__ = RowStableLinear  # same weights, same state-dict names
