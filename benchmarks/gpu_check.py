@@ -237,7 +237,7 @@ def server_batcher(gemma: LoadedModel, texts: list[str], size: Sizes) -> dict:
             if event[0] != "done":
                 raise RuntimeError(f"request failed: {event[1]}")
             answers.append(event[1].token_ids)
-        batcher.stop(drain_s=1.0)
+        batcher.stop(timeout_s=1.0)
         return answers
 
     answers = asyncio.run(serve())

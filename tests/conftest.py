@@ -25,13 +25,13 @@ CHARS = string.ascii_letters + string.digits + " .,;:!?'\"()-\n"
 SPECIALS = ["<unk>", "<bos>", "<eos>"]
 
 
-def tiny_llama(seed: int, vocab: int = 96, layers: int = 2, scale: float = 0.3, context: int = 256) -> LlamaForCausalLM:
+def tiny_llama(seed: int, vocab: int = 96, layers: int = 2, scale: float = 0.3, context: int = 256, hidden: int = 32) -> LlamaForCausalLM:
     """A random Llama whose logits are peaked enough that greedy ties are negligible."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

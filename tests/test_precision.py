@@ -15,7 +15,7 @@ from specdec.bench.perplexity import perplexity
 from specdec.cli.main import app
 from specdec.config import PRESETS, PrecisionPlan, RuntimeConfig
 from specdec.errors import ConfigError
-from specdec.models.precision import QuantizedLinear, apply_plan, convert_draft
+from specdec.models.precision import QUANTIZED, QuantizedLinear, apply_plan, convert_draft
 
 PROMPTS = ["the cat sat", "a dog and a log", "xyz 123", "Hello, world!"]
 
@@ -63,7 +63,7 @@ def test_each_preset_converts_every_component_and_stays_close(preset: str) -> No
     layer = model.model.layers[0]
     for module, fmt in ((layer.self_attn, plan.attention), (layer.mlp, plan.ffn), (model.get_output_embeddings(), plan.head)):
         quantized = [m for m in module.modules() if isinstance(m, QuantizedLinear)]
-        if fmt in ("int8", "int8a8", "float8"):
+        if fmt in QUANTIZED:
             assert quantized and all(m.format == fmt for m in quantized)
         else:
             assert not quantized and all(p.dtype == getattr(torch, fmt) for p in module.parameters())
@@ -85,6 +85,17 @@ def test_int8a8_products_are_exact_and_row_independent(monkeypatch: pytest.Monke
     assert torch.equal(got, torch.cat([int8_kernel.matmul(a8[i : i + 1], a_scale[i : i + 1], w8, w_scale, w_sum) for i in range(21)]))
     monkeypatch.setattr(int8_kernel, "compiled", lambda: None)  # the path of a CPU without VNNI
     assert torch.equal(int8_kernel.matmul(a8, a_scale, w8, w_scale, w_sum), got)
+
+
+def test_cpu_vnni_greedy_identity_through_the_kernel() -> None:
+    """A model 64 wide, so that its int8a8 head runs the VNNI kernel (where this CPU has it) in decode and verification alike."""
+    tokenizer = char_tokenizer()
+    runtime = RuntimeConfig(precision=PRESETS["cpu-vnni"])
+    target = Generator(loaded(tiny_llama(2, vocab=len(tokenizer), hidden=64), tokenizer=tokenizer), "none", runtime=runtime)
+    drafted = Generator(target.target, "prompt-lookup", runtime=runtime)
+    for prompt in PROMPTS:
+        expected = target.generate(prompt, max_new_tokens=24, stop_on_eos=False).token_ids
+        assert drafted.generate(prompt, max_new_tokens=24, k=4, k_policy="fixed", stop_on_eos=False).token_ids == expected, prompt
 
 
 def test_a_plan_applies_once_and_refuses_a_second_plan() -> None:

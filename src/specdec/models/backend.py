@@ -118,7 +118,7 @@ class TransformersBackend:
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
-        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size: int = model.get_output_embeddings().out_features
         self.max_context: int = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31
         self.device = next(model.parameters()).device
         self.reset()

@@ -100,7 +100,7 @@ class BatchedTransformersBackend:
         self.model = model
         self.sliding_window: int | None = getattr(config, "sliding_window", None) if "sliding_attention" in kinds else None
         self.layer_kinds = kinds
-        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size: int = model.get_output_embeddings().out_features
         self.max_context: int = getattr(config, "max_position_embeddings", None) or 2**31
         self.device = next(model.parameters()).device
         self.mask_dtype = model.get_input_embeddings().weight.dtype

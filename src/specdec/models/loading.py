@@ -45,7 +45,7 @@ class LoadedModel:
 
     @property
     def vocab_size(self) -> int:
-        return self.model.get_output_embeddings().weight.shape[0]
+        return self.model.get_output_embeddings().out_features
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -9,7 +9,7 @@ A plan names the format of the target's attention, its feed-forward blocks
   torch's own int8-weight matmul kernel (``_weight_int8pack_mm``) in bfloat16.
 - ``int8a8``: int8 weights (one scale per output channel) and int8 activations (one scale
   per position), exact integer products (models/int8_kernel.py: AVX-512 VNNI, every weight
-  read once per step whatever the number of positions). A position's result does not depend
+  read once per 16 positions). A position's result does not depend
   on the others by construction.
 - ``float8``: e4m3 weights with one scale per output channel. On a CPU (and on
   GPUs without float8 matmuls) they are stored in float8 and multiplied in
@@ -113,12 +113,10 @@ class QuantizedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, fmt: str) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
-        if fmt == "int8a8":
+        if fmt in ("int8", "int8a8"):
             stored, scale = int8_kernel.quantize_rows(weight)
-            self.register_buffer("weight_sum", stored.sum(dim=1, dtype=torch.int32))
-        elif fmt == "int8":
-            scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
-            stored = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+            if fmt == "int8a8":
+                self.register_buffer("weight_sum", stored.sum(dim=1, dtype=torch.int32))
         else:
             scale = weight.abs().amax(dim=1).clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max
             stored = (weight / scale[:, None]).to(torch.float8_e4m3fn)
@@ -131,7 +129,7 @@ class QuantizedLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantised weight (a bfloat16 copy: for inspection and slicing rows, not for the forward pass)."""
-        return self.weight_q.to(torch.bfloat16) * self.scale[:, None]
+        return (self.weight_q.to(torch.bfloat16) * self.scale[:, None]).to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.format == "int8a8":  # integer products: no row depends on another, no stable_rows needed
@@ -160,6 +158,8 @@ def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
         return model  # already converted (a model shared between specdec and transformers' own methods)
     if hasattr(model, "specdec_precision"):
         raise ConfigError(f"this model already runs the precision plan {model.specdec_precision}: load it again for another plan")
+    if "int8a8" in (plan.attention, plan.ffn, plan.head):
+        int8_kernel.compiled()  # built now (about 30 s the first time), not inside the first request
     residual = torch.float32 if "float32" in (plan.attention, plan.ffn, plan.head) else torch.bfloat16
     model.specdec_precision = plan.describe()
     model.to(residual)
