@@ -146,9 +146,9 @@ def tiny_model_folder(tmp_path: Path) -> Path:
 def test_perplexity_against_float32_on_the_same_tokens(tiny_model_folder: Path, tmp_path: Path) -> None:
     data = tmp_path / "text.txt"
     data.write_text("the cat sat on the mat. " * 40)
-    same = perplexity(str(tiny_model_folder), PRESETS["fp32"], str(data), max_tokens=600, window=128)
+    same = perplexity(str(tiny_model_folder), RuntimeConfig(precision=PRESETS["fp32"]), str(data), max_tokens=600, window=128)
     assert same.tokens == 600 and same.delta == 0.0 and same.perplexity > 1
-    low = perplexity(str(tiny_model_folder), PRESETS["cpu"], str(data), max_tokens=600, window=128)
+    low = perplexity(str(tiny_model_folder), RuntimeConfig(precision=PRESETS["cpu"]), str(data), max_tokens=600, window=128)
     assert low.float32_perplexity == same.float32_perplexity
     assert low.perplexity != same.perplexity and abs(low.delta) < 0.05 * same.perplexity
     result = CliRunner().invoke(

@@ -274,7 +274,9 @@ PRESETS: dict[str, PrecisionPlan] = {
 }
 
 
-RUNTIMES = ("transformers", "llama.cpp")
+# native: specdec's own CPU runtime (Gemma-3 and Llama models, int8 kernels, models/native.py); auto: native where it
+# runs, else transformers (the fastest exact target-only and speculation measured on CPU, BENCHMARKS.md, issue 23).
+RUNTIMES = ("transformers", "llama.cpp", "native", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -299,8 +301,11 @@ class RuntimeConfig:
             raise ConfigError(f"ubatch must be >= 1, got {self.ubatch}")
         if self.precision is not None and self.backend != "transformers":
             raise ConfigError(
-                "--precision plans apply to the transformers backend; llama.cpp's format is its GGUF file's quantization type"
+                "--precision plans apply to the transformers backend; llama.cpp's format is its GGUF file's quantization "
+                "type and the native backend's is fixed (int8 weights and activations): use --backend transformers"
             )
+        if self.dtype != "float32" and self.backend in ("native", "auto"):
+            raise ConfigError("--dtype applies to the transformers backend; the native backend's format is fixed: drop --dtype")
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p")

@@ -1,4 +1,4 @@
-"""Perplexity of a target under a precision plan, against float32 on the same tokens.
+"""Perplexity of a target under a precision plan or on the native runtime, against float32 on the same tokens.
 
 The text is tokenized once and cut into windows of ``window`` tokens, each
 scored from its own start (no overlap), so every plan sees exactly the same
@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
-from specdec.config import PrecisionPlan
+from transformers import PreTrainedModel
+
+from specdec.config import RuntimeConfig
 from specdec.errors import ConfigError
-from specdec.models import load_model
+from specdec.models import Backend, load_model, open_target
 from specdec.models.precision import apply_plan
 from specdec.training.ngram import documents
 
@@ -49,14 +51,18 @@ def read_tokens(tokenizer, path: str, limit: int) -> list[int]:
 
 
 @torch.inference_mode()
-def score(model, tokens: list[int], window: int, progress: Progress, label: str) -> float:
-    """Mean negative log-likelihood of every token after the first of each window."""
+def score(model: PreTrainedModel | Backend, tokens: list[int], window: int, progress: Progress, label: str) -> float:
+    """Mean negative log-likelihood of every token after the first of each window (a transformers model or a backend)."""
     windows = [tokens[i : i + window] for i in range(0, len(tokens) - 1, window)]
     windows = [w for w in windows if len(w) > 1]
     total, count = 0.0, 0
     for done, ids in enumerate(windows, 1):
         batch = torch.tensor([ids])
-        logits = model(input_ids=batch).logits[0, :-1].float()
+        if isinstance(model, PreTrainedModel):
+            logits = model(input_ids=batch).logits[0, :-1].float()
+        else:
+            model.reset()
+            logits = model.forward(batch, last=len(ids))[0, :-1].float()
         total += float(torch.nn.functional.cross_entropy(logits, batch[0, 1:], reduction="sum"))
         count += len(ids) - 1
         progress(label, done, len(windows))
@@ -64,9 +70,14 @@ def score(model, tokens: list[int], window: int, progress: Progress, label: str)
 
 
 def perplexity(
-    target: str, plan: PrecisionPlan, data: str, max_tokens: int = 8192, window: int = 512, progress: Progress = lambda *a: None
+    target: str, runtime: RuntimeConfig, data: str, max_tokens: int = 8192, window: int = 512, progress: Progress = lambda *a: None
 ) -> PerplexityResult:
-    """Perplexity of ``target`` in float32 and under ``plan``, on the same tokens (one model in memory at a time)."""
+    """Perplexity of ``target`` in float32 and on ``runtime`` (a precision plan, or the native backend), on the same tokens.
+
+    One model in memory at a time.
+    """
+    if runtime.backend not in ("transformers", "native") or (runtime.backend == "transformers" and runtime.precision is None):
+        raise ConfigError("perplexity compares a precision plan or the native backend with float32: pass one of them")
     if max_tokens < 2 or window < 2:
         raise ConfigError("perplexity needs max_tokens >= 2 and window >= 2")
     model = load_model(target, dtype="float32")
@@ -78,6 +89,7 @@ def perplexity(
     reference = score(model.model, tokens, window, progress, "float32")
     del model
     gc.collect()
-    planned = apply_plan(load_model(target, dtype="float32").model, plan)
-    nll = score(planned, tokens, window, progress, plan.describe())
-    return PerplexityResult(plan.describe(), math.exp(nll), math.exp(reference), len(tokens))
+    label = runtime.precision.describe() if runtime.precision else runtime.backend
+    scored = open_target(target, runtime).backend if runtime.backend == "native" else apply_plan(load_model(target).model, runtime.precision)
+    nll = score(scored, tokens, window, progress, label)
+    return PerplexityResult(label, math.exp(nll), math.exp(reference), len(tokens))

@@ -302,16 +302,19 @@ def ppl(
             help=f"Precision plan: a preset ({', '.join(PRESETS)}) or component=format parts; deliberately bf16, since float32 against itself says nothing (the library's default is {default(RuntimeConfig, 'precision')}: float32 weights)."
         ),
     ] = "bf16",
+    backend: Annotated[
+        str, typer.Option("--backend", help="transformers (under --precision) or native (its own fixed format; --precision is ignored).")
+    ] = "transformers",
     max_tokens: Annotated[int, typer.Option(help="Tokens of the file to score.")] = 8192,
     window: Annotated[int, typer.Option(help="Tokens per scored window (each scored from its own start).")] = 512,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Perplexity of the target under a precision plan, and its difference from float32 on the same tokens."""
+    """Perplexity of the target under a precision plan or on the native backend, and its difference from float32 on the same tokens."""
     from rich.progress import Progress
 
     from specdec.bench.perplexity import perplexity
 
-    plan = PrecisionPlan.parse(precision)
+    runtime = RuntimeConfig(backend="native") if backend == "native" else RuntimeConfig(backend=backend, precision=PrecisionPlan.parse(precision))
     with Progress(console=err, transient=True) as bar:
         tasks: dict[str, object] = {}
 
@@ -320,7 +323,7 @@ def ppl(
                 tasks[label] = bar.add_task(f"scoring ({label})", total=total)
             bar.update(tasks[label], completed=done)
 
-        result = perplexity(target, plan, data, max_tokens=max_tokens, window=window, progress=report)
+        result = perplexity(target, runtime, data, max_tokens=max_tokens, window=window, progress=report)
     if as_json:
         print(
             json.dumps(

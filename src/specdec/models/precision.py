@@ -8,9 +8,8 @@ A plan names the format of the target's attention, its feed-forward blocks
 - ``int8``: weight-only int8 with one scale per output channel, computed by
   torch's own int8-weight matmul kernel (``_weight_int8pack_mm``) in bfloat16.
 - ``int8a8``: int8 weights (one scale per output channel) and int8 activations (one scale
-  per position), exact integer products (models/int8_kernel.py: AVX-512 VNNI, every weight
-  read once per 16 positions). A position's result does not depend
-  on the others by construction.
+  per 128 inputs of a position), exact integer products (models/cpu_kernels.py: AVX-512 VNNI,
+  every weight read once per call). A position's result does not depend on the others by construction.
 - ``float8``: e4m3 weights with one scale per output channel. On a CPU (and on
   GPUs without float8 matmuls) they are stored in float8 and multiplied in
   bfloat16 after dequantisation: the memory of float8, not its speed.
@@ -45,7 +44,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from specdec.config import PRESETS, PrecisionPlan
 from specdec.errors import ConfigError
-from specdec.models import int8_kernel
+from specdec.models import cpu_kernels
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PADDED_ATTENTION = "specdec_padded_eager"
@@ -113,29 +112,30 @@ class QuantizedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, fmt: str) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
-        if fmt in ("int8", "int8a8"):
-            stored, scale = int8_kernel.quantize_rows(weight)
-            if fmt == "int8a8":
-                self.register_buffer("weight_sum", stored.sum(dim=1, dtype=torch.int32))
+        self.format = fmt
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if fmt == "int8a8":
+            self.packed = cpu_kernels.PackedInt8(weight)
+            return
+        if fmt == "int8":
+            stored, scale = cpu_kernels.quantize_rows(weight)
         else:
             scale = weight.abs().amax(dim=1).clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max
             stored = (weight / scale[:, None]).to(torch.float8_e4m3fn)
-        self.format = fmt
         self.register_buffer("weight_q", stored)
-        self.register_buffer("scale", scale if fmt == "int8a8" else scale.to(torch.bfloat16))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("scale", scale.to(torch.bfloat16))
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantised weight (a bfloat16 copy: for inspection and slicing rows, not for the forward pass)."""
+        if self.format == "int8a8":
+            return (self.packed.unpacked().float() * self.packed.scale[: self.out_features, None]).to(torch.bfloat16)
         return (self.weight_q.to(torch.bfloat16) * self.scale[:, None]).to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.format == "int8a8":  # integer products: no row depends on another, no stable_rows needed
-            rows = x.reshape(-1, x.shape[-1])
-            out = int8_kernel.matmul(*int8_kernel.quantize_rows(rows), self.weight_q, self.scale, self.weight_sum)
-            out = out.to(torch.bfloat16).reshape(*x.shape[:-1], self.out_features)
+            out = cpu_kernels.linear(x, self.packed).to(torch.bfloat16)
             return out if self.bias is None else out + self.bias
         return stable_rows(self._matmul, x.to(torch.bfloat16))
 
@@ -159,7 +159,7 @@ def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
     if hasattr(model, "specdec_precision"):
         raise ConfigError(f"this model already runs the precision plan {model.specdec_precision}: load it again for another plan")
     if "int8a8" in (plan.attention, plan.ffn, plan.head):
-        int8_kernel.compiled()  # built now (about 30 s the first time), not inside the first request
+        cpu_kernels.compiled()  # built now (about 30 s the first time), not inside the first request
     residual = torch.float32 if "float32" in (plan.attention, plan.ffn, plan.head) else torch.bfloat16
     model.specdec_precision = plan.describe()
     model.to(residual)

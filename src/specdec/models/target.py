@@ -30,7 +30,8 @@ class Target:
 
 
 def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
-    """Open a model on a runtime: transformers (any causal LM) or llama.cpp (GGUF files and bundled aliases)."""
+    """Open a model on a runtime: transformers (any causal LM), llama.cpp (GGUF files and bundled aliases), native
+    (Gemma-3 and Llama models on a CPU with AVX-512 VNNI) or auto (native where it runs, else transformers)."""
     if runtime.backend == "llama.cpp":
         from specdec.models.llamacpp import LlamaCppBackend
 
@@ -38,6 +39,14 @@ def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig
         backend = LlamaCppBackend(gguf_path(name), threads=runtime.threads, ubatch=runtime.ubatch)
         return Target(name, backend, backend.tokenizer, backend.eos_ids)
     loaded = load_model(model, dtype="float32" if runtime.precision else runtime.dtype) if isinstance(model, str) else model
+    if runtime.backend in ("native", "auto"):
+        from specdec.models import native
+
+        reason = native.unsupported(loaded.model)
+        if reason is None:
+            return Target(loaded.name, native.NativeBackend(native.NativeModel(loaded.model)), loaded.tokenizer, eos_ids(loaded))
+        if runtime.backend == "native":
+            raise ConfigError(reason)
     if runtime.precision is not None:
         apply_plan(loaded.model, runtime.precision)
     return Target(loaded.name, TransformersBackend(loaded.model), loaded.tokenizer, eos_ids(loaded))

@@ -1,0 +1,313 @@
+"""The CPU kernels of specdec's own formats: exact int8 linear layers and exact attention (AVX-512 VNNI).
+
+Speculative greedy decoding reproduces one-token decoding only if a position's result does not depend on
+how many positions are scored together, and verification pays only if scoring nine positions costs little
+more than one. Both kernels are built for that:
+
+- ``linear(x, packed)``: ``x @ W.T`` with int8 weights (one scale per output channel) and int8 activations
+  (one scale per 128 inputs of a position, so an outlier spoils only its group). Integer products are exact; the
+  float32 steps after them (per group: scale, then add; then the channel's scale) run in a fixed order. The
+  weights are packed 16 outputs x 4 inputs per 64-byte vector (the layout VNNI multiplies without horizontal
+  sums), and each block of 16 outputs is read from memory once per call, whatever the number of positions.
+- ``attention(...)``: causal (optionally sliding-window) attention of new positions over a float32 cache, each
+  (position, head) pair computed alone over exactly its visible keys, in one order; ``rms_norm``, each row alone.
+
+Compiled on first use with torch's cpp_extension (g++ and ninja, about 40 s here, then cached). Where they
+cannot be (no VNNI, no compiler), ``linear`` gives the same numbers from a float64 product of the same
+integers (exact, only slower) and ``attention`` and ``rms_norm`` are unavailable (the native backend says so).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("specdec")
+GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
+BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
+FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+// Activations: per row and group, scale = max(|x|, 1e-8) / 127, q = clamp(round(x / scale), -127, 127), stored as
+// q + 128 (VNNI multiplies unsigned by signed bytes; the 128 * sum(w) this adds is taken off per group).
+static void quantize(const float* x, int64_t n, int64_t k, int64_t group, uint8_t* q, float* scales) {
+    const int64_t groups = k / group;
+    const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    const __m512i offset = _mm512_set1_epi32(128);
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < groups; ++g) {
+            const float* src = x + i * k + g * group;
+            __m512 top = _mm512_setzero_ps();
+            for (int64_t c = 0; c < group; c += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(src + c)));
+            const float scale = std::max(_mm512_reduce_max_ps(top), 1e-8f) / 127.f;
+            scales[i * groups + g] = scale;
+            const __m512 divisor = _mm512_set1_ps(scale);
+            for (int64_t c = 0; c < group; c += 16) {
+                __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(src + c), divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+                _mm_storeu_si128((__m128i*)(q + i * k + g * group + c), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), offset)));
+            }
+        }
+}
+
+// One block of 16 outputs for N rows: per group, int32 sums, then sum * the row's scale added to a float32 total; at the
+// end, the total times the channel's scale. Plain arrays and unrolled loops: g++ then keeps them all in registers.
+template <int N>
+static void tile(const uint8_t* q, const float* qs, const int8_t* wb, const int32_t* gsum, const float* ws, float* out,
+                 int64_t k, int64_t group, int64_t outs) {
+    const int64_t groups = k / group, quads = group / 4;
+    __m512 total[N];
+#pragma GCC unroll 16
+    for (int i = 0; i < N; ++i) total[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512i acc[N];
+#pragma GCC unroll 16
+        for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_si512();
+        const int8_t* wg = wb + g * group * 16;
+        const uint8_t* qg = q + g * group;
+        for (int64_t t = 0; t < quads; ++t) {
+            const __m512i w = _mm512_loadu_si512((const void*)(wg + t * 64));
+#pragma GCC unroll 16
+            for (int i = 0; i < N; ++i) {
+                int32_t a4;
+                std::memcpy(&a4, qg + i * k + t * 4, 4);
+                acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(a4), w);
+            }
+        }
+        const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512((const void*)(gsum + g * 16)), 7);
+#pragma GCC unroll 16
+        for (int i = 0; i < N; ++i) {
+            const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], corr));
+            total[i] = _mm512_add_ps(total[i], _mm512_mul_ps(sum, _mm512_set1_ps(qs[i * groups + g])));
+        }
+    }
+    const __m512 scale = _mm512_loadu_ps(ws);
+#pragma GCC unroll 16
+    for (int i = 0; i < N; ++i) _mm512_storeu_ps(out + i * outs, _mm512_mul_ps(total[i], scale));
+}
+
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor gsum, int64_t group) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [n, k]");
+    TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kInt8 && packed.is_contiguous(), "packed int8 weights");
+    const int64_t n = x.size(0), k = x.size(1), blocks = packed.size(0), outs = blocks * 16;
+    TORCH_CHECK(packed.size(1) * 4 == k && packed.size(2) == 16 && packed.size(3) == 4, "weights packed for another shape");
+    TORCH_CHECK(group > 0 && group % 16 == 0 && k % group == 0, "the group must be a multiple of 16 that divides the width");
+    TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.numel() == outs && w_scale.is_contiguous(), "one float32 scale per output");
+    TORCH_CHECK(gsum.scalar_type() == torch::kInt32 && gsum.numel() == outs * (k / group) && gsum.is_contiguous(), "int32 group sums");
+    auto y = torch::empty({n, outs}, torch::kFloat32);
+    auto q = torch::empty({n, k}, torch::kUInt8);
+    auto qs = torch::empty({n, k / group}, torch::kFloat32);
+    pybind11::gil_scoped_release no_gil;  // the server's event loop runs while a step computes
+    quantize(x.data_ptr<float>(), n, k, group, q.data_ptr<uint8_t>(), qs.data_ptr<float>());
+    const uint8_t* qp = q.data_ptr<uint8_t>();
+    const float* qsp = qs.data_ptr<float>();
+    const int8_t* w = packed.data_ptr<int8_t>();
+    const int32_t* gs = gsum.data_ptr<int32_t>();
+    const float* ws = w_scale.data_ptr<float>();
+    float* out = y.data_ptr<float>();
+    const int64_t groups = k / group;
+    at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+            for (int64_t r = 0; r < n; r += 12) {  // a block's weights stay in L1 for every 12 rows after the first
+                auto args = std::make_tuple(qp + r * k, qsp + r * groups, w + b * 16 * k, gs + b * groups * 16, ws + b * 16,
+                                            out + r * outs + b * 16, k, group, outs);
+                switch (std::min<int64_t>(12, n - r)) {
+#define CASE(N) case N: std::apply(tile<N>, args); break;
+                    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+#undef CASE
+                }
+            }
+        }
+    });
+    return y;
+}
+
+// q: [n, H, D]; caches: [Hkv, capacity, D], the n new positions already written at start..start+n-1. Position
+// start + i sees keys lo..start + i (lo: the sliding window's first key, or 0). Each (position, head) alone.
+torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, int64_t window, double scale) {
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous float32 [n, heads, dim]");
+    TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() &&
+                v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 3, "float32 caches [kv heads, capacity, dim]");
+    const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0), capacity = k_cache.size(1);
+    TORCH_CHECK(dim % 16 == 0 && k_cache.size(2) == dim && heads % kv_heads == 0 && start + n <= capacity, "attention shapes");
+    auto out = torch::empty_like(q);
+    pybind11::gil_scoped_release no_gil;
+    const float* qp = q.data_ptr<float>();
+    const float* kp = k_cache.data_ptr<float>();
+    const float* vp = v_cache.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores;
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t i = task / heads, h = task % heads, pos = start + i;
+            const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+            const float* query = qp + task * dim;
+            const float* keys = kp + (h / (heads / kv_heads)) * capacity * dim;
+            const float* values = vp + (h / (heads / kv_heads)) * capacity * dim;
+            scores.resize(pos - lo + 1);
+            float top = -INFINITY;
+            for (int64_t j = lo; j <= pos; ++j) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t d = 0; d < dim; d += 16)
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + d), _mm512_loadu_ps(keys + j * dim + d), acc);
+                const float s = _mm512_reduce_add_ps(acc) * (float)scale;
+                scores[j - lo] = s;
+                top = std::max(top, s);
+            }
+            float total = 0.f;
+            for (auto& s : scores) total += (s = std::exp(s - top));
+            float* o = op + task * dim;
+            for (int64_t d = 0; d < dim; d += 16) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t j = lo; j <= pos; ++j)
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[j - lo]), _mm512_loadu_ps(values + j * dim + d), acc);
+                _mm512_storeu_ps(o + d, _mm512_div_ps(acc, _mm512_set1_ps(total)));
+            }
+        }
+    });
+    return out;
+}
+
+// x * rsqrt(mean(x^2) + eps) * w over the last dimension, each row alone in one order (float32).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && w.scalar_type() == torch::kFloat32 && w.is_contiguous(),
+                "contiguous float32 tensors");
+    const int64_t dim = w.numel(), rows = x.numel() / dim;
+    TORCH_CHECK(dim % 16 == 0 && x.size(-1) == dim, "the norm's width must be a multiple of 16 and match x");
+    auto out = torch::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* row = xp + r * dim;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16) {
+            const __m512 v = _mm512_loadu_ps(row + d);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)dim + (float)eps));
+        for (int64_t d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(op + r * dim + d, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + d), inv), _mm512_loadu_ps(wp + d)));
+    }
+    return out;
+}
+"""
+
+
+class PackedInt8(torch.nn.Module):
+    """A linear layer's weights for ``linear``: int8 in VNNI blocks, a scale per output, int32 sums per group."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        outs, width = weight.shape
+        self.out_features, self.in_features = outs, width
+        self.group = next((g for g in (GROUP, 64, 32) if width % g == 0), 0)
+        if not self.group:
+            raise ValueError(f"int8 layers need an input width that is a multiple of 32, not {width}")
+        w8, scale = quantize_rows(weight.detach().float())
+        pad = -outs % BLOCK  # zero outputs up to a whole block, cut off again by linear()
+        w8, scale = torch.nn.functional.pad(w8, (0, 0, 0, pad)), torch.nn.functional.pad(scale, (0, pad), value=1.0)
+        blocks = w8.shape[0] // BLOCK
+        self.register_buffer("packed", w8.reshape(blocks, BLOCK, width // 4, 4).transpose(1, 2).contiguous())
+        self.register_buffer("scale", scale.contiguous())
+        sums = w8.reshape(blocks, BLOCK, width // self.group, self.group).sum(dim=3, dtype=torch.int32)
+        self.register_buffer("group_sums", sums.transpose(1, 2).contiguous())
+
+    def unpacked(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """int8 weight rows [start, stop) as [rows, in_features] (for the path without the kernel)."""
+        blocks = self.packed[start // BLOCK : -(-(stop or self.packed.shape[0] * BLOCK) // BLOCK)]
+        rows = blocks.transpose(1, 2).reshape(-1, self.in_features)
+        return rows[start % BLOCK : start % BLOCK + (stop or rows.shape[0]) - start]
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values and float32 scales (symmetric: largest magnitude 127), one per row, or per ``group`` inputs of a row."""
+    x = x.float()
+    groups = x.reshape(x.shape[0], -1, group or x.shape[1])
+    scale = groups.abs().amax(dim=2).clamp(min=1e-8) / 127
+    q = torch.round(groups / scale[:, :, None]).clamp(-127, 127).to(torch.int8).reshape(x.shape)
+    return q, scale if group else scale[:, 0]
+
+
+def linear(x: torch.Tensor, weights: PackedInt8) -> torch.Tensor:
+    """``x @ W.T`` in float32 with int8 weights and activations (see the module's docstring), for x [..., in]."""
+    rows = x.reshape(-1, weights.in_features).float().contiguous()
+    kernel = compiled() if rows.device.type == "cpu" else None
+    if kernel is not None:
+        out = kernel.int8_linear(rows, weights.packed, weights.scale, weights.group_sums, weights.group)
+        out = out[:, : weights.out_features]
+    else:
+        out = _exact_linear(rows, weights)
+    return out.reshape(*x.shape[:-1], weights.out_features)
+
+
+def _exact_linear(rows: torch.Tensor, weights: PackedInt8) -> torch.Tensor:
+    """The kernel's numbers without it: float64 products of the same integers (exact), then the same float32 steps."""
+    q, q_scale = quantize_rows(rows, weights.group)
+    groups = weights.in_features // weights.group
+    q64 = q.double().reshape(len(rows), groups, weights.group)
+    pieces = []
+    for start in range(0, weights.out_features, FALLBACK_ROWS):  # a slice of the weights at a time, not a float64 copy of all
+        stop = min(start + FALLBACK_ROWS, weights.out_features)
+        w64 = weights.unpacked(start, stop).double().reshape(stop - start, groups, weights.group)
+        sums = torch.einsum("ngc,ogc->gno", q64, w64).float()  # integer sums per group: exact
+        acc = torch.zeros(len(rows), stop - start)
+        for g in range(groups):
+            acc = acc + sums[g] * q_scale[:, g : g + 1]
+        pieces.append(acc * weights.scale[None, start:stop])
+    return torch.cat(pieces, dim=1).to(rows.device)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, window: int, scale: float) -> torch.Tensor:
+    """Attention of q [n, heads, dim] (positions start..start+n-1) over the caches [kv_heads, capacity, dim]; window 0 = all keys."""
+    kernel = compiled()
+    if kernel is None:
+        raise RuntimeError("the attention kernel is not built on this machine")
+    return kernel.attention(q.contiguous(), k_cache, v_cache, start, window, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x**2) + eps) * weight`` over the last dimension, float32, each row alone."""
+    kernel = compiled()
+    if kernel is None:
+        raise RuntimeError("the norm kernel is not built on this machine")
+    return kernel.rms_norm(x.contiguous(), weight, eps)
+
+
+def vnni_available() -> bool:
+    """Whether this CPU has AVX-512 VNNI (the kernels' instructions)."""
+    try:
+        return "avx512_vnni" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@functools.cache
+def compiled():
+    """The compiled kernels, or None (``linear`` then takes its exact float64 path) where this machine cannot run or build them."""
+    if not vnni_available():
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline(
+            "specdec_cpu_kernels_v8",
+            cpp_sources=SOURCE,
+            functions=["int8_linear", "attention", "rms_norm"],
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as exc:  # noqa: BLE001 - no compiler or ninja: the same results, computed slower
+        reason = (str(exc).splitlines() or [repr(exc)])[0][:200]
+        log.warning("specdec's CPU kernels could not be built (%s): int8 layers use the exact float64 path", reason)
+        return None

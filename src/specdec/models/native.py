@@ -1,0 +1,271 @@
+"""specdec's own CPU runtime for Gemma-3 and Llama-family models: one file, a float32 KV cache, int8 kernels.
+
+Why it exists (issue 23, BENCHMARKS.md): on a CPU, transformers verifies nine positions almost for the price
+of one but pays about 45 ms per step in framework and kernels made for other shapes; llama.cpp's step is
+fast but every extra position costs almost as much as the first. Here every linear layer, the output head
+included, runs the int8 kernel of ``cpu_kernels`` (its weights are read from memory once per step, whatever
+the number of positions) and attention runs its exact kernel; what is left between them is a few dozen
+small tensor operations per layer.
+
+A position's logits do not depend on how many positions are scored with it (integer products, attention
+computed per position, row-wise norms), so speculative greedy decoding on this backend is token-identical
+to its own one-token decoding. Its numbers are not transformers' float32 ones: int8 weights and activations
+(one scale per output channel and per 128 inputs) move perplexity by less than the precision plans' bound
+(BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+from transformers import PreTrainedModel
+
+from specdec.errors import ConfigError
+from specdec.models import cpu_kernels
+from specdec.models.cpu_kernels import PackedInt8
+
+FAMILIES = ("gemma3_text", "llama")
+FIRST_CAPACITY = 256  # cached positions allocated at first; doubled when full, up to the model's context
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the forward pass needs to know about a model besides its weights."""
+
+    family: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float  # attention scores' factor
+    windows: tuple[int, ...]  # per layer: sliding window in positions, 0 = every earlier position
+    thetas: tuple[float, ...]  # per layer: rotary base
+    embed_scale: float
+    softcap: float | None  # final logits' tanh cap
+    max_context: int
+
+
+@dataclass
+class Layer:
+    qkv: PackedInt8
+    out: PackedInt8
+    gate_up: PackedInt8
+    down: PackedInt8
+    norms: dict[str, torch.Tensor]  # float32 weights, Gemma's already as 1 + w
+
+
+class NativeModel:
+    """The weights of one model in the native runtime's formats; shared by every backend (cache) over it."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        config = model.config.get_text_config()
+        self.shape = _shape(config)
+        self.name = f"{config.name_or_path or config.model_type}"
+        self.vocab_size = model.get_output_embeddings().out_features
+        self.hidden = config.hidden_size
+        gemma = self.shape.family == "gemma3_text"
+        offset = 1.0 if gemma else 0.0  # Gemma's norms multiply by (1 + w)
+        self.embedding = model.get_input_embeddings().weight.detach().to(torch.bfloat16)
+        self.layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            names = ["input_layernorm", "post_attention_layernorm"]
+            names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if gemma else []
+            norms = {n: getattr(layer, n).weight.detach().float() + offset for n in names}
+            if gemma:
+                norms |= {n: getattr(attn, n).weight.detach().float() + offset for n in ("q_norm", "k_norm")}
+            self.layers.append(
+                Layer(
+                    qkv=PackedInt8(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
+                    out=PackedInt8(attn.o_proj.weight),
+                    gate_up=PackedInt8(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                    down=PackedInt8(mlp.down_proj.weight),
+                    norms=norms,
+                )
+            )
+        self.final_norm = model.model.norm.weight.detach().float() + offset
+        self.head = PackedInt8(model.get_output_embeddings().weight)
+        self.weights = sum(p.numel() for p in model.parameters())
+        self._rotary: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int) -> torch.Tensor:
+        """Logits [last, V] of the last ``last`` of ``tokens`` [n], appended to ``cache`` at its length."""
+        shape, start, n = self.shape, cache.length, len(tokens)
+        cache.reserve(start + n)
+        x = self.embedding[tokens].float() * shape.embed_scale
+        positions = torch.arange(start, start + n)
+        rotary = {theta: self._cos_sin(theta, positions) for theta in set(shape.thetas)}
+        q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        for index, layer in enumerate(self.layers):
+            norms = layer.norms
+            q, k, v = cpu_kernels.linear(cpu_kernels.rms_norm(x, norms["input_layernorm"], shape.eps), layer.qkv).split(
+                [q_width, kv_width, kv_width], dim=1
+            )
+            q, k, v = q.view(n, shape.heads, -1), k.view(n, shape.kv_heads, -1), v.view(n, shape.kv_heads, -1)
+            if "q_norm" in norms:
+                q, k = cpu_kernels.rms_norm(q, norms["q_norm"], shape.eps), cpu_kernels.rms_norm(k, norms["k_norm"], shape.eps)
+            cos, sin = rotary[shape.thetas[index]]
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            keys, values = cache.keys[index], cache.values[index]
+            keys[:, start : start + n] = k.transpose(0, 1)
+            values[:, start : start + n] = v.transpose(0, 1)
+            attended = cpu_kernels.attention(q, keys, values, start, shape.windows[index], shape.scale)
+            out = cpu_kernels.linear(attended.view(n, q_width), layer.out)
+            if "post_feedforward_layernorm" in norms:  # Gemma: a norm after each block and one before the MLP
+                x = x + cpu_kernels.rms_norm(out, norms["post_attention_layernorm"], shape.eps)
+                h = cpu_kernels.rms_norm(x, norms["pre_feedforward_layernorm"], shape.eps)
+            else:
+                x = x + out
+                h = cpu_kernels.rms_norm(x, norms["post_attention_layernorm"], shape.eps)
+            gate, up = cpu_kernels.linear(h, layer.gate_up).chunk(2, dim=1)
+            act = F.gelu(gate, approximate="tanh") if shape.family == "gemma3_text" else F.silu(gate)
+            out = cpu_kernels.linear(act * up, layer.down)
+            if "post_feedforward_layernorm" in norms:
+                out = cpu_kernels.rms_norm(out, norms["post_feedforward_layernorm"], shape.eps)
+            x = x + out
+        cache.length = start + n
+        logits = cpu_kernels.linear(cpu_kernels.rms_norm(x[n - last :], self.final_norm, shape.eps), self.head)
+        if shape.softcap is not None:
+            logits = torch.tanh(logits / shape.softcap) * shape.softcap
+        return logits
+
+    def _cos_sin(self, theta: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary cos and sin [n, 1, head_dim] for ``positions``, from a table grown as the cache grows."""
+        table = self._rotary.get(theta)
+        if table is None or table[0].shape[0] <= int(positions[-1]):
+            size = max(FIRST_CAPACITY, 2 * (int(positions[-1]) + 1))
+            dim = self.shape.head_dim
+            inverse = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            angles = torch.arange(size, dtype=torch.float32)[:, None] * inverse[None]
+            angles = torch.cat([angles, angles], dim=1)
+            table = self._rotary[theta] = (angles.cos(), angles.sin())
+        return table[0][positions, None], table[1][positions, None]
+
+
+class KVCache:
+    """Keys and values of one sequence, float32 [kv_heads, capacity, head_dim] per layer; grown by doubling."""
+
+    def __init__(self, model: NativeModel) -> None:
+        self.model = model
+        self.length = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._allocate(FIRST_CAPACITY)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+    def reserve(self, length: int) -> None:
+        if length > self.capacity:
+            self._allocate(min(max(2 * self.capacity, length), max(self.model.shape.max_context, length)))
+
+    def _allocate(self, capacity: int) -> None:
+        shape = self.model.shape
+        size = (shape.kv_heads, capacity, shape.head_dim)
+        keys = [torch.zeros(size) for _ in self.model.layers]
+        values = [torch.zeros(size) for _ in self.model.layers]
+        for old, new in zip(self.keys + self.values, keys + values):
+            new[:, : self.length] = old[:, : self.length]
+        self.keys, self.values = keys, values
+
+
+class NativeBackend:
+    """A single-sequence :class:`~specdec.models.backend.Backend` over a :class:`NativeModel` (runs through OneRow)."""
+
+    def __init__(self, model: NativeModel) -> None:
+        self.model = model
+        self.vocab_size = model.vocab_size
+        self.max_context = model.shape.max_context
+        self.cache = KVCache(model)
+
+    @property
+    def identity(self) -> str:
+        return f"native|{self.model.name}|{self.model.weights}|int8a8|cpu|threads={torch.get_num_threads()}"
+
+    @property
+    def cached_length(self) -> int:
+        return self.cache.length
+
+    def fork(self) -> NativeBackend:
+        return NativeBackend(self.model)
+
+    def reset(self) -> None:
+        self.cache.length = 0
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, last: int | None = None) -> torch.Tensor:
+        batch, n = tokens.shape
+        if batch != 1:
+            raise ConfigError("the native backend decodes one sequence at a time: use --backend transformers for batches")
+        if self.cache.length + n > self.max_context:
+            raise ValueError(f"{self.cache.length + n} positions exceed the model's context of {self.max_context}")
+        return self.model.forward(tokens[0].cpu(), self.cache, last or n)[None]
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.cache.length:
+            raise ValueError(f"cannot truncate a cache of {self.cache.length} positions to {length}")
+        self.cache.length = length
+
+
+def unsupported(model: PreTrainedModel) -> str | None:
+    """Why the native backend cannot run ``model`` on this machine (a message naming the fix), or None if it can."""
+    if next(model.parameters()).device.type != "cpu":
+        return "the native backend runs on the CPU: use --backend transformers on other devices"
+    try:
+        _shape(model.config.get_text_config())
+    except ConfigError as exc:
+        return str(exc)
+    if cpu_kernels.compiled() is None:
+        return (
+            "the native backend needs a CPU with AVX-512 VNNI and a C++ compiler (g++, ninja) for its kernels: "
+            "use --backend transformers --precision cpu"
+        )
+    return None
+
+
+def _shape(config) -> Shape:
+    family = config.model_type
+    if family not in FAMILIES:
+        raise ConfigError(f"the native backend runs {' and '.join(FAMILIES)} models, not '{family}': use --backend transformers")
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        raise ConfigError("the native backend runs models without biases in attention and MLP: use --backend transformers")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = config.rope_parameters or {}
+    layers = config.num_hidden_layers
+    if family == "gemma3_text":
+        types = config.layer_types
+        windows = tuple(config.sliding_window if t == "sliding_attention" else 0 for t in types)
+        ropes = [rope[t] for t in types]
+        scale, embed_scale, softcap = config.query_pre_attn_scalar**-0.5, config.hidden_size**0.5, config.final_logit_softcapping
+        if config.attn_logit_softcapping is not None:
+            raise ConfigError("the native backend does not cap attention logits: use --backend transformers")
+    else:
+        if getattr(config, "sliding_window", None):
+            raise ConfigError("the native backend runs Llama models without a sliding window: use --backend transformers")
+        windows, ropes = (0,) * layers, [rope] * layers
+        scale, embed_scale, softcap = head_dim**-0.5, 1.0, None
+    if any(r.get("rope_type", "default") != "default" for r in ropes):
+        raise ConfigError("the native backend supports the default rotary embedding only: use --backend transformers")
+    if head_dim % 16:
+        raise ConfigError(f"the native backend needs a head size that is a multiple of 16, not {head_dim}: use --backend transformers")
+    return Shape(
+        family=family,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        eps=config.rms_norm_eps,
+        scale=scale,
+        windows=windows,
+        thetas=tuple(float(r["rope_theta"]) for r in ropes),
+        embed_scale=embed_scale,
+        softcap=softcap,
+        max_context=getattr(config, "max_position_embeddings", None) or 2**31,
+    )
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
