@@ -44,18 +44,20 @@ def tiny_llama(seed: int, vocab: int = 96, layers: int = 2, scale: float = 0.3, 
     return LlamaForCausalLM(config).eval()
 
 
-def tiny_gemma3(seed: int, vocab: int = 96, sliding_window: int = 6) -> Gemma3ForCausalLM:
+def tiny_gemma3(
+    seed: int, vocab: int = 96, sliding_window: int = 6, hidden: int = 32, head_dim: int = 8, context: int = 256
+) -> Gemma3ForCausalLM:
     """A random Gemma-3 with a tiny sliding window, so cache rollback crosses the window edge."""
     torch.manual_seed(seed)
     config = Gemma3TextConfig(
         vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
+        head_dim=head_dim,
+        max_position_embeddings=context,
         sliding_window=sliding_window,
         layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
         initializer_range=0.3,

@@ -70,21 +70,29 @@ def test_each_preset_converts_every_component_and_stays_close(preset: str) -> No
     assert model.get_input_embeddings().weight.shape == reference.get_input_embeddings().weight.shape
 
 
-def test_int8a8_products_are_exact_and_row_independent(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("outputs", "width"), [(300, 128), (77, 256), (40, 96)])
+def test_int8a8_products_are_exact_and_row_independent(monkeypatch: pytest.MonkeyPatch, outputs: int, width: int) -> None:
     """The VNNI kernel (where this CPU has it) and the float64 path give the same bits; a row's result does not depend
-    on the rows computed with it (what speculative greedy identity needs); both equal the integer product, scaled."""
-    from specdec.models import int8_kernel
+    on the rows computed with it (what speculative greedy identity needs); both equal the integer products per group of
+    inputs, scaled in the documented order. Widths of one group, two groups and a 32-wide group; outputs not a
+    multiple of the 16-output block."""
+    from specdec.models import cpu_kernels
 
     torch.manual_seed(0)
-    w8, w_scale = int8_kernel.quantize_rows(torch.randn(300, 128))
-    w_sum = w8.sum(dim=1, dtype=torch.int32)
-    a8, a_scale = int8_kernel.quantize_rows(torch.randn(21, 128) * 3)  # 21 rows: a block of 16 and one of 5
-    got = int8_kernel.matmul(a8, a_scale, w8, w_scale, w_sum)
-    integers = (a8.long() @ w8.long().T).float()
-    assert torch.equal(got, integers * a_scale[:, None] * w_scale[None, :])
-    assert torch.equal(got, torch.cat([int8_kernel.matmul(a8[i : i + 1], a_scale[i : i + 1], w8, w_scale, w_sum) for i in range(21)]))
-    monkeypatch.setattr(int8_kernel, "compiled", lambda: None)  # the path of a CPU without VNNI
-    assert torch.equal(int8_kernel.matmul(a8, a_scale, w8, w_scale, w_sum), got)
+    weight, x = torch.randn(outputs, width), torch.randn(21, width) * 3  # 21 rows: a tile of 12 and one of 9
+    x[3, 5] = 40.0  # an outlier spoils the scale of its own group only
+    packed = cpu_kernels.PackedInt8(weight)
+    got = cpu_kernels.linear(x, packed)
+    w8, w_scale = cpu_kernels.quantize_rows(weight)
+    q, q_scale = cpu_kernels.quantize_rows(x, packed.group)
+    expected = torch.zeros(21, outputs)
+    for g in range(width // packed.group):
+        cols = slice(g * packed.group, (g + 1) * packed.group)
+        expected = expected + (q[:, cols].long() @ w8[:, cols].long().T).float() * q_scale[:, g : g + 1]
+    assert torch.equal(got, expected * w_scale)
+    assert torch.equal(got, torch.cat([cpu_kernels.linear(x[i : i + 1], packed) for i in range(21)]))
+    monkeypatch.setattr(cpu_kernels, "compiled", lambda: None)  # the path of a CPU without VNNI
+    assert torch.equal(cpu_kernels.linear(x, packed), got)
 
 
 def test_cpu_vnni_greedy_identity_through_the_kernel() -> None:

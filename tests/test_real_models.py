@@ -88,3 +88,28 @@ def test_gemma_low_precision_speculation_equals_target_only_of_the_same_plan(pre
         assert got.token_ids == expected, (preset, prompt)
         accepted += got.stats.draft_tokens_accepted
     assert accepted > 0
+
+
+@pytest.mark.parametrize("target", ["gemma-3-270m", "smollm2-135m-instruct"])
+def test_native_backend_speculation_equals_its_own_target_only(target: str) -> None:
+    """Both bundled families on the native backend: prompt lookup and the cost model keep its target-only greedy text."""
+    from specdec.config import RuntimeConfig
+    from specdec.errors import ConfigError
+    from specdec.models import cpu_kernels
+
+    if cpu_kernels.compiled() is None:
+        pytest.skip("the native backend needs AVX-512 VNNI and g++")
+    runtime = RuntimeConfig(backend="native")
+    baseline = Generator(target, "none", runtime=runtime)
+    accepted = 0
+    for k_policy in ("fixed", "cost-model"):
+        drafted = Generator(baseline.target, "prompt-lookup", runtime=runtime)
+        for prompt in PROMPTS:
+            expected = baseline.generate(prompt, max_new_tokens=32).token_ids
+            got = drafted.generate(prompt, max_new_tokens=32, k=8, k_policy=k_policy)
+            assert got.token_ids == expected, (target, k_policy, prompt)
+            accepted += got.stats.draft_tokens_accepted
+    assert accepted > 0
+    if target == "gemma-3-270m":
+        with pytest.raises(ConfigError, match="distilled draft runs on the target's own embedding"):
+            Generator(baseline.target, "default", runtime=runtime)

@@ -90,6 +90,8 @@ def perplexity(
     del model
     gc.collect()
     label = runtime.precision.describe() if runtime.precision else runtime.backend
-    scored = open_target(target, runtime).backend if runtime.backend == "native" else apply_plan(load_model(target).model, runtime.precision)
+    scored = (
+        open_target(target, runtime).backend if runtime.backend == "native" else apply_plan(load_model(target).model, runtime.precision)
+    )
     nll = score(scored, tokens, window, progress, label)
     return PerplexityResult(label, math.exp(nll), math.exp(reference), len(tokens))

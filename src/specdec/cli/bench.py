@@ -314,7 +314,9 @@ def ppl(
 
     from specdec.bench.perplexity import perplexity
 
-    runtime = RuntimeConfig(backend="native") if backend == "native" else RuntimeConfig(backend=backend, precision=PrecisionPlan.parse(precision))
+    runtime = (
+        RuntimeConfig(backend="native") if backend == "native" else RuntimeConfig(backend=backend, precision=PrecisionPlan.parse(precision))
+    )
     with Progress(console=err, transient=True) as bar:
         tasks: dict[str, object] = {}
 

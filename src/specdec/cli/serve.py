@@ -98,6 +98,14 @@ def serve(
     insecure_no_auth: Annotated[
         bool, typer.Option(help="Serve on a non-loopback address without API keys (anyone who can reach it can use it).")
     ] = False,
+    backend: Annotated[
+        str,
+        typer.Option(
+            "--backend",
+            help="Target runtime: transformers (batches requests), native (specdec's CPU runtime: one request at a time, "
+            "the rest queue) or auto (native where it runs).",
+        ),
+    ] = default(RuntimeConfig, "backend"),
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Annotated[
         str | None, typer.Option(envvar="SPECDEC_PRECISION", help="Precision plan: a preset or parts (see `specdec generate --help`).")
@@ -161,7 +169,9 @@ def serve(
         keep_alive_s=keep_alive,
     )
     config = GenerationConfig(k=k, k_policy=k_policy)
-    runtime = runtime_config("transformers", dtype, None, None, precision)
+    if backend == "llama.cpp":
+        raise ConfigError("the server runs transformers or native targets (--backend transformers|native|auto), not llama.cpp")
+    runtime = runtime_config(backend, dtype, None, None, precision)
     if ray:
         from specdec.config import RayConfig
         from specdec.serving.ray_serve import ReplicaSpec, require_ray, serve_on_ray

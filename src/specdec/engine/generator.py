@@ -183,11 +183,12 @@ class Generator:
         return [run.result() for run in runs]
 
     def batch_decoder(self) -> Decoder:
-        """A decoder over this target's weights for sequences that join and leave between steps (the server's engine)."""
+        """A decoder over this target's weights for sequences that join and leave between steps (the server's engine).
+
+        On a single-sequence backend (native, llama.cpp) it holds one row at a time (``OneRow``; its ``max_rows``).
+        """
         if not isinstance(self.backend, TransformersBackend):
-            raise ConfigError(
-                "batched generation runs on the transformers backend: use --backend transformers, or generate one prompt at a time"
-            )
+            return Decoder(OneRow(self.backend.fork()))
         backend = BatchedTransformersBackend(self.backend.model, cuda_graphs=self.batch.cuda_graphs)
         if self.batch.window == "fixed":
             return Decoder(backend)

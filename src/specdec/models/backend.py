@@ -86,6 +86,8 @@ class OneRow:
     generation, where the plain cache is the fastest, run the decode step this way.
     """
 
+    max_rows = 1  # a server on this backend runs one request at a time; the rest queue
+
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.vocab_size = backend.vocab_size

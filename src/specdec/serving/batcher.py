@@ -61,10 +61,10 @@ class Job:
 class Batcher:
     def __init__(self, generator: Generator, max_batch: int, max_queue: int, metrics: Metrics) -> None:
         self.generator = generator
-        self.max_batch = max_batch
         self.max_queue = max_queue
         self.metrics = metrics
         self.decoder = generator.batch_decoder()
+        self.max_batch = min(max_batch, getattr(self.decoder.backend, "max_rows", max_batch))  # one at a time on native
         generator.drafter.fork()  # every request decodes with a fork: a drafter that cannot fork is refused now, not per request
         self.waiting: deque[Job] = deque()
         self.active: dict[Completion, Job] = {}

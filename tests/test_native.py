@@ -1,0 +1,135 @@
+"""The native CPU backend: close to transformers, position results independent of how many are scored, greedy
+speculation identical to its own target-only decoding, sampling exact, clear refusals, and the server on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import char_tokenizer, loaded, tiny_gemma3, tiny_llama
+
+from specdec import Generator
+from specdec.config import PRESETS, RuntimeConfig
+from specdec.errors import ConfigError
+from specdec.models import TransformersBackend, cpu_kernels, open_target
+from specdec.models.native import FIRST_CAPACITY, NativeBackend, NativeModel
+
+pytestmark = pytest.mark.skipif(cpu_kernels.compiled() is None, reason="the native backend needs AVX-512 VNNI and g++")
+NATIVE = RuntimeConfig(backend="native")
+PROMPTS = ["the cat sat on the mat. the cat sat on the", "abc abc abc abc", "Hello, world! Hello, world!"]
+
+
+def models():
+    """A Llama and a Gemma-3 wide enough for the kernels (widths in multiples of 32, heads of 16), sliding window 6."""
+    tokenizer = char_tokenizer()
+    return tokenizer, {
+        "llama": tiny_llama(3, vocab=len(tokenizer), hidden=64, context=1024),
+        "gemma3": tiny_gemma3(3, vocab=len(tokenizer), hidden=64, head_dim=16, context=1024),
+    }
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_native_logits_follow_transformers(family: str) -> None:
+    tokenizer, model = char_tokenizer(), models()[1][family]
+    ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
+    with torch.inference_mode():
+        reference = model(ids).logits[0]
+    got = NativeBackend(NativeModel(model)).forward(ids, last=ids.shape[1])[0]
+    assert got.shape == reference.shape
+    # int8 weights and activations on random weights: close, not equal (a wrong rotary or norm gives cosines near 0)
+    assert float(torch.nn.functional.cosine_similarity(got, reference, dim=-1).min()) > 0.97
+    assert (got.argmax(-1) == reference.argmax(-1)).float().mean() > 0.85
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_positions_logits_do_not_depend_on_how_many_are_scored(family: str) -> None:
+    """Bit for bit: the whole sequence at once, one token at a time, and in chunks of 9 after a rollback; past the
+    sliding window (6) and past the first cache allocation (the cache grows)."""
+    model = NativeModel(models()[1][family])
+    ids = torch.randint(3, model.vocab_size, (1, FIRST_CAPACITY + 40), generator=torch.Generator().manual_seed(0))
+    backend = NativeBackend(model)
+    whole = backend.forward(ids, last=ids.shape[1])[0]
+    backend.reset()
+    one = torch.cat([backend.forward(ids[:, i : i + 1], last=1)[0] for i in range(ids.shape[1])])
+    assert torch.equal(one, whole)
+    backend.truncate(FIRST_CAPACITY - 20)
+    chunks = [backend.forward(ids[:, i : i + 9], last=len(ids[0, i : i + 9]))[0] for i in range(FIRST_CAPACITY - 20, ids.shape[1], 9)]
+    assert torch.equal(torch.cat(chunks), whole[FIRST_CAPACITY - 20 :])
+    with pytest.raises(ValueError, match="cannot truncate"):
+        backend.truncate(ids.shape[1] + 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_speculative_greedy_equals_native_target_only(family: str) -> None:
+    tokenizer, model = char_tokenizer(), models()[1][family]
+    target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=NATIVE)
+    assert isinstance(target.target.backend, NativeBackend)
+    for k_policy in ("fixed", "cost-model"):
+        drafted = Generator(target.target, "prompt-lookup", runtime=NATIVE)
+        for prompt in PROMPTS:
+            expected = target.generate(prompt, max_new_tokens=32, stop_on_eos=False)
+            got = drafted.generate(prompt, max_new_tokens=32, k=6, k_policy=k_policy, stop_on_eos=False)
+            assert got.token_ids == expected.token_ids, (family, k_policy, prompt)
+            assert got.stats.target_forwards <= expected.stats.target_forwards
+
+
+def test_sampling_on_native_keeps_the_targets_distribution() -> None:
+    """Chi-square of the first sampled token with a drafter against the target's own distribution, and a negative control."""
+    from scipy.stats import chisquare
+
+    tokenizer, model = char_tokenizer(), models()[1]["llama"]
+    target = open_target(loaded(model, tokenizer=tokenizer), NATIVE)
+    prompt = "abc abc abc ab"
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    probs = torch.softmax(target.backend.forward(ids, last=1)[0, 0] / 0.8, dim=-1)
+    drafted = Generator(target, "prompt-lookup", runtime=NATIVE)
+    draws = 600
+    counts = torch.zeros(len(probs))
+    for seed in range(draws):
+        token = drafted.generate(prompt, max_new_tokens=2, temperature=0.8, seed=seed, k=4, k_policy="fixed", stop_on_eos=False)
+        counts[token.token_ids[0]] += 1
+    keep = probs * draws >= 5
+    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    expected = torch.cat([probs[keep], probs[~keep].sum()[None]]) * draws
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+    wrong = torch.softmax(torch.log(probs) * 2, dim=-1)  # the negative control: a sharper distribution is rejected
+    expected_wrong = torch.cat([wrong[keep], wrong[~keep].sum()[None]]) * draws
+    assert chisquare(observed.numpy(), expected_wrong.numpy()).pvalue < 1e-3
+
+
+def test_unsupported_models_and_options_are_refused_clearly() -> None:
+    narrow = loaded(tiny_llama(0), tokenizer=char_tokenizer())  # heads of 8: the attention kernel needs multiples of 16
+    with pytest.raises(ConfigError, match="head size that is a multiple of 16.*--backend transformers"):
+        open_target(narrow, NATIVE)
+    assert isinstance(open_target(narrow, RuntimeConfig(backend="auto")).backend, TransformersBackend)  # auto falls back
+    with pytest.raises(ConfigError, match="--precision plans apply to the transformers backend"):
+        RuntimeConfig(backend="native", precision=PRESETS["cpu"])
+    with pytest.raises(ConfigError, match="--dtype applies to the transformers backend"):
+        RuntimeConfig(backend="native", dtype="bfloat16")
+    tokenizer, model = char_tokenizer(), models()[1]["llama"]
+    generator = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=NATIVE)
+    with pytest.raises(ConfigError, match="one sequence at a time"):
+        generator.generate_batch(PROMPTS[:2], max_new_tokens=4)
+
+
+def test_the_server_runs_native_one_request_at_a_time(tmp_path) -> None:
+    """`specdec serve --backend native`: concurrent requests queue behind one row and all get the target's greedy text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_serve import Server
+
+    tokenizer, model = char_tokenizer(), models()[1]["gemma3"]
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    local = Generator(str(tmp_path / "tiny"), "none", runtime=NATIVE)
+    server = Server(str(tmp_path / "tiny"), "--backend", "native", "--draft", "prompt-lookup", "--max-batch", "8")
+    try:
+        model_id = server.client.models.list().data[0].id
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(
+                pool.map(lambda p: server.client.completions.create(model=model_id, prompt=p, max_tokens=20, temperature=0), PROMPTS)
+            )
+        for prompt, answer in zip(PROMPTS, answers, strict=True):
+            assert answer.choices[0].text == local.generate(prompt, max_new_tokens=20).text
+    finally:
+        code, log = server.stop()
+    assert code == 0, log
