@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from transformers import PreTrainedModel
 
 from specdec.config import RuntimeConfig

@@ -167,7 +167,7 @@ class KVCache:
         size = (shape.kv_heads, capacity, shape.head_dim)
         keys = [torch.zeros(size) for _ in self.model.layers]
         values = [torch.zeros(size) for _ in self.model.layers]
-        for old, new in zip(self.keys + self.values, keys + values):
+        for old, new in zip(self.keys + self.values, keys + values, strict=False):  # none at first
             new[:, : self.length] = old[:, : self.length]
         self.keys, self.values = keys, values
 
