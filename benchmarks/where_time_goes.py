@@ -1,6 +1,6 @@
 """Where a target forward's time goes on this machine, per runtime, against the memory-bandwidth roofline (issue 23).
 
-Usage: python benchmarks/where_time_goes.py [--out FILE] [--runtimes float32,bfloat16,cpu,llama.cpp] [--gguf FILE ...]
+Usage: python benchmarks/where_time_goes.py [--out FILE] [--runtimes float32,bfloat16,cpu,cpu-vnni,native,llama.cpp]
 
 1. This machine's memory bandwidth: a read-only pass (a sum) and a copy (read + write) over 1 GiB, best of 5.
 2. For each runtime, the weight bytes one step reads (every parameter once; for llama.cpp the GGUF's tensor data),
@@ -9,7 +9,9 @@ Usage: python benchmarks/where_time_goes.py [--out FILE] [--runtimes float32,bfl
    transformers: split by forward hooks into the output head, attention (projections, rotary, the product),
    MLP, norms, embedding, and the rest (the framework's Python, the cache's bookkeeping) = the unhooked
    total minus the hooked components. llama.cpp: the same forward with logits at the last position only;
-   the difference is what computing the output head at every position costs.
+   the difference is what computing the output head at every position costs. native: each of its kernels
+   timed as it is called (the output head, the other linear layers, attention, norms) within the forwards (mean
+   of 7, "hooked_total"); the rest of those is torch's small operations (rotary, activations, residual adds) and Python.
 4. specdec's own bookkeeping per step (drafting aside): wall time of prompt-lookup generations minus their
    prefill, drafting and target forwards, per step.
 """
@@ -28,7 +30,7 @@ import torch
 from specdec import Generator
 from specdec.bench.prompts import load_prompts
 from specdec.config import PrecisionPlan, RuntimeConfig
-from specdec.models import open_target
+from specdec.models import cpu_kernels, open_target
 from specdec.models.target import gguf_path
 
 SIZES = (1, 2, 5, 9, 17)
@@ -38,6 +40,8 @@ RUNTIMES = {
     "float32": RuntimeConfig(dtype="float32"),
     "bfloat16": RuntimeConfig(dtype="bfloat16"),
     "cpu": RuntimeConfig(precision=PrecisionPlan.parse("cpu")),
+    "cpu-vnni": RuntimeConfig(precision=PrecisionPlan.parse("cpu-vnni")),
+    "native": RuntimeConfig(backend="native"),
     "llama.cpp": RuntimeConfig(backend="llama.cpp"),
 }
 
@@ -145,9 +149,56 @@ def llamacpp_breakdown(backend) -> dict[int, dict[str, float]]:
     return rows
 
 
+def native_breakdown(backend) -> dict[int, dict[str, float]]:
+    """Seconds in each native kernel per forward (the head apart from the other linear layers), timed around the same
+    forwards as their total (the prefill before each is not timed); the rest is torch's small operations and Python."""
+    seconds: dict[str, float] = defaultdict(float)
+    originals = {name: getattr(cpu_kernels, name) for name in ("linear", "attention", "rms_norm")}
+
+    def timed(name: str):
+        def call(*args: object) -> torch.Tensor:
+            start = time.perf_counter()
+            out = originals[name](*args)
+            label = (
+                "output head" if name == "linear" and args[1] is backend.model.head else {"linear": "other linear layers"}.get(name, name)
+            )
+            seconds[label] += time.perf_counter() - start
+            return out
+
+        return call
+
+    tokens = torch.arange(CONTEXT + max(SIZES), dtype=torch.long)[None] % backend.vocab_size
+    rows = {}
+    for n in SIZES:
+        total = _timed(backend, n, n)
+        seconds.clear()
+        hooked = 0.0
+        for _ in range(REPEATS):
+            backend.reset()
+            backend.forward(tokens[:, :CONTEXT], last=1)
+            for name in originals:
+                setattr(cpu_kernels, name, timed(name))
+            try:
+                start = time.perf_counter()
+                backend.forward(tokens[:, CONTEXT : CONTEXT + n], last=n)
+                hooked += time.perf_counter() - start
+            finally:
+                for name, function in originals.items():
+                    setattr(cpu_kernels, name, function)
+        parts = {k: v / REPEATS for k, v in seconds.items()}
+        parts["other (torch operations, Python)"] = hooked / REPEATS - sum(parts.values())
+        rows[n] = {"total": total, "hooked_total": hooked / REPEATS, **parts}
+    return rows
+
+
 def weight_bytes(name: str, target) -> int:
     if name == "llama.cpp":
         return Path(gguf_path("gemma-3-270m")).stat().st_size
+    if name == "native":  # what a step reads: every packed linear layer and norm (the embedding: only its rows)
+        model = target.backend.model
+        packed = [model.head] + [getattr(layer, part) for layer in model.layers for part in ("qkv", "out", "gate_up", "down")]
+        buffers = sum(b.numel() * b.element_size() for m in packed for b in m.buffers())
+        return buffers + sum(w.numel() * 4 for layer in model.layers for w in layer.norms.values())
     model = target.backend.model
     return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
 
@@ -179,7 +230,8 @@ def main() -> None:
         target = open_target("gemma-3-270m", RUNTIMES[name])
         size = weight_bytes(name, target)
         roofline_ms = 1000 * size / (machine["read_GBps"] * 1e9)
-        rows = llamacpp_breakdown(target.backend) if name == "llama.cpp" else transformers_breakdown(target.backend)
+        breakdown = {"llama.cpp": llamacpp_breakdown, "native": native_breakdown}.get(name, transformers_breakdown)
+        rows = breakdown(target.backend)
         del target
         overhead = engine_overhead(RUNTIMES[name], prompts)
         report["runtimes"][name] = {"weight_MB": size / 1e6, "roofline_ms": roofline_ms, "forward": rows, "engine": overhead}

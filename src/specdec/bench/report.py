@@ -43,7 +43,7 @@ def markdown(results: dict) -> str:
     lines = [
         "# specdec benchmark",
         "",
-        f"Target `{cfg['target']}` ({machine['dtype']}), {cfg['prompt_count']} prompts from `{cfg['prompts']}`, "
+        f"Target `{cfg['target']}` ({machine.get('backend', 'transformers')} backend, {machine['dtype']}), {cfg['prompt_count']} prompts from `{cfg['prompts']}`, "
         f"{cfg['max_new_tokens_used']} new tokens, temperature {cfg['temperature']}, {cfg['repeats']} repeat(s).",
         machine_line(machine),
         "",

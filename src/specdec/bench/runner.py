@@ -152,7 +152,7 @@ def machine_info(runtime: RuntimeConfig) -> dict[str, object]:
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "dtype": runtime.precision.describe() if runtime.precision else runtime.dtype,
+        "dtype": runtime.precision.describe() if runtime.precision else "int8a8" if runtime.backend == "native" else runtime.dtype,
         "backend": runtime.backend,
         "threads": runtime.threads,
         "python": platform.python_version(),
