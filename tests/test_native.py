@@ -107,7 +107,7 @@ def test_unsupported_models_and_options_are_refused_clearly() -> None:
         RuntimeConfig(backend="native", dtype="bfloat16")
     tokenizer, model = char_tokenizer(), models()[1]["llama"]
     generator = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=NATIVE)
-    with pytest.raises(ConfigError, match="one sequence at a time"):
+    with pytest.raises(ConfigError, match="batched generation runs on the transformers backend"):
         generator.generate_batch(PROMPTS[:2], max_new_tokens=4)
 
 

@@ -170,6 +170,10 @@ class Generator:
         configs = list(config) if isinstance(config, Sequence) else [config or self.config] * len(prompts)
         if len(configs) != len(prompts):
             raise ConfigError(f"got {len(configs)} configs for {len(prompts)} prompts: pass one config, or one per prompt")
+        if len(prompts) > 1 and not isinstance(self.backend, TransformersBackend):
+            raise ConfigError(
+                "batched generation runs on the transformers backend: use --backend transformers, or generate one prompt at a time"
+            )
         runs = [self.completion(prompt, c, **overrides) for prompt, c in zip(prompts, configs, strict=True)]
         decoder = decoder if decoder is not None else self.batch_decoder()
         try:
