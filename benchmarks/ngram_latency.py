@@ -3,11 +3,11 @@
 Run after building /tmp/gemma-corpus.ngram as in BENCHMARKS.md: python benchmarks/ngram_latency.py
 """
 
-import json
 import time
 
 import torch
 
+from specdec.bench.prompts import load_prompts
 from specdec.drafters import DraftSettings, NgramDrafter, NgramTable
 from specdec.models import load_model
 
@@ -15,8 +15,8 @@ tok = load_model("gemma-3-270m").tokenizer
 d = NgramDrafter(NgramTable.load("/tmp/gemma-corpus.ngram"))
 d.begin(DraftSettings())  # greedy
 lat = []
-for line in open("benchmarks/prompts/default.jsonl"):
-    ids = tok(json.loads(line)["prompt"])["input_ids"]
+for prompt in load_prompts("default"):
+    ids = tok(prompt.prompt)["input_ids"]
     for cut in range(max(2, len(ids) - 40), len(ids) + 1):
         ctx = torch.tensor(ids[:cut])
         t = time.perf_counter()

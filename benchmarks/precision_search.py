@@ -38,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("plans", nargs="*", default=DEFAULT_PLANS)
     parser.add_argument("--target", default="gemma-3-270m")
-    parser.add_argument("--prompts", default="benchmarks/prompts/core.jsonl")
+    parser.add_argument("--prompts", default="core")
     parser.add_argument("--out")
     args = parser.parse_args()
     prompts = [p.prompt for p in load_prompts(args.prompts)]

@@ -219,7 +219,7 @@ def engine_overhead(runtime: RuntimeConfig, prompts: list[str]) -> dict[str, flo
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runtimes", default=",".join(RUNTIMES))
-    parser.add_argument("--prompts", default="benchmarks/prompts/core.jsonl")
+    parser.add_argument("--prompts", default="core")
     parser.add_argument("--out")
     args = parser.parse_args()
     machine = bandwidth()

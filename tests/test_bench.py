@@ -186,3 +186,35 @@ def test_a_bench_in_a_log_says_where_it_is_and_sampled_identity_is_na(tiny_folde
     assert len(lines) == 4 and lines[0].startswith("1/4 done: ") and lines[-1].startswith("4/4 done: ") and "s left)" in lines[0]
     assert all(row.rstrip(" │").endswith("n/a") for row in result.output.splitlines() if row.startswith(("│ none", "│ prompt-lookup")))
     assert "| n/a |" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_prompt_sets_ship_in_the_package_and_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmarks' default set resolves inside the package from any folder; a name or a path both work; `specdec
+    prompts` lists every set with its size and categories; anything else names the sets and the fix."""
+    from specdec.bench.prompts import DEFAULT_PROMPTS, SETS_FOLDER, load_prompts, prompt_sets
+    from specdec.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)  # nowhere near the repository
+    assert {"default", "core", "mixed"} <= set(prompt_sets())
+    assert all(path.is_relative_to(SETS_FOLDER) for path in prompt_sets().values())
+    default = load_prompts(DEFAULT_PROMPTS)
+    assert len(default) == 44 and {p.category for p in default} == {"code", "context-reuse", "chat", "open-writing"}
+    assert load_prompts("core") == load_prompts(prompt_sets()["core"])
+    with pytest.raises(ConfigError, match="neither a prompt set .*default.*nor a file"):
+        load_prompts("no-such-set")
+    listing = runner.invoke(app, ["prompts"])
+    assert listing.exit_code == 0, listing.output
+    assert "default" in listing.output and "44" in listing.output and "mixed" in listing.output
+
+
+def test_the_old_drafter_name_still_works_with_a_deprecation_warning(tiny_folder: Path) -> None:
+    from specdec.drafters import build_drafter
+    from specdec.errors import ConfigError
+    from specdec.models import open_target
+
+    target = open_target(str(tiny_folder))
+    with pytest.warns(FutureWarning, match="now called 'lookup-then-draft'"):
+        with pytest.raises(ConfigError, match="no draft ships with specdec for"):  # the same drafter: none ships for a tiny model
+            build_drafter("default", target)
+    with pytest.raises(ConfigError, match="no draft ships with specdec for"):
+        build_drafter("lookup-then-draft", target)

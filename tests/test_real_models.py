@@ -112,4 +112,4 @@ def test_native_backend_speculation_equals_its_own_target_only(target: str) -> N
     assert accepted > 0
     if target == "gemma-3-270m":
         with pytest.raises(ConfigError, match="distilled draft runs on the target's own embedding"):
-            Generator(baseline.target, "default", runtime=runtime)
+            Generator(baseline.target, "lookup-then-draft", runtime=runtime)

@@ -231,7 +231,7 @@ def build_method(spec: str, target: Target, hf_model: LoadedModel | None, config
 def check_method(spec: str, target: str) -> str | None:
     """Validate a method name before loading anything; return a note when it must be skipped."""
     kind, _, model = spec.partition(":")
-    if spec in ("none", "oracle", "prompt-lookup", "default", "hf-greedy", "hf-prompt-lookup"):
+    if spec in ("none", "oracle", "prompt-lookup", "lookup-then-draft", "default", "hf-greedy", "hf-prompt-lookup"):
         return None
     if kind in ("model", "gguf", "hf-assisted", "ngram", "layerskip") and model:
         return None

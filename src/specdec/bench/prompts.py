@@ -1,4 +1,9 @@
-"""Prompt sets: JSONL files, one {"id", "category", "prompt"} object per line."""
+"""Prompt sets: JSONL files, one {"id", "category", "prompt"} object per line.
+
+The project's sets ship inside the package (``specdec/data/prompts``) and are addressed by name
+(``default``, ``core``, ``mixed``, ``long``), so every benchmark's default works from a wheel and from any
+folder; any other JSONL file is passed by its path.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,8 @@ from pathlib import Path
 
 from specdec.errors import ConfigError
 
-DEFAULT_PROMPTS = "benchmarks/prompts/default.jsonl"  # the project's 44 prompts in four categories
+SETS_FOLDER = Path(__file__).resolve().parent.parent / "data" / "prompts"  # prompt sets shipped in the package
+DEFAULT_PROMPTS = "default"  # the project's 44 prompts in four categories
 
 
 @dataclass(frozen=True)
@@ -18,11 +24,28 @@ class BenchPrompt:
     prompt: str
 
 
-def load_prompts(path: str | Path) -> list[BenchPrompt]:
-    """Read and validate a prompt file; errors name the file and line."""
-    path = Path(path)
+def prompt_sets() -> dict[str, Path]:
+    """The prompt sets shipped in the package, by name."""
+    return {path.stem: path for path in sorted(SETS_FOLDER.glob("*.jsonl"))}
+
+
+def resolve_prompts(spec: str | Path) -> Path:
+    """A shipped set's file for its name, else ``spec`` as a path (a file named like a set: pass it as ./NAME)."""
+    sets = prompt_sets()
+    if isinstance(spec, str) and spec in sets:
+        return sets[spec]
+    path = Path(spec)
     if not path.is_file():
-        raise ConfigError(f"prompts file '{path}' does not exist: pass a JSONL file of {{id, category, prompt}} objects")
+        raise ConfigError(
+            f"prompts '{spec}' is neither a prompt set ({', '.join(sets)}; `specdec prompts` lists them) nor a file: "
+            "pass a set's name or a JSONL file of {id, category, prompt} objects"
+        )
+    return path
+
+
+def load_prompts(spec: str | Path) -> list[BenchPrompt]:
+    """Read and validate a prompt set (by name) or file; errors name the file and line."""
+    path = resolve_prompts(spec)
     prompts: list[BenchPrompt] = []
     seen: set[str] = set()
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):

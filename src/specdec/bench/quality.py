@@ -59,7 +59,7 @@ def quality_configs(temperature: float, drift_threshold: float) -> dict[str, tup
 class QualityBenchConfig:
     prompts: str = DEFAULT_PROMPTS
     target: str = DEFAULT_TARGET
-    draft: str = "default"
+    draft: str = "lookup-then-draft"
     categories: tuple[str, ...] = ("open-writing", "chat")
     per_category: int = 3
     max_new_tokens: int = 512

@@ -22,6 +22,7 @@ from specdec.cli.options import (
     KPolicyOpt,
     Overwrite,
     Precision,
+    Prompts,
     Target,
     Threads,
     Ubatch,
@@ -48,7 +49,7 @@ from specdec.models import DEFAULT_TARGET
 
 @user_errors
 def bench(
-    prompts: Annotated[str, typer.Option(help="JSONL prompt file: one {id, category, prompt} per line.")] = default(BenchConfig, "prompts"),
+    prompts: Prompts = default(BenchConfig, "prompts"),
     target: Target = DEFAULT_TARGET,
     methods: Annotated[str, typer.Option(help=f"Comma-separated: drafters ({DRAFT_SPECS}), oracle, peers ({PEER_METHODS}).")] = ",".join(
         default(BenchConfig, "methods")
@@ -141,9 +142,7 @@ def bench(
 
 @user_errors
 def bench_batch(
-    prompts: Annotated[str, typer.Option(help="JSONL prompt file; a batch of B takes B prompts in turn from its categories.")] = default(
-        BatchBenchConfig, "prompts"
-    ),
+    prompts: Prompts = default(BatchBenchConfig, "prompts"),  # a batch of B takes B prompts in turn from its categories
     target: Target = DEFAULT_TARGET,
     draft: Draft = default(BatchBenchConfig, "draft"),
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = ",".join(
@@ -200,7 +199,7 @@ def bench_batch(
 
 @user_errors
 def bench_serve(
-    prompts: Annotated[str, typer.Option(help="JSONL prompt file; clients take its prompts in turn.")] = default(LoadConfig, "prompts"),
+    prompts: Prompts = default(LoadConfig, "prompts"),  # clients take its prompts in turn
     target: Target = DEFAULT_TARGET,
     draft: Draft = default(LoadConfig, "draft"),
     clients: Annotated[int, typer.Option(help="Concurrent streaming clients.")] = default(LoadConfig, "clients"),
@@ -229,7 +228,7 @@ def bench_serve(
 
 @user_errors
 def quality(
-    prompts: Annotated[str, typer.Option(help="JSONL prompt file.")] = default(QualityBenchConfig, "prompts"),
+    prompts: Prompts = default(QualityBenchConfig, "prompts"),
     target: Target = DEFAULT_TARGET,
     draft: Draft = default(QualityBenchConfig, "draft"),
     categories: Annotated[str, typer.Option(help="Comma-separated prompt categories to generate from.")] = ",".join(

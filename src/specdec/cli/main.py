@@ -1,4 +1,4 @@
-"""`specdec`: the command groups (generate, bench, serve, train) on one typer app, and `specdec models`."""
+"""`specdec`: the command groups (generate, bench, serve, train) on one typer app, `specdec models` and `specdec prompts`."""
 
 from __future__ import annotations
 
@@ -37,10 +37,25 @@ def models() -> None:
         installed = importlib.util.find_spec(alias.package.replace("-", "_")) is not None
         source = resolve(alias.name)
         cached = f"cached: {converted_path(source)}" if is_cached(source) else "not yet (converted on first use)"
-        draft = "--draft default" if bundled_draft(alias.name) else "-"
+        draft = "--draft lookup-then-draft" if bundled_draft(alias.name) else "-"
         table.add_row(alias.name, alias.description, "installed" if installed else f"missing: {alias.install}", cached, draft)
     Console().print(table)
     Console().print(f"cache folder: {cache_root()} (set SPECDEC_CACHE to move it)")
+
+
+@app.command()
+def prompts() -> None:
+    """List the prompt sets shipped with specdec (pass a name to --prompts), with their sizes and categories."""
+    from collections import Counter
+
+    from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts, prompt_sets
+
+    table = Table("name", "prompts", "categories", "file")
+    for name, path in prompt_sets().items():
+        counts = Counter(p.category for p in load_prompts(path))
+        label = f"{name} (the benchmarks' default)" if name == DEFAULT_PROMPTS else name
+        table.add_row(label, str(sum(counts.values())), ", ".join(f"{c} {n}" for c, n in counts.items()), str(path))
+    Console().print(table)
 
 
 def main() -> None:

@@ -62,6 +62,13 @@ Draft = Annotated[
         help=DRAFT_HELP,
     ),
 ]
+Prompts = Annotated[
+    str,
+    typer.Option(
+        help="A prompt set shipped with specdec (default: 44 prompts in four categories; core, mixed, long; `specdec prompts` "
+        "lists them) or a JSONL file of {id, category, prompt} objects, one per line."
+    ),
+]
 Dtype = Annotated[str, typer.Option(help=f"Weights dtype (transformers backend): {', '.join(DTYPES)}.")]
 BackendOpt = Annotated[
     str, typer.Option("--backend", help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases).")

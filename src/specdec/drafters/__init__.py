@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 from specdec.config import RuntimeConfig
@@ -20,7 +21,7 @@ from specdec.models.precision import convert_draft
 from specdec.models.registry import bundled_draft
 
 DRAFT_SPECS = (
-    "none, prompt-lookup, default (prompt lookup, then the distilled draft shipped for the target), ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
+    "none, prompt-lookup, lookup-then-draft (prompt lookup, then the distilled draft shipped for the target), ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
     "model:MODEL (transformers; a model with another tokenizer is re-tokenized; a folder from `specdec distill`), "
     "gguf:MODEL (llama.cpp)"
 )
@@ -42,6 +43,14 @@ def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeCon
             raise ConfigError("layerskip drafts with the target's own layers in torch: use --backend transformers")
         return ModelDrafter(TransformersBackend(shallow_view(target.backend.model, int(arg))))
     if spec == "default":
+        warnings.warn(
+            "the drafter 'default' is now called 'lookup-then-draft' (prompt lookup, then the distilled draft); "
+            "'default' will be removed in the next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        spec = "lookup-then-draft"
+    if spec == "lookup-then-draft":
         folder = bundled_draft(target.name)
         if folder is None:
             raise ConfigError(
