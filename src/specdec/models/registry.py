@@ -87,6 +87,8 @@ DRAFTS_FOLDER = Path(__file__).resolve().parent.parent / "data" / "drafts"  # di
 
 def bundled_draft(target: str) -> Path | None:
     """The draft distilled for a bundled target and shipped with specdec, if there is one."""
+    if target not in ALIASES:  # a folder or file name; never joined onto the drafts folder (an absolute path would replace it)
+        return None
     folder = DRAFTS_FOLDER / target
     return folder if (folder / "config.json").is_file() else None
 
