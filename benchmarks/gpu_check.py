@@ -39,7 +39,7 @@ from specdec.serving.batcher import Batcher, Job
 from specdec.serving.metrics import Metrics
 from specdec.training.ngram import NgramCounter
 
-PROMPTS = Path(__file__).parent / "prompts" / "core.jsonl"
+PROMPTS = "core"  # a prompt set shipped in the package
 PLANS = ("fp32", "bf16", "seed")  # precision presets, each with greedy identity measured on the project's prompts
 
 

@@ -200,7 +200,7 @@ def test_prompt_sets_ship_in_the_package_and_are_named(tmp_path: Path, monkeypat
     default = load_prompts(DEFAULT_PROMPTS)
     assert len(default) == 44 and {p.category for p in default} == {"code", "context-reuse", "chat", "open-writing"}
     assert load_prompts("core") == load_prompts(prompt_sets()["core"])
-    with pytest.raises(ConfigError, match="neither a prompt set .*default.*nor a file"):
+    with pytest.raises(ConfigError, match="does not exist: it is neither a prompt set .*default.*nor a file"):
         load_prompts("no-such-set")
     listing = runner.invoke(app, ["prompts"])
     assert listing.exit_code == 0, listing.output

@@ -29,6 +29,7 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
+BUILD = "specdec_cpu_kernels_v8"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -301,7 +302,7 @@ def compiled():
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            "specdec_cpu_kernels_v8",
+            BUILD,
             cpp_sources=SOURCE,
             functions=["int8_linear", "attention", "rms_norm"],
             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp"],

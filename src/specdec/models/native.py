@@ -183,7 +183,7 @@ class NativeBackend:
 
     @property
     def identity(self) -> str:
-        return f"native|{self.model.name}|{self.model.weights}|int8a8|cpu|threads={torch.get_num_threads()}"
+        return f"native|{self.model.name}|{self.model.weights}|{cpu_kernels.BUILD}|cpu|threads={torch.get_num_threads()}"
 
     @property
     def cached_length(self) -> int:
