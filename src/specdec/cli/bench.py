@@ -303,7 +303,7 @@ def ppl(
     ] = "bf16",
     backend: Annotated[
         str, typer.Option("--backend", help="transformers (under --precision) or native (its own fixed format; --precision is ignored).")
-    ] = "transformers",
+    ] = default(RuntimeConfig, "backend"),
     max_tokens: Annotated[int, typer.Option(help="Tokens of the file to score.")] = 8192,
     window: Annotated[int, typer.Option(help="Tokens per scored window (each scored from its own start).")] = 512,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,

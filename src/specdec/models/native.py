@@ -64,7 +64,6 @@ class NativeModel:
         self.shape = _shape(config)
         self.name = f"{config.name_or_path or config.model_type}"
         self.vocab_size = model.get_output_embeddings().out_features
-        self.hidden = config.hidden_size
         gemma = self.shape.family == "gemma3_text"
         offset = 1.0 if gemma else 0.0  # Gemma's norms multiply by (1 + w)
         self.embedding = model.get_input_embeddings().weight.detach().to(torch.bfloat16)
@@ -93,6 +92,7 @@ class NativeModel:
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: int) -> torch.Tensor:
         """Logits [last, V] of the last ``last`` of ``tokens`` [n], appended to ``cache`` at its length."""
         shape, start, n = self.shape, cache.length, len(tokens)
+        gemma = shape.family == "gemma3_text"  # a norm after each block and one before the MLP; GELU, not SiLU
         cache.reserve(start + n)
         x = self.embedding[tokens].float() * shape.embed_scale
         positions = torch.arange(start, start + n)
@@ -113,16 +113,16 @@ class NativeModel:
             values[:, start : start + n] = v.transpose(0, 1)
             attended = cpu_kernels.attention(q, keys, values, start, shape.windows[index], shape.scale)
             out = cpu_kernels.linear(attended.view(n, q_width), layer.out)
-            if "post_feedforward_layernorm" in norms:  # Gemma: a norm after each block and one before the MLP
+            if gemma:
                 x = x + cpu_kernels.rms_norm(out, norms["post_attention_layernorm"], shape.eps)
                 h = cpu_kernels.rms_norm(x, norms["pre_feedforward_layernorm"], shape.eps)
             else:
                 x = x + out
                 h = cpu_kernels.rms_norm(x, norms["post_attention_layernorm"], shape.eps)
             gate, up = cpu_kernels.linear(h, layer.gate_up).chunk(2, dim=1)
-            act = F.gelu(gate, approximate="tanh") if shape.family == "gemma3_text" else F.silu(gate)
+            act = F.gelu(gate, approximate="tanh") if gemma else F.silu(gate)
             out = cpu_kernels.linear(act * up, layer.down)
-            if "post_feedforward_layernorm" in norms:
+            if gemma:
                 out = cpu_kernels.rms_norm(out, norms["post_feedforward_layernorm"], shape.eps)
             x = x + out
         cache.length = start + n
@@ -160,7 +160,7 @@ class KVCache:
 
     def reserve(self, length: int) -> None:
         if length > self.capacity:
-            self._allocate(min(max(2 * self.capacity, length), max(self.model.shape.max_context, length)))
+            self._allocate(max(length, min(2 * self.capacity, self.model.shape.max_context)))
 
     def _allocate(self, capacity: int) -> None:
         shape = self.model.shape
