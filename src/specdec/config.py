@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from specdec.errors import ConfigError
 
 MAX_K = 32
+MAX_BRANCHES = 8
 MIN_TEMPERATURE = 1e-6  # below it, logits / temperature overflow float32 to inf (and probabilities to NaN)
 K_POLICIES = ("fixed", "heuristic", "perplexity", "confidence", "cost-model")
 
@@ -98,7 +99,8 @@ MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit integers (torch's generators t
 class GenerationConfig:
     """One generation request: speculation depth, length, stopping, sampling, guards, and (only if asked) lossy acceptance."""
 
-    k: int = 8  # draft tokens per step; the most per step for adaptive k policies
+    k: int = 8  # draft tokens per step (a tree's nodes); the most per step for adaptive k policies
+    branches: int = 1  # the most children of a draft node: 1 drafts chains; more lets tree drafters branch (verified in one forward)
     k_policy: str = "cost-model"  # the fastest policy in BENCHMARKS.md on every runtime measured
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -113,6 +115,10 @@ class GenerationConfig:
             raise ConfigError("a temperature schedule samples: set a temperature > 0 (the schedule then replaces it)")
         if not 1 <= self.k <= MAX_K:
             raise ConfigError(f"k (draft tokens per step) must be between 1 and {MAX_K}, got {self.k}")
+        if not 1 <= self.branches <= MAX_BRANCHES:
+            raise ConfigError(f"branches (children per draft node) must be between 1 and {MAX_BRANCHES}, got {self.branches}")
+        if self.branches > 1 and (self.guards.active or self.typical_acceptance is not None):
+            raise ConfigError("tree drafts (branches > 1) do not combine with guards or typical acceptance yet: set branches to 1")
         if self.k_policy not in K_POLICIES:
             raise ConfigError(f"unknown k policy '{self.k_policy}': use one of {', '.join(K_POLICIES)}")
         if self.max_new_tokens < 1:

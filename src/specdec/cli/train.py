@@ -27,9 +27,12 @@ def distill(
     ],
     out: Annotated[Path, typer.Option(help="Folder for the draft (loads as --draft model:DIR), its teacher data and checkpoints.")],
     target: Target = DEFAULT_TARGET,
-    arch: Annotated[str, typer.Option(help="Draft architecture: layers=N,keep=N (kept vocabulary),init=spread|first.")] = str(
-        default(DistillConfig, "arch")
-    ),
+    arch: Annotated[
+        str,
+        typer.Option(
+            help="Draft architecture: layers=N,keep=N (kept vocabulary),init=spread|first; or eagle,layers=N,keep=N (a head on the target's hidden states)."
+        ),
+    ] = str(default(DistillConfig, "arch")),
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = default(DistillConfig, "steps"),
     batch: Annotated[int, typer.Option(help="Chunks per step.")] = default(DistillConfig, "batch"),
     seq_len: Annotated[int, typer.Option(help="Tokens per chunk.")] = default(DistillConfig, "seq_len"),

@@ -9,6 +9,7 @@ from specdec.config import RuntimeConfig
 from specdec.drafters.base import Drafter, DraftSettings, Proposal
 from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdec.drafters.distilled import ReducedVocabBackend, is_distilled_draft, load_draft, read_meta
+from specdec.drafters.eagle import EagleDrafter, load_eagle
 from specdec.drafters.fallback import FallbackDrafter
 from specdec.drafters.layer_skip import shallow_view
 from specdec.drafters.model import ModelDrafter
@@ -21,7 +22,7 @@ from specdec.models.precision import convert_draft
 from specdec.models.registry import bundled_draft
 
 DRAFT_SPECS = (
-    "none, prompt-lookup, lookup-then-draft (prompt lookup, then the distilled draft shipped for the target), ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
+    "none, prompt-lookup, lookup-then-draft (prompt lookup, then the distilled draft shipped for the target), eagle (the eagle head shipped for the target), ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
     "model:MODEL (transformers; a model with another tokenizer is re-tokenized; a folder from `specdec distill`), "
     "gguf:MODEL (llama.cpp)"
 )
@@ -58,8 +59,16 @@ def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeCon
                 "`specdec distill` and pass --draft model:DIR, or use --draft prompt-lookup"
             )
         return FallbackDrafter(PromptLookupDrafter(), _distilled(str(folder), target, runtime))
+    if spec == "eagle":
+        folder = bundled_draft(target.name, "eagle")
+        if folder is None:
+            raise ConfigError(
+                f"no eagle head ships with specdec for '{target.name}' (one does for gemma-3-270m): train one with "
+                "`specdec distill --arch eagle` and pass --draft model:DIR"
+            )
+        return _eagle(str(folder), target)
     if kind == "model" and is_distilled_draft(arg):
-        return _distilled(arg, target, runtime)
+        return _eagle(arg, target) if read_meta(arg)["arch"].get("eagle") else _distilled(arg, target, runtime)
     if kind in ("model", "gguf") and arg:
         draft = open_target(arg, replace(runtime, backend="transformers" if kind == "model" else "llama.cpp", precision=None))
         if runtime.precision is not None and kind == "model":
@@ -68,6 +77,13 @@ def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeCon
             return ModelDrafter(draft.backend)  # the engine refuses a vocabulary mismatch it cannot re-tokenize
         return CrossTokenizerDrafter(draft.backend, draft.tokenizer, target.tokenizer, draft.eos_ids)
     raise ConfigError(f"unknown draft '{spec}': use one of {DRAFT_SPECS}")
+
+
+def _eagle(folder: str, target: Target) -> EagleDrafter:
+    embeddings = getattr(target.backend, "token_embeddings", None)
+    if embeddings is None:
+        raise ConfigError("an eagle head drafts from the target's hidden states: use --backend native or transformers")
+    return load_eagle(folder, embeddings(), target.backend.vocab_size)
 
 
 def _distilled(folder: str, target: Target, runtime: RuntimeConfig) -> ModelDrafter:
@@ -83,6 +99,7 @@ def _distilled(folder: str, target: Target, runtime: RuntimeConfig) -> ModelDraf
 __all__ = [
     "DRAFT_SPECS",
     "CrossTokenizerDrafter",
+    "EagleDrafter",
     "FallbackDrafter",
     "Drafter",
     "DraftSettings",

@@ -25,6 +25,7 @@ class DraftSettings:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seeds: Seeds | None = None  # draw on device d with ``rng_on(seeds, d)`` (verification/seeds.py); None: unseeded
     min_confidence: float = 0.0  # a drafter with probabilities stops before its first token below this
+    branches: int = 1  # the most children a draft node may have: 1 = chains only; more lets a tree drafter branch
 
 
 @dataclass(frozen=True)
@@ -35,23 +36,61 @@ class Proposal:
     exact rejection sampling; None means the drafter is deterministic (its
     distribution is one-hot on the proposed token), and in greedy mode.
     Its tensors may live on the drafter's device; the engine moves them to the target's.
+
+    A tree (``parents`` set) lists its nodes parents first: node i follows node
+    ``parents[i]``, or the context when that is -1. Siblings carry distinct
+    tokens; with ``probs``, node i was drawn from ``probs[i]``, the draft's
+    distribution after its parent, and siblings are independent draws from it.
+    ``parents`` None is a chain (node i follows node i - 1).
     """
 
     tokens: torch.Tensor  # [n] long
     probs: torch.Tensor | None = None  # [n, V] float
+    parents: torch.Tensor | None = None  # [n] long, each < its own index; None: a chain
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    @property
+    def is_tree(self) -> bool:
+        """More than one node follows some node (a chain written with ``parents`` is not a tree)."""
+        return self.parents is not None and bool((self.parents != torch.arange(-1, len(self) - 1)).any())
+
     def cut(self, length: int) -> Proposal:
-        """The first ``length`` tokens."""
+        """The first ``length`` nodes (for a tree: those nearest the root first, as listed)."""
         if length >= len(self):
             return self
-        return Proposal(self.tokens[:length], None if self.probs is None else self.probs[:length])
+        return Proposal(
+            self.tokens[:length],
+            None if self.probs is None else self.probs[:length],
+            None if self.parents is None else self.parents[:length],
+        )
 
     @staticmethod
     def empty() -> Proposal:
         return Proposal(torch.zeros(0, dtype=torch.long))
+
+    @staticmethod
+    def tree(branches: list[list[int]], budget: int) -> Proposal:
+        """A deterministic tree merging the token runs ``branches`` (best first; shared prefixes become one path), at most ``budget`` nodes.
+
+        Nodes are listed branch by branch, so the best branch comes whole before the others add their nodes.
+        """
+        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        tokens: list[int] = []
+        parents: list[int] = []
+        for branch in branches:
+            parent = -1
+            for token in branch:
+                node = children.get((parent, token))
+                if node is None:
+                    if len(tokens) == budget:
+                        break
+                    node = children[(parent, token)] = len(tokens)
+                    tokens.append(token)
+                    parents.append(parent)
+                parent = node
+        return Proposal(torch.tensor(tokens, dtype=torch.long), None, torch.tensor(parents, dtype=torch.long))
 
 
 class Drafter(Protocol):

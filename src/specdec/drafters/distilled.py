@@ -97,7 +97,10 @@ def save_draft(draft: PreTrainedModel, folder: str | Path, meta: dict, dtype: to
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     draft.config.save_pretrained(folder)
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in own_parameters(draft).items()}
+    stored = own_parameters(draft)
+    if hasattr(draft, "eagle_fc"):  # an eagle head keeps its output rows: it may run where the target's full head is not at hand
+        stored["lm_head.weight"] = draft.lm_head.weight
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in stored.items()}
     save_file(tensors | {"keep_ids": draft.keep_ids.to(torch.int64)}, str(folder / "model.safetensors"))
     (folder / DRAFT_META).write_text(json.dumps(meta, indent=1))
 

@@ -2,7 +2,8 @@
 
 No model and near-zero cost; it wins on text that repeats its input (code
 edits, extraction, summaries that quote). Its proposals are deterministic, so
-the verifier treats its distribution as one-hot.
+the verifier treats its distribution as one-hot. With branches (a tree), it
+proposes what followed several earlier matches at once, merged where they agree.
 """
 
 from __future__ import annotations
@@ -23,22 +24,40 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
+        self.branches = 1
+
     def begin(self, settings: DraftSettings) -> None:
-        pass  # copies are deterministic: the same for greedy and sampled sequences
+        self.branches = settings.branches  # copies are deterministic: the same for greedy and sampled sequences
 
     def accept(self, n: int) -> None:
         pass
 
     def fork(self) -> PromptLookupDrafter:
-        return self  # no per-sequence state
+        return type(self)(self.max_ngram, self.min_ngram)
 
     def propose(self, context: torch.Tensor, k: int) -> Proposal:
-        """Up to k tokens that followed the most recent earlier match of the longest possible suffix."""
+        """Up to k tokens that followed the most recent earlier match of the longest possible suffix.
+
+        With branches, a tree of up to k nodes: the continuations of the ``branches`` best distinct matches (longest
+        suffix first, then most recent), the best one given most of the nodes.
+        """
         length = context.shape[0]
+        runs: list[list[int]] = []
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             windows = context[: length - 1].unfold(0, n, 1)  # every n-gram that has at least one token after it
-            hits = (windows == context[length - n :]).all(dim=1).nonzero()
-            if hits.numel():
+            hits = (windows == context[length - n :]).all(dim=1).nonzero().squeeze(1)
+            if self.branches == 1 and hits.numel():
                 start = int(hits[-1]) + n
                 return Proposal(context[start : start + k])
-        return Proposal(context[:0])
+            for hit in reversed(hits.tolist()):
+                run = context[hit + n : hit + n + k].tolist()
+                if run not in runs:
+                    runs.append(run)
+                if len(runs) == self.branches:
+                    break
+            if len(runs) == self.branches:
+                break
+        if not runs:
+            return Proposal(context[:0])
+        runs[0] = runs[0][: max(k - 2 * (len(runs) - 1), (k + 1) // 2)]  # room for the others' first two tokens
+        return Proposal.tree(runs, k)

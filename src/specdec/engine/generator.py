@@ -19,7 +19,7 @@ from specdec.engine.stats import DecodeStats
 from specdec.engine.text import TextTracker
 from specdec.errors import ConfigError, ContextLengthError, PromptError, VocabularyMismatchError
 from specdec.models import DEFAULT_TARGET, Backend, LoadedModel, Target, TransformersBackend, open_target
-from specdec.models.backend import OneRow
+from specdec.models.backend import TREES_UNSUPPORTED, OneRow
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.quality import Guards, NoGuards, SentenceEmbedder, ignorable_tokens
 from specdec.scheduling import CostCurve, KPolicy, LoadWindow, build_k_policy, memory_in_use
@@ -293,6 +293,12 @@ class Completion:
     def __init__(self, generator: Generator, prompt: str | list[int], config: GenerationConfig) -> None:
         if config.stop and generator.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer, and this model has none")
+        if (
+            config.branches > 1
+            and not getattr(generator.backend, "trees", False)
+            and not isinstance(generator.backend, TransformersBackend)
+        ):
+            raise ConfigError(TREES_UNSUPPORTED)
         self.generator = generator
         self.config = config
         self.prompt_ids = generator.encode(prompt)
@@ -315,7 +321,12 @@ class Completion:
         gen = self.generator
         backend, drafter = gen.acquire()
         try:
-            decoder = Decoder(OneRow(backend))
+            if self.config.branches > 1 and not getattr(
+                backend, "trees", False
+            ):  # transformers' plain cache keeps chains; its batched one trees
+                decoder = Decoder(BatchedTransformersBackend(backend.model, cuda_graphs=gen.batch.cuda_graphs))
+            else:
+                decoder = Decoder(OneRow(backend))
             decoder.join(
                 self, drafter, gen.k_policy(self.config)
             )  # after acquiring: a first measurement must not disturb another run's cache

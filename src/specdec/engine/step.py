@@ -6,15 +6,17 @@ generation runs it on a :class:`~specdec.models.backend.OneRow` backend):
 1. each row's k policy chooses k, capped by the batch's window and the row's
    limits (a step yields the accepted drafts plus one target token, never past
    max_new_tokens or the context), and its drafter proposes up to k tokens
-   (none on a guard's anchor step);
+   (none on a guard's anchor step): a chain, or a tree of k nodes when the
+   row's config allows branches;
 2. each row is fed the tokens its cache lacks (the whole prompt at its first
    step, afterwards the pending token, the last one produced) followed by its
-   drafts, all rows in ONE target forward;
+   drafts, all rows in ONE target forward (a tree's nodes each see only their
+   ancestors);
 3. each row's guards adjust its logits, then the verifier judges the drafts:
-   exact greedy rows in one vectorised call, every other row alone with its own
-   random generator, on the device of the logits;
-4. each row's cache is rolled back to its accepted prefix, and its drafter,
-   k policy and stats learn what happened.
+   exact greedy chains in one vectorised call, exact greedy trees in another,
+   every other row alone with its own random generator, on the device of the logits;
+4. each row's cache is rolled back to its accepted path (a tree's path is moved
+   next to the context), and its drafter, k policy and stats learn what happened.
 
 Invariant between steps: the target's cache holds every token of a row but the pending one.
 """
@@ -34,6 +36,7 @@ from specdec.quality.guards import Guards, NoGuards
 from specdec.scheduling import AcceptanceEstimate, KPolicy, StepOutcome
 from specdec.verification import typical_verify, verify
 from specdec.verification.seeds import Seeds
+from specdec.verification.tree import verify_tree_greedy, verify_tree_sampled
 
 
 @dataclass(eq=False)
@@ -56,7 +59,7 @@ class Row:
 
     @property
     def draft_settings(self) -> DraftSettings:
-        return DraftSettings(self.config.sampling, self.seeds, self.policy.min_confidence)
+        return DraftSettings(self.config.sampling, self.seeds, self.policy.min_confidence, self.config.branches)
 
 
 @dataclass(frozen=True)
@@ -85,19 +88,29 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
     t1 = time.perf_counter()
     lengths = [len(d.proposal) for d in drafts]
     feeds = [torch.cat([row.tokens[target.lengths[slot] :], d.proposal.tokens]) for row, slot, d in zip(rows, slots, drafts, strict=True)]
-    logits = _align(target.forward(slots, feeds, last=max(lengths) + 1), lengths)
+    trees = [d.proposal.parents if d.proposal.is_tree else None for d in drafts]
+    features = [getattr(row.drafter, "wants_features", False) for row in rows]  # a drafter that reads the target's hidden states
+    extra = {"trees": trees} if any(t is not None for t in trees) else {}
+    extra |= {"features": True} if any(features) else {}
+    logits = _align(target.forward(slots, feeds, last=max(lengths) + 1, **extra), lengths)
     verdicts = _verify(rows, [d.proposal for d in drafts], logits)
     t2 = time.perf_counter()
 
     new = []
     for i, (row, slot, d) in enumerate(zip(rows, slots, drafts, strict=True)):
-        accepted, next_token = verdicts[i]
-        target.truncate(slot, row.length + accepted)
+        path, next_token = verdicts[i]
+        accepted = len(path)
+        # A tree's accepted path moves next to the context in the cache; a chain's is already there.
+        target.truncate(slot, row.length + accepted, [row.length + j for j in path] if trees[i] is not None else None)
         if d.k:  # a step without drafts leaves the drafter's state as it was
             row.drafter.accept(accepted)
-        tokens = torch.cat([d.proposal.tokens[:accepted], torch.tensor([next_token])])
+        if features[i]:  # the hidden states of the positions kept in the cache: the fed context, then the accepted path
+            fed, context = target.last_features[i], len(feeds[i]) - lengths[i]
+            row.drafter.observe_features(torch.cat([fed[:context], fed[context + torch.tensor(path, dtype=torch.long)]]))
+        tokens = torch.cat([d.proposal.tokens[path], torch.tensor([next_token])])
+        scored = logits[i, [0] + [j + 1 for j in path]]  # the target's logits along the kept path
         row.tokens = torch.cat([row.tokens, tokens])
-        row.policy.observe(StepOutcome(lengths[i], accepted, d.seconds, row.length, logits[i, : accepted + 1], tokens))
+        row.policy.observe(StepOutcome(lengths[i], accepted, d.seconds, row.length, scored, tokens))
         row.acceptance.observe(lengths[i], accepted)
         row.stats.record_step(d.chosen, d.k, lengths[i], accepted, len(tokens), d.seconds, t2 - t1, time.perf_counter() - row.started)
         row.stats.events += row.guards.settle(row.stats.new_tokens - len(tokens), accepted, d.anchored)
@@ -122,7 +135,7 @@ def _draft(row: Row, window: int | None, max_context: int) -> Draft:
         proposal = proposal.cut(row.guards.trim(row.tokens, proposal.tokens))
         row.stats.guard_s += time.perf_counter() - g0
     # The context lives on the host: draft tokens cross once (probabilities stay where they are, for the verifier).
-    proposal = Proposal(proposal.tokens.cpu(), proposal.probs)
+    proposal = Proposal(proposal.tokens.cpu(), proposal.probs, proposal.parents)
     return Draft(chosen, k, proposal, time.perf_counter() - start, anchored)
 
 
@@ -137,39 +150,52 @@ def _align(logits: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return logits.gather(1, columns[:, :, None].expand(-1, -1, logits.shape[-1]))
 
 
-def _verify(rows: list[Row], proposals: list[Proposal], logits: torch.Tensor) -> list[tuple[int, int]]:
-    """(accepted, next token) per row: guards adjust the logits, exact greedy rows are judged together, other rows alone."""
+def _verify(rows: list[Row], proposals: list[Proposal], logits: torch.Tensor) -> list[tuple[list[int], int]]:
+    """(accepted nodes, next token) per row: guards adjust the logits; exact greedy chains are judged together, exact
+    greedy trees together, other rows alone."""
     device = logits.device
     lengths = [len(p) for p in proposals]
     tokens = torch.zeros(len(rows), logits.shape[1] - 1, dtype=torch.long)
+    parents = torch.full_like(tokens, -1)
     for i, p in enumerate(proposals):
         if lengths[i]:
             tokens[i, : lengths[i]] = p.tokens
-    tokens, counts = tokens.to(device), torch.tensor(lengths).to(device)
+            parents[i, : lengths[i]] = p.parents if p.parents is not None else torch.arange(-1, lengths[i] - 1)
+    tokens, parents, counts = tokens.to(device), parents.to(device), torch.tensor(lengths).to(device)
     temperatures = []
     for i, (row, p) in enumerate(zip(rows, proposals, strict=True)):
         g0 = time.perf_counter()
         temperatures.append(row.guards.adjust(row.tokens, p.tokens, logits[i, : lengths[i] + 1]))
         row.stats.guard_s += time.perf_counter() - g0
 
-    together = [i for i, row in enumerate(rows) if row.config.sampling.greedy and row.config.typical_acceptance is None]
-    out: dict[int, tuple[int, int]] = {}
-    if together:
-        pick = slice(None) if len(together) == len(rows) else torch.tensor(together).to(device)
-        verdict = verify(tokens[pick], counts[pick], logits[pick], None, rows[together[0]].config.sampling)
-        out.update(zip(together, map(tuple, verdict.on_host().T.tolist()), strict=True))
+    exact_greedy = [row.config.sampling.greedy and row.config.typical_acceptance is None for row in rows]
+    chains = [i for i, p in enumerate(proposals) if exact_greedy[i] and not p.is_tree]
+    trees = [i for i, p in enumerate(proposals) if exact_greedy[i] and p.is_tree]
+    out: dict[int, tuple[list[int], int]] = {}
+    if chains:
+        pick = slice(None) if len(chains) == len(rows) else torch.tensor(chains).to(device)
+        verdict = verify(tokens[pick], counts[pick], logits[pick], None, rows[chains[0]].config.sampling)
+        out.update((i, (list(range(n)), t)) for i, (n, t) in zip(chains, verdict.on_host().T.tolist(), strict=True))
+    if trees:
+        pick = torch.tensor(trees).to(device)
+        verdict = verify_tree_greedy(tokens[pick], parents[pick], counts[pick], logits[pick])
+        out.update(zip(trees, zip(verdict.paths, verdict.next_tokens, strict=True), strict=True))
     for i in range(len(rows)):
         if i in out:
             continue
-        config, n = rows[i].config, lengths[i]
+        config, n, p = rows[i].config, lengths[i], proposals[i]
         rng, temperature = rows[i].seeds.on(device), temperatures[i]
+        probs = None if p.probs is None else p.probs.to(device)
+        if p.is_tree:
+            verdict = verify_tree_sampled(tokens[i, :n], parents[i, :n], logits[i, : n + 1], probs, config.sampling, rng, temperature)
+            out[i] = (verdict.paths[0], verdict.next_tokens[0])
+            continue
         args = (tokens[i : i + 1, :n], counts[i : i + 1], logits[i : i + 1, : n + 1])
         temperature = None if temperature is None else temperature[None]
         if config.typical_acceptance is not None:
             verdict = typical_verify(*args, config.sampling, config.typical_acceptance, rng, temperature)
         else:
-            probs = None if proposals[i].probs is None else proposals[i].probs.to(device)[None]
-            verdict = verify(*args, probs, config.sampling, rng, temperature)
+            verdict = verify(*args, None if probs is None else probs[None], config.sampling, rng, temperature)
         accepted, token = verdict.on_host()[:, 0].tolist()
-        out[i] = (accepted, token)
+        out[i] = (list(range(accepted)), token)
     return [out[i] for i in range(len(rows))]

@@ -15,12 +15,16 @@ from transformers import DynamicCache, PreTrainedModel
 
 from specdec.errors import ConfigError
 
+TREES_UNSUPPORTED = "this backend scores chains of drafts only: trees (branches > 1) run on --backend native or transformers"
+
 
 class Backend(Protocol):
     """A model with a KV cache over one token sequence per batch row."""
 
     vocab_size: int
     max_context: int
+    trees: bool  # forward scores a tree of drafts (``tree``) and truncate keeps its accepted branch
+    last_features: torch.Tensor | None  # after a forward with ``features``: the final hidden state of each fed position [B, n, H]
 
     @property
     def identity(self) -> str:
@@ -32,12 +36,19 @@ class Backend(Protocol):
         """Positions currently held in the cache."""
         ...
 
-    def forward(self, tokens: torch.Tensor, last: int | None = None) -> torch.Tensor:
-        """Append ``tokens`` [B, n] to the cache; return logits [B, n, V], or only for the ``last`` positions."""
+    def forward(
+        self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None, features: bool = False
+    ) -> torch.Tensor:
+        """Append ``tokens`` [B, n] to the cache; return logits [B, n, V], or only for the ``last`` positions.
+
+        ``tree``: the parents of the last len(tree) tokens, a tree of drafts as in ``Proposal`` (see :func:`tree_mask`).
+        ``features``: also keep every fed position's final hidden state (what the output head reads) in ``last_features``,
+        from the same forward.
+        """
         ...
 
-    def truncate(self, length: int) -> None:
-        """Keep only the first ``length`` cached positions."""
+    def truncate(self, length: int, branch: list[int] | None = None) -> None:
+        """Keep only the first ``length`` cached positions; with ``branch`` (cached positions, increasing), the last len(branch) of them are those positions' (a tree's accepted path)."""
         ...
 
     def reset(self) -> None:
@@ -57,7 +68,9 @@ class RowBackend(Protocol):
 
     vocab_size: int
     max_context: int
+    trees: bool  # see Backend.trees
     lengths: list[int]  # cached positions of each row
+    last_features: list[torch.Tensor]  # after a forward with ``features``: per fed row, its positions' final hidden states [len(feed), H]
 
     def add_rows(self, count: int) -> None:
         """Append ``count`` empty rows."""
@@ -67,16 +80,40 @@ class RowBackend(Protocol):
         """Drop rows (their cache is freed)."""
         ...
 
-    def forward(self, rows: list[int], feeds: list[torch.Tensor], last: int) -> torch.Tensor:
+    def forward(
+        self,
+        rows: list[int],
+        feeds: list[torch.Tensor],
+        last: int,
+        trees: list[torch.Tensor | None] | None = None,
+        features: bool = False,
+    ) -> torch.Tensor:
         """Append ``feeds[i]`` (1-D token ids) to row ``rows[i]``; logits [len(rows), last, V] of each feed's last ``last`` tokens, right-aligned.
 
+        ``trees[i]``, if given and not None, makes the end of feed i a tree; ``features``: see Backend.forward.
         The logits are the caller's until the next forward: the step masks them in place (guards).
         """
         ...
 
-    def truncate(self, row: int, length: int) -> None:
-        """Keep only the first ``length`` cached positions of ``row``."""
+    def truncate(self, row: int, length: int, branch: list[int] | None = None) -> None:
+        """Keep only the first ``length`` cached positions of ``row`` (``branch``: see Backend.truncate)."""
         ...
+
+
+def tree_mask(length: int, parents: torch.Tensor) -> torch.Tensor:
+    """Which of ``length`` new positions each one sees when the last len(parents) are a tree and the rest a chain: bool [length, length].
+
+    Node i of the tree sees the chain, its ancestors and itself; its position in the text is the chain's end plus its depth
+    (``positions = start + mask.sum(1) - 1``).
+    """
+    chain = length - len(parents)
+    seen = torch.ones(length, length, dtype=torch.bool).tril_()
+    seen[chain:, chain:] = False
+    for node, parent in enumerate(parents.tolist()):
+        if parent >= 0:
+            seen[chain + node, chain:] = seen[chain + parent, chain:]
+        seen[chain + node, chain + node] = True
+    return seen
 
 
 class OneRow:
@@ -92,6 +129,8 @@ class OneRow:
         self.backend = backend
         self.vocab_size = backend.vocab_size
         self.max_context = backend.max_context
+        self.trees = getattr(backend, "trees", False)
+        self.last_features: list[torch.Tensor] = []
         self._rows = 0
 
     @property
@@ -107,19 +146,45 @@ class OneRow:
     def remove_rows(self, rows: list[int]) -> None:
         self._rows -= len(rows)
 
-    def forward(self, rows: list[int], feeds: list[torch.Tensor], last: int) -> torch.Tensor:
+    def forward(
+        self,
+        rows: list[int],
+        feeds: list[torch.Tensor],
+        last: int,
+        trees: list[torch.Tensor | None] | None = None,
+        features: bool = False,
+    ) -> torch.Tensor:
         (feed,) = feeds
-        return self.backend.forward(feed[None], last=last)
+        extra: dict[str, object] = {}  # a backend written before trees and features existed takes neither
+        if trees and trees[0] is not None:
+            extra["tree"] = trees[0]
+        if features:
+            extra["features"] = True
+        logits = self.backend.forward(feed[None], last=last, **extra)
+        if features:
+            if self.backend.last_features is None:
+                raise ConfigError(f"{type(self.backend).__name__} does not return hidden states: use a drafter that does not need them")
+            self.last_features = [self.backend.last_features[0]]
+        return logits
 
-    def truncate(self, row: int, length: int) -> None:
-        self.backend.truncate(length)
+    def truncate(self, row: int, length: int, branch: list[int] | None = None) -> None:
+        if branch is not None:
+            self.backend.truncate(length, branch)
+        else:
+            self.backend.truncate(length)
 
 
 class TransformersBackend:
-    """Runs any transformers causal LM with a DynamicCache that can be rolled back."""
+    """Runs any transformers causal LM with a DynamicCache that can be rolled back.
+
+    Chains only: a tree of drafts on transformers runs on the batched backend (its cache is addressed by slot).
+    """
+
+    trees = False
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
+        self.last_features: torch.Tensor | None = None
         self.vocab_size: int = model.get_output_embeddings().out_features
         self.max_context: int = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31
         self.device = next(model.parameters()).device
@@ -136,6 +201,10 @@ class TransformersBackend:
     def fork(self) -> TransformersBackend:
         return TransformersBackend(self.model)
 
+    def token_embeddings(self):
+        """The model's input embedding as a function of token ids (a feature-conditioned draft embeds with it)."""
+        return self.model.get_input_embeddings()
+
     def reset(self) -> None:
         self._cache = DynamicCache(config=self.model.config)
         for layer in self._cache.layers:
@@ -145,7 +214,11 @@ class TransformersBackend:
         self._length = 0
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, last: int | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None, features: bool = False
+    ) -> torch.Tensor:
+        if tree is not None:
+            raise ConfigError(TREES_UNSUPPORTED)
         batch, n = tokens.shape
         positions = torch.arange(self._length, self._length + n, device=self.device).expand(batch, n)
         out = self.model(
@@ -154,13 +227,17 @@ class TransformersBackend:
             cache=self._cache,
             use_cache=True,
             logits_to_keep=last or 0,  # the output head is costly: skip positions nobody reads
+            output_hidden_states=features,
         )
         self._length += n
+        self.last_features = out.hidden_states[-1] if features else None  # the last is after the final norm: the head's input
         return out.logits
 
-    def truncate(self, length: int) -> None:
+    def truncate(self, length: int, branch: list[int] | None = None) -> None:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} positions to {length}")
+        if branch is not None and branch != list(range(length - len(branch), length)):
+            raise ConfigError(TREES_UNSUPPORTED)
         if self._length == 0:
             return  # an empty cache's layers cannot be cropped
         # A negative count removes that many positions; even 0 trims sliding-window layers back to their window,

@@ -22,7 +22,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from specdec.errors import ConfigError
-from specdec.models.backend import model_identity
+from specdec.models.backend import model_identity, tree_mask
 from specdec.models.cuda_graphs import CudaGraphs
 from specdec.models.precision import PADDED_ATTENTION
 
@@ -87,6 +87,8 @@ class BatchedTransformersBackend:
     captured graphs (models/cuda_graphs.py); elsewhere the flag does nothing.
     """
 
+    trees = True
+
     def __init__(self, model: PreTrainedModel, cuda_graphs: bool = True) -> None:
         config = model.config.get_text_config()
         kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
@@ -106,6 +108,8 @@ class BatchedTransformersBackend:
         self.mask_dtype = model.get_input_embeddings().weight.dtype
         self.cache = RowCache()
         self.lengths: list[int] = []
+        self.last_features: list[torch.Tensor] = []
+        self._hidden: torch.Tensor | None = None
         self.graphs = CudaGraphs() if cuda_graphs and self.device.type == "cuda" else None
 
     @property
@@ -129,27 +133,44 @@ class BatchedTransformersBackend:
         self._resize(torch.tensor(keep, dtype=torch.long))
         self.lengths = [self.lengths[i] for i in keep]
 
-    def truncate(self, row: int, length: int) -> None:
-        """Keep only the first ``length`` positions of ``row``."""
+    def truncate(self, row: int, length: int, branch: list[int] | None = None) -> None:
+        """Keep only the first ``length`` positions of ``row``; with ``branch``, the last len(branch) of them are those slots' states."""
         if not 0 <= length <= self.lengths[row]:
             raise ValueError(f"cannot truncate row {row} of {self.lengths[row]} positions to {length}")
+        if branch:  # a tree's accepted path moves next to the positions before it, so that slots equal positions again
+            source, target = torch.tensor(branch), torch.arange(length - len(branch), length)
+            for buffer in self.cache.keys + self.cache.values:
+                buffer[row, :, target] = buffer[row, :, source]
         self.lengths[row] = length
 
     @torch.inference_mode()
-    def forward(self, rows: list[int], feeds: list[torch.Tensor], last: int) -> torch.Tensor:
+    def forward(
+        self,
+        rows: list[int],
+        feeds: list[torch.Tensor],
+        last: int,
+        trees: list[torch.Tensor | None] | None = None,
+        features: bool = False,
+    ) -> torch.Tensor:
         """Append ``feeds[i]`` (1-D token ids) to row ``rows[i]``; return logits [len(rows), last, V] of each feed's last ``last`` tokens.
 
-        A feed shorter than ``last`` gets its logits right-aligned; the columns before them are padding.
+        A feed shorter than ``last`` gets its logits right-aligned; the columns before them are padding. A feed ending in
+        a tree (``trees[i]``) writes its nodes at consecutive slots, each at the position of its depth.
         """
         n = max(feed.shape[0] for feed in feeds)
+        trees = trees or [None] * len(feeds)
         starts = torch.tensor([self.lengths[r] for r in rows])
         sizes = torch.tensor([feed.shape[0] for feed in feeds])
         pads = n - sizes
         column = torch.arange(n)[None, :]
         real = column >= pads[:, None]
-        positions = torch.where(real, starts[:, None] + column - pads[:, None], 0)
         # Padding columns write past their row's real tokens, where nothing reads them.
-        slots = torch.where(real, positions, starts[:, None] + sizes[:, None] + column)
+        slots = torch.where(real, starts[:, None] + column - pads[:, None], starts[:, None] + sizes[:, None] + column)
+        visible = (torch.arange(n)[None, :, None] >= torch.arange(n)[None, None, :]).expand(len(rows), n, n).clone()
+        for i, tree in enumerate(trees):  # within each feed: causal, or a tree at its end
+            if tree is not None:
+                visible[i, pads[i] :, pads[i] :] = tree_mask(int(sizes[i]), tree)
+        positions = torch.where(real, starts[:, None] + visible.sum(dim=2) - 1 - pads[:, None], 0)
         tokens = torch.zeros(len(rows), n, dtype=torch.long)
         for i, feed in enumerate(feeds):
             tokens[i, pads[i] :] = feed
@@ -161,19 +182,24 @@ class BatchedTransformersBackend:
         self.cache.every_row = rows == list(range(self.rows))
         self.cache.width = width
         active = torch.tensor(rows, dtype=torch.long)
-        inputs = {"tokens": tokens, "positions": positions, "slots": slots, "active": active} | self._masks(positions, real, width)
+        masks = self._masks(positions, slots, starts, pads, visible, real, width)
+        inputs = {"tokens": tokens, "positions": positions, "slots": slots, "active": active} | masks
         inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
         logits = None
-        if self.graphs is not None and self.cache.every_row:
+        if self.graphs is not None and self.cache.every_row and not features:
             logits = self.graphs.run((len(rows), n, width, last), inputs, partial(self._run, last=last))
         if logits is None:
-            logits = self._run(inputs, last)
+            logits = self._run(inputs, last, features)
+        if features:  # each row's real columns
+            self.last_features = [hidden[pad:] for hidden, pad in zip(self._hidden, pads.tolist(), strict=True)]
         for row, size in zip(rows, sizes.tolist(), strict=True):
             self.lengths[row] += size
         return logits
 
-    def _run(self, inputs: dict[str, torch.Tensor], last: int) -> torch.Tensor:
-        """The model over ``inputs``: every tensor the step reads that changes between steps is one of them (a captured graph replays with them)."""
+    def _run(self, inputs: dict[str, torch.Tensor], last: int, features: bool = False) -> torch.Tensor:
+        """The model over ``inputs``: every tensor the step reads that changes between steps is one of them (a captured graph replays with them).
+
+        With ``features``, the final hidden states (after the last norm) are kept in ``_hidden``."""
         self.cache.slots, self.cache.active = inputs["slots"], inputs["active"]
         masks = {kind: inputs[kind] for kind in ATTENTION_KINDS if kind in inputs}
         out = self.model(
@@ -183,7 +209,9 @@ class BatchedTransformersBackend:
             cache=self.cache,
             use_cache=True,
             logits_to_keep=last,
+            output_hidden_states=features,
         )
+        self._hidden = out.hidden_states[-1] if features else None
         return out.logits
 
     def _resize(self, rows: torch.Tensor | None = None, capacity: int | None = None) -> None:
@@ -191,15 +219,30 @@ class BatchedTransformersBackend:
         if self.graphs is not None:
             self.graphs.clear()  # graphs hold the old buffers
 
-    def _masks(self, positions: torch.Tensor, real: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
-        """Additive masks [B, 1, n, width] by layer kind: a real token sees its row's slots up to its own position (within the window on sliding layers)."""
+    def _masks(
+        self,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        starts: torch.Tensor,
+        pads: torch.Tensor,
+        visible: torch.Tensor,
+        real: torch.Tensor,
+        width: int,
+    ) -> dict[str, torch.Tensor]:
+        """Additive masks [B, 1, n, width] by layer kind: a real token sees its row's slots before the feed and the fed
+        slots it is ``visible`` to, by column (within the window of its position on sliding layers)."""
+        n = visible.shape[2]
         slot = torch.arange(width)[None, None, :]
-        query = positions[:, :, None]
-        causal = (slot <= query) & real[:, :, None]
+        fed = slot - (starts - pads)[:, None, None]  # the key's column in the feed
+        inside = (fed >= pads[:, None, None]) & (fed < n)  # the key is one of the row's fed tokens
+        column = fed.clamp(0, n - 1)
+        sees = visible.gather(2, column.expand(-1, n, -1))
+        causal = (~inside | sees) & (slot <= slots[:, :, None]) & real[:, :, None]
         causal |= ~real[:, :, None] & (slot == 0)  # padding queries attend to slot 0 only, so no row of the softmax is empty
         masks = {"full_attention": causal}
-        if "sliding_attention" in self.layer_kinds:
-            masks["sliding_attention"] = causal & ((slot > query - self.sliding_window) | ~real[:, :, None])
+        if "sliding_attention" in self.layer_kinds:  # by positions in the text: a tree node's slot is past its position
+            key_position = torch.where(inside, positions.gather(1, column[:, 0])[:, None, :], slot)
+            masks["sliding_attention"] = causal & ((key_position > positions[:, :, None] - self.sliding_window) | ~real[:, :, None])
         low = torch.finfo(self.mask_dtype).min
         return {kind: torch.zeros(mask.shape, dtype=self.mask_dtype).masked_fill_(~mask, low)[:, None] for kind, mask in masks.items()}
 

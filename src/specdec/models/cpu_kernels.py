@@ -29,7 +29,7 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = "specdec_cpu_kernels_v8"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+BUILD = "specdec_cpu_kernels_v9"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -133,36 +133,58 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
     return y;
 }
 
-// q: [n, H, D]; caches: [Hkv, capacity, D], the n new positions already written at start..start+n-1. Position
-// start + i sees keys lo..start + i (lo: the sliding window's first key, or 0). Each (position, head) alone.
-torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, int64_t window, double scale) {
+// q: [n, H, D]; caches: [Hkv, capacity, D], the n new positions already written at start..start+n-1. With
+// `visible` empty they are a chain: position start + i sees keys lo..start + i (lo: the sliding window's first key,
+// or 0). Otherwise `visible` (uint8 [n, n]) is a tree: new position i sees the cached keys from lo and the new ones
+// j with visible[i][j] (itself and its ancestors), and its position in the text is start + its depth. Keys are read
+// in cache order, so a tree node's result has the same bits as the same token decoded along its path alone.
+torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, int64_t window, double scale,
+                        torch::Tensor visible) {
     TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous float32 [n, heads, dim]");
     TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() &&
                 v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 3, "float32 caches [kv heads, capacity, dim]");
     const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0), capacity = k_cache.size(1);
     TORCH_CHECK(dim % 16 == 0 && k_cache.size(2) == dim && heads % kv_heads == 0 && start + n <= capacity, "attention shapes");
+    const bool tree = visible.numel() > 0;
+    TORCH_CHECK(!tree || (visible.scalar_type() == torch::kUInt8 && visible.is_contiguous() && visible.size(0) == n && visible.size(1) == n),
+                "visible: contiguous uint8 [n, n]");
     auto out = torch::empty_like(q);
     pybind11::gil_scoped_release no_gil;
     const float* qp = q.data_ptr<float>();
     const float* kp = k_cache.data_ptr<float>();
     const float* vp = v_cache.data_ptr<float>();
+    const uint8_t* seen = tree ? visible.data_ptr<uint8_t>() : nullptr;
     float* op = out.data_ptr<float>();
+    std::vector<int64_t> position(n);  // of each new key and query in the text: start + its depth
+    for (int64_t i = 0; i < n; ++i) {
+        position[i] = start + i;
+        if (tree) {
+            position[i] = start - 1;
+            for (int64_t j = 0; j < n; ++j) position[i] += seen[i * n + j];
+        }
+    }
     at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
+        std::vector<int64_t> read;
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t i = task / heads, h = task % heads, pos = start + i;
+            const int64_t i = task / heads, h = task % heads, pos = position[i];
             const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+            read.clear();
+            for (int64_t j = lo; j < (tree ? start : pos + 1); ++j) read.push_back(j);
+            if (tree)
+                for (int64_t j = 0; j < n; ++j)
+                    if (seen[i * n + j] && position[j] >= lo) read.push_back(start + j);
             const float* query = qp + task * dim;
             const float* keys = kp + (h / (heads / kv_heads)) * capacity * dim;
             const float* values = vp + (h / (heads / kv_heads)) * capacity * dim;
-            scores.resize(pos - lo + 1);
+            scores.resize(read.size());
             float top = -INFINITY;
-            for (int64_t j = lo; j <= pos; ++j) {
+            for (size_t r = 0; r < read.size(); ++r) {
                 __m512 acc = _mm512_setzero_ps();
                 for (int64_t d = 0; d < dim; d += 16)
-                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + d), _mm512_loadu_ps(keys + j * dim + d), acc);
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + d), _mm512_loadu_ps(keys + read[r] * dim + d), acc);
                 const float s = _mm512_reduce_add_ps(acc) * (float)scale;
-                scores[j - lo] = s;
+                scores[r] = s;
                 top = std::max(top, s);
             }
             float total = 0.f;
@@ -170,8 +192,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
             float* o = op + task * dim;
             for (int64_t d = 0; d < dim; d += 16) {
                 __m512 acc = _mm512_setzero_ps();
-                for (int64_t j = lo; j <= pos; ++j)
-                    acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[j - lo]), _mm512_loadu_ps(values + j * dim + d), acc);
+                for (size_t r = 0; r < read.size(); ++r)
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[r]), _mm512_loadu_ps(values + read[r] * dim + d), acc);
                 _mm512_storeu_ps(o + d, _mm512_div_ps(acc, _mm512_set1_ps(total)));
             }
         }
@@ -269,12 +291,25 @@ def _exact_linear(rows: torch.Tensor, weights: PackedInt8) -> torch.Tensor:
     return torch.cat(pieces, dim=1).to(rows.device)
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, window: int, scale: float) -> torch.Tensor:
-    """Attention of q [n, heads, dim] (positions start..start+n-1) over the caches [kv_heads, capacity, dim]; window 0 = all keys."""
+def attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: int,
+    window: int,
+    scale: float,
+    visible: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of q [n, heads, dim] (new keys at start..start+n-1) over the caches [kv_heads, capacity, dim]; window 0 = all keys.
+
+    ``visible`` None: the new positions are a chain (start..start+n-1); a bool [n, n] mask: a tree, node i seeing
+    the new nodes j where it is True (itself and its ancestors), at position start + its depth.
+    """
     kernel = compiled()
     if kernel is None:
         raise RuntimeError("the attention kernel is not built on this machine")
-    return kernel.attention(q.contiguous(), k_cache, v_cache, start, window, scale)
+    mask = torch.empty(0, dtype=torch.uint8) if visible is None else visible.to(torch.uint8).contiguous()
+    return kernel.attention(q.contiguous(), k_cache, v_cache, start, window, scale, mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

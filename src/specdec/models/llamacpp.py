@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from specdec.errors import ConfigError, MissingPackageError
+from specdec.models.backend import TREES_UNSUPPORTED
 
 INSTALL = 'pip install -e ".[llamacpp]"  (builds llama.cpp from source: about 5-15 minutes on 2 cores)'
 
@@ -73,6 +74,7 @@ class LlamaCppBackend:
             verbose=False,
         )
         self.threads = threads
+        self.trees = False
         self.identity = f"llama.cpp|{os.path.abspath(gguf)}|{os.path.getsize(gguf)}|threads={threads}|ubatch={ubatch or batch}"
         self.vocab_size: int = self.llama.n_vocab()
         self.max_context: int = self.llama.n_ctx()
@@ -102,9 +104,11 @@ class LlamaCppBackend:
         self._lib.llama_memory_clear(self._memory, True)
         self._length = 0
 
-    def forward(self, tokens: torch.Tensor, last: int | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for the ``last`` positions; when they all come from one llama_decode call they are
         returned without a copy, as a view of llama.cpp's buffer that stays valid until the next forward."""
+        if tree is not None:
+            raise ConfigError(TREES_UNSUPPORTED)
         ids = tokens[0].tolist()
         count = len(ids)
         wanted = count if last is None else min(last, count)
@@ -136,9 +140,11 @@ class LlamaCppBackend:
             raise RuntimeError(f"llama_decode failed (status {status}) at position {self._length + start}")
         return outputs
 
-    def truncate(self, length: int) -> None:
+    def truncate(self, length: int, branch: list[int] | None = None) -> None:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} positions to {length}")
+        if branch is not None and branch != list(range(length - len(branch), length)):
+            raise ConfigError(TREES_UNSUPPORTED)
         if length < self._length and not self._lib.llama_memory_seq_rm(self._memory, 0, length, -1):
             raise RuntimeError("llama.cpp could not remove rejected positions from this model's cache")
         self._length = length

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels
+from specdec.models.backend import tree_mask
 from specdec.models.cpu_kernels import PackedInt8
 
 FAMILIES = ("gemma3_text", "llama")
@@ -89,13 +90,20 @@ class NativeModel:
         self.weights = sum(p.numel() for p in model.parameters())
         self._rotary: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int) -> torch.Tensor:
-        """Logits [last, V] of the last ``last`` of ``tokens`` [n], appended to ``cache`` at its length."""
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache, last: int, visible: torch.Tensor | None = None, features: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [last, V] of the last ``last`` of ``tokens`` [n], appended to ``cache`` at its length; with ``features``
+        also every position's final hidden state [n, H] (what the output head reads), else None.
+
+        ``visible`` (bool [n, n], ``backend.tree_mask``) makes the new tokens a tree: each at the position of its depth,
+        seeing only its ancestors among them.
+        """
         shape, start, n = self.shape, cache.length, len(tokens)
         gemma = shape.family == "gemma3_text"  # a norm after each block and one before the MLP; GELU, not SiLU
         cache.reserve(start + n)
-        x = self.embedding[tokens].float() * shape.embed_scale
-        positions = torch.arange(start, start + n)
+        x = self.embed(tokens)
+        positions = torch.arange(start, start + n) if visible is None else start + visible.sum(dim=1) - 1
         rotary = {theta: self._cos_sin(theta, positions) for theta in set(shape.thetas)}
         q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         for index, layer in enumerate(self.layers):
@@ -111,7 +119,7 @@ class NativeModel:
             keys, values = cache.keys[index], cache.values[index]
             keys[:, start : start + n] = k.transpose(0, 1)
             values[:, start : start + n] = v.transpose(0, 1)
-            attended = cpu_kernels.attention(q, keys, values, start, shape.windows[index], shape.scale)
+            attended = cpu_kernels.attention(q, keys, values, start, shape.windows[index], shape.scale, visible)
             out = cpu_kernels.linear(attended.view(n, q_width), layer.out)
             if gemma:
                 x = x + cpu_kernels.rms_norm(out, norms["post_attention_layernorm"], shape.eps)
@@ -126,16 +134,21 @@ class NativeModel:
                 out = cpu_kernels.rms_norm(out, norms["post_feedforward_layernorm"], shape.eps)
             x = x + out
         cache.length = start + n
-        logits = cpu_kernels.linear(cpu_kernels.rms_norm(x[n - last :], self.final_norm, shape.eps), self.head)
+        hidden = cpu_kernels.rms_norm(x if features else x[n - last :].contiguous(), self.final_norm, shape.eps)
+        logits = cpu_kernels.linear(hidden[len(hidden) - last :].contiguous(), self.head)
         if shape.softcap is not None:
             logits = torch.tanh(logits / shape.softcap) * shape.softcap
-        return logits
+        return logits, hidden if features else None
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embedding of ``tokens`` (float32, scaled as the model scales it)."""
+        return self.embedding[tokens.cpu()].float() * self.shape.embed_scale
 
     def _cos_sin(self, theta: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary cos and sin [n, 1, head_dim] for ``positions``, from a table grown as the cache grows."""
         table = self._rotary.get(theta)
-        if table is None or table[0].shape[0] <= int(positions[-1]):
-            size = max(FIRST_CAPACITY, 2 * (int(positions[-1]) + 1))
+        if table is None or table[0].shape[0] <= int(positions.max()):
+            size = max(FIRST_CAPACITY, 2 * (int(positions.max()) + 1))
             dim = self.shape.head_dim
             inverse = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
             angles = torch.arange(size, dtype=torch.float32)[:, None] * inverse[None]
@@ -175,11 +188,14 @@ class KVCache:
 class NativeBackend:
     """A single-sequence :class:`~specdec.models.backend.Backend` over a :class:`NativeModel` (runs through OneRow)."""
 
+    trees = True
+
     def __init__(self, model: NativeModel) -> None:
         self.model = model
         self.vocab_size = model.vocab_size
         self.max_context = model.shape.max_context
         self.cache = KVCache(model)
+        self.last_features: torch.Tensor | None = None
 
     @property
     def identity(self) -> str:
@@ -192,21 +208,34 @@ class NativeBackend:
     def fork(self) -> NativeBackend:
         return NativeBackend(self.model)
 
+    def token_embeddings(self):
+        """The model's input embedding as a function of token ids (a feature-conditioned draft embeds with it)."""
+        return self.model.embed
+
     def reset(self) -> None:
         self.cache.length = 0
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, last: int | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None, features: bool = False
+    ) -> torch.Tensor:
         batch, n = tokens.shape
         if batch != 1:
             raise ConfigError("the native backend decodes one sequence at a time: use --backend transformers for batches")
         if self.cache.length + n > self.max_context:
             raise ValueError(f"{self.cache.length + n} positions exceed the model's context of {self.max_context}")
-        return self.model.forward(tokens[0].cpu(), self.cache, last or n)[None]
+        visible = None if tree is None else tree_mask(n, tree)
+        logits, hidden = self.model.forward(tokens[0].cpu(), self.cache, last or n, visible, features)
+        self.last_features = None if hidden is None else hidden[None]
+        return logits[None]
 
-    def truncate(self, length: int) -> None:
+    def truncate(self, length: int, branch: list[int] | None = None) -> None:
         if not 0 <= length <= self.cache.length:
             raise ValueError(f"cannot truncate a cache of {self.cache.length} positions to {length}")
+        if branch:  # a tree's accepted path moves next to the positions before it
+            source, target = torch.tensor(branch), torch.arange(length - len(branch), length)
+            for layer in self.cache.keys + self.cache.values:
+                layer[:, target] = layer[:, source]
         self.cache.length = length
 
 

@@ -85,11 +85,11 @@ class ModelSource:
 DRAFTS_FOLDER = Path(__file__).resolve().parent.parent / "data" / "drafts"  # distilled drafts shipped in the package
 
 
-def bundled_draft(target: str) -> Path | None:
-    """The draft distilled for a bundled target and shipped with specdec, if there is one."""
+def bundled_draft(target: str, kind: str = "") -> Path | None:
+    """The draft distilled for a bundled target and shipped with specdec, if there is one; ``kind`` "eagle": its eagle head."""
     if target not in ALIASES:  # a folder or file name; never joined onto the drafts folder (an absolute path would replace it)
         return None
-    folder = DRAFTS_FOLDER / target
+    folder = DRAFTS_FOLDER / (f"{target}-{kind}" if kind else target)
     return folder if (folder / "config.json").is_file() else None
 
 

@@ -28,6 +28,7 @@ import torch
 
 from specdec.config import GenerationConfig
 from specdec.drafters.distilled import ReducedVocabBackend, build_draft, build_exit_draft, own_parameters, save_draft
+from specdec.drafters.eagle import EagleDrafter, build_eagle, head_forward
 from specdec.drafters.model import ModelDrafter
 from specdec.engine import Generator
 from specdec.errors import ConfigError
@@ -51,11 +52,14 @@ class DraftArch:
     keep: int = 16384
     init: str = "spread"  # "spread": target layers evenly from first to last; "first": the first ones
     exit: int = 0  # > 0: an exit draft on the target's first `exit` layers
+    eagle: bool = False  # a feature-conditioned head (drafters/eagle.py): `layers` decoder layers on the target's hidden states
 
     def __str__(self) -> str:
         """The spec :meth:`parse` reads back."""
         if self.exit:
             return f"exit={self.exit},keep={self.keep}"
+        if self.eagle:
+            return f"eagle,layers={self.layers},keep={self.keep}"
         return f"layers={self.layers},keep={self.keep},init={self.init}"
 
     @staticmethod
@@ -67,10 +71,17 @@ class DraftArch:
                 values[key] = int(value)
             elif key == "init" and value in ("spread", "first"):
                 values[key] = value
+            elif part == "eagle":
+                values["eagle"] = True
             else:
                 raise ConfigError(
-                    f"bad --arch part '{part}': use layers=N, keep=N, init=spread|first, or exit=L (e.g. layers=2,keep=16384)"
+                    f"bad --arch part '{part}': use layers=N, keep=N, init=spread|first, exit=L or eagle "
+                    "(e.g. layers=2,keep=16384 or eagle,layers=1,keep=8192)"
                 )
+        if values.get("eagle"):
+            if values.get("exit") or "init" in values:
+                raise ConfigError("an eagle head takes layers=N and keep=N only (not exit or init)")
+            values.setdefault("layers", 1)
         return DraftArch(**values)  # type: ignore[arg-type]
 
     def layer_ids(self, target_layers: int) -> list[int]:
@@ -126,6 +137,7 @@ class TeacherData:
     top_logp: torch.Tensor  # [chunks, seq_len, top_k] float16
     keep_ids: torch.Tensor  # [N] int64
     held_out: int  # the last chunks, never trained on
+    hidden: torch.Tensor | None = None  # [chunks, seq_len, H] bfloat16: the target's final hidden states (eagle heads read them)
 
 
 Progress = Callable[[str, float, float, dict], None]  # phase, done, total, figures
@@ -202,6 +214,13 @@ def score_with_teacher(target: LoadedModel, stream: list[int], config: DistillCo
     top_k = min(config.top_k, len(keep_ids))
     top_ids = torch.empty(chunks, config.seq_len, top_k, dtype=torch.int32)
     top_logp = torch.empty(chunks, config.seq_len, top_k, dtype=torch.float16)
+    # An eagle head reads the target's hidden states: kept from this pass (2 bytes per value) rather than recomputed at
+    # every training step, where the target's forward would cost several times the head's.
+    states = (
+        torch.empty(chunks, config.seq_len, target.model.config.get_text_config().hidden_size, dtype=torch.bfloat16)
+        if config.arch.eagle
+        else None
+    )
     for start in range(0, chunks, config.batch):
         ids = tokens[start : start + config.batch]
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -210,8 +229,10 @@ def score_with_teacher(target: LoadedModel, stream: list[int], config: DistillCo
         values, indices = logp.topk(top_k, dim=-1)
         top_ids[start : start + len(ids)] = indices.int()
         top_logp[start : start + len(ids)] = values.half()
+        if states is not None:
+            states[start : start + len(ids)] = hidden.to(torch.bfloat16)
         progress("scoring with the target", start + len(ids), chunks, {})
-    return TeacherData(tokens, top_ids, top_logp, keep_ids, held_out=max(1, chunks // 20))
+    return TeacherData(tokens, top_ids, top_logp, keep_ids, held_out=max(1, chunks // 20), hidden=states)
 
 
 def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, progress: Progress = lambda *a: None) -> dict:
@@ -234,7 +255,11 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
         torch.save(asdict(teacher), teacher_path)
         teacher_s = time.perf_counter() - started
     model = target.model
-    if config.arch.exit:
+    if config.arch.eagle != (teacher.hidden is not None):
+        raise ConfigError(f"'{out}' holds teacher data for another kind of draft: choose another --out for --arch {config.arch}")
+    if config.arch.eagle:
+        draft = build_eagle(model, teacher.keep_ids, config.arch.layers)
+    elif config.arch.exit:
         draft = build_exit_draft(model, config.arch.exit, teacher.keep_ids)
     else:
         draft = build_draft(model, config.arch.layer_ids(len(model.model.layers)), teacher.keep_ids)
@@ -262,7 +287,7 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
         for group in optimizer.param_groups:
             group["lr"] = lr
         rows = torch.randint(0, train_chunks, (config.batch,))
-        loss = soft_cross_entropy(draft(input_ids=teacher.tokens[rows]).logits, teacher.top_ids[rows], teacher.top_logp[rows])
+        loss = batch_loss(target, draft, teacher, rows, noise=EAGLE_FEATURE_NOISE)[0]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -292,9 +317,39 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
             )
     draft.eval()
     record |= {"steps": step, "tokens_trained": step * config.batch * config.seq_len, "final_loss": loss_value}
-    record |= calibrate(draft, teacher)
+    if not config.arch.eagle:  # an eagle head stops by its tree's scores instead (drafters/eagle.py)
+        record |= calibrate(draft, teacher)
     save_draft(draft, out, record)
     return record
+
+
+EAGLE_FEATURE_NOISE = (
+    0.2  # relative noise on the input features in training: drafting beyond one token reads the head's own, imperfect ones
+)
+EAGLE_FEATURE_WEIGHT = 0.5  # of the feature regression against the cross-entropy
+
+
+def batch_loss(
+    target: LoadedModel, draft, teacher: TeacherData, rows: torch.Tensor, noise: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, top-1 agreement with the target) of the draft on teacher chunks ``rows``.
+
+    A token draft predicts each next token from the tokens so far. An eagle head reads pairs (f_t, x_{t+1}) and predicts
+    x_{t+2} (cross-entropy against the target's distribution) and f_{t+1} (a smooth-L1 regression, as EAGLE does, so that
+    its output can stand in for the target's feature when it drafts further).
+    """
+    tokens, top_ids, top_logp = teacher.tokens[rows], teacher.top_ids[rows], teacher.top_logp[rows]
+    if teacher.hidden is None:
+        logits = draft(input_ids=tokens).logits
+        return soft_cross_entropy(logits, top_ids, top_logp), (logits.argmax(-1) == top_ids[..., 0].long()).float().mean()
+    states = teacher.hidden[rows].float()
+    scale = states.pow(2).mean().sqrt()
+    features = states[:, :-1] + noise * scale * torch.randn_like(states[:, :-1]) if noise else states[:, :-1]
+    positions = torch.arange(tokens.shape[1] - 1)[None].expand(len(rows), -1)
+    logits, predicted = head_forward(draft, target.model.get_input_embeddings(), tokens[:, 1:], features, positions)
+    loss = soft_cross_entropy(logits, top_ids[:, 1:], top_logp[:, 1:])
+    loss = loss + EAGLE_FEATURE_WEIGHT * torch.nn.functional.smooth_l1_loss(predicted.float() / scale, states[:, 1:] / scale)
+    return loss, (logits.argmax(-1) == top_ids[:, 1:, 0].long()).float().mean()
 
 
 def soft_cross_entropy(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
@@ -344,14 +399,18 @@ def evaluate(
     target: LoadedModel, draft, teacher: TeacherData, step: int, prompts: int = 4, prompt_len: int = 32, new_tokens: int = 24
 ) -> dict:
     """Held-out figures: loss, the draft's top-1 agreement with the teacher, its acceptance rate in the engine (greedy, k = 4)."""
-    held, top_ids, top_logp = (t[-teacher.held_out :] for t in (teacher.tokens, teacher.top_ids, teacher.top_logp))
+    chunks = len(teacher.tokens)
     losses, agreements = [], []
-    for rows in torch.arange(len(held)).split(8):  # bounded memory: logits are [rows, seq_len, kept vocabulary]
-        logits = draft(input_ids=held[rows]).logits
-        losses.append(soft_cross_entropy(logits, top_ids[rows], top_logp[rows]))
-        agreements.append((logits.argmax(-1) == top_ids[rows, :, 0].long()).float().mean())
+    for rows in torch.arange(chunks - teacher.held_out, chunks).split(8):  # bounded memory: logits are [rows, seq_len, kept vocabulary]
+        loss, agree = batch_loss(target, draft, teacher, rows)
+        losses.append(loss)
+        agreements.append(agree)
     loss, agree = torch.stack(losses).mean(), torch.stack(agreements).mean()
-    drafter = ModelDrafter(ReducedVocabBackend(draft, target.vocab_size))
+    held = teacher.tokens[-teacher.held_out :]
+    if teacher.hidden is not None:
+        drafter = EagleDrafter(draft, target.model.get_input_embeddings(), target.vocab_size)
+    else:
+        drafter = ModelDrafter(ReducedVocabBackend(draft, target.vocab_size))
     generator = Generator(target, drafter, GenerationConfig(k=4, k_policy="fixed", max_new_tokens=new_tokens))
     proposed = accepted = 0
     for row in held[:prompts]:

@@ -1,0 +1,96 @@
+"""Exact verification of a tree of drafts (SpecInfer, Miao et al. 2024; Sequoia, Chen et al. 2024).
+
+The target scored every node in one forward: column 0 of a row's logits judges
+the children of the root (the context's last token), column j + 1 the children
+of node j. Verification walks down from the root and keeps one path:
+
+- greedy: the child whose token is the target's argmax, while there is one;
+- sampling: recursive rejection over the siblings. The first child x, drawn from
+  q, is accepted with probability min(1, p(x) / q(x)); if rejected, p becomes
+  norm(max(0, p - q)) and the next sibling is tried against it; when every
+  sibling is rejected the next token is drawn from what is left of p. A
+  deterministic child counts as a draw from a one-hot q, so deterministic
+  siblings amount to drawing from p and descending if the draw is a child.
+  Either way the produced tokens follow p exactly, whatever the tree's shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import SamplingConfig
+from specdec.verification.rejection import residual_distribution
+from specdec.verification.sampling import draw
+from specdec.verification.shaping import to_probs
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """Per row: the accepted path's nodes (root first), and the target's token after it."""
+
+    paths: list[list[int]]
+    next_tokens: list[int]
+
+
+def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, counts: torch.Tensor, logits: torch.Tensor) -> TreeVerdict:
+    """Greedy verdicts for a batch of trees, vectorised over rows and nodes.
+
+    Args:
+        tokens: [B, n] node tokens (entries past a row's count are ignored); parents: [B, n] as in ``Proposal``.
+        counts: [B] nodes per row. logits: [B, n + 1, V], column j + 1 scoring node j's children.
+    """
+    n = tokens.shape[1]
+    choice = logits.argmax(dim=-1)  # [B, n + 1]
+    real = torch.arange(n, device=tokens.device)[None, :] < counts[:, None]
+    parents = torch.where(real, parents, -1)
+    match = (tokens == choice.gather(1, parents + 1)) & real  # the target would have chosen this node after its parent
+    on_path = match
+    for _ in range(n):  # a node is on the path when it and every ancestor match: one more level per pass
+        deeper = match & ((parents < 0) | on_path.gather(1, parents.clamp(min=0)))
+        if torch.equal(deeper, on_path):
+            break
+        on_path = deeper
+    # Siblings carry distinct tokens, so the matching nodes form one path; parents come first, so its last node is the deepest.
+    index = torch.arange(n, device=tokens.device).expand_as(on_path)
+    last = torch.where(on_path, index, -1).max(dim=1).values if n else torch.full_like(counts, -1)
+    next_tokens = choice.gather(1, (last + 1)[:, None]).squeeze(1)
+    host = on_path.cpu()
+    return TreeVerdict([row.nonzero().squeeze(1).tolist() for row in host], next_tokens.cpu().tolist())
+
+
+def verify_tree_sampled(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    logits: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sampling: SamplingConfig,
+    rng: torch.Generator | None = None,
+    temperature: torch.Tensor | None = None,
+) -> TreeVerdict:
+    """The sampled verdict for one tree: tokens, parents [n], logits [n + 1, V], draft_probs [n, V] or None (deterministic nodes)."""
+    p = to_probs(logits[None], sampling, None if temperature is None else temperature[None])[0]
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents.tolist()):
+        children.setdefault(parent, []).append(node)
+    listed = tokens.tolist()
+    path: list[int] = []
+    node = -1
+    while True:
+        remaining = p[node + 1]
+        for child in children.get(node, []):
+            x = listed[child]
+            q = (
+                draft_probs[child]
+                if draft_probs is not None
+                else torch.zeros_like(remaining).index_fill_(0, tokens[child : child + 1], 1.0)
+            )
+            u = torch.rand((), generator=rng, device=p.device)
+            if bool(u * q[x] < remaining[x]):  # u < p / q without dividing by zero
+                path.append(child)
+                node = child
+                break
+            remaining = residual_distribution(remaining[None], q[None])[0]
+        else:  # every child rejected (or none): the next token comes from what is left of p
+            return TreeVerdict([path], draw(remaining[None], rng).tolist())

@@ -1,0 +1,245 @@
+"""Tree drafts: built, scored in one forward, verified exactly.
+
+Greedy: a tree of drafts gives the target-only tokens on every backend that scores trees (native, transformers'
+batched cache, single rows and batches). Sampling: the engine's output follows the target's law for deterministic
+trees and for trees whose siblings are independent draws, at several shapes, with a negative control.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import char_tokenizer, loaded, perturbed, tiny_gemma3, tiny_llama
+
+import specdec.verification.tree as tree_verifier
+from specdec import GenerationConfig, Generator, SamplingConfig
+from specdec.bench.lossless import TargetLaw, sequential_pvalue
+from specdec.config import GuardConfig, RuntimeConfig
+from specdec.drafters.base import DraftSettings, Proposal
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.errors import ConfigError
+from specdec.models import cpu_kernels
+from specdec.models.backend import tree_mask
+from specdec.verification.sampling import draw
+from specdec.verification.seeds import rng_on
+from specdec.verification.shaping import to_probs
+from specdec.verification.tree import verify_tree_greedy
+
+PROMPTS = ["the cat sat on the mat. the cat sat on the", "abc abd abc abd abc", "Hello, world! Hello, there! Hello, world!"]
+
+
+def test_a_tree_merges_shared_prefixes_within_its_budget() -> None:
+    tree = Proposal.tree([[1, 2, 3], [1, 2, 4], [5, 6]], budget=5)
+    assert tree.tokens.tolist() == [1, 2, 3, 4, 5]
+    assert tree.parents.tolist() == [-1, 0, 1, 1, -1]
+    assert tree.is_tree and not Proposal.tree([[1, 2, 3]], budget=5).is_tree
+    assert tree.cut(2).parents.tolist() == [-1, 0]
+
+
+def test_tree_mask_sees_the_chain_the_ancestors_and_itself() -> None:
+    mask = tree_mask(4, torch.tensor([-1, 0, -1]))  # one chain token, then nodes 0 -> 1 and 2
+    assert mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]
+    assert (mask.sum(1) - 1).tolist() == [0, 1, 2, 1]  # positions after the chain's start: depth + 1
+
+
+def test_greedy_tree_verdicts_for_a_batch() -> None:
+    """Row 0 follows its second root child then that child's child; row 1 matches nothing; row 2 has no nodes."""
+    vocab = 10
+    tokens = torch.tensor([[4, 7, 2, 8], [1, 2, 0, 0], [0, 0, 0, 0]])
+    parents = torch.tensor([[-1, -1, 1, 1], [-1, 0, -1, -1], [-1, -1, -1, -1]])
+    argmax = torch.tensor([[7, 0, 8, 0, 0], [3, 0, 0, 0, 0], [6, 0, 0, 0, 0]])  # column j + 1 judges node j's children
+    logits = torch.nn.functional.one_hot(argmax, vocab).float()
+    verdict = verify_tree_greedy(tokens, parents, torch.tensor([4, 2, 0]), logits)
+    assert verdict.paths == [[1, 3], [], []]
+    assert verdict.next_tokens == [0, 3, 6]
+
+
+def test_prompt_lookup_proposes_several_matches_as_a_tree() -> None:
+    drafter = PromptLookupDrafter()
+    drafter.begin(DraftSettings(branches=3))
+    context = torch.tensor([1, 2, 7, 8, 9, 1, 2, 3, 4, 5, 1, 2])
+    proposal = drafter.propose(context, 6)
+    assert proposal.is_tree
+    assert proposal.tokens.tolist() == [3, 4, 5, 1, 7, 8]  # the latest match first, then the earlier one
+    assert proposal.parents.tolist() == [-1, 0, 1, 2, -1, 4]
+    drafter.begin(DraftSettings())
+    assert not drafter.propose(context, 6).is_tree
+
+
+def _models():
+    tokenizer = char_tokenizer()
+    return tokenizer, {
+        "llama": tiny_llama(3, vocab=len(tokenizer), hidden=64, context=1024),
+        "gemma3": tiny_gemma3(3, vocab=len(tokenizer), hidden=64, head_dim=16, context=1024),  # sliding window 6
+    }
+
+
+RUNTIMES = ["transformers"] + (["native"] if cpu_kernels.compiled() is not None else [])
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_greedy_trees_give_the_target_only_tokens(monkeypatch: pytest.MonkeyPatch, family: str, runtime: str) -> None:
+    """Trees of prompt-lookup matches (4 branches), deeper than the sliding window, on one row; fewer steps than the target alone."""
+    tokenizer, model = _models()[0], _models()[1][family]
+    target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=RuntimeConfig(backend=runtime))
+    drafted = Generator(target.target, "prompt-lookup")
+    trees = _count_trees(drafted, monkeypatch)
+    for prompt in PROMPTS:
+        expected = target.generate(prompt, max_new_tokens=40, stop_on_eos=False)
+        got = drafted.generate(prompt, max_new_tokens=40, k=8, k_policy="fixed", branches=4, stop_on_eos=False)
+        assert got.token_ids == expected.token_ids, (family, runtime, prompt)
+        assert got.stats.target_forwards < expected.stats.target_forwards
+    assert trees[0] >= 3
+
+
+def test_greedy_trees_in_a_batch_give_the_target_only_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows with trees of different sizes, chains and plain steps in one batched forward (sliding window 6)."""
+    tokenizer, model = _models()[0], _models()[1]["gemma3"]
+    gen = Generator(loaded(model, tokenizer=tokenizer), "prompt-lookup")
+    expected = [gen.generate(p, max_new_tokens=30, k=1, k_policy="fixed", stop_on_eos=False).token_ids for p in PROMPTS]
+    configs = [
+        GenerationConfig(k=8, k_policy="fixed", branches=4, max_new_tokens=30, stop_on_eos=False),
+        GenerationConfig(k=5, k_policy="fixed", branches=2, max_new_tokens=30, stop_on_eos=False),
+        GenerationConfig(k=6, k_policy="fixed", max_new_tokens=30, stop_on_eos=False),
+    ]
+    trees = _count_trees(gen, monkeypatch)
+    results = gen.generate_batch(PROMPTS, configs)
+    assert [r.token_ids for r in results] == expected
+    assert trees[0] > 3
+
+
+def _count_trees(gen: Generator, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A counter of the tree proposals ``gen``'s drafter (and its forks) make."""
+    count = [0]
+    drafter_type = type(gen.drafter)
+    original = drafter_type.propose
+
+    def counting(self, context, k):
+        proposal = original(self, context, k)
+        count[0] += proposal.is_tree
+        return proposal
+
+    monkeypatch.setattr(drafter_type, "propose", counting)
+    return count
+
+
+VOCAB, PROMPT, NEW = 8, [1, 5, 3], 5
+SAMPLINGS = {"plain": SamplingConfig(temperature=1.0), "shaped": SamplingConfig(temperature=0.8, top_k=4, top_p=0.97)}
+MIN_PVALUE = 1e-3
+
+
+class ShapedTreeDrafter:
+    """Trees of a fixed shape from a draft model: a node's children are its top tokens (deterministic) or independent draws
+    from its shaped distribution (sampled, the distribution reported for each)."""
+
+    vocab_size = VOCAB
+    backend = None
+
+    def __init__(self, model, shape: tuple[int, ...], sampled: bool) -> None:
+        self.model, self.shape, self.sampled = model, shape, sampled
+        self.settings = DraftSettings()
+
+    def begin(self, settings: DraftSettings) -> None:
+        self.settings = settings
+
+    def accept(self, n: int) -> None:
+        pass
+
+    def fork(self) -> ShapedTreeDrafter:
+        return ShapedTreeDrafter(self.model, self.shape, self.sampled)
+
+    @torch.no_grad()
+    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+        tokens, parents, probs = [], [], []
+        level = [(-1, context.tolist())]
+        rng = rng_on(self.settings.seeds, torch.device("cpu"))
+        for width in self.shape:
+            deeper = []
+            for parent, path in level:
+                q = to_probs(self.model(torch.tensor([path])).logits[0, -1], self.settings.sampling)
+                children = draw(q.expand(width, -1), rng) if self.sampled else q.topk(width).indices
+                for token in children.tolist():
+                    if len(tokens) == k:
+                        break
+                    tokens.append(token)
+                    parents.append(parent)
+                    probs.append(q)
+                    deeper.append((len(tokens) - 1, path + [token]))
+            level = deeper
+        if not tokens:
+            return Proposal.empty()
+        return Proposal(torch.tensor(tokens), torch.stack(probs) if self.sampled else None, torch.tensor(parents))
+
+
+def _sample(gen: Generator, sampling: SamplingConfig, n: int, batched: bool) -> list[tuple[int, ...]]:
+    configs = [
+        GenerationConfig(k=8, k_policy="fixed", branches=4, max_new_tokens=NEW, stop_on_eos=False, sampling=sampling, seed=s)
+        for s in range(n)
+    ]
+    if not batched:
+        return [tuple(gen.generate(PROMPT, c).token_ids) for c in configs]
+    out = []
+    for start in range(0, n, 250):
+        part = configs[start : start + 250]
+        out += [tuple(r.token_ids) for r in gen.generate_batch([PROMPT] * len(part), part)]
+    return out
+
+
+class PathCounter:
+    """Counts the sampled tree verdicts by how they ended: down a later sibling, at a leaf with a bonus token, at the root."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.cases = {"later sibling": 0, "leaf bonus": 0, "root rejected": 0}
+        original = tree_verifier.verify_tree_sampled
+
+        def counting(tokens, parents, logits, probs, *args, **kwargs):
+            verdict = original(tokens, parents, logits, probs, *args, **kwargs)
+            path, listed = verdict.paths[0], parents.tolist()
+            self.cases["root rejected"] += not path
+            self.cases["later sibling"] += any(listed.index(listed[node]) != node for node in path)
+            self.cases["leaf bonus"] += bool(path) and path[-1] not in listed
+            return verdict
+
+        monkeypatch.setattr("specdec.engine.step.verify_tree_sampled", counting)
+
+
+SHAPES = {"wide": (4, 1), "binary": (2, 2, 2), "deep": (2, 1, 1, 2)}
+
+
+@pytest.mark.parametrize(
+    ("shape", "sampled", "sampling", "batched"),
+    [
+        ("wide", False, "shaped", True),
+        ("binary", True, "plain", True),
+        ("deep", True, "shaped", False),
+        ("binary", False, "plain", True),
+    ],
+)
+def test_sampled_trees_keep_the_target_law(
+    monkeypatch: pytest.MonkeyPatch, shape: str, sampled: bool, sampling: str, batched: bool
+) -> None:
+    target = tiny_llama(3, vocab=VOCAB, scale=0.15)
+    gen = Generator(loaded(target), ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES[shape], sampled))
+    counter = PathCounter(monkeypatch)
+    samples = _sample(gen, SAMPLINGS[sampling], 2000, batched)
+    assert all(count >= 20 for count in counter.cases.values()), counter.cases
+    pvalue, dof = sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS[sampling]))
+    assert dof > 50
+    assert pvalue > MIN_PVALUE
+
+
+def test_a_wrong_sibling_residual_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: trying the next sibling against p instead of norm(max(0, p - q)) must be caught."""
+    monkeypatch.setattr(tree_verifier, "residual_distribution", lambda p, q: p)
+    target = tiny_llama(3, vocab=VOCAB, scale=0.15)
+    gen = Generator(loaded(target), ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["wide"], sampled=True))
+    samples = _sample(gen, SAMPLINGS["plain"], 1500, batched=True)
+    assert sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["plain"]))[0] < MIN_PVALUE
+
+
+def test_tree_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="branches"):
+        GenerationConfig(branches=0)
+    with pytest.raises(ConfigError, match="guards"):
+        GenerationConfig(branches=2, guards=GuardConfig(repetition=True))
