@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -79,10 +79,17 @@ class OracleDrafter:
         return self  # the reference is set per run; the benchmark decodes one sequence at a time
 
 
+TREE_SUFFIX = "+tree"  # "prompt-lookup+tree": the drafter proposes trees of up to TREE_BRANCHES children per node
+TREE_BRANCHES = 4
+
+
 class SpecdecMethod:
     family = "specdec"
 
     def __init__(self, spec: str, target: Target, config: GenerationConfig, runtime: RuntimeConfig) -> None:
+        drafter_spec = spec.removesuffix(TREE_SUFFIX)
+        if drafter_spec != spec:
+            config = replace(config, branches=TREE_BRANCHES)
         self.k = config.k if spec != "none" else None
         self.k_policy = config.k_policy if spec != "none" else None
         if self.k is None:
@@ -91,7 +98,7 @@ class SpecdecMethod:
             policy = "" if config.k_policy == "fixed" else f"{config.k_policy}-"
             self.name = f"{spec}@{policy}k{config.k}"
         self.oracle = OracleDrafter() if spec == "oracle" else None
-        drafter = self.oracle or build_drafter(spec, target, runtime)
+        drafter = self.oracle or build_drafter(drafter_spec, target, runtime)
         self.generator = Generator(target, drafter, config)
 
     def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:

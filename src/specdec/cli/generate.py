@@ -11,6 +11,7 @@ from rich.table import Table
 
 from specdec.cli.options import (
     BackendOpt,
+    Branches,
     Draft,
     Dtype,
     KPolicyOpt,
@@ -44,6 +45,7 @@ def generate(
         GenerationConfig, "k"
     ),
     k_policy: KPolicyOpt = default(GenerationConfig, "k_policy"),
+    branches: Branches = default(GenerationConfig, "branches"),
     max_new_tokens: Annotated[int, typer.Option(help="Most new tokens to generate.")] = default(GenerationConfig, "max_new_tokens"),
     temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = default(SamplingConfig, "temperature"),
     top_k: Annotated[int | None, typer.Option(help="Keep only the k most likely tokens.")] = default(SamplingConfig, "top_k"),
@@ -86,6 +88,7 @@ def generate(
     config = GenerationConfig(
         k=k,
         k_policy=k_policy,
+        branches=branches,
         max_new_tokens=max_new_tokens,
         sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
         stop=tuple(stop or ()),

@@ -77,6 +77,12 @@ Threads = Annotated[int | None, typer.Option(help="CPU threads for llama.cpp (de
 KPolicyOpt = Annotated[
     str, typer.Option(help=f"How k is chosen per step: {', '.join(K_POLICIES)} (cost-model prices this machine's target forwards).")
 ]
+Branches = Annotated[
+    int,
+    typer.Option(
+        help="Most children of a draft node: 1 drafts chains; more lets prompt-lookup and eagle propose trees, verified in one forward (native and transformers)."
+    ),
+]
 Precision = Annotated[
     str | None,
     typer.Option(

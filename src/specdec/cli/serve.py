@@ -10,6 +10,7 @@ import typer
 
 from specdec.cli.options import (
     DRAFT_HELP,
+    Branches,
     Dtype,
     KPolicyOpt,
     default,
@@ -51,6 +52,7 @@ def serve(
         GenerationConfig, "k"
     ),
     k_policy: KPolicyOpt = default(GenerationConfig, "k_policy"),
+    branches: Branches = default(GenerationConfig, "branches"),
     window: Annotated[str, typer.Option(help="Batch speculation window: dynamic (capped by load) or fixed.")] = default(
         BatchConfig, "window"
     ),
@@ -168,7 +170,7 @@ def serve(
         body_timeout_s=body_timeout,
         keep_alive_s=keep_alive,
     )
-    config = GenerationConfig(k=k, k_policy=k_policy)
+    config = GenerationConfig(k=k, k_policy=k_policy, branches=branches)
     if backend == "llama.cpp":
         raise ConfigError("the server runs transformers or native targets (--backend transformers|native|auto), not llama.cpp")
     runtime = runtime_config(backend, dtype, None, None, precision)

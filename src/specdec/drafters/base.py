@@ -41,12 +41,15 @@ class Proposal:
     ``parents[i]``, or the context when that is -1. Siblings carry distinct
     tokens; with ``probs``, node i was drawn from ``probs[i]``, the draft's
     distribution after its parent, and siblings are independent draws from it.
-    ``parents`` None is a chain (node i follows node i - 1).
+    ``parents`` None is a chain (node i follows node i - 1). With ``scores``, the
+    nodes are listed best first (a parent scores at least its children), so the
+    engine may keep the best few (``cut``) when its costs say so.
     """
 
     tokens: torch.Tensor  # [n] long
     probs: torch.Tensor | None = None  # [n, V] float
     parents: torch.Tensor | None = None  # [n] long, each < its own index; None: a chain
+    scores: torch.Tensor | None = None  # [n] float: the drafter's estimate that each node is accepted, nodes listed best first
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -60,11 +63,7 @@ class Proposal:
         """The first ``length`` nodes (for a tree: those nearest the root first, as listed)."""
         if length >= len(self):
             return self
-        return Proposal(
-            self.tokens[:length],
-            None if self.probs is None else self.probs[:length],
-            None if self.parents is None else self.parents[:length],
-        )
+        return Proposal(*(None if t is None else t[:length] for t in (self.tokens, self.probs, self.parents, self.scores)))  # type: ignore[arg-type]
 
     @staticmethod
     def empty() -> Proposal:

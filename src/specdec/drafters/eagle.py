@@ -176,16 +176,16 @@ class EagleDrafter:
             if depth + 1 == min(self.max_depth, k) or length + depth + 1 >= self.head.config.max_position_embeddings:
                 break
             frontier = self._expand(expand, nodes, frontier, slots, shape, depth)
-        chosen = sorted(range(len(nodes)), key=lambda i: -nodes[i][0])[:k]
-        kept = set()
-        for i in sorted(chosen):  # listed level by level, so parents come first; a node whose parent fell out goes too
-            if nodes[i][2] < 0 or nodes[i][2] in kept:
-                kept.add(i)
-        order = sorted(kept)
+        # The k best nodes, best first (ties: shallower first), so a parent always precedes its children and the engine
+        # may keep any prefix of them (CostModelK.tree_size).
+        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], i))[:k]
+        index = {node: i for i, node in enumerate(order)}
+        order = [i for i in order if nodes[i][2] < 0 or nodes[i][2] in index]  # a node outranks its children; ties aside
         index = {node: i for i, node in enumerate(order)}
         tokens = self.keep_ids[torch.tensor([nodes[i][1] for i in order], dtype=torch.long, device=self.keep_ids.device)].cpu()
         parents = torch.tensor([index[nodes[i][2]] if nodes[i][2] >= 0 else -1 for i in order], dtype=torch.long)
-        return Proposal(tokens, None, parents if width > 1 else None)
+        scores = torch.tensor([nodes[i][0] for i in order])
+        return Proposal(tokens, None, parents if width > 1 else None, scores)
 
     def _expand(self, expand: list[int], nodes: list, frontier: list, slots: dict[int, int], shape, depth: int) -> list:
         """Run the head once over the nodes ``expand`` (each seeing the context and its ancestors); their distributions and features."""

@@ -24,7 +24,7 @@ Invariant between steps: the target's cache holds every token of a row but the p
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -130,12 +130,15 @@ def _draft(row: Row, window: int | None, max_context: int) -> Draft:
         return Draft(chosen, 0, Proposal.empty(), 0.0, anchored)
     start = time.perf_counter()
     proposal = row.drafter.propose(row.tokens, k)
+    tree_size = getattr(row.policy, "tree_size", None)  # a policy that prices nodes by their scores (cost-model)
+    if proposal.scores is not None and tree_size is not None:
+        proposal = proposal.cut(tree_size(proposal.scores, time.perf_counter() - start))
     if proposal.probs is None:  # a deterministic draft token that a guard blocks would only be rejected
         g0 = time.perf_counter()
         proposal = proposal.cut(row.guards.trim(row.tokens, proposal.tokens))
         row.stats.guard_s += time.perf_counter() - g0
     # The context lives on the host: draft tokens cross once (probabilities stay where they are, for the verifier).
-    proposal = Proposal(proposal.tokens.cpu(), proposal.probs, proposal.parents)
+    proposal = replace(proposal, tokens=proposal.tokens.cpu())
     return Draft(chosen, k, proposal, time.perf_counter() - start, anchored)
 
 

@@ -228,10 +228,25 @@ class CostModelK:
         self._draft_s_per_token = draft_s_per_token or 0.0
         self._chosen = 0
         self.min_confidence = 0.0
+        self.calibration = 1.0  # accepted nodes over the drafter's summed scores of the nodes verified: how far to trust its scores
+        self._predicted: float | None = None
 
     @property
     def acceptance(self) -> float:
         return self.estimate.value
+
+    def tree_size(self, scores: torch.Tensor, draft_s: float) -> int:
+        """How many of a scored proposal's best nodes to verify (EAGLE-2's reranking, priced by this machine's costs).
+
+        A node's score is the drafter's chance that it is accepted, so the best n nodes are expected to yield
+        1 + calibration * (their summed scores) tokens for a forward over n + 1 positions plus the drafting already done;
+        the n with the most tokens per second wins, and a tree never costs more per token than the chain would.
+        """
+        gains = torch.cat([torch.zeros(1), scores.float().cpu().cumsum(0)])[: self.max_k + 1]
+        rates = (1 + self.calibration * gains) / (torch.tensor(self._verify_s[: len(gains)]) + draft_s)
+        best = int(rates.argmax())
+        self._predicted = float(gains[best])
+        return best
 
     def expected_rate(self, k: int, a: float | None = None) -> float:
         """Expected tokens per second of a step drafting k tokens (at acceptance ``a``, by default the estimate)."""
@@ -245,6 +260,10 @@ class CostModelK:
 
     def observe(self, outcome: StepOutcome) -> None:
         self.estimate.observe(outcome.proposed, outcome.accepted)
+        if self._predicted:  # the scores' calibration, bounded so that one surprise cannot switch trees off or blow them up
+            ratio = outcome.accepted / self._predicted
+            self.calibration = min(3.0, max(0.2, self.calibration + 0.2 * (ratio - self.calibration)))
+        self._predicted = None
         if self._chosen and self._learn_draft_cost:
             per_token = outcome.draft_s / self._chosen
             self._draft_s_per_token += 0.5 * (per_token - self._draft_s_per_token)

@@ -127,9 +127,11 @@ class OpenAIRequest(_Strict):
     def generation_config(self, defaults: GenerationConfig, max_tokens: int) -> GenerationConfig:
         """The library's config for this request; an invalid sampling, guard or acceptance setting raises ConfigError."""
         sampling = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        plain = self.guards is None and self.typical_acceptance is None  # trees do not combine with guards or typical acceptance
         return GenerationConfig(
             k=defaults.k,
             k_policy=defaults.k_policy,
+            branches=defaults.branches if plain else 1,
             max_new_tokens=max_tokens,
             sampling=sampling,
             stop=self.stops,

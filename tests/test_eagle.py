@@ -1,0 +1,164 @@
+"""The feature-conditioned (eagle) head: hidden states from the backends, its distillation, lossless drafting as chains
+and trees on every backend that returns features, and tree sizes priced by the cost model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import char_tokenizer, loaded, tiny_gemma3, tiny_llama
+from test_distill import TEXT
+
+from specdec import GenerationConfig, Generator, SamplingConfig
+from specdec.bench.lossless import TargetLaw, sequential_pvalue
+from specdec.config import RuntimeConfig
+from specdec.drafters import build_drafter
+from specdec.drafters.eagle import EagleDrafter, build_eagle
+from specdec.errors import ConfigError
+from specdec.models import TransformersBackend, cpu_kernels, open_target
+from specdec.models.backend import OneRow
+from specdec.models.batched import BatchedTransformersBackend
+from specdec.scheduling import CostCurve
+from specdec.scheduling.k_policy import CostModelK, StepOutcome
+from specdec.training.distill import DistillConfig, DraftArch, distill
+
+PROMPTS = ["the cat sat on the mat. the cat sat on the", "abc abd abc abd abc", "Hello, world! Hello, there! Hello, world!"]
+RUNTIMES = ["transformers"] + (["native"] if cpu_kernels.compiled() is not None else [])
+
+
+def _models():
+    tokenizer = char_tokenizer()
+    return tokenizer, {
+        "llama": tiny_llama(3, vocab=len(tokenizer), hidden=64, context=1024),
+        "gemma3": tiny_gemma3(3, vocab=len(tokenizer), hidden=64, head_dim=16, context=1024),
+    }
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_backends_return_the_hidden_states_the_head_reads(family: str) -> None:
+    """From the same forward: the final hidden state of every fed position, whose output-head product is the logits."""
+    model = _models()[1][family]
+    ids = torch.randint(3, 60, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        reference = model(ids, output_hidden_states=True).hidden_states[-1][0]
+        head_logits = model.lm_head(reference[-3:])
+    single = TransformersBackend(model)
+    logits = single.forward(ids, last=3, features=True)
+    assert torch.allclose(single.last_features[0], reference, atol=1e-5)
+    assert torch.allclose(logits[0], head_logits, atol=1e-4)
+    batched = BatchedTransformersBackend(model)
+    batched.add_rows(2)
+    batched.forward([0, 1], [ids[0], ids[0, :7]], last=1, features=True)
+    assert [f.shape[0] for f in batched.last_features] == [12, 7]  # each row's real positions only
+    assert torch.allclose(batched.last_features[1], reference[:7], atol=1e-4)
+    if cpu_kernels.compiled() is not None:
+        native = open_target(loaded(model), RuntimeConfig(backend="native")).backend
+        row = OneRow(native)
+        row.add_rows(1)
+        row.forward([0], [ids[0]], last=1, features=True)
+        cosine = torch.nn.functional.cosine_similarity(row.last_features[0], reference, dim=-1)
+        assert float(cosine.min()) > 0.97  # int8 weights: close to transformers' float32, not equal
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_eagle_drafts_give_the_target_only_tokens(family: str, runtime: str) -> None:
+    """An untrained head (its guesses are poor, so rejections are frequent) as chains and trees."""
+    tokenizer, model = _models()[0], _models()[1][family]
+    target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=RuntimeConfig(backend=runtime))
+    head = build_eagle(model, torch.arange(len(tokenizer)))
+    drafted = Generator(target.target, EagleDrafter(head, target.backend.token_embeddings(), target.backend.vocab_size, min_score=0.0))
+    for prompt in PROMPTS:
+        expected = target.generate(prompt, max_new_tokens=30, stop_on_eos=False).token_ids
+        for branches in (1, 3):
+            got = drafted.generate(prompt, max_new_tokens=30, k=6, k_policy="fixed", branches=branches, stop_on_eos=False)
+            assert got.token_ids == expected, (family, runtime, branches, prompt)
+            assert got.stats.draft_tokens_proposed > 0
+
+
+def test_eagle_trees_in_a_batch_give_each_rows_own_tokens() -> None:
+    tokenizer, model = _models()[0], _models()[1]["gemma3"]
+    drafter = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer))), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
+    gen = Generator(loaded(model, tokenizer=tokenizer), drafter)
+    expected = [gen.generate(p, max_new_tokens=25, k=1, k_policy="fixed", stop_on_eos=False).token_ids for p in PROMPTS]
+    configs = [
+        GenerationConfig(k=k, k_policy="fixed", branches=b, max_new_tokens=25, stop_on_eos=False) for k, b in ((8, 4), (4, 1), (6, 2))
+    ]
+    assert [r.token_ids for r in gen.generate_batch(PROMPTS, configs)] == expected
+
+
+def test_sampled_eagle_trees_keep_the_target_law() -> None:
+    """The head's trees are deterministic (its top tokens): the target's draw decides; chi-square against the target's law."""
+    target = tiny_llama(3, vocab=8, scale=0.15)
+    drafter = EagleDrafter(build_eagle(target, torch.arange(8)), target.get_input_embeddings(), 8, min_score=0.0)
+    gen = Generator(loaded(target), drafter)
+    sampling = SamplingConfig(temperature=0.9, top_k=5)
+    configs = [
+        GenerationConfig(k=6, k_policy="fixed", branches=3, max_new_tokens=4, stop_on_eos=False, sampling=sampling, seed=s)
+        for s in range(1500)
+    ]
+    samples = []
+    for start in range(0, len(configs), 250):
+        part = configs[start : start + 250]
+        samples += [tuple(r.token_ids) for r in gen.generate_batch([[1, 5, 3]] * len(part), part)]
+    pvalue, dof = sequential_pvalue(samples, TargetLaw(target, [1, 5, 3], sampling))
+    assert dof > 30 and pvalue > 1e-3
+
+
+def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path) -> None:
+    tokenizer = char_tokenizer()
+    target = loaded(tiny_llama(0, vocab=len(tokenizer), layers=3), tokenizer=tokenizer)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 60)
+    config = DistillConfig(
+        data=(str(corpus),),
+        out=str(tmp_path / "head"),
+        arch=DraftArch.parse("eagle,keep=40"),
+        steps=40,
+        batch=4,
+        seq_len=32,
+        lr=3e-3,
+        teacher_tokens=4000,
+        top_k=8,
+        eval_every=40,
+        checkpoint_every=20,
+    )
+    assert config.arch.layers == 1 and str(config.arch) == "eagle,layers=1,keep=40"
+    record = distill(target, config)
+    first, last = record["evaluations"][0], record["evaluations"][-1]
+    assert last["held_out_loss"] < 0.8 * first["held_out_loss"]
+    assert last["top1_agreement"] > first["top1_agreement"]
+    drafter = build_drafter(f"model:{config.out}", open_target(target))
+    assert isinstance(drafter, EagleDrafter)
+    gen = Generator(target, drafter)
+    plain = Generator(target, "none").generate(TEXT[:20], max_new_tokens=30, stop_on_eos=False)
+    got = gen.generate(TEXT[:20], max_new_tokens=30, branches=2, stop_on_eos=False)
+    assert got.token_ids == plain.token_ids  # (a random target's output is nothing like the corpus: few drafts pass)
+    assert got.stats.draft_tokens_proposed > 0
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "teacher.pt").write_bytes((Path(config.out) / "teacher.pt").read_bytes())
+    with pytest.raises(ConfigError, match="another kind of draft"):  # its teacher data has hidden states
+        distill(target, DistillConfig(**{**config.__dict__, "arch": DraftArch(layers=1, keep=40), "out": str(other)}))
+
+
+def test_eagle_arch_errors() -> None:
+    with pytest.raises(ConfigError, match="eagle head takes"):
+        DraftArch.parse("eagle,exit=3")
+    with pytest.raises(ConfigError, match="bad --arch part"):
+        DraftArch.parse("eagles")
+
+
+def test_tree_size_follows_the_costs_and_learns_the_scores_calibration() -> None:
+    """Cheap verification keeps every useful node; expensive verification keeps only the likely ones; a drafter whose
+    scores are too hopeful is trusted less afterwards."""
+    scores = torch.tensor([0.9, 0.8, 0.6, 0.3, 0.1, 0.05])
+    cheap = CostModelK(8, CostCurve({1: 0.010, 9: 0.011}))
+    costly = CostModelK(8, CostCurve({1: 0.010, 9: 0.090}))
+    assert cheap.tree_size(scores, 0.0) == 6
+    assert costly.tree_size(scores, 0.0) < cheap.tree_size(scores, 0.0)
+    before = cheap.calibration
+    cheap.tree_size(scores, 0.0)
+    cheap.observe(StepOutcome(6, 0, 0.0, 10, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long)))
+    assert cheap.calibration < before
