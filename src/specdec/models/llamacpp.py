@@ -82,6 +82,10 @@ class LlamaCppBackend:
         self._batch = llama_cpp.llama_batch_init(batch, 0, 1)
         self._memory = llama_cpp.llama_get_memory(self.llama.ctx)
         self._length = 0
+        self._embeddings = False  # whether llama.cpp is asked for hidden states too
+        self._embedding: tuple[torch.Tensor, float] | None = None  # the input embedding table, read on first use
+        self.gguf = gguf
+        self.last_features: torch.Tensor | None = None
         self.eos_ids = end_of_generation_ids(self.llama)
         self.tokenizer = LlamaCppTokenizer(self.llama)
 
@@ -104,23 +108,51 @@ class LlamaCppBackend:
         self._lib.llama_memory_clear(self._memory, True)
         self._length = 0
 
-    def forward(self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
+    def token_embeddings(self):
+        """The model's input embedding as a function of token ids, read once from the GGUF file (a feature-conditioned draft embeds with it)."""
+        if self._embedding is None:
+            from gguf import GGUFReader
+            from gguf.quants import dequantize
+
+            tensor = next(t for t in GGUFReader(self.gguf).tensors if t.name == "token_embd.weight")
+            rows = dequantize(tensor.data, tensor.tensor_type).reshape(self.vocab_size, -1)
+            scale = self.llama.n_embd() ** 0.5 if "gemma" in self.llama.metadata.get("general.architecture", "") else 1.0
+            self._embedding = (torch.from_numpy(np.ascontiguousarray(rows)).to(torch.bfloat16), scale)
+        table, scale = self._embedding
+        return lambda ids: table[ids.cpu()].float() * scale
+
+    def forward(
+        self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None, features: bool = False
+    ) -> torch.Tensor:
         """Logits for the ``last`` positions; when they all come from one llama_decode call they are
-        returned without a copy, as a view of llama.cpp's buffer that stays valid until the next forward."""
+        returned without a copy, as a view of llama.cpp's buffer that stays valid until the next forward.
+
+        With ``features``, llama.cpp also returns its final hidden states (its "embeddings", after the final norm) from
+        the same decode; it returns them only for positions it computes logits for, so every fed position gets both.
+        """
         if tree is not None:
             raise ConfigError(TREES_UNSUPPORTED)
         ids = tokens[0].tolist()
         count = len(ids)
-        wanted = count if last is None else min(last, count)
-        pieces = []
+        wanted = count if last is None or features else min(last, count)
+        if features != self._embeddings:
+            self._lib.llama_set_embeddings(self.llama.ctx, features)
+            self._embeddings = features
+        pieces, states = [], []
         for start in range(0, count, self._batch_size):
             outputs = self._decode(ids[start : start + self._batch_size], start, first_output=count - wanted)
             if outputs:
                 view = np.ctypeslib.as_array(self._lib.llama_get_logits(self.llama.ctx), shape=(outputs, self.vocab_size))
                 final = start + self._batch_size >= count
                 pieces.append(view if final else view.copy())  # the next chunk's decode overwrites the buffer
+                if features:
+                    hidden = self._lib.llama_get_embeddings(self.llama.ctx)
+                    states.append(np.ctypeslib.as_array(hidden, shape=(outputs, self.llama.n_embd())).copy())
         self._length += count
         logits = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        self.last_features = torch.from_numpy(np.concatenate(states))[None] if features else None
+        if last is not None and features:
+            logits = logits[-last:]
         return torch.from_numpy(logits)[None]
 
     def _decode(self, chunk: list[int], start: int, first_output: int) -> int:
