@@ -15,10 +15,11 @@ import specdec.verification.tree as tree_verifier
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import GuardConfig, RuntimeConfig
+from specdec.drafters import ModelDrafter
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError
-from specdec.models import cpu_kernels
+from specdec.models import TransformersBackend, cpu_kernels
 from specdec.models.backend import tree_mask
 from specdec.verification.sampling import draw
 from specdec.verification.seeds import rng_on
@@ -243,3 +244,17 @@ def test_tree_settings_are_checked() -> None:
         GenerationConfig(branches=0)
     with pytest.raises(ConfigError, match="guards"):
         GenerationConfig(branches=2, guards=GuardConfig(repetition=True))
+
+
+def test_model_drafts_as_trees_give_the_target_only_tokens() -> None:
+    """A model draft's tree (its chain plus the next most likely tokens as leaves) on one row and in a batch."""
+    tokenizer, model = _models()[0], _models()[1]["llama"]
+    target = Generator(loaded(model, tokenizer=tokenizer), "none")
+    gen = Generator(target.target, ModelDrafter(TransformersBackend(perturbed(model, noise=0.3, seed=1))))
+    expected = [target.generate(p, max_new_tokens=30, stop_on_eos=False).token_ids for p in PROMPTS]
+    chains = [gen.generate(p, max_new_tokens=30, k=6, k_policy="fixed", stop_on_eos=False) for p in PROMPTS]
+    trees = [gen.generate(p, max_new_tokens=30, k=6, k_policy="fixed", branches=3, stop_on_eos=False) for p in PROMPTS]
+    assert [r.token_ids for r in trees] == expected == [r.token_ids for r in chains]
+    assert sum(r.stats.draft_tokens_accepted for r in trees) > sum(r.stats.draft_tokens_accepted for r in chains)
+    configs = [GenerationConfig(k=6, k_policy="fixed", branches=b, max_new_tokens=30, stop_on_eos=False) for b in (3, 1, 2)]
+    assert [r.token_ids for r in gen.generate_batch(PROMPTS, configs)] == expected

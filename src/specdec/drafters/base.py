@@ -93,7 +93,11 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    """Proposes up to k next tokens for the current context of one sequence."""
+    """Proposes up to k next tokens for the current context of one sequence.
+
+    Optional: a drafter with ``wants_features = True`` also gets ``observe_features(features)`` after every step, the
+    target's final hidden states [n, H] of the n positions its cache took in that step (drafters/eagle.py reads them).
+    """
 
     #: logits width for model drafters (checked against the target's); None for vocabulary-free drafters
     vocab_size: int | None

@@ -40,6 +40,8 @@ class ModelDrafter:
         # Feed whatever the cache has not seen yet: the tokens accepted since the last step.
         logits = self.backend.forward(context[None, self.backend.cached_length :], last=1)[0, -1]
         self._context_length = context.shape[0]
+        if self.settings.branches > 1:
+            return self._tree(logits, k)
         sampling = self.settings.sampling
         min_confidence = max(self.settings.min_confidence, self.min_confidence)
         tokens: list[torch.Tensor] = []
@@ -60,8 +62,32 @@ class ModelDrafter:
             return Proposal.empty()
         return Proposal(torch.cat(tokens), torch.stack(probs) if probs else None)
 
+    def _tree(self, logits: torch.Tensor, k: int) -> Proposal:
+        """A chain of the draft's most likely tokens with, at each depth, its next most likely ones as leaves beside it:
+        no more draft steps than the chain, and a second chance wherever the chain's token is rejected. Deterministic
+        (verification draws from the target and descends while the draw is a node), so exact when sampling too."""
+        width = self.settings.branches
+        tokens: list[int] = []
+        parents: list[int] = []
+        parent = -1
+        while len(tokens) < k:
+            top = torch.softmax(logits.float(), dim=-1).topk(min(width, k - len(tokens)))
+            if float(top.values[0]) < max(self.settings.min_confidence, self.min_confidence):
+                break  # the draft is unsure of its next token: stop here
+            chain = len(tokens)
+            tokens += top.indices.tolist()
+            parents += [parent] * len(top.indices)
+            parent = chain
+            if len(tokens) < k:
+                logits = self.backend.forward(top.indices[:1][None], last=1)[0, -1]
+        if not tokens:
+            return Proposal.empty()
+        return Proposal(torch.tensor(tokens, dtype=torch.long), None, torch.tensor(parents, dtype=torch.long))
+
     def accept(self, n: int) -> None:
         # Called only after a proposal. The cache holds the context plus the first k-1 drafts; keep the context plus the accepted ones.
+        # In a tree the last accepted node may be a leaf the cache never read: keep one fewer (the next step reads it).
+        n = n if self.settings.branches == 1 else max(n - 1, 0)
         self.backend.truncate(min(self._context_length + n, self.backend.cached_length))
 
     def fork(self) -> ModelDrafter:
