@@ -13,7 +13,7 @@ from test_distill import TEXT
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import RuntimeConfig
-from specdec.drafters import build_drafter
+from specdec.drafters import FallbackDrafter, PromptLookupDrafter, build_drafter
 from specdec.drafters.eagle import EagleDrafter, build_eagle
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend, cpu_kernels, open_target
@@ -75,6 +75,18 @@ def test_eagle_drafts_give_the_target_only_tokens(family: str, runtime: str) -> 
             got = drafted.generate(prompt, max_new_tokens=30, k=6, k_policy="fixed", branches=branches, stop_on_eos=False)
             assert got.token_ids == expected, (family, runtime, branches, prompt)
             assert got.stats.draft_tokens_proposed > 0
+
+
+def test_lookup_then_eagle_keeps_the_head_fed() -> None:
+    """Prompt lookup first, the head otherwise: the head reads every step's hidden states, whoever drafted."""
+    tokenizer, model = _models()[0], _models()[1]["llama"]
+    target = Generator(loaded(model, tokenizer=tokenizer), "none")
+    head = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer))), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
+    drafted = Generator(target.target, FallbackDrafter(PromptLookupDrafter(), head))
+    for prompt in PROMPTS:
+        expected = target.generate(prompt, max_new_tokens=30, stop_on_eos=False).token_ids
+        assert drafted.generate(prompt, max_new_tokens=30, k=6, k_policy="fixed", branches=2, stop_on_eos=False).token_ids == expected
+    assert drafted.drafter.wants_features and head.known > 0
 
 
 def test_eagle_trees_in_a_batch_give_each_rows_own_tokens() -> None:

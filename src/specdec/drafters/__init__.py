@@ -22,7 +22,7 @@ from specdec.models.precision import convert_draft
 from specdec.models.registry import bundled_draft
 
 DRAFT_SPECS = (
-    "none, prompt-lookup, lookup-then-draft (prompt lookup, then the distilled draft shipped for the target), eagle (the eagle head shipped for the target), ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
+    "none, prompt-lookup, lookup-then-draft (prompt lookup, then the distilled draft shipped for the target), eagle (the eagle head shipped for the target), lookup-then-eagle (prompt lookup, then the eagle head), ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
     "model:MODEL (transformers; a model with another tokenizer is re-tokenized; a folder from `specdec distill`), "
     "gguf:MODEL (llama.cpp)"
 )
@@ -59,14 +59,15 @@ def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeCon
                 "`specdec distill` and pass --draft model:DIR, or use --draft prompt-lookup"
             )
         return FallbackDrafter(PromptLookupDrafter(), _distilled(str(folder), target, runtime))
-    if spec == "eagle":
+    if spec in ("eagle", "lookup-then-eagle"):
         folder = bundled_draft(target.name, "eagle")
         if folder is None:
             raise ConfigError(
                 f"no eagle head ships with specdec for '{target.name}' (one does for gemma-3-270m): train one with "
                 "`specdec distill --arch eagle` and pass --draft model:DIR"
             )
-        return _eagle(str(folder), target)
+        head = _eagle(str(folder), target)
+        return head if spec == "eagle" else FallbackDrafter(PromptLookupDrafter(), head)
     if kind == "model" and is_distilled_draft(arg):
         return _eagle(arg, target) if read_meta(arg)["arch"].get("eagle") else _distilled(arg, target, runtime)
     if kind in ("model", "gguf") and arg:

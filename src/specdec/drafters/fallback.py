@@ -18,6 +18,8 @@ class FallbackDrafter:
         self.first, self.second = first, second
         self.vocab_size = second.vocab_size if second.vocab_size is not None else first.vocab_size
         self.backend = second.backend if second.backend is not None else first.backend  # the costlier one prices a draft token
+        self._readers = [d for d in (first, second) if getattr(d, "wants_features", False)]  # drafters of the target's hidden states
+        self.wants_features = bool(self._readers)
         self._last: Drafter = first
 
     def begin(self, settings: DraftSettings) -> None:
@@ -35,6 +37,10 @@ class FallbackDrafter:
 
     def accept(self, n: int) -> None:
         self._last.accept(n)
+
+    def observe_features(self, features: torch.Tensor) -> None:
+        for drafter in self._readers:  # every step, whichever drafted: a reader must see every position
+            drafter.observe_features(features)
 
     def fork(self) -> FallbackDrafter:
         return FallbackDrafter(self.first.fork(), self.second.fork())
