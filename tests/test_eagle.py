@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import char_tokenizer, loaded, tiny_gemma3, tiny_llama
-from test_distill import TEXT
+from conftest import char_tokenizer, loaded, tiny_llama
+from test_distill import TEXT, config
+from test_native import models
 
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
@@ -27,18 +28,10 @@ PROMPTS = ["the cat sat on the mat. the cat sat on the", "abc abd abc abd abc", 
 RUNTIMES = ["transformers"] + (["native"] if cpu_kernels.compiled() is not None else [])
 
 
-def _models():
-    tokenizer = char_tokenizer()
-    return tokenizer, {
-        "llama": tiny_llama(3, vocab=len(tokenizer), hidden=64, context=1024),
-        "gemma3": tiny_gemma3(3, vocab=len(tokenizer), hidden=64, head_dim=16, context=1024),
-    }
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_backends_return_the_hidden_states_the_head_reads(family: str) -> None:
     """From the same forward: the final hidden state of every fed position, whose output-head product is the logits."""
-    model = _models()[1][family]
+    model = models()[1][family]
     ids = torch.randint(3, 60, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         reference = model(ids, output_hidden_states=True).hidden_states[-1][0]
@@ -65,7 +58,7 @@ def test_backends_return_the_hidden_states_the_head_reads(family: str) -> None:
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_eagle_drafts_give_the_target_only_tokens(family: str, runtime: str) -> None:
     """An untrained head (its guesses are poor, so rejections are frequent) as chains and trees."""
-    tokenizer, model = _models()[0], _models()[1][family]
+    tokenizer, model = models()[0], models()[1][family]
     target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=RuntimeConfig(backend=runtime))
     head = build_eagle(model, torch.arange(len(tokenizer)))
     drafted = Generator(target.target, EagleDrafter(head, target.backend.token_embeddings(), target.backend.vocab_size, min_score=0.0))
@@ -79,7 +72,7 @@ def test_eagle_drafts_give_the_target_only_tokens(family: str, runtime: str) -> 
 
 def test_lookup_then_eagle_keeps_the_head_fed() -> None:
     """Prompt lookup first, the head otherwise: the head reads every step's hidden states, whoever drafted."""
-    tokenizer, model = _models()[0], _models()[1]["llama"]
+    tokenizer, model = models()[0], models()[1]["llama"]
     target = Generator(loaded(model, tokenizer=tokenizer), "none")
     head = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer))), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
     drafted = Generator(target.target, FallbackDrafter(PromptLookupDrafter(), head))
@@ -90,7 +83,7 @@ def test_lookup_then_eagle_keeps_the_head_fed() -> None:
 
 
 def test_eagle_trees_in_a_batch_give_each_rows_own_tokens() -> None:
-    tokenizer, model = _models()[0], _models()[1]["gemma3"]
+    tokenizer, model = models()[0], models()[1]["gemma3"]
     drafter = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer))), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
     gen = Generator(loaded(model, tokenizer=tokenizer), drafter)
     expected = [gen.generate(p, max_new_tokens=25, k=1, k_policy="fixed", stop_on_eos=False).token_ids for p in PROMPTS]
@@ -121,27 +114,13 @@ def test_sampled_eagle_trees_keep_the_target_law() -> None:
 def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path) -> None:
     tokenizer = char_tokenizer()
     target = loaded(tiny_llama(0, vocab=len(tokenizer), layers=3), tokenizer=tokenizer)
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT * 60)
-    config = DistillConfig(
-        data=(str(corpus),),
-        out=str(tmp_path / "head"),
-        arch=DraftArch.parse("eagle,keep=40"),
-        steps=40,
-        batch=4,
-        seq_len=32,
-        lr=3e-3,
-        teacher_tokens=4000,
-        top_k=8,
-        eval_every=40,
-        checkpoint_every=20,
-    )
-    assert config.arch.layers == 1 and str(config.arch) == "eagle,layers=1,keep=40"
-    record = distill(target, config)
+    settings = config(tmp_path, arch=DraftArch.parse("eagle,keep=40"), out=str(tmp_path / "head"), checkpoint_every=20)
+    assert settings.arch.layers == 1 and str(settings.arch) == "eagle,layers=1,keep=40"
+    record = distill(target, settings)
     first, last = record["evaluations"][0], record["evaluations"][-1]
     assert last["held_out_loss"] < 0.8 * first["held_out_loss"]
     assert last["top1_agreement"] > first["top1_agreement"]
-    drafter = build_drafter(f"model:{config.out}", open_target(target))
+    drafter = build_drafter(f"model:{settings.out}", open_target(target))
     assert isinstance(drafter, EagleDrafter)
     gen = Generator(target, drafter)
     plain = Generator(target, "none").generate(TEXT[:20], max_new_tokens=30, stop_on_eos=False)
@@ -150,9 +129,9 @@ def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path) -> None:
     assert got.stats.draft_tokens_proposed > 0
     other = tmp_path / "other"
     other.mkdir()
-    (other / "teacher.pt").write_bytes((Path(config.out) / "teacher.pt").read_bytes())
+    (other / "teacher.pt").write_bytes((Path(settings.out) / "teacher.pt").read_bytes())
     with pytest.raises(ConfigError, match="another kind of draft"):  # its teacher data has hidden states
-        distill(target, DistillConfig(**{**config.__dict__, "arch": DraftArch(layers=1, keep=40), "out": str(other)}))
+        distill(target, DistillConfig(**{**settings.__dict__, "arch": DraftArch(layers=1, keep=40), "out": str(other)}))
 
 
 def test_eagle_arch_errors() -> None:

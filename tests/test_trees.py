@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import char_tokenizer, loaded, perturbed, tiny_gemma3, tiny_llama
+from conftest import loaded, perturbed, tiny_llama
+from test_native import models
 
 import specdec.verification.tree as tree_verifier
 from specdec import GenerationConfig, Generator, SamplingConfig
@@ -67,14 +68,6 @@ def test_prompt_lookup_proposes_several_matches_as_a_tree() -> None:
     assert not drafter.propose(context, 6).is_tree
 
 
-def _models():
-    tokenizer = char_tokenizer()
-    return tokenizer, {
-        "llama": tiny_llama(3, vocab=len(tokenizer), hidden=64, context=1024),
-        "gemma3": tiny_gemma3(3, vocab=len(tokenizer), hidden=64, head_dim=16, context=1024),  # sliding window 6
-    }
-
-
 RUNTIMES = ["transformers"] + (["native"] if cpu_kernels.compiled() is not None else [])
 
 
@@ -82,7 +75,7 @@ RUNTIMES = ["transformers"] + (["native"] if cpu_kernels.compiled() is not None 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_greedy_trees_give_the_target_only_tokens(monkeypatch: pytest.MonkeyPatch, family: str, runtime: str) -> None:
     """Trees of prompt-lookup matches (4 branches), deeper than the sliding window, on one row; fewer steps than the target alone."""
-    tokenizer, model = _models()[0], _models()[1][family]
+    tokenizer, model = models()[0], models()[1][family]
     target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=RuntimeConfig(backend=runtime))
     drafted = Generator(target.target, "prompt-lookup")
     trees = _count_trees(drafted, monkeypatch)
@@ -96,7 +89,7 @@ def test_greedy_trees_give_the_target_only_tokens(monkeypatch: pytest.MonkeyPatc
 
 def test_greedy_trees_in_a_batch_give_the_target_only_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows with trees of different sizes, chains and plain steps in one batched forward (sliding window 6)."""
-    tokenizer, model = _models()[0], _models()[1]["gemma3"]
+    tokenizer, model = models()[0], models()[1]["gemma3"]
     gen = Generator(loaded(model, tokenizer=tokenizer), "prompt-lookup")
     expected = [gen.generate(p, max_new_tokens=30, k=1, k_policy="fixed", stop_on_eos=False).token_ids for p in PROMPTS]
     configs = [
@@ -248,7 +241,7 @@ def test_tree_settings_are_checked() -> None:
 
 def test_model_drafts_as_trees_give_the_target_only_tokens() -> None:
     """A model draft's tree (its chain plus the next most likely tokens as leaves) on one row and in a batch."""
-    tokenizer, model = _models()[0], _models()[1]["llama"]
+    tokenizer, model = models()[0], models()[1]["llama"]
     target = Generator(loaded(model, tokenizer=tokenizer), "none")
     gen = Generator(target.target, ModelDrafter(TransformersBackend(perturbed(model, noise=0.3, seed=1))))
     expected = [target.generate(p, max_new_tokens=30, stop_on_eos=False).token_ids for p in PROMPTS]
