@@ -59,6 +59,16 @@ class Proposal:
         """More than one node follows some node (a chain written with ``parents`` is not a tree)."""
         return self.parents is not None and bool((self.parents != torch.arange(-1, len(self) - 1)).any())
 
+    @property
+    def depth(self) -> int:
+        """Nodes on the longest path (a chain's length)."""
+        if self.parents is None:
+            return len(self)
+        depths: list[int] = []
+        for parent in self.parents.tolist():
+            depths.append(1 + (depths[parent] if parent >= 0 else 0))
+        return max(depths, default=0)
+
     def cut(self, length: int) -> Proposal:
         """The first ``length`` nodes (for a tree: those nearest the root first, as listed)."""
         if length >= len(self):

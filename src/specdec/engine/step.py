@@ -110,8 +110,9 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
         tokens = torch.cat([d.proposal.tokens[path], torch.tensor([next_token])])
         scored = logits[i, [0] + [j + 1 for j in path]]  # the target's logits along the kept path
         row.tokens = torch.cat([row.tokens, tokens])
-        row.policy.observe(StepOutcome(lengths[i], accepted, d.seconds, row.length, scored, tokens))
-        row.acceptance.observe(lengths[i], accepted)
+        depth = d.proposal.depth  # what a chain reaching as deep would have proposed: acceptance stays per position
+        row.policy.observe(StepOutcome(depth, accepted, d.seconds, row.length, scored, tokens))
+        row.acceptance.observe(depth, accepted)
         row.stats.record_step(d.chosen, d.k, lengths[i], accepted, len(tokens), d.seconds, t2 - t1, time.perf_counter() - row.started)
         row.stats.events += row.guards.settle(row.stats.new_tokens - len(tokens), accepted, d.anchored)
         if d.anchored:
@@ -123,16 +124,20 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
 
 def _draft(row: Row, window: int | None, max_context: int) -> Draft:
     chosen = row.policy.choose(row.length)
+    tree_size = getattr(row.policy, "tree_size", None)  # a policy that prices a scored proposal's nodes (cost-model)
+    # A tree row with such a policy asks for the most nodes: their scores, or else the policy's choice, cut them after.
+    wanted = row.config.k if row.config.branches > 1 and tree_size is not None else chosen
     limit = min(row.config.max_new_tokens - row.stats.new_tokens, max_context - row.length) - 1
-    k = max(0, min(chosen, limit, chosen if window is None else window))
+    k = max(0, min(wanted, limit, wanted if window is None else window))
     anchored = row.guards.anchor_due(row.stats.new_tokens)
     if anchored or not k:
         return Draft(chosen, 0, Proposal.empty(), 0.0, anchored)
     start = time.perf_counter()
     proposal = row.drafter.propose(row.tokens, k)
-    tree_size = getattr(row.policy, "tree_size", None)  # a policy that prices nodes by their scores (cost-model)
     if proposal.scores is not None and tree_size is not None:
         proposal = proposal.cut(tree_size(proposal.scores, time.perf_counter() - start))
+    elif wanted != chosen:
+        proposal = proposal.cut(chosen)
     if proposal.probs is None:  # a deterministic draft token that a guard blocks would only be rejected
         g0 = time.perf_counter()
         proposal = proposal.cut(row.guards.trim(row.tokens, proposal.tokens))
