@@ -13,7 +13,7 @@ from test_native import models
 
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
-from specdec.config import RuntimeConfig
+from specdec.config import BatchConfig, RuntimeConfig
 from specdec.drafters import FallbackDrafter, PromptLookupDrafter, build_drafter
 from specdec.drafters.eagle import EagleDrafter, build_eagle
 from specdec.errors import ConfigError
@@ -85,7 +85,7 @@ def test_lookup_then_eagle_keeps_the_head_fed() -> None:
 def test_eagle_trees_in_a_batch_give_each_rows_own_tokens() -> None:
     tokenizer, model = models()[0], models()[1]["gemma3"]
     drafter = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer))), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
-    gen = Generator(loaded(model, tokenizer=tokenizer), drafter)
+    gen = Generator(loaded(model, tokenizer=tokenizer), drafter, batch=BatchConfig(window="fixed"))  # k as configured
     expected = [gen.generate(p, max_new_tokens=25, k=1, k_policy="fixed", stop_on_eos=False).token_ids for p in PROMPTS]
     configs = [
         GenerationConfig(k=k, k_policy="fixed", branches=b, max_new_tokens=25, stop_on_eos=False) for k, b in ((8, 4), (4, 1), (6, 2))

@@ -15,7 +15,7 @@ from test_native import models
 import specdec.verification.tree as tree_verifier
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
-from specdec.config import GuardConfig, RuntimeConfig
+from specdec.config import BatchConfig, GuardConfig, RuntimeConfig
 from specdec.drafters import ModelDrafter
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
@@ -68,6 +68,7 @@ def test_prompt_lookup_proposes_several_matches_as_a_tree() -> None:
     assert not drafter.propose(context, 6).is_tree
 
 
+FIXED = BatchConfig(window="fixed")
 RUNTIMES = ["transformers"] + (["native"] if cpu_kernels.compiled() is not None else [])
 
 
@@ -90,7 +91,7 @@ def test_greedy_trees_give_the_target_only_tokens(monkeypatch: pytest.MonkeyPatc
 def test_greedy_trees_in_a_batch_give_the_target_only_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows with trees of different sizes, chains and plain steps in one batched forward (sliding window 6)."""
     tokenizer, model = models()[0], models()[1]["gemma3"]
-    gen = Generator(loaded(model, tokenizer=tokenizer), "prompt-lookup")
+    gen = Generator(loaded(model, tokenizer=tokenizer), "prompt-lookup", batch=FIXED)  # k as configured, whatever the timings
     expected = [gen.generate(p, max_new_tokens=30, k=1, k_policy="fixed", stop_on_eos=False).token_ids for p in PROMPTS]
     configs = [
         GenerationConfig(k=8, k_policy="fixed", branches=4, max_new_tokens=30, stop_on_eos=False),
@@ -243,7 +244,7 @@ def test_model_drafts_as_trees_give_the_target_only_tokens() -> None:
     """A model draft's tree (its chain plus the next most likely tokens as leaves) on one row and in a batch."""
     tokenizer, model = models()[0], models()[1]["llama"]
     target = Generator(loaded(model, tokenizer=tokenizer), "none")
-    gen = Generator(target.target, ModelDrafter(TransformersBackend(perturbed(model, noise=0.3, seed=1))))
+    gen = Generator(target.target, ModelDrafter(TransformersBackend(perturbed(model, noise=0.3, seed=1))), batch=FIXED)
     expected = [target.generate(p, max_new_tokens=30, stop_on_eos=False).token_ids for p in PROMPTS]
     chains = [gen.generate(p, max_new_tokens=30, k=6, k_policy="fixed", stop_on_eos=False) for p in PROMPTS]
     trees = [gen.generate(p, max_new_tokens=30, k=6, k_policy="fixed", branches=3, stop_on_eos=False) for p in PROMPTS]
