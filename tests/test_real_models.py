@@ -113,3 +113,25 @@ def test_native_backend_speculation_equals_its_own_target_only(target: str) -> N
     if target == "gemma-3-270m":
         with pytest.raises(ConfigError, match="distilled draft runs on the target's own embedding"):
             Generator(baseline.target, "lookup-then-draft", runtime=runtime)
+
+
+@pytest.mark.parametrize(("backend", "branches"), [("native", 4), ("transformers", 4), ("llama.cpp", 1)])
+def test_gemma_eagle_head_is_identical_as_chain_and_tree(backend: str, branches: int) -> None:
+    """The shipped eagle head on the real Gemma: each backend's own target-only tokens, with drafts accepted."""
+    from specdec.config import RuntimeConfig
+    from specdec.models import cpu_kernels
+
+    if backend == "native" and cpu_kernels.compiled() is None:
+        pytest.skip("the native backend needs AVX-512 VNNI and g++")
+    if backend == "llama.cpp":
+        pytest.importorskip("llama_cpp")
+    runtime = RuntimeConfig(backend=backend)
+    baseline = Generator("gemma-3-270m", "none", runtime=runtime)
+    drafted = Generator(baseline.target, "eagle", runtime=runtime)
+    accepted = 0
+    for prompt in PROMPTS[1:]:
+        expected = baseline.generate(prompt, max_new_tokens=24)
+        got = drafted.generate(prompt, max_new_tokens=24, k=8, branches=branches)
+        assert got.token_ids == expected.token_ids, (backend, prompt)
+        accepted += got.stats.draft_tokens_accepted
+    assert accepted > 0, backend

@@ -731,3 +731,26 @@ def test_sigterm_ends_every_request_in_its_protocol_and_exits_0(slow_folder: Pat
     assert status == 503 and json.loads(text)["error"]["type"] == "server_error", text
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health", timeout=2)
+
+
+def test_tree_drafts_through_the_server(folder: Path, local: Generator) -> None:
+    """`serve --branches 3`: concurrent rows carry trees of their own sizes in one batch; output is the target's own,
+    and a request with guards (which trees do not combine with) decodes with chains."""
+    args = ["--draft", "prompt-lookup", "--k", "6", "--k-policy", "fixed", "--window", "fixed", "--branches", "3", "--max-batch", "8"]
+    server = Server(str(folder), *args)
+    try:
+        model = server.client.models.list().data[0].id
+        prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(8)]
+        expected = [local.generate(p, max_new_tokens=20 + i).text for i, p in enumerate(prompts)]
+
+        def ask(i: int) -> str:
+            return server.client.completions.create(model=model, prompt=prompts[i], max_tokens=20 + i, temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(ask, range(8))) == expected
+        guarded = {"guards": {"repetition": True, "loop_repeats": 2, "loop_min_span": 4}}
+        config = GenerationConfig(k=6, k_policy="fixed", max_new_tokens=30, guards=GuardConfig(**guarded["guards"]))
+        got = server.client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=30, temperature=0, extra_body=guarded)
+        assert got.choices[0].text == local.generate(PROMPTS[0], config).text
+    finally:
+        server.stop()
