@@ -237,8 +237,22 @@ def build_method(spec: str, target: Target, hf_model: LoadedModel | None, config
 
 def check_method(spec: str, target: str) -> str | None:
     """Validate a method name before loading anything; return a note when it must be skipped."""
+    drafter = spec.removesuffix(TREE_SUFFIX)
+    if drafter != spec and (drafter in ("none", "oracle") or drafter.startswith(PEER_PREFIXES)):
+        raise ConfigError(f"'{spec}': {TREE_SUFFIX} goes after a specdec drafter (for example prompt-lookup{TREE_SUFFIX})")
+    spec = drafter
     kind, _, model = spec.partition(":")
-    if spec in ("none", "oracle", "prompt-lookup", "lookup-then-draft", "default", "hf-greedy", "hf-prompt-lookup"):
+    if spec in (
+        "none",
+        "oracle",
+        "prompt-lookup",
+        "lookup-then-draft",
+        "default",
+        "eagle",
+        "lookup-then-eagle",
+        "hf-greedy",
+        "hf-prompt-lookup",
+    ):
         return None
     if kind in ("model", "gguf", "hf-assisted", "ngram", "layerskip") and model:
         return None

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec.bench.batch import BatchBenchConfig
-from specdec.bench.methods import PEER_METHODS
+from specdec.bench.methods import PEER_METHODS, TREE_BRANCHES, TREE_SUFFIX
 from specdec.bench.quality import QualityBenchConfig
 from specdec.bench.runner import BenchConfig
 from specdec.bench.serve_load import LoadConfig
@@ -51,9 +51,12 @@ from specdec.models import DEFAULT_TARGET
 def bench(
     prompts: Prompts = default(BenchConfig, "prompts"),
     target: Target = DEFAULT_TARGET,
-    methods: Annotated[str, typer.Option(help=f"Comma-separated: drafters ({DRAFT_SPECS}), oracle, peers ({PEER_METHODS}).")] = ",".join(
-        default(BenchConfig, "methods")
-    ),
+    methods: Annotated[
+        str,
+        typer.Option(
+            help=f"Comma-separated: drafters ({DRAFT_SPECS}), each also as DRAFTER{TREE_SUFFIX} (trees of up to {TREE_BRANCHES} children per node), oracle, peers ({PEER_METHODS})."
+        ),
+    ] = ",".join(default(BenchConfig, "methods")),
     k: Annotated[
         str,
         typer.Option(
