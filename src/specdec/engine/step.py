@@ -108,7 +108,7 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
             fed, context = target.last_features[i], len(feeds[i]) - lengths[i]
             row.drafter.observe_features(torch.cat([fed[:context], fed[context + torch.tensor(path, dtype=torch.long)]]))
         tokens = torch.cat([d.proposal.tokens[path], torch.tensor([next_token])])
-        scored = logits[i, [0] + [j + 1 for j in path]]  # the target's logits along the kept path
+        scored = logits[i, : accepted + 1] if trees[i] is None else logits[i, [0] + [j + 1 for j in path]]  # along the kept path
         row.tokens = torch.cat([row.tokens, tokens])
         depth = d.proposal.depth  # what a chain reaching as deep would have proposed: acceptance stays per position
         row.policy.observe(StepOutcome(depth, accepted, d.seconds, row.length, scored, tokens))
