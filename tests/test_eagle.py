@@ -60,7 +60,7 @@ def test_eagle_drafts_give_the_target_only_tokens(family: str, runtime: str) -> 
     """An untrained head (its guesses are poor, so rejections are frequent) as chains and trees."""
     tokenizer, model = models()[0], models()[1][family]
     target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=RuntimeConfig(backend=runtime))
-    head = build_eagle(model, torch.arange(len(tokenizer)))
+    head = build_eagle(model, torch.arange(len(tokenizer)), 1)
     drafted = Generator(target.target, EagleDrafter(head, target.backend.token_embeddings(), target.backend.vocab_size, min_score=0.0))
     for prompt in PROMPTS:
         expected = target.generate(prompt, max_new_tokens=30, stop_on_eos=False).token_ids
@@ -74,7 +74,7 @@ def test_lookup_then_eagle_keeps_the_head_fed() -> None:
     """Prompt lookup first, the head otherwise: the head reads every step's hidden states, whoever drafted."""
     tokenizer, model = models()[0], models()[1]["llama"]
     target = Generator(loaded(model, tokenizer=tokenizer), "none")
-    head = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer))), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
+    head = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
     drafted = Generator(target.target, FallbackDrafter(PromptLookupDrafter(), head))
     for prompt in PROMPTS:
         expected = target.generate(prompt, max_new_tokens=30, stop_on_eos=False).token_ids
@@ -84,7 +84,7 @@ def test_lookup_then_eagle_keeps_the_head_fed() -> None:
 
 def test_eagle_trees_in_a_batch_give_each_rows_own_tokens() -> None:
     tokenizer, model = models()[0], models()[1]["gemma3"]
-    drafter = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer))), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
+    drafter = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
     gen = Generator(loaded(model, tokenizer=tokenizer), drafter, batch=BatchConfig(window="fixed"))  # k as configured
     expected = [gen.generate(p, max_new_tokens=25, k=1, k_policy="fixed", stop_on_eos=False).token_ids for p in PROMPTS]
     configs = [
@@ -96,7 +96,7 @@ def test_eagle_trees_in_a_batch_give_each_rows_own_tokens() -> None:
 def test_sampled_eagle_trees_keep_the_target_law() -> None:
     """The head's trees are deterministic (its top tokens): the target's draw decides; chi-square against the target's law."""
     target = tiny_llama(3, vocab=8, scale=0.15)
-    drafter = EagleDrafter(build_eagle(target, torch.arange(8)), target.get_input_embeddings(), 8, min_score=0.0)
+    drafter = EagleDrafter(build_eagle(target, torch.arange(8), 1), target.get_input_embeddings(), 8, min_score=0.0)
     gen = Generator(loaded(target), drafter)
     sampling = SamplingConfig(temperature=0.9, top_k=5)
     configs = [
@@ -153,3 +153,23 @@ def test_tree_size_follows_the_costs_and_learns_the_scores_calibration() -> None
     cheap.tree_size(scores, 0.0)
     cheap.observe(StepOutcome(6, 0, 0.0, 10, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long)))
     assert cheap.calibration < before
+
+
+def test_eagle_survives_one_token_prompts_and_anchor_steps() -> None:
+    """A one-token prompt, and a guard's anchor steps (the drafter starts over mid-sequence): still drafting, still lossless."""
+    from specdec.config import GuardConfig
+
+    tokenizer, model = models()[0], models()[1]["llama"]
+    target = Generator(loaded(model, tokenizer=tokenizer), "none")
+    drafter = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
+    gen = Generator(target.target, drafter)
+    one = [int(tokenizer("a")["input_ids"][-1])]
+    assert (
+        gen.generate(one, max_new_tokens=12, stop_on_eos=False, k_policy="fixed").token_ids
+        == target.generate(one, max_new_tokens=12, stop_on_eos=False).token_ids
+    )
+    anchored = GenerationConfig(k=4, k_policy="fixed", max_new_tokens=40, stop_on_eos=False, guards=GuardConfig(anchor_every=8))
+    got = gen.generate(PROMPTS[0], anchored)
+    assert got.token_ids == target.generate(PROMPTS[0], anchored).token_ids
+    assert got.stats.anchors >= 3
+    assert any(got.stats.proposed_per_step[-6:]), "the head drafts again after the anchors"

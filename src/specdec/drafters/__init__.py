@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
+import torch
+
 from specdec.config import RuntimeConfig
 from specdec.drafters.base import Drafter, DraftSettings, Proposal
 from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter
@@ -83,8 +85,10 @@ def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeCon
 def _eagle(folder: str, target: Target) -> EagleDrafter:
     embeddings = getattr(target.backend, "token_embeddings", None)
     if embeddings is None:
-        raise ConfigError("an eagle head drafts from the target's hidden states: use --backend native or transformers")
-    return load_eagle(folder, embeddings(), target.backend.vocab_size)
+        raise ConfigError(
+            "an eagle head drafts from the target's hidden states and embedding: use --backend native, transformers or llama.cpp"
+        )
+    return load_eagle(folder, embeddings(), target.backend.vocab_size, getattr(target.backend, "device", torch.device("cpu")))
 
 
 def _distilled(folder: str, target: Target, runtime: RuntimeConfig) -> ModelDrafter:

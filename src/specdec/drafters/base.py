@@ -38,9 +38,10 @@ class Proposal:
     Its tensors may live on the drafter's device; the engine moves them to the target's.
 
     A tree (``parents`` set) lists its nodes parents first: node i follows node
-    ``parents[i]``, or the context when that is -1. Siblings carry distinct
-    tokens; with ``probs``, node i was drawn from ``probs[i]``, the draft's
-    distribution after its parent, and siblings are independent draws from it.
+    ``parents[i]``, or the context when that is -1. Deterministic siblings carry
+    distinct tokens; with ``probs``, node i was drawn from ``probs[i]``, the
+    draft's distribution after its parent, and siblings are independent draws
+    from it (with replacement: they may repeat a token).
     ``parents`` None is a chain (node i follows node i - 1). With ``scores``, the
     nodes are listed best first (a parent scores at least its children), so the
     engine may keep the best few (``cut``) when its costs say so.

@@ -44,7 +44,7 @@ MIN_SCORE = 0.02  # a node the head gives less than this chance of being reached
 Embed = Callable[[torch.Tensor], torch.Tensor]  # the target's input embedding, scale included (Backend.token_embeddings)
 
 
-def build_eagle(target: PreTrainedModel, keep_ids: torch.Tensor, layers: int = 1) -> PreTrainedModel:
+def build_eagle(target: PreTrainedModel, keep_ids: torch.Tensor, layers: int) -> PreTrainedModel:
     """A new head for ``target``: ``fc`` (2H -> H), ``layers`` decoder layers (full attention) started as copies of the target's
     last ones, a norm, and the target's output rows for ``keep_ids`` as its (frozen) output head."""
     rows = target.get_output_embeddings().weight.detach()[keep_ids].clone()
@@ -105,6 +105,7 @@ class EagleDrafter:
 
     backend = None  # the head is not a Backend: its cost is learned from measured drafting time
     wants_features = True
+    scored = True  # its proposals carry scores: the engine asks for the most nodes and keeps the ones worth verifying
 
     def __init__(
         self, head: PreTrainedModel, embed: Embed, full_vocab: int, max_depth: int = MAX_DEPTH, min_score: float = MIN_SCORE
@@ -138,7 +139,9 @@ class EagleDrafter:
     @torch.inference_mode()
     def propose(self, context: torch.Tensor, k: int) -> Proposal:
         length = context.shape[0]
-        if self.known < length - 1 or k < 1:  # the first step: the target has not read the prompt yet
+        if self.read == 0 and 0 < self.known < length - 1:  # begun mid-sequence (a guard's anchor): read from the first position it has
+            self.read = length - 1 - self.known
+        if self.known == 0 or k < 1:  # the first step: the target has not read the prompt yet
             return Proposal.empty()
         # Read the new context pairs (f_t, x_{t+1}) with the target's features: their last output drafts x_length.
         features = torch.cat(self.features)[: length - 1 - self.read]
@@ -176,11 +179,9 @@ class EagleDrafter:
             if depth + 1 == min(self.max_depth, k) or length + depth + 1 >= self.head.config.max_position_embeddings:
                 break
             frontier = self._expand(expand, nodes, frontier, slots, shape, depth)
-        # The k best nodes, best first (ties: shallower first), so a parent always precedes its children and the engine
-        # may keep any prefix of them (CostModelK.tree_size).
+        # The k best nodes, best first (ties: shallower first): a node's score is its parent's times a probability, so a
+        # parent always precedes its children and the engine may keep any prefix of them (CostModelK.tree_size).
         order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], i))[:k]
-        index = {node: i for i, node in enumerate(order)}
-        order = [i for i in order if nodes[i][2] < 0 or nodes[i][2] in index]  # a node outranks its children; ties aside
         index = {node: i for i, node in enumerate(order)}
         tokens = self.keep_ids[torch.tensor([nodes[i][1] for i in order], dtype=torch.long, device=self.keep_ids.device)].cpu()
         parents = torch.tensor([index[nodes[i][2]] if nodes[i][2] >= 0 else -1 for i in order], dtype=torch.long)
@@ -211,8 +212,10 @@ class EagleDrafter:
         return [(node, nodes[node][0], shape(logits[0, row]), out[0, row]) for row, node in enumerate(expand)]
 
 
-def load_eagle(folder: str | Path, embed: Embed, full_vocab: int, dtype: torch.dtype = torch.float32) -> EagleDrafter:
-    """The head saved in ``folder`` by ``specdec distill --arch eagle``, drafting for a target with input embedding ``embed``."""
+def load_eagle(
+    folder: str | Path, embed: Embed, full_vocab: int, device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32
+) -> EagleDrafter:
+    """The head saved in ``folder`` by ``specdec distill --arch eagle``, on ``device``, drafting for a target with input embedding ``embed``."""
     tensors = load_file(str(Path(folder) / "model.safetensors"))
     keep_ids, rows = tensors.pop("keep_ids"), tensors.pop("lm_head.weight").to(dtype)
     if int(keep_ids.max()) >= full_vocab:
@@ -227,6 +230,7 @@ def load_eagle(folder: str | Path, embed: Embed, full_vocab: int, dtype: torch.d
             f"'{folder}' is not an eagle head of this version (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
         )
     head.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
-    if embed(torch.zeros(1, dtype=torch.long)).shape[-1] != rows.shape[1]:
+    head.to(device)
+    if embed(torch.zeros(1, dtype=torch.long, device=device)).shape[-1] != rows.shape[1]:
         raise ConfigError(f"eagle head '{folder}' has hidden size {rows.shape[1]}, unlike this target: use it with its own target")
     return EagleDrafter(head.eval(), embed, full_vocab)

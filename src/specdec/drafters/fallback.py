@@ -20,6 +20,7 @@ class FallbackDrafter:
         self.backend = second.backend if second.backend is not None else first.backend  # the costlier one prices a draft token
         self._readers = [d for d in (first, second) if getattr(d, "wants_features", False)]  # drafters of the target's hidden states
         self.wants_features = bool(self._readers)
+        self.scored = getattr(second, "scored", False)  # its proposals may carry scores (the first's are cut to the policy's k)
         self._last: Drafter = first
 
     def begin(self, settings: DraftSettings) -> None:

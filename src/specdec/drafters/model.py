@@ -43,7 +43,7 @@ class ModelDrafter:
         if self.settings.branches > 1:
             return self._tree(logits, k)
         sampling = self.settings.sampling
-        min_confidence = max(self.settings.min_confidence, self.min_confidence)
+        min_confidence = self.floor
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
@@ -62,6 +62,11 @@ class ModelDrafter:
             return Proposal.empty()
         return Proposal(torch.cat(tokens), torch.stack(probs) if probs else None)
 
+    @property
+    def floor(self) -> float:
+        """The confidence below which it stops: its own calibrated floor or the k policy's, whichever is higher."""
+        return max(self.settings.min_confidence, self.min_confidence)
+
     def _tree(self, logits: torch.Tensor, k: int) -> Proposal:
         """A chain of the draft's most likely tokens with, at each depth, its next most likely ones as leaves beside it:
         no more draft steps than the chain, and a second chance wherever the chain's token is rejected. Deterministic
@@ -72,7 +77,7 @@ class ModelDrafter:
         parent = -1
         while len(tokens) < k:
             top = torch.softmax(logits.float(), dim=-1).topk(min(width, k - len(tokens)))
-            if float(top.values[0]) < max(self.settings.min_confidence, self.min_confidence):
+            if float(top.values[0]) < self.floor:
                 break  # the draft is unsure of its next token: stop here
             chain = len(tokens)
             tokens += top.indices.tolist()

@@ -125,8 +125,10 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
 def _draft(row: Row, window: int | None, max_context: int) -> Draft:
     chosen = row.policy.choose(row.length)
     tree_size = getattr(row.policy, "tree_size", None)  # a policy that prices a scored proposal's nodes (cost-model)
-    # A tree row with such a policy asks for the most nodes: their scores, or else the policy's choice, cut them after.
-    wanted = row.config.k if row.config.branches > 1 and tree_size is not None else chosen
+    # A tree row of a scoring drafter under such a policy asks for the most nodes: their scores (or, for a proposal without
+    # scores, the policy's choice) cut them after. Other rows draft what the policy chose.
+    scored = row.config.branches > 1 and tree_size is not None and getattr(row.drafter, "scored", False)
+    wanted = row.config.k if scored else chosen
     limit = min(row.config.max_new_tokens - row.stats.new_tokens, max_context - row.length) - 1
     k = max(0, min(wanted, limit, wanted if window is None else window))
     anchored = row.guards.anchor_due(row.stats.new_tokens)

@@ -100,6 +100,12 @@ class RowBackend(Protocol):
         ...
 
 
+def keep_branch(cache: torch.Tensor, dim: int, length: int, branch: list[int]) -> None:
+    """Move the cached entries at positions ``branch`` (along ``dim``) to positions length - len(branch) .. length - 1, in place."""
+    source, target = torch.tensor(branch, device=cache.device), torch.arange(length - len(branch), length, device=cache.device)
+    cache.index_copy_(dim, target, cache.index_select(dim, source))
+
+
 def tree_mask(length: int, parents: torch.Tensor) -> torch.Tensor:
     """Which of ``length`` new positions each one sees when the last len(parents) are a tree and the rest a chain: bool [length, length].
 

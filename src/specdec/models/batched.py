@@ -22,7 +22,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from specdec.errors import ConfigError
-from specdec.models.backend import model_identity, tree_mask
+from specdec.models.backend import keep_branch, model_identity, tree_mask
 from specdec.models.cuda_graphs import CudaGraphs
 from specdec.models.precision import PADDED_ATTENTION
 
@@ -138,9 +138,8 @@ class BatchedTransformersBackend:
         if not 0 <= length <= self.lengths[row]:
             raise ValueError(f"cannot truncate row {row} of {self.lengths[row]} positions to {length}")
         if branch:  # a tree's accepted path moves next to the positions before it, so that slots equal positions again
-            source, target = torch.tensor(branch), torch.arange(length - len(branch), length)
             for buffer in self.cache.keys + self.cache.values:
-                buffer[row, :, target] = buffer[row, :, source]
+                keep_branch(buffer[row], 1, length, branch)
         self.lengths[row] = length
 
     @torch.inference_mode()

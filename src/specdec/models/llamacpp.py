@@ -138,21 +138,25 @@ class LlamaCppBackend:
         if features != self._embeddings:
             self._lib.llama_set_embeddings(self.llama.ctx, features)
             self._embeddings = features
+        kept = count if last is None else min(last, count)  # logits rows returned: with features every row is computed, few kept
         pieces, states = [], []
         for start in range(0, count, self._batch_size):
             outputs = self._decode(ids[start : start + self._batch_size], start, first_output=count - wanted)
             if outputs:
-                view = np.ctypeslib.as_array(self._lib.llama_get_logits(self.llama.ctx), shape=(outputs, self.vocab_size))
+                pointer = self._lib.llama_get_logits(self.llama.ctx)
+                if not pointer:
+                    raise RuntimeError("this llama.cpp build returns no logits while it returns hidden states: upgrade llama-cpp-python")
+                first_row = max(count - wanted, start)  # the position of this chunk's first logits row
+                view = np.ctypeslib.as_array(pointer, shape=(outputs, self.vocab_size))[max(0, count - kept - first_row) :]
                 final = start + self._batch_size >= count
-                pieces.append(view if final else view.copy())  # the next chunk's decode overwrites the buffer
+                if len(view):
+                    pieces.append(view if final else view.copy())  # the next chunk's decode overwrites the buffer
                 if features:
                     hidden = self._lib.llama_get_embeddings(self.llama.ctx)
                     states.append(np.ctypeslib.as_array(hidden, shape=(outputs, self.llama.n_embd())).copy())
         self._length += count
         logits = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         self.last_features = torch.from_numpy(np.concatenate(states))[None] if features else None
-        if last is not None and features:
-            logits = logits[-last:]
         return torch.from_numpy(logits)[None]
 
     def _decode(self, chunk: list[int], start: int, first_output: int) -> int:

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels
-from specdec.models.backend import tree_mask
+from specdec.models.backend import keep_branch, tree_mask
 from specdec.models.cpu_kernels import PackedInt8
 
 FAMILIES = ("gemma3_text", "llama")
@@ -233,9 +233,8 @@ class NativeBackend:
         if not 0 <= length <= self.cache.length:
             raise ValueError(f"cannot truncate a cache of {self.cache.length} positions to {length}")
         if branch:  # a tree's accepted path moves next to the positions before it
-            source, target = torch.tensor(branch), torch.arange(length - len(branch), length)
             for layer in self.cache.keys + self.cache.values:
-                layer[:, target] = layer[:, source]
+                keep_branch(layer, 1, length, branch)
         self.cache.length = length
 
 
