@@ -18,7 +18,8 @@ proposal is deterministic (the head's top tokens), so verification draws from
 the target and descends while the draw is a child: exact at any temperature.
 
 A draft folder holds ``config.json`` (the head's transformers config),
-``model.safetensors`` (fc, layer, norm, kept token ids) and ``specdec_draft.json``
+``model.safetensors`` (fc, layer, norm, its output rows and kept token ids: it
+needs only the target's input embedding, so it runs on every backend) and ``specdec_draft.json``
 with ``arch.eagle`` set.
 """
 
