@@ -152,10 +152,9 @@ class EagleDrafter:
         logits, out = head_forward(self.head, self.embed, tokens[None], features[None], positions[None], self.cache)
         self.read = length - 1
         tree = self._grow(logits[0, -1], out[0, -1], k, length)
-        if self.cache.get_seq_length() > self.read:  # crop takes the count to remove
-            self.cache.crop(
-                self.read - self.cache.get_seq_length()
-            )  # forget the drafts' own states: next step reads the accepted ones with the target's features
+        # Forget the drafts' own states (crop takes the count to remove): the next step reads the accepted ones with the target's features.
+        if self.cache.get_seq_length() > self.read:
+            self.cache.crop(self.read - self.cache.get_seq_length())
         return tree
 
     def _grow(self, logits: torch.Tensor, feature: torch.Tensor, k: int, length: int) -> Proposal:
