@@ -93,7 +93,7 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
     extra = {"trees": trees} if any(t is not None for t in trees) else {}
     extra |= {"features": True} if any(features) else {}
     logits = _align(target.forward(slots, feeds, last=max(lengths) + 1, **extra), lengths)
-    verdicts = _verify(rows, [d.proposal for d in drafts], logits)
+    verdicts = _verify(rows, [d.proposal for d in drafts], trees, logits)
     t2 = time.perf_counter()
 
     new = []
@@ -160,9 +160,11 @@ def _align(logits: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return logits.gather(1, columns[:, :, None].expand(-1, -1, logits.shape[-1]))
 
 
-def _verify(rows: list[Row], proposals: list[Proposal], logits: torch.Tensor) -> list[tuple[list[int], int]]:
+def _verify(
+    rows: list[Row], proposals: list[Proposal], trees: list[torch.Tensor | None], logits: torch.Tensor
+) -> list[tuple[list[int], int]]:
     """(accepted nodes, next token) per row: guards adjust the logits; exact greedy chains are judged together, exact
-    greedy trees together, other rows alone."""
+    greedy trees together, other rows alone. ``trees[i]``: row i's tree (its parents), None for a chain."""
     device = logits.device
     lengths = [len(p) for p in proposals]
     tokens = torch.zeros(len(rows), logits.shape[1] - 1, dtype=torch.long)
@@ -179,24 +181,24 @@ def _verify(rows: list[Row], proposals: list[Proposal], logits: torch.Tensor) ->
         row.stats.guard_s += time.perf_counter() - g0
 
     exact_greedy = [row.config.sampling.greedy and row.config.typical_acceptance is None for row in rows]
-    chains = [i for i, p in enumerate(proposals) if exact_greedy[i] and not p.is_tree]
-    trees = [i for i, p in enumerate(proposals) if exact_greedy[i] and p.is_tree]
+    chains = [i for i, tree in enumerate(trees) if exact_greedy[i] and tree is None]
+    greedy_trees = [i for i, tree in enumerate(trees) if exact_greedy[i] and tree is not None]
     out: dict[int, tuple[list[int], int]] = {}
     if chains:
         pick = slice(None) if len(chains) == len(rows) else torch.tensor(chains).to(device)
         verdict = verify(tokens[pick], counts[pick], logits[pick], None, rows[chains[0]].config.sampling)
         out.update((i, (list(range(n)), t)) for i, (n, t) in zip(chains, verdict.on_host().T.tolist(), strict=True))
-    if trees:
-        pick = torch.tensor(trees).to(device)
+    if greedy_trees:
+        pick = torch.tensor(greedy_trees).to(device)
         verdict = verify_tree_greedy(tokens[pick], parents[pick], counts[pick], logits[pick])
-        out.update(zip(trees, zip(verdict.paths, verdict.next_tokens, strict=True), strict=True))
+        out.update(zip(greedy_trees, zip(verdict.paths, verdict.next_tokens, strict=True), strict=True))
     for i in range(len(rows)):
         if i in out:
             continue
         config, n, p = rows[i].config, lengths[i], proposals[i]
         rng, temperature = rows[i].seeds.on(device), temperatures[i]
         probs = None if p.probs is None else p.probs.to(device)
-        if p.is_tree:
+        if trees[i] is not None:
             verdict = verify_tree_sampled(tokens[i, :n], parents[i, :n], logits[i, : n + 1], probs, config.sampling, rng, temperature)
             out[i] = (verdict.paths[0], verdict.next_tokens[0])
             continue
