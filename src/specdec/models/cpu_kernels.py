@@ -29,7 +29,7 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = "specdec_cpu_kernels_v9"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+BUILD = "specdec_cpu_kernels_v10"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -136,10 +136,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
 // q: [n, H, D]; caches: [Hkv, capacity, D], the n new positions already written at start..start+n-1. With
 // `visible` empty they are a chain: position start + i sees keys lo..start + i (lo: the sliding window's first key,
 // or 0). Otherwise `visible` (uint8 [n, n]) is a tree: new position i sees the cached keys from lo and the new ones
-// j with visible[i][j] (itself and its ancestors), and its position in the text is start + its depth. Keys are read
+// j with visible[i][j] (itself and its ancestors), at its position in the text, `positions[i]` (start + its depth). Keys are read
 // in cache order, so a tree node's result has the same bits as the same token decoded along its path alone.
 torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, int64_t window, double scale,
-                        torch::Tensor visible) {
+                        torch::Tensor visible, torch::Tensor positions) {
     TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous float32 [n, heads, dim]");
     TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() &&
                 v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 3, "float32 caches [kv heads, capacity, dim]");
@@ -148,6 +148,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
     const bool tree = visible.numel() > 0;
     TORCH_CHECK(!tree || (visible.scalar_type() == torch::kUInt8 && visible.is_contiguous() && visible.size(0) == n && visible.size(1) == n),
                 "visible: contiguous uint8 [n, n]");
+    TORCH_CHECK(!tree || (positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == n),
+                "positions: contiguous int64 [n]");
     auto out = torch::empty_like(q);
     pybind11::gil_scoped_release no_gil;
     const float* qp = q.data_ptr<float>();
@@ -155,14 +157,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
     const float* vp = v_cache.data_ptr<float>();
     const uint8_t* seen = tree ? visible.data_ptr<uint8_t>() : nullptr;
     float* op = out.data_ptr<float>();
-    std::vector<int64_t> position(n);  // of each new key and query in the text: start + its depth
-    for (int64_t i = 0; i < n; ++i) {
-        position[i] = start + i;
-        if (tree) {
-            position[i] = start - 1;
-            for (int64_t j = 0; j < n; ++j) position[i] += seen[i * n + j];
-        }
-    }
+    std::vector<int64_t> position(n);  // of each new key and query in the text
+    for (int64_t i = 0; i < n; ++i) position[i] = tree ? positions.data_ptr<int64_t>()[i] : start + i;
     at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
         std::vector<int64_t> read;
@@ -299,17 +295,22 @@ def attention(
     window: int,
     scale: float,
     visible: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [n, heads, dim] (new keys at start..start+n-1) over the caches [kv_heads, capacity, dim]; window 0 = all keys.
 
     ``visible`` None: the new positions are a chain (start..start+n-1); a bool [n, n] mask: a tree, node i seeing
-    the new nodes j where it is True (itself and its ancestors), at position start + its depth.
+    the new nodes j where it is True (itself and its ancestors), at ``positions[i]`` in the text (start + its depth).
     """
     kernel = compiled()
     if kernel is None:
         raise RuntimeError("the attention kernel is not built on this machine")
-    mask = torch.empty(0, dtype=torch.uint8) if visible is None else visible.to(torch.uint8).contiguous()
-    return kernel.attention(q.contiguous(), k_cache, v_cache, start, window, scale, mask)
+    if visible is None:
+        return kernel.attention(
+            q.contiguous(), k_cache, v_cache, start, window, scale, torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.long)
+        )
+    mask = visible.to(torch.uint8).contiguous()
+    return kernel.attention(q.contiguous(), k_cache, v_cache, start, window, scale, mask, positions.to(torch.long).contiguous())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

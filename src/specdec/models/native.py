@@ -119,7 +119,7 @@ class NativeModel:
             keys, values = cache.keys[index], cache.values[index]
             keys[:, start : start + n] = k.transpose(0, 1)
             values[:, start : start + n] = v.transpose(0, 1)
-            attended = cpu_kernels.attention(q, keys, values, start, shape.windows[index], shape.scale, visible)
+            attended = cpu_kernels.attention(q, keys, values, start, shape.windows[index], shape.scale, visible, positions)
             out = cpu_kernels.linear(attended.view(n, q_width), layer.out)
             if gemma:
                 x = x + cpu_kernels.rms_norm(out, norms["post_attention_layernorm"], shape.eps)
