@@ -8,6 +8,8 @@ from specdec.errors import ConfigError
 
 MAX_K = 32
 MAX_BRANCHES = 8
+TREE_SUFFIX = "+tree"  # "prompt-lookup+tree" (bench methods, profiles): the drafter proposes trees of up to TREE_BRANCHES children
+TREE_BRANCHES = 4
 MIN_TEMPERATURE = 1e-6  # below it, logits / temperature overflow float32 to inf (and probabilities to NaN)
 K_POLICIES = ("fixed", "heuristic", "perplexity", "confidence", "cost-model")
 

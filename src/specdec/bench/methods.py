@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -11,7 +12,7 @@ from typing import Protocol
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from specdec.config import GenerationConfig, RuntimeConfig
+from specdec.config import TREE_BRANCHES, TREE_SUFFIX, GenerationConfig, RuntimeConfig
 from specdec.drafters import DRAFT_SPECS, build_drafter
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.engine import Generator
@@ -55,12 +56,22 @@ class Method(Protocol):
 
 
 class OracleDrafter:
-    """Proposes the target's own greedy continuation, computed beforehand: the engine's ceiling."""
+    """Proposes the target's own greedy continuation, computed beforehand, each token right with probability ``accuracy``.
+
+    At accuracy 1 it is the engine's ceiling. Below 1, whether the token for position p is right is drawn from a
+    generator seeded by (seed, p), so a rerun proposes the same; a wrong token is a neighbouring id. Acceptance is
+    then controlled (the chance that a draft survives i positions is accuracy^i) while every timing stays real:
+    the model-size benchmark runs it on random-weight models, whose text means nothing.
+    """
 
     vocab_size = None
     backend = None  # no model drafts
 
-    def __init__(self) -> None:
+    def __init__(self, accuracy: float = 1.0, seed: int = 0) -> None:
+        if not 0 < accuracy <= 1:
+            raise ConfigError(f"an oracle's accuracy is a probability in (0, 1], got {accuracy}")
+        self.accuracy = accuracy
+        self.seed = seed
         self.reference: list[int] = []
 
     def begin(self, settings: DraftSettings) -> None:
@@ -70,7 +81,11 @@ class OracleDrafter:
         length = context.shape[0]
         if context.tolist() != self.reference[:length]:
             return Proposal.empty()
-        return Proposal(torch.tensor(self.reference[length : length + k], dtype=torch.long))
+        tokens = self.reference[length : length + k]
+        for i, token in enumerate(tokens):
+            if self.accuracy < 1 and random.Random(f"{self.seed}:{length + i}").random() >= self.accuracy:
+                tokens[i] = token - 1 if token > 0 else token + 1
+        return Proposal(torch.tensor(tokens, dtype=torch.long))
 
     def accept(self, n: int) -> None:
         pass
@@ -79,8 +94,18 @@ class OracleDrafter:
         return self  # the reference is set per run; the benchmark decodes one sequence at a time
 
 
-TREE_SUFFIX = "+tree"  # "prompt-lookup+tree": the drafter proposes trees of up to TREE_BRANCHES children per node
-TREE_BRANCHES = 4
+def oracle_accuracy(spec: str) -> float | None:
+    """The accuracy of an oracle method ("oracle" is 1, "oracle:0.7" is 0.7), or None for any other method."""
+    kind, _, arg = spec.partition(":")
+    if kind != "oracle":
+        return None
+    try:
+        accuracy = float(arg) if arg else 1.0
+    except ValueError:
+        accuracy = -1.0
+    if not 0 < accuracy <= 1:
+        raise ConfigError(f"'{spec}': an oracle's accuracy is a probability in (0, 1], for example oracle:0.7")
+    return accuracy
 
 
 class SpecdecMethod:
@@ -97,7 +122,8 @@ class SpecdecMethod:
         else:  # fixed k: "prompt-lookup@k4"; adaptive, with k its maximum: "prompt-lookup@cost-model-k8"
             policy = "" if config.k_policy == "fixed" else f"{config.k_policy}-"
             self.name = f"{spec}@{policy}k{config.k}"
-        self.oracle = OracleDrafter() if spec == "oracle" else None
+        accuracy = oracle_accuracy(spec)
+        self.oracle = OracleDrafter(accuracy, config.seed or 0) if accuracy is not None else None
         drafter = self.oracle or build_drafter(drafter_spec, target, runtime)
         self.generator = Generator(target, drafter, config)
 
@@ -238,13 +264,14 @@ def build_method(spec: str, target: Target, hf_model: LoadedModel | None, config
 def check_method(spec: str, target: str) -> str | None:
     """Validate a method name before loading anything; return a note when it must be skipped."""
     drafter = spec.removesuffix(TREE_SUFFIX)
-    if drafter != spec and (drafter in ("none", "oracle") or drafter.startswith(PEER_PREFIXES)):
+    if drafter != spec and (drafter == "none" or oracle_accuracy(drafter) is not None or drafter.startswith(PEER_PREFIXES)):
         raise ConfigError(f"'{spec}': {TREE_SUFFIX} goes after a specdec drafter (for example prompt-lookup{TREE_SUFFIX})")
     spec = drafter
     kind, _, model = spec.partition(":")
+    if oracle_accuracy(spec) is not None:
+        return None
     if spec in (
         "none",
-        "oracle",
         "prompt-lookup",
         "lookup-then-draft",
         "default",
@@ -262,4 +289,4 @@ def check_method(spec: str, target: str) -> str | None:
         if resolve(target).kind not in ("alias", "gguf"):
             return f"{spec} skipped: llama.cpp runs GGUF files, and the target '{target}' is not one"
         return None
-    raise ConfigError(f"unknown method '{spec}': use a drafter ({DRAFT_SPECS}), oracle, or a peer ({PEER_METHODS})")
+    raise ConfigError(f"unknown method '{spec}': use a drafter ({DRAFT_SPECS}), oracle[:ACCURACY], or a peer ({PEER_METHODS})")

@@ -28,6 +28,7 @@ from specdec.bench.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts
 from specdec.config import GenerationConfig, RuntimeConfig, SamplingConfig
 from specdec.engine.costs import forward_cost_curve
 from specdec.errors import ConfigError, SpecDecError
+from specdec.machine import cpu_name
 from specdec.models import DEFAULT_TARGET, load_model, open_target
 
 DEFAULT_METHODS = ("none", "prompt-lookup", "oracle", "hf-greedy", "hf-prompt-lookup", "llamacpp-greedy", "llamacpp-prompt-lookup")
@@ -139,16 +140,10 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
 
 
 def machine_info(runtime: RuntimeConfig) -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     cuda = torch.cuda.is_available()
     return {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec.bench.batch import BatchBenchConfig
-from specdec.bench.methods import PEER_METHODS, TREE_BRANCHES, TREE_SUFFIX
+from specdec.bench.methods import PEER_METHODS
 from specdec.bench.quality import QualityBenchConfig
 from specdec.bench.runner import BenchConfig
 from specdec.bench.serve_load import LoadConfig
@@ -33,10 +33,13 @@ from specdec.cli.options import (
     progress,
     runtime_config,
     user_errors,
+    with_profile,
 )
 from specdec.config import (
     K_POLICIES,
     PRESETS,
+    TREE_BRANCHES,
+    TREE_SUFFIX,
     GenerationConfig,
     GuardConfig,
     PrecisionPlan,
@@ -49,12 +52,13 @@ from specdec.models import DEFAULT_TARGET
 
 @user_errors
 def bench(
+    ctx: typer.Context,
     prompts: Prompts = default(BenchConfig, "prompts"),
     target: Target = DEFAULT_TARGET,
     methods: Annotated[
         str,
         typer.Option(
-            help=f"Comma-separated: drafters ({DRAFT_SPECS}), each also as DRAFTER{TREE_SUFFIX} (trees of up to {TREE_BRANCHES} children per node), oracle, peers ({PEER_METHODS})."
+            help=f"Comma-separated: drafters ({DRAFT_SPECS}), each also as DRAFTER{TREE_SUFFIX} (trees of up to {TREE_BRANCHES} children per node), oracle (the target's own continuation; oracle:0.7 is right with probability 0.7 per token), peers ({PEER_METHODS})."
         ),
     ] = ",".join(default(BenchConfig, "methods")),
     k: Annotated[
@@ -91,6 +95,13 @@ def bench(
     overwrite: Overwrite = False,
     strict: Annotated[bool, typer.Option(help="Fail (exit 1) if any greedy output differs from none's.")] = default(BenchConfig, "strict"),
     quick: Annotated[bool, typer.Option(help="Two prompts, 16 tokens: a smoke test.")] = default(BenchConfig, "quick"),
+    profile: Annotated[
+        Path | None,
+        typer.Option(
+            help="A profile from `specdec tune`: its target, runtime and k settings become the defaults, and --methods "
+            "defaults to none and the profile's drafter; options given on the command line still win."
+        ),
+    ] = None,
 ) -> None:
     """Benchmark methods side by side on the same prompts; write results.json, report.md and plots."""
 
@@ -100,6 +111,12 @@ def bench(
     from specdec.bench.runner import BenchConfig, GreedyMismatchError, method_plan, run_benchmark
 
     fresh_output(out, overwrite)
+    options = dict(target=target, k=k, k_policy=k_policy, backend=backend, dtype=dtype, precision=precision, threads=threads, ubatch=ubatch)
+    options = with_profile(ctx, profile, options | dict(draft=None, branches=1))
+    if profile is not None and ctx.get_parameter_source("methods").name != "COMMANDLINE":
+        methods = f"none,{options['draft']}{TREE_SUFFIX if options['branches'] > 1 else ''}"
+    target, k, k_policy = options["target"], str(options["k"]), options["k_policy"]
+    backend, dtype, precision, threads, ubatch = (options[n] for n in ("backend", "dtype", "precision", "threads", "ubatch"))
     ks = int_list("--k", k)
     config = BenchConfig(
         prompts=prompts,

@@ -16,6 +16,7 @@ from specdec.cli.options import (
     Dtype,
     KPolicyOpt,
     Precision,
+    ProfileOpt,
     Target,
     Threads,
     Ubatch,
@@ -24,6 +25,7 @@ from specdec.cli.options import (
     float_pair,
     runtime_config,
     user_errors,
+    with_profile,
 )
 from specdec.config import (
     GenerationConfig,
@@ -38,6 +40,7 @@ from specdec.models import DEFAULT_TARGET
 
 @user_errors
 def generate(
+    ctx: typer.Context,
     prompt: Annotated[str, typer.Argument(help="Text to continue.")],
     target: Target = DEFAULT_TARGET,
     draft: Draft = "prompt-lookup",
@@ -81,9 +84,15 @@ def generate(
     typical_acceptance: Annotated[
         bool, typer.Option(help="LOSSY: accept any plausible draft token (typical acceptance); output is no longer the target's own.")
     ] = False,
+    profile: ProfileOpt = None,
 ) -> None:
     """Generate a continuation of PROMPT with speculative decoding."""
     from specdec import Generator
+
+    options = dict(target=target, draft=draft, k=k, k_policy=k_policy, branches=branches, backend=backend, dtype=dtype)
+    options = with_profile(ctx, profile, options | dict(precision=precision, threads=threads, ubatch=ubatch))
+    target, draft, k, k_policy, branches = (options[name] for name in ("target", "draft", "k", "k_policy", "branches"))
+    backend, dtype, precision, threads, ubatch = (options[name] for name in ("backend", "dtype", "precision", "threads", "ubatch"))
 
     config = GenerationConfig(
         k=k,

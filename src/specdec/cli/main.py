@@ -1,4 +1,4 @@
-"""`specdec`: the command groups (generate, bench, serve, train) on one typer app, `specdec models` and `specdec prompts`."""
+"""`specdec`: the command groups (generate, bench, serve, train, tune) on one typer app, `specdec models` and `specdec prompts`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from specdec.cli import bench, generate, serve, train
+from specdec.cli import bench, generate, serve, train, tune
 from specdec.models import ALIASES
 
 app = typer.Typer(help="Lossless speculative decoding for LLM text generation.", no_args_is_help=True, add_completion=False)
@@ -22,6 +22,7 @@ app.command()(serve.serve)
 app.command("bench-serve")(bench.bench_serve)
 app.command()(bench.ppl)
 app.command()(train.distill)
+app.command()(tune.tune)
 ngram_app = typer.Typer(help="Corpus n-gram tables for --draft ngram:FILE.", no_args_is_help=True)
 ngram_app.command("build")(train.ngram_build)
 app.add_typer(ngram_app, name="ngram")

@@ -138,3 +138,47 @@ def progress(total: int) -> Iterator[Callable[[str], None]]:
                 err.print(f"{done}/{total} done: {name} (about {left:.0f} s left)", highlight=False, soft_wrap=True)
 
         yield advance
+
+
+ProfileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--profile",
+        help="A profile from `specdec tune` (DIR/profile.json): its target, runtime, drafter and k settings replace these "
+        "options' defaults; options given on the command line still win.",
+    ),
+]
+
+
+def with_profile(ctx: typer.Context, path: Path | None, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` (a command's parameters by name) with a profile's settings in place of every one not given on the command line.
+
+    Warns, naming the difference, when the profile was tuned for another target or machine.
+    """
+    if path is None:
+        return options
+    from click.core import ParameterSource
+
+    from specdec.profile import Profile
+
+    profile = Profile.load(path)
+    profile.check_installed()
+    runtime, generation = profile.runtime, profile.generation
+    settings = {
+        "target": profile.target,
+        "draft": profile.drafter,
+        "k": generation.k,
+        "k_policy": generation.k_policy,
+        "branches": generation.branches,
+        "backend": runtime.backend,
+        "dtype": runtime.dtype,
+        "precision": runtime.precision.describe() if runtime.precision else None,
+        "threads": runtime.threads,
+        "ubatch": runtime.ubatch,
+        "window": profile.batch.window,
+    }
+    given = {name for name in options if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
+    merged = options | {name: value for name, value in settings.items() if name in options and name not in given}
+    for note in profile.differences(merged.get("target")):
+        err.print(f"[yellow]warning:[/yellow] {escape(note)}", highlight=False, soft_wrap=True)
+    return merged

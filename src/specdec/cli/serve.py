@@ -13,10 +13,12 @@ from specdec.cli.options import (
     Branches,
     Dtype,
     KPolicyOpt,
+    ProfileOpt,
     default,
     err,
     runtime_config,
     user_errors,
+    with_profile,
 )
 from specdec.config import (
     BatchConfig,
@@ -141,10 +143,16 @@ def serve(
         str | None,
         typer.Option(envvar="RAY_ADDRESS", help="With --ray: a running cluster (auto, ray://host:10001); default starts one here."),
     ] = default(RayConfig, "address"),
+    profile: ProfileOpt = None,
 ) -> None:
     """Serve the target over an OpenAI-compatible HTTP API with speculative continuous batching."""
     from specdec import Generator
     from specdec.serving import serve as run_server
+
+    options = dict(target=target, draft=draft, k=k, k_policy=k_policy, branches=branches, window=window)
+    options = with_profile(context, profile, options | dict(backend=backend, dtype=dtype, precision=precision))
+    target, draft, k, k_policy, branches, window = (options[n] for n in ("target", "draft", "k", "k_policy", "branches", "window"))
+    backend, dtype, precision = options["backend"], options["dtype"], options["precision"]
 
     _refuse_options_of_the_other_mode(context, ray)
     keys = api_keys(api_key or [], api_key_file)

@@ -6,9 +6,11 @@ import json
 import random
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
+from pathlib import Path
 from typing import Literal
 
 from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig, with_overrides
@@ -21,6 +23,7 @@ from specdec.errors import ConfigError, ContextLengthError, PromptError, Vocabul
 from specdec.models import DEFAULT_TARGET, Backend, LoadedModel, Target, TransformersBackend, open_target
 from specdec.models.backend import TREES_UNSUPPORTED, OneRow
 from specdec.models.batched import BatchedTransformersBackend
+from specdec.profile import Profile, ProfileWarning
 from specdec.quality import Guards, NoGuards, SentenceEmbedder, ignorable_tokens
 from specdec.scheduling import CostCurve, KPolicy, LoadWindow, build_k_policy, memory_in_use
 from specdec.verification.seeds import Seeds
@@ -82,6 +85,20 @@ class Generator:
         self._busy = False  # a single-sequence run is decoding on self.backend and self.drafter
         self._lock = threading.Lock()  # completions may start on several threads
         self._measuring = threading.Lock()
+
+    @classmethod
+    def from_profile(cls, profile: str | Path | Profile, target: str | LoadedModel | Target | None = None) -> Generator:
+        """A Generator in the configuration a `specdec tune` profile names (runtime, drafter, k settings, batch window).
+
+        ``target`` replaces the profile's own (a ready model, or another name); a profile tuned for another target
+        or on another machine still loads, with a ProfileWarning that says what differs.
+        """
+        profile = profile if isinstance(profile, Profile) else Profile.load(profile)
+        profile.check_installed()
+        name = target if isinstance(target, str) else profile.target if target is None else target.name
+        for note in profile.differences(name):
+            warnings.warn(note, ProfileWarning, stacklevel=2)
+        return cls(profile.target if target is None else target, profile.drafter, profile.generation, profile.runtime, profile.batch)
 
     def ignorable(self) -> frozenset[int]:
         """Token ids that are only whitespace or punctuation (never a loop on their own); computed on first use."""

@@ -1,0 +1,327 @@
+"""Speed-up against model size: random-weight models in the shapes of real Llama-family models, on each backend.
+
+Usage: python benchmarks/model_sizes.py --work DIR --out FILE [--sizes 0.5b,1b,3b,7b] [--backends llama.cpp,native,transformers]
+       [--acceptance 0.5,0.7,0.9] [--prompts 2] [--tokens 32] [--device cpu|cuda]
+
+Why random weights: no real model of these sizes is available offline, and the timing of a forward does not depend
+on what the weights say. Each size is built once under --work: a transformers folder (bfloat16, the SmolLM2 tokenizer,
+sizes up to --hf-max-params) and a GGUF file written from the same weights (F16) and quantized to Q4_K_M by llama.cpp's
+own quantizer (llama_model_quantize). For each size and backend the script measures:
+
+- the cost curve of one target forward over n tokens (n = 1..17, after 64 cached tokens);
+- target-only greedy decoding through specdec's engine (the reference output and the baseline);
+- the engine with an oracle drafter that proposes the reference continuation, each token right with probability a
+  (a = 0.5, 0.7, 0.9): acceptance is controlled, every timing is real; k is the formula's best k on the curve;
+- llama-cpp-python's own greedy generation on the GGUF file (the baseline users run today);
+- the formula's prediction, E(a, k) / (cost(k + 1) / cost(1)) with E = (1 - a^(k+1)) / (1 - a), next to the measurement;
+- peak memory above the loaded model while decoding, target-only and speculative.
+
+What is assumed: the acceptance a. A real drafter's acceptance on a real model of that size is not measured here.
+On a GPU (--device cuda) only the transformers backend runs (llama.cpp here is a CPU build; native is CPU-only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec import Generator
+from specdec.bench.memory import PeakMemory, current_bytes
+from specdec.bench.methods import LlamaCppMethod, OracleDrafter
+from specdec.config import PRESETS, GenerationConfig, RuntimeConfig
+from specdec.engine.costs import forward_cost_curve
+from specdec.machine import cpu_name
+from specdec.models import load_model, open_target
+from specdec.models.registry import ALIASES
+from specdec.scheduling import CostCurve, expected_tokens
+
+# Shapes of real Llama-family models (vocabulary, width, layers, heads, KV heads, FFN width, tied output head).
+SHAPES: dict[str, dict] = {
+    "0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, tie_word_embeddings=True, rope_theta=1000000.0, like="Qwen2.5-0.5B (without biases)"),
+    "1b": dict(vocab_size=128256, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, tie_word_embeddings=True, rope_theta=500000.0, like="Llama-3.2-1B"),
+    "3b": dict(vocab_size=128256, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+               intermediate_size=8192, tie_word_embeddings=True, rope_theta=500000.0, like="Llama-3.2-3B"),
+    "7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+               intermediate_size=11008, tie_word_embeddings=False, rope_theta=10000.0, like="Llama-2-7B"),
+}  # fmt: skip
+TOKENIZER_GGUF = ALIASES["smollm2-135m-instruct"]  # a Llama-architecture GGUF whose BPE tokenizer the files borrow (padded)
+CURVE_SIZES = (1, 2, 3, 5, 9, 13, 17)
+MAX_K = 16
+
+
+def parameters(shape: dict) -> int:
+    h, f, layers, v = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    per_layer = h * (2 * h + 2 * kv) + 3 * h * f + 2 * h
+    return v * h * (1 if shape["tie_word_embeddings"] else 2) + layers * per_layer + h
+
+
+def random_model(shape: dict, seed: int = 0) -> torch.nn.Module:
+    """A LlamaForCausalLM of this shape in bfloat16 with N(0, 0.02) weights and unit norms (built on the meta device, then filled)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = {k: v for k, v in shape.items() if k != "like"}
+    config = LlamaConfig(**fields, max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("norm.weight"):
+                tensor.fill_(1.0)
+            else:
+                tensor.normal_(0.0, 0.02, generator=generator)
+    model.model.rotary_emb.to_empty(device="cpu")
+    model.model.rotary_emb.__init__(config)  # its inverse frequencies are a buffer, not a weight
+    if shape["tie_word_embeddings"]:
+        model.tie_weights()
+    return model.eval()
+
+
+def write_gguf(model: torch.nn.Module, shape: dict, path: Path) -> None:
+    """The model as an F16 GGUF file for llama.cpp's llama architecture, tensors streamed one at a time."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(TOKENIZER_GGUF.locate_gguf()))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    padding = shape["vocab_size"] - len(tokens)
+    tokens += [f"[PAD{i}]" for i in range(padding)]
+    types += [gguf.TokenType.UNUSED] * padding
+    h, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(f"random {shape['like']} shape")
+    writer.add_context_length(4096)
+    writer.add_embedding_length(h)
+    writer.add_block_count(shape["num_hidden_layers"])
+    writer.add_feed_forward_length(shape["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(shape["rope_theta"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(h // heads)
+    writer.add_vocab_size(shape["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(reader.fields["tokenizer.ggml.merges"].contents())
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+
+    def permute(w: torch.Tensor, n: int) -> torch.Tensor:  # rotary halves (transformers) to interleaved pairs (llama.cpp)
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    tensors: list[tuple[str, torch.Tensor]] = [("token_embd.weight", model.model.embed_tokens.weight)]
+    for i, layer in enumerate(model.model.layers):
+        for source, target in names.items():
+            w = layer.get_submodule(source).weight
+            w = permute(w, heads) if target == "attn_q" else permute(w, kv_heads) if target == "attn_k" else w
+            tensors.append((f"blk.{i}.{target}.weight", w))
+    tensors.append(("output_norm.weight", model.model.norm.weight))
+    if not shape["tie_word_embeddings"]:
+        tensors.append(("output.weight", model.lm_head.weight))
+    for name, w in tensors:
+        dtype = np.float32 if w.dim() == 1 else np.float16  # llama.cpp keeps norms in float32
+        writer.add_tensor_info(name, tuple(w.shape), np.dtype(dtype), w.numel() * np.dtype(dtype).itemsize)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, w in tensors:
+        writer.write_tensor_data(w.detach().float().numpy().astype(np.float32 if w.dim() == 1 else np.float16))
+    writer.close()
+
+
+def quantize(source: Path, out: Path, kind: str = "Q4_K_M") -> None:
+    from specdec.models.llamacpp import require_llama_cpp
+
+    llama_cpp = require_llama_cpp()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+    partial = out.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize to {kind} failed for {source}")
+    partial.replace(out)
+
+
+def build(size: str, work: Path, hf_max_params: float) -> dict[str, Path | None]:
+    """The size's transformers folder (if small enough) and Q4_K_M GGUF file under ``work``, built if missing."""
+    shape = SHAPES[size]
+    folder, gguf_file = work / f"llama-{size}", work / f"llama-{size}-Q4_K_M.gguf"
+    wants_hf = parameters(shape) <= hf_max_params
+    if gguf_file.exists() and (folder.exists() or not wants_hf):
+        return {"hf": folder if wants_hf else None, "gguf": gguf_file}
+    start = time.perf_counter()
+    model = random_model(shape)
+    if wants_hf and not folder.exists():
+        partial = folder.with_suffix(".partial")
+        model.save_pretrained(partial)
+        load_model("smollm2-135m-instruct").tokenizer.save_pretrained(partial)
+        partial.replace(folder)
+    if not gguf_file.exists():
+        f16 = work / f"llama-{size}-F16.gguf"
+        write_gguf(model, shape, f16)
+        del model
+        gc.collect()
+        quantize(f16, gguf_file)
+        f16.unlink()
+    print(f"built {size} in {time.perf_counter() - start:.0f} s", flush=True)
+    return {"hf": folder if wants_hf else None, "gguf": gguf_file}
+
+
+def best_k(curve: CostCurve, a: float) -> int:
+    """The k the formula prefers on this curve at acceptance a (draft cost 0: the oracle is free)."""
+    return max(range(1, MAX_K + 1), key=lambda k: expected_tokens(a, k) / curve(k + 1))
+
+
+def decode(generator: Generator, prompts: list[list[int]], oracle: OracleDrafter | None, references: list[list[int]]) -> dict:
+    """Generate every prompt once (after a short warm-up); tokens per second over all of them, output and peak memory."""
+    if oracle is not None:
+        oracle.reference = prompts[0] + references[0]
+    generator.generate(prompts[0], max_new_tokens=4)
+    tokens, seconds, outputs, accepted, steps = 0, 0.0, [], 0, 0
+    idle = current_bytes()
+    with PeakMemory() as peak:
+        for prompt, reference in zip(prompts, references, strict=True):
+            if oracle is not None:
+                oracle.reference = prompt + reference
+            result = generator.generate(prompt)
+            tokens += len(result.token_ids)
+            seconds += result.stats.wall_s
+            outputs.append(result.token_ids)
+            accepted += result.stats.draft_tokens_accepted
+            steps += result.stats.steps
+    return {"tokens_per_s": tokens / seconds, "outputs": outputs, "peak_increase_mb": (peak.peak - idle) / 2**20,
+            "accepted_per_step": accepted / steps}  # fmt: skip
+
+
+def run_backend(size: str, backend: str, files: dict, args: argparse.Namespace, prompts: list[list[int]]) -> dict | None:
+    if backend == "llama.cpp":
+        source, runtime = str(files["gguf"]), RuntimeConfig(backend="llama.cpp")
+    elif files["hf"] is None:
+        return None  # too large for a transformers folder on this machine
+    else:
+        runtime = RuntimeConfig(backend=backend, precision=PRESETS["cpu"] if backend == "transformers" and args.device == "cpu" else None)
+        source = str(files["hf"])
+    start = time.perf_counter()
+    if backend == "transformers" and args.device == "cuda":
+        target = open_target(load_model(source, dtype="bfloat16", device="cuda"), runtime)
+    else:
+        target = open_target(source, runtime)
+    loaded = current_bytes()
+    load_s = time.perf_counter() - start
+    curve = CostCurve(forward_cost_curve(target.backend, CURVE_SIZES, repeats=3))
+    config = GenerationConfig(k=1, k_policy="fixed", max_new_tokens=args.tokens, stop_on_eos=False)
+    base = decode(Generator(target, "none", config), prompts, None, [[] for _ in prompts])
+    references = base["outputs"]
+    row: dict = {"load_s": load_s, "loaded_mb": loaded / 2**20, "cost_ms": {n: 1000 * s for n, s in curve.seconds.items()},
+                 "target_only_tokens_per_s": base["tokens_per_s"], "target_only_peak_increase_mb": base["peak_increase_mb"],
+                 "oracle": {}}  # fmt: skip
+    for a in args.acceptance:
+        k = best_k(curve, a)
+        oracle = OracleDrafter(a, seed=0)
+        spec = decode(Generator(target, oracle, replace(config, k=k)), prompts, oracle, references)
+        row["oracle"][str(a)] = {
+            "k": k,
+            "tokens_per_s": spec["tokens_per_s"],
+            "speedup": spec["tokens_per_s"] / base["tokens_per_s"],
+            "predicted_speedup": expected_tokens(a, k) * curve(1) / curve(k + 1),
+            "accepted_per_step": spec["accepted_per_step"],
+            "expected_accepted_per_step": expected_tokens(a, k) - 1,
+            "identical": spec["outputs"] == references,
+            "peak_increase_mb": spec["peak_increase_mb"],
+        }
+        print(f"{size} {backend} a={a} k={k}: {row['oracle'][str(a)]['speedup']:.2f}x "
+              f"(predicted {row['oracle'][str(a)]['predicted_speedup']:.2f}x)", flush=True)  # fmt: skip
+    del target
+    gc.collect()
+    return row
+
+
+def llamacpp_greedy(gguf_file: Path, prompts: list[list[int]], tokens: int) -> float:
+    """llama-cpp-python's own greedy generation: tokens per second over the prompts (after one warm-up)."""
+    method = LlamaCppMethod("llamacpp-greedy", str(gguf_file), GenerationConfig(max_new_tokens=tokens), RuntimeConfig(backend="llama.cpp"))
+    method.run(prompts[0], None)
+    records = [method.run(p, None) for p in prompts]
+    return sum(len(r.token_ids) for r in records) / sum(r.wall_s for r in records)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", type=Path, required=True, help="where the random-weight models are built (kept for reruns)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sizes", default="0.5b,1b,3b,7b")
+    parser.add_argument("--backends", default="llama.cpp,native,transformers")
+    parser.add_argument("--acceptance", default="0.5,0.7,0.9", type=lambda s: [float(x) for x in s.split(",")])
+    parser.add_argument("--prompts", type=int, default=2, help="prompts of 64 random tokens")
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
+    parser.add_argument("--hf-max-params", type=float, default=4e9, help="largest model also written as a transformers folder")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    backends = ["transformers"] if args.device == "cuda" else args.backends.split(",")
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 40000, (64,), generator=generator).tolist() for _ in range(args.prompts)]
+    results: dict = {"machine": {"cpu": cpu_name(), "cores": torch.get_num_threads(), "device": args.device}, "sizes": {}}
+    if args.out.exists():
+        results = json.loads(args.out.read_text())  # a rerun adds to what an earlier one measured
+    for size in args.sizes.split(","):
+        files = build(size, args.work, args.hf_max_params)
+        entry = results["sizes"].setdefault(size, {"parameters": parameters(SHAPES[size]), "like": SHAPES[size]["like"], "backends": {}})
+        if args.device == "cpu" and "llamacpp_greedy_tokens_per_s" not in entry:
+            entry["llamacpp_greedy_tokens_per_s"] = llamacpp_greedy(files["gguf"], prompts, args.tokens)
+            entry["gguf_mb"] = files["gguf"].stat().st_size / 2**20
+        for backend in backends:
+            if backend in entry["backends"]:
+                continue
+            row = run_backend(size, backend, files, args, prompts)
+            if row is not None:
+                entry["backends"][backend] = row
+            args.out.write_text(json.dumps(results, indent=1))
+    args.out.write_text(json.dumps(results, indent=1))
+    print(table(results))
+
+
+def table(results: dict) -> str:
+    """Markdown: per size and backend, measured speed-up (formula's prediction) at each acceptance, and against llama.cpp greedy."""
+    lines = [
+        "| size | backend | target-only tok/s | "
+        + " | ".join(f"a={a}: x own / (predicted) / x llama.cpp greedy" for a in _accs(results))
+        + " |"
+    ]
+    lines.append("|" + "---|" * (3 + len(_accs(results))))
+    for size, entry in results["sizes"].items():
+        peer = entry.get("llamacpp_greedy_tokens_per_s")
+        lines.append(f"| {size} | llama.cpp greedy (llama-cpp-python) | {peer:.1f} |" + " |" * len(_accs(results)) if peer else "")
+        for backend, row in entry["backends"].items():
+            cells = []
+            for a in _accs(results):
+                o = row["oracle"].get(a)
+                vs_peer = f"{o['tokens_per_s'] / peer:.2f}x" if peer else "-"
+                cells.append(f"{o['speedup']:.2f}x ({o['predicted_speedup']:.2f}x) / {vs_peer}" if o else "-")
+            lines.append(f"| {size} | {backend} | {row['target_only_tokens_per_s']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(line for line in lines if line)
+
+
+def _accs(results: dict) -> list[str]:
+    return sorted({a for e in results["sizes"].values() for row in e["backends"].values() for a in row["oracle"]}, key=float)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""A tuned profile: the fastest exact configuration `specdec tune` measured for one target, machine and workload.
+
+It is a small JSON (or TOML) file that `generate`, `bench`, `serve` and ``Generator.from_profile`` read. It
+names the runtime (backend, precision), the drafter and the k settings, and records what it was tuned on, so
+that a profile carried to another machine or used with another model warns instead of silently being slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specdec.config import BatchConfig, GenerationConfig, PrecisionPlan, RuntimeConfig, SamplingConfig
+from specdec.errors import ConfigError
+from specdec.machine import fingerprint
+
+VERSION = 1
+
+
+class ProfileError(ConfigError):
+    """A profile file cannot be read, or names something this installation cannot run."""
+
+
+class ProfileWarning(UserWarning):
+    """A profile is used with another target or on another machine than it was tuned for."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What to run (target, runtime, drafter, k settings) and what it was tuned on (machine, sampling, figures)."""
+
+    target: str
+    drafter: str  # a drafter spec (DRAFT_SPECS); trees are generation.branches > 1
+    runtime: RuntimeConfig
+    generation: GenerationConfig
+    batch: BatchConfig = BatchConfig()
+    machine: dict[str, str | int] = field(default_factory=fingerprint)
+    measured: dict[str, float] = field(default_factory=dict)  # tokens/s of this configuration and of target-only, when tuned
+
+    def to_dict(self) -> dict[str, object]:
+        runtime = asdict(self.runtime) | {"precision": self.runtime.precision.describe() if self.runtime.precision else None}
+        g = self.generation
+        return {
+            "version": VERSION,
+            "target": self.target,
+            "drafter": self.drafter,
+            "runtime": runtime,
+            "generation": {"k": g.k, "k_policy": g.k_policy, "branches": g.branches, "temperature": g.sampling.temperature},
+            "batch": asdict(self.batch),
+            "machine": self.machine,
+            "measured": self.measured,
+        }
+
+    def save(self, path: Path) -> None:
+        """Write the profile as JSON (a TOML profile is read, never written: JSON needs no extra package)."""
+        if path.suffix == ".toml":
+            raise ProfileError(f"profiles are written as JSON: name the file {path.with_suffix('.json')}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @staticmethod
+    def load(path: str | Path) -> Profile:
+        """Read a profile written by `specdec tune` (JSON, or the same keys in TOML); errors name the file and the problem."""
+        path = Path(path)
+        if not path.is_file():
+            raise ProfileError(f"profile '{path}' does not exist: write one with `specdec tune --out DIR` (it writes DIR/profile.json)")
+        try:
+            text = path.read_text(encoding="utf-8")
+            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except (UnicodeDecodeError, json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ProfileError(
+                f"profile '{path}' is not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({exc}): rerun `specdec tune`"
+            ) from None
+        return Profile.from_dict(data, str(path))
+
+    @staticmethod
+    def from_dict(data: object, where: str = "profile") -> Profile:
+        if not isinstance(data, dict) or data.get("version") != VERSION:
+            version = data.get("version") if isinstance(data, dict) else None
+            raise ProfileError(f"'{where}' is not a specdec profile of version {VERSION} (version: {version}): rerun `specdec tune`")
+        try:
+            runtime = dict(data["runtime"])
+            plan = runtime.pop("precision", None)
+            gen = data["generation"]
+            generation = GenerationConfig(
+                k=gen["k"], k_policy=gen["k_policy"], branches=gen.get("branches", 1), sampling=SamplingConfig(gen.get("temperature", 0.0))
+            )
+            return Profile(
+                target=str(data["target"]),
+                drafter=str(data["drafter"]),
+                runtime=RuntimeConfig(**runtime, precision=PrecisionPlan.parse(plan) if plan else None),
+                generation=generation,
+                batch=BatchConfig(**data.get("batch", {})),
+                machine=dict(data.get("machine", {})),
+                measured=dict(data.get("measured", {})),
+            )
+        except KeyError as exc:
+            raise ProfileError(f"profile '{where}' lacks the key {exc}: rerun `specdec tune`") from None
+        except TypeError as exc:
+            raise ProfileError(f"profile '{where}' has a malformed section ({exc}): rerun `specdec tune`") from None
+        except ConfigError as exc:
+            raise ProfileError(f"profile '{where}': {exc}") from None
+
+    def differences(self, target: str | None = None) -> list[str]:
+        """Why this profile may not be the fastest here: another target, another machine (one line each, with the fix)."""
+        notes = []
+        if target is not None and target != self.target:
+            notes.append(f"the profile was tuned for target '{self.target}', not '{target}': rerun `specdec tune --target {target}`")
+        here = fingerprint()
+        changed = [f"{key} {self.machine.get(key)!r} -> {value!r}" for key, value in here.items() if self.machine.get(key) != value]
+        if changed:
+            notes.append(f"the profile was tuned on another machine ({'; '.join(changed)}): rerun `specdec tune` here")
+        return notes
+
+    def check_installed(self) -> None:
+        """Refuse a profile whose backend or drafter is not available in this installation, with the fix."""
+        backend = self.runtime.backend
+        if backend == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
+            raise ProfileError(
+                "the profile runs the llama.cpp backend, and llama-cpp-python is not installed: "
+                "pip install 'specdec[llamacpp]', or rerun `specdec tune` to pick among what is installed"
+            )
+        kind, _, arg = self.drafter.partition(":")
+        if kind == "gguf" and importlib.util.find_spec("llama_cpp") is None:
+            raise ProfileError(
+                f"the profile's drafter '{self.drafter}' runs on llama.cpp, which is not installed: pip install 'specdec[llamacpp]'"
+            )
+        local = kind == "ngram" or arg.startswith(("/", ".", "~"))  # model:/gguf: may also name a hub id or an alias
+        if arg and local and not Path(arg).expanduser().exists():
+            raise ProfileError(
+                f"the profile's drafter '{self.drafter}' names '{arg}', which does not exist here: copy it, or rerun `specdec tune`"
+            )
+
+
+def load_profile(path: str | Path, target: str | None = None) -> tuple[Profile, list[str]]:
+    """A profile checked for this installation, and the warnings it deserves here (another model or machine)."""
+    profile = Profile.load(path)
+    profile.check_installed()
+    return profile, profile.differences(target)

@@ -1,0 +1,1 @@
+"""Tuning: measure this machine, target and workload, and pick the fastest exact configuration (a Profile)."""

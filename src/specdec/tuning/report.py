@@ -1,0 +1,79 @@
+"""A tuning run on disk: profile.json, results.json, report.md (predicted against measured) and a plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdec.bench.report import fmt, pyplot
+from specdec.profile import Profile
+
+PLOT = "predicted_vs_measured.png"
+
+
+def write_tune_report(profile: Profile, results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    profile.save(out / "profile.json")
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "report.md").write_text(markdown(results))
+    _plot(results, out / PLOT)
+
+
+def markdown(results: dict) -> str:
+    cfg, machine = results["config"], results["machine"]
+    sampling = "greedy" if cfg["temperature"] == 0 else f"temperature {cfg['temperature']}"
+    lines = [
+        "# specdec tune",
+        "",
+        f"Target `{cfg['target']}`, prompts `{cfg['prompts']}` ({results['profile']['measured']['sampled_prompts']} sampled), {sampling}, "
+        f"{cfg['new_tokens']} new tokens per prompt, budget {cfg['budget_s']:g} s (used {results['elapsed_s']:.0f} s).",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, accelerator {machine['accelerator']}.",
+        "",
+        f"**Chosen: {results['chosen']}** (profile.json).",
+        "",
+        "## Runtimes",
+        "",
+        "| runtime | load s | forward ms at n = 1 / 5 / 9 / 17 | overhead ms/step | target-only tok/s |",
+        "|---|---|---|---|---|",
+    ]
+    for label, r in results["runtimes"].items():
+        cost = " / ".join(fmt(r["cost_ms"].get(n, r["cost_ms"].get(str(n))), "{:.1f}") for n in (1, 5, 9, 17))
+        lines.append(f"| {label} | {r['load_s']:.1f} | {cost} | {r['overhead_ms']:.1f} | {r['target_only_tokens_per_s']:.1f} |")
+    lines += ["", "## Drafters (chains of max k, sampled on the fastest runtime each runs on)", ""]
+    lines += ["| drafter | sampled on | steps | acceptance | accepted/step | draft ms/step |", "|---|---|---|---|---|---|"]
+    for spec, d in results["drafters"].items():
+        lines.append(
+            f"| {spec} | {d['sampled_on']} | {d['steps']} | {d['acceptance']:.0%} | {d['accepted_per_step']:.2f} | {d['draft_ms_per_step']:.2f} |"
+        )
+    lines += ["", "## Candidates confirmed by a real run", "", "| candidate | predicted tok/s | measured tok/s | measured / predicted |"]
+    lines.append("|---|---|---|---|")
+    for c in sorted(results["confirmed"], key=lambda c: -(c["measured_tokens_per_s"] or 0)):
+        ratio = c["measured_tokens_per_s"] / c["predicted_tokens_per_s"] if c["measured_tokens_per_s"] else None
+        lines.append(f"| {c['label']} | {c['predicted_tokens_per_s']:.1f} | {fmt(c['measured_tokens_per_s'], '{:.1f}')} | {fmt(ratio)} |")
+    lines += ["", "## Every candidate, predicted (best k of each runtime and drafter)", "", "| candidate | predicted tok/s |", "|---|---|"]
+    seen = set()
+    for c in results["candidates"]:
+        if (c["runtime"], c["drafter"]) not in seen:
+            seen.add((c["runtime"], c["drafter"]))
+            lines.append(f"| {c['label']} | {c['predicted_tokens_per_s']:.1f} |")
+    if results["notes"]:
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in results["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(results: dict, path: Path) -> None:
+    """Predicted against measured tokens/s of the confirmed candidates (the diagonal is a perfect prediction)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 5))
+    confirmed = [c for c in results["confirmed"] if c["measured_tokens_per_s"]]
+    for c in confirmed:
+        ax.scatter(c["predicted_tokens_per_s"], c["measured_tokens_per_s"], marker="o" if c["drafter"] != "none" else "s")
+        ax.annotate(c["label"], (c["predicted_tokens_per_s"], c["measured_tokens_per_s"]), fontsize=6)
+    top = max([c["predicted_tokens_per_s"] for c in confirmed] + [c["measured_tokens_per_s"] for c in confirmed] + [1.0]) * 1.1
+    ax.plot([0, top], [0, top], color="grey", linewidth=0.5)
+    ax.set(
+        xlim=(0, top), ylim=(0, top), xlabel="predicted tokens/s", ylabel="measured tokens/s", title="specdec tune: confirmed candidates"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

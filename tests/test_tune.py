@@ -1,0 +1,218 @@
+"""`specdec tune` and profiles: the search on tiny and real models, profile files, their errors and warnings, the oracle."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import char_tokenizer, loaded, tiny_llama
+from typer.testing import CliRunner
+
+from specdec import Generator
+from specdec.bench.methods import OracleDrafter, check_method, oracle_accuracy
+from specdec.cli.main import app
+from specdec.config import PRESETS, GenerationConfig, RuntimeConfig, SamplingConfig
+from specdec.drafters import PromptLookupDrafter
+from specdec.errors import ConfigError, PromptError
+from specdec.profile import Profile, ProfileError, ProfileWarning
+from specdec.tuning.search import TuneConfig, plan, sample_prompts, tune
+
+RUNTIMES = ("transformers/float32", "transformers/cpu")  # on every CPU; native needs head sizes the tiny model lacks
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    items = [("code", "abc abc abc abc abc"), ("chat", "hello there hello there"), ("code", "x = 1; x = 1; x ="), ("chat", "the cat the cat")]
+    path.write_text("".join(json.dumps({"id": f"p{i}", "category": c, "prompt": p}) + "\n" for i, (c, p) in enumerate(items)))
+    return path
+
+
+def profile_of(target: str, **changes: object) -> Profile:
+    profile = Profile(target, "prompt-lookup", RuntimeConfig(precision=PRESETS["cpu"]), GenerationConfig(k=3, k_policy="fixed"))
+    return replace(profile, **changes)
+
+
+def test_a_profile_survives_json_and_reads_from_toml(tmp_path: Path) -> None:
+    profile = profile_of("some-model", measured={"tokens_per_s": 12.5})
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == profile
+    data = profile.to_dict()
+    toml = ['version = 1\ntarget = "some-model"\ndrafter = "prompt-lookup"']
+    toml.append('[runtime]\nbackend = "transformers"\ndtype = "float32"\nprecision = "' + data["runtime"]["precision"] + '"')
+    toml.append('[generation]\nk = 3\nk_policy = "fixed"\nbranches = 1\ntemperature = 0.0')
+    toml.append("[machine]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in profile.machine.items()))
+    (tmp_path / "p.toml").write_text("\n".join(toml) + "\n")
+    assert replace(Profile.load(tmp_path / "p.toml"), measured=profile.measured) == profile
+    with pytest.raises(ProfileError, match="written as JSON"):
+        profile.save(tmp_path / "out.toml")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"version": 9}', "not a specdec profile of version 1"),
+        ('{"version": 1, "target": "x"}', "lacks the key 'runtime'"),
+        ('{"version": 1, "target": "x", "drafter": "none", "runtime": {"backend": "tpu"}, "generation": {"k": 2, "k_policy": "fixed"}}', "unknown backend 'tpu'"),
+        ('{"version": 1, "target": "x", "drafter": "none", "runtime": {}, "generation": {"k": 0, "k_policy": "fixed"}}', "k \\(draft tokens per step\\)"),
+        ('{"version": 1, "target": "x", "drafter": "none", "runtime": {"colour": 1}, "generation": {"k": 2, "k_policy": "fixed"}}', "malformed section"),
+    ],
+)
+def test_a_broken_profile_is_one_clear_error(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(content)
+    with pytest.raises(ProfileError, match=message):
+        Profile.load(path)
+
+
+def test_a_missing_profile_says_how_to_make_one(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match="specdec tune --out DIR"):
+        Profile.load(tmp_path / "nope.json")
+
+
+def test_another_model_or_machine_is_named_in_a_warning() -> None:
+    profile = profile_of("model-a")
+    assert profile.differences("model-a") == []
+    notes = replace(profile, machine=profile.machine | {"cpu": "Some Other CPU", "cores": 64}).differences("model-b")
+    assert "tuned for target 'model-a', not 'model-b'" in notes[0] and "specdec tune --target model-b" in notes[0]
+    assert "another machine" in notes[1] and "'Some Other CPU'" in notes[1] and "64" in notes[1]
+
+
+def test_a_profile_naming_what_is_not_installed_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    with pytest.raises(ProfileError, match=r"llama-cpp-python is not installed: pip install 'specdec\[llamacpp\]'"):
+        profile_of("x", runtime=RuntimeConfig(backend="llama.cpp")).check_installed()
+    with pytest.raises(ProfileError, match="names '.*table.ngram', which does not exist here"):
+        profile_of("x", drafter=f"ngram:{tmp_path / 'table.ngram'}").check_installed()
+    profile_of("x", drafter="model:org/some-hub-model").check_installed()  # a hub id is not checked as a path
+
+
+def test_generator_from_profile_runs_the_profiles_configuration(tiny_folder: Path) -> None:
+    profile = profile_of(str(tiny_folder))
+    generator = Generator.from_profile(profile)
+    assert isinstance(generator.drafter, PromptLookupDrafter)
+    assert (generator.config.k, generator.config.k_policy) == (3, "fixed")
+    expected = Generator(str(tiny_folder), "none").generate("abcabcabc", max_new_tokens=12).token_ids
+    assert generator.generate("abcabcabc", max_new_tokens=12).token_ids == expected
+    moved = replace(profile, machine=profile.machine | {"cores": 999})
+    with pytest.warns(ProfileWarning, match="another machine"):
+        Generator.from_profile(moved)
+
+
+def test_the_oracle_is_right_at_the_asked_rate_and_output_stays_exact() -> None:
+    oracle = OracleDrafter(accuracy=0.7, seed=3)
+    oracle.reference = list(range(1, 2001))
+    proposal = oracle.propose(torch.tensor([1]), 1999).tokens.tolist()
+    right = sum(a == b for a, b in zip(proposal, oracle.reference[1:], strict=True))
+    assert abs(right / len(proposal) - 0.7) < 0.04  # 1,999 draws: the standard error is 0.01
+    assert proposal == oracle.propose(torch.tensor([1]), 1999).tokens.tolist()  # seeded by position
+    assert oracle_accuracy("oracle") == 1.0 and oracle_accuracy("oracle:0.5") == 0.5 and oracle_accuracy("prompt-lookup") is None
+    assert check_method("oracle:0.9", "gemma-3-270m") is None
+    with pytest.raises(ConfigError, match="probability in \\(0, 1\\]"):
+        check_method("oracle:1.5", "gemma-3-270m")
+    target = loaded(tiny_llama(0))
+    prompt = [5, 6, 7, 8, 9]
+    reference = Generator(target, "none").generate(prompt, max_new_tokens=24, stop_on_eos=False).token_ids
+    oracle = OracleDrafter(accuracy=0.5)
+    oracle.reference = prompt + reference
+    result = Generator(target, oracle).generate(prompt, max_new_tokens=24, k=4, k_policy="fixed", stop_on_eos=False)
+    assert result.token_ids == reference
+    assert 0.2 < result.stats.acceptance_rate < 0.8
+
+
+def test_tuning_budgets_and_prompts_are_checked(tmp_path: Path, tiny_folder: Path) -> None:
+    with pytest.raises(ConfigError, match="too small to measure anything"):
+        TuneConfig(budget_s=5)
+    with pytest.raises(ConfigError, match="cannot run"):
+        plan(TuneConfig(target=str(tiny_folder), runtimes=("llama.cpp",)))
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"id": "a", "category": "chat", "prompt": "word " * 400}) + "\n")
+    with pytest.raises(PromptError, match="nothing usable.*longer than the model's context"):
+        tune(TuneConfig(target=str(tiny_folder), prompts=str(long), runtimes=RUNTIMES[:1], budget_s=30))
+
+
+def test_sampled_prompts_cover_every_category() -> None:
+    from specdec.bench.prompts import BenchPrompt
+
+    prompts = [BenchPrompt(f"{c}{i}", c, "x") for c in ("a", "b", "c") for i in range(5)]
+    chosen = sample_prompts(prompts, 4)
+    assert [p.category for p in chosen] == ["a", "b", "c", "a"]
+    assert len(sample_prompts(prompts, 100)) == 15
+
+
+def test_tune_measures_predicts_confirms_and_never_picks_slower_than_target_only(tmp_path: Path, prompts_file: Path) -> None:
+    tokenizer = char_tokenizer()
+    folder = tmp_path / "model"
+    tiny_llama(1, vocab=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    seen: list[str] = []
+    config = TuneConfig(target=str(folder), prompts=str(prompts_file), budget_s=40, runtimes=RUNTIMES, drafters=("prompt-lookup",))
+    profile, results = tune(config, seen.append)
+    assert len(seen) == plan(config)[2]  # one progress unit per runtime, per drafter, and the confirmation
+    assert set(results["runtimes"]) == set(RUNTIMES)
+    for figures in results["runtimes"].values():
+        assert figures["cost_ms"][1] > 0 and figures["target_only_tokens_per_s"] > 0
+    assert results["drafters"]["prompt-lookup"]["steps"] > 0
+    predicted = {(c["runtime"], c["drafter"], c["k"]) for c in results["candidates"]}
+    assert {(r, "prompt-lookup", k) for r in RUNTIMES for k in range(1, 9)} <= predicted
+    confirmed = results["confirmed"]
+    assert any(c["drafter"] == "none" for c in confirmed) and all(c["measured_tokens_per_s"] > 0 for c in confirmed)
+    best = max(confirmed, key=lambda c: c["measured_tokens_per_s"])
+    assert results["chosen"] == best["label"]
+    fastest_target_only = max(c["measured_tokens_per_s"] for c in confirmed if c["drafter"] == "none")
+    assert profile.measured["tokens_per_s"] == best["measured_tokens_per_s"] >= fastest_target_only
+    assert profile.target == str(folder) and profile.runtime.backend == "transformers"
+    assert results["elapsed_s"] < config.budget_s + 15  # the last confirmation round may overrun a little
+
+
+def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path, tiny_folder: Path) -> None:
+    runner = CliRunner()
+    out = tmp_path / "tuned"
+    args = ["tune", "--target", str(tiny_folder), "--prompts", str(prompts_file), "--budget-s", "30", "--out", str(out)]
+    result = runner.invoke(app, args + ["--runtimes", RUNTIMES[0], "--drafters", "prompt-lookup"])
+    assert result.exit_code == 0, result.output
+    assert "chosen:" in result.output
+    for name in ("profile.json", "report.md", "results.json", "predicted_vs_measured.png"):
+        assert (out / name).stat().st_size > 0
+    report = (out / "report.md").read_text()
+    assert "predicted tok/s | measured tok/s" in report and "## Runtimes" in report
+    profile = out / "profile.json"
+    generated = runner.invoke(app, ["generate", "abc abc", "--profile", str(profile), "--max-new-tokens", "6", "--json"])
+    assert generated.exit_code == 0, generated.output
+    assert json.loads(generated.stdout.strip().splitlines()[-1])["stats"]["new_tokens"] == 6
+    data = json.loads(profile.read_text())
+    data["machine"]["cpu"] = "Another CPU"
+    profile.write_text(json.dumps(data))
+    warned = runner.invoke(app, ["generate", "abc", "--profile", str(profile), "--max-new-tokens", "2", "--k", "2"])
+    assert warned.exit_code == 0 and "tuned on another machine" in warned.output
+    benched = runner.invoke(app, ["bench", "--profile", str(profile), "--prompts", str(prompts_file), "--quick", "--out", str(tmp_path / "b")])
+    assert benched.exit_code == 0, benched.output
+    methods = json.loads((tmp_path / "b" / "results.json").read_text())["methods"]
+    assert "none" in methods and all(name == "none" or name.startswith(f"{data['drafter']}@") for name in methods)
+    profile.write_text("{broken")
+    broken = runner.invoke(app, ["generate", "abc", "--profile", str(profile)])
+    assert broken.exit_code == 2 and "is not valid JSON" in broken.output and "Traceback" not in broken.output
+    too_small = runner.invoke(app, args[:-2] + ["--budget-s", "3", "--out", str(tmp_path / "x")])
+    assert too_small.exit_code == 2 and "too small to measure anything" in too_small.output
+    sampling = runner.invoke(app, args[:-2] + ["--sampling", "hot", "--out", str(tmp_path / "y")])
+    assert sampling.exit_code == 2 and "greedy or a temperature" in sampling.output
+
+
+@pytest.mark.real_model
+def test_tune_on_the_real_gemma_picks_a_configuration_at_least_as_fast_as_target_only(tmp_path: Path) -> None:
+    config = TuneConfig(prompts="core", budget_s=90, runtimes=("transformers/cpu",), drafters=("prompt-lookup",), temperature=0.7)
+    profile, results = tune(config)
+    assert results["drafters"]["prompt-lookup"]["acceptance"] > 0.2  # the core prompts repeat themselves
+    target_only = [c for c in results["confirmed"] if c["drafter"] == "none"][0]
+    assert profile.measured["tokens_per_s"] >= target_only["measured_tokens_per_s"]
+    assert profile.generation.sampling == SamplingConfig(0.7)
+    profile.save(tmp_path / "p.json")
+    generator = Generator.from_profile(tmp_path / "p.json")
+    assert generator.generate("def add(a, b):", max_new_tokens=8, seed=1).stats.new_tokens == 8
