@@ -36,12 +36,13 @@ import torch
 from specdec import Generator
 from specdec.bench.memory import PeakMemory, current_bytes
 from specdec.bench.methods import LlamaCppMethod, OracleDrafter
+from specdec.bench.report import pyplot
 from specdec.config import PRESETS, GenerationConfig, RuntimeConfig
 from specdec.engine.costs import forward_cost_curve
-from specdec.machine import cpu_name
+from specdec.machine import fingerprint
 from specdec.models import load_model, open_target
 from specdec.models.registry import ALIASES
-from specdec.scheduling import CostCurve, expected_tokens
+from specdec.scheduling import CostCurve, CostModelK, expected_tokens
 
 # Shapes of real Llama-family models (vocabulary, width, layers, heads, KV heads, FFN width, tied output head).
 SHAPES: dict[str, dict] = {
@@ -94,11 +95,14 @@ def write_gguf(model: torch.nn.Module, shape: dict, path: Path) -> None:
     import gguf
 
     reader = gguf.GGUFReader(str(TOKENIZER_GGUF.locate_gguf()))
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-    types = reader.fields["tokenizer.ggml.token_type"].contents()
-    padding = shape["vocab_size"] - len(tokens)
+    vocab = shape["vocab_size"]
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()[:vocab]  # cut to a smaller vocabulary, padded to a larger one
+    types = reader.fields["tokenizer.ggml.token_type"].contents()[:vocab]
+    padding = vocab - len(tokens)
     tokens += [f"[PAD{i}]" for i in range(padding)]
     types += [gguf.TokenType.UNUSED] * padding
+    kept = set(tokens)
+    merges = [m for m in reader.fields["tokenizer.ggml.merges"].contents() if set(m.split(" ")) | {m.replace(" ", "")} <= kept]
     h, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(f"random {shape['like']} shape")
@@ -117,7 +121,7 @@ def write_gguf(model: torch.nn.Module, shape: dict, path: Path) -> None:
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges(reader.fields["tokenizer.ggml.merges"].contents())
+    writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
@@ -185,9 +189,14 @@ def build(size: str, work: Path, hf_max_params: float) -> dict[str, Path | None]
     return {"hf": folder if wants_hf else None, "gguf": gguf_file}
 
 
-def best_k(curve: CostCurve, a: float) -> int:
-    """The k the formula prefers on this curve at acceptance a (draft cost 0: the oracle is free)."""
-    return max(range(1, MAX_K + 1), key=lambda k: expected_tokens(a, k) / curve(k + 1))
+def best_k(curve: CostCurve, a: float) -> tuple[int, float]:
+    """The k the formula prefers on this curve at acceptance a (at least 1; the oracle drafts for free), and its predicted speed-up.
+
+    The formula is the cost-model policy's: expected tokens (1 - a^(k+1)) / (1 - a) over a forward of k + 1 tokens.
+    """
+    formula = CostModelK(MAX_K, curve, draft_s_per_token=0.0)
+    k = max(range(1, MAX_K + 1), key=lambda k: formula.expected_rate(k, a))
+    return k, formula.expected_rate(k, a) / formula.expected_rate(0, a)
 
 
 def decode(generator: Generator, prompts: list[list[int]], oracle: OracleDrafter | None, references: list[list[int]]) -> dict:
@@ -234,14 +243,14 @@ def run_backend(size: str, backend: str, files: dict, args: argparse.Namespace, 
                  "target_only_tokens_per_s": base["tokens_per_s"], "target_only_peak_increase_mb": base["peak_increase_mb"],
                  "oracle": {}}  # fmt: skip
     for a in args.acceptance:
-        k = best_k(curve, a)
+        k, predicted = best_k(curve, a)
         oracle = OracleDrafter(a, seed=0)
         spec = decode(Generator(target, oracle, replace(config, k=k)), prompts, oracle, references)
         row["oracle"][str(a)] = {
             "k": k,
             "tokens_per_s": spec["tokens_per_s"],
             "speedup": spec["tokens_per_s"] / base["tokens_per_s"],
-            "predicted_speedup": expected_tokens(a, k) * curve(1) / curve(k + 1),
+            "predicted_speedup": predicted,
             "accepted_per_step": spec["accepted_per_step"],
             "expected_accepted_per_step": expected_tokens(a, k) - 1,
             "identical": spec["outputs"] == references,
@@ -277,8 +286,9 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     backends = ["transformers"] if args.device == "cuda" else args.backends.split(",")
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 40000, (64,), generator=generator).tolist() for _ in range(args.prompts)]
-    results: dict = {"machine": {"cpu": cpu_name(), "cores": torch.get_num_threads(), "device": args.device}, "sizes": {}}
+    smallest = min(SHAPES[size]["vocab_size"] for size in args.sizes.split(","))
+    prompts = [torch.randint(3, smallest, (64,), generator=generator).tolist() for _ in range(args.prompts)]
+    results: dict = {"machine": fingerprint() | {"torch_threads": torch.get_num_threads(), "device": args.device}, "sizes": {}}
     if args.out.exists():
         results = json.loads(args.out.read_text())  # a rerun adds to what an earlier one measured
     for size in args.sizes.split(","):
@@ -295,7 +305,45 @@ def main() -> None:
                 entry["backends"][backend] = row
             args.out.write_text(json.dumps(results, indent=1))
     args.out.write_text(json.dumps(results, indent=1))
+    plot(results, args.out.with_suffix(".png"))
     print(table(results))
+
+
+def plot(results: dict, path: Path) -> None:
+    """Speed-up over each backend's own target-only against parameters, measured (solid) and predicted (dashed), per acceptance;
+    and tokens/s of the best speculative backend against llama.cpp greedy."""
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sizes = list(results["sizes"].items())
+    backends = sorted({b for _, e in sizes for b in e["backends"]})
+    for a in _accs(results):
+        for backend in backends:
+            points = [
+                (e["parameters"] / 1e9, e["backends"][backend]["oracle"][a])
+                for _, e in sizes
+                if a in e["backends"].get(backend, {}).get("oracle", {})
+            ]
+            if points:
+                line = left.plot([x for x, _ in points], [o["speedup"] for _, o in points], marker="o", label=f"{backend}, a={a}")
+                left.plot([x for x, _ in points], [o["predicted_speedup"] for _, o in points], linestyle="--", color=line[0].get_color())
+            rates = [
+                (e["parameters"] / 1e9, e["backends"][backend]["oracle"][a]["tokens_per_s"]) for _, e in sizes if backend in e["backends"]
+            ]
+            if rates and a == _accs(results)[-1]:
+                right.plot([x for x, _ in rates], [r for _, r in rates], marker="o", label=f"{backend} + oracle a={a}")
+    peers = [(e["parameters"] / 1e9, e["llamacpp_greedy_tokens_per_s"]) for _, e in sizes if e.get("llamacpp_greedy_tokens_per_s")]
+    if peers:
+        right.plot([x for x, _ in peers], [r for _, r in peers], marker="s", color="black", label="llama-cpp-python greedy")
+    left.axhline(1.0, color="grey", linewidth=0.5)
+    left.set(
+        xscale="log", xlabel="parameters (billions)", ylabel="speed-up over own target-only", title="measured (solid), formula (dashed)"
+    )
+    right.set(xscale="log", yscale="log", xlabel="parameters (billions)", ylabel="tokens/s", title="against llama.cpp greedy")
+    left.legend(fontsize=6)
+    right.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def table(results: dict) -> str:
@@ -313,8 +361,11 @@ def table(results: dict) -> str:
             cells = []
             for a in _accs(results):
                 o = row["oracle"].get(a)
+                if o is None:
+                    cells.append("-")
+                    continue
                 vs_peer = f"{o['tokens_per_s'] / peer:.2f}x" if peer else "-"
-                cells.append(f"{o['speedup']:.2f}x ({o['predicted_speedup']:.2f}x) / {vs_peer}" if o else "-")
+                cells.append(f"{o['speedup']:.2f}x ({o['predicted_speedup']:.2f}x) / {vs_peer}")
             lines.append(f"| {size} | {backend} | {row['target_only_tokens_per_s']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(line for line in lines if line)
 

@@ -13,12 +13,13 @@ from typer.testing import CliRunner
 
 from specdec import Generator
 from specdec.bench.methods import OracleDrafter, check_method, oracle_accuracy
+from specdec.bench.prompts import BenchPrompt, round_robin
 from specdec.cli.main import app
 from specdec.config import PRESETS, GenerationConfig, RuntimeConfig, SamplingConfig
 from specdec.drafters import PromptLookupDrafter
 from specdec.errors import ConfigError, PromptError
 from specdec.profile import Profile, ProfileError, ProfileWarning
-from specdec.tuning.search import TuneConfig, plan, sample_prompts, tune
+from specdec.tuning.search import TuneConfig, plan, tune
 
 RUNTIMES = ("transformers/float32", "transformers/cpu")  # on every CPU; native needs head sizes the tiny model lacks
 
@@ -26,7 +27,12 @@ RUNTIMES = ("transformers/float32", "transformers/cpu")  # on every CPU; native 
 @pytest.fixture
 def prompts_file(tmp_path: Path) -> Path:
     path = tmp_path / "prompts.jsonl"
-    items = [("code", "abc abc abc abc abc"), ("chat", "hello there hello there"), ("code", "x = 1; x = 1; x ="), ("chat", "the cat the cat")]
+    items = [
+        ("code", "abc abc abc abc abc"),
+        ("chat", "hello there hello there"),
+        ("code", "x = 1; x = 1; x ="),
+        ("chat", "the cat the cat"),
+    ]
     path.write_text("".join(json.dumps({"id": f"p{i}", "category": c, "prompt": p}) + "\n" for i, (c, p) in enumerate(items)))
     return path
 
@@ -57,9 +63,18 @@ def test_a_profile_survives_json_and_reads_from_toml(tmp_path: Path) -> None:
         ("{not json", "not valid JSON"),
         ('{"version": 9}', "not a specdec profile of version 1"),
         ('{"version": 1, "target": "x"}', "lacks the key 'runtime'"),
-        ('{"version": 1, "target": "x", "drafter": "none", "runtime": {"backend": "tpu"}, "generation": {"k": 2, "k_policy": "fixed"}}', "unknown backend 'tpu'"),
-        ('{"version": 1, "target": "x", "drafter": "none", "runtime": {}, "generation": {"k": 0, "k_policy": "fixed"}}', "k \\(draft tokens per step\\)"),
-        ('{"version": 1, "target": "x", "drafter": "none", "runtime": {"colour": 1}, "generation": {"k": 2, "k_policy": "fixed"}}', "malformed section"),
+        (
+            '{"version": 1, "target": "x", "drafter": "none", "runtime": {"backend": "tpu"}, "generation": {"k": 2, "k_policy": "fixed"}}',
+            "unknown backend 'tpu'",
+        ),
+        (
+            '{"version": 1, "target": "x", "drafter": "none", "runtime": {}, "generation": {"k": 0, "k_policy": "fixed"}}',
+            "k \\(draft tokens per step\\)",
+        ),
+        (
+            '{"version": 1, "target": "x", "drafter": "none", "runtime": {"colour": 1}, "generation": {"k": 2, "k_policy": "fixed"}}',
+            "malformed section",
+        ),
     ],
 )
 def test_a_broken_profile_is_one_clear_error(tmp_path: Path, content: str, message: str) -> None:
@@ -87,7 +102,7 @@ def test_a_profile_naming_what_is_not_installed_is_refused(monkeypatch: pytest.M
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
-    with pytest.raises(ProfileError, match=r"llama-cpp-python is not installed: pip install 'specdec\[llamacpp\]'"):
+    with pytest.raises(ProfileError, match=r"backend runs on llama.cpp, and llama-cpp-python is not installed: run `pip install"):
         profile_of("x", runtime=RuntimeConfig(backend="llama.cpp")).check_installed()
     with pytest.raises(ProfileError, match="names '.*table.ngram', which does not exist here"):
         profile_of("x", drafter=f"ngram:{tmp_path / 'table.ngram'}").check_installed()
@@ -99,7 +114,7 @@ def test_generator_from_profile_runs_the_profiles_configuration(tiny_folder: Pat
     generator = Generator.from_profile(profile)
     assert isinstance(generator.drafter, PromptLookupDrafter)
     assert (generator.config.k, generator.config.k_policy) == (3, "fixed")
-    expected = Generator(str(tiny_folder), "none").generate("abcabcabc", max_new_tokens=12).token_ids
+    expected = Generator(str(tiny_folder), "none", runtime=profile.runtime).generate("abcabcabc", max_new_tokens=12).token_ids
     assert generator.generate("abcabcabc", max_new_tokens=12).token_ids == expected
     moved = replace(profile, machine=profile.machine | {"cores": 999})
     with pytest.warns(ProfileWarning, match="another machine"):
@@ -127,24 +142,67 @@ def test_the_oracle_is_right_at_the_asked_rate_and_output_stays_exact() -> None:
     assert 0.2 < result.stats.acceptance_rate < 0.8
 
 
-def test_tuning_budgets_and_prompts_are_checked(tmp_path: Path, tiny_folder: Path) -> None:
+def test_tuning_budgets_drafters_and_prompts_are_checked(tmp_path: Path, tiny_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="too small to measure anything"):
         TuneConfig(budget_s=5)
     with pytest.raises(ConfigError, match="cannot run"):
         plan(TuneConfig(target=str(tiny_folder), runtimes=("llama.cpp",)))
+    for spec in ("oracle", "hf-prompt-lookup", "llamacpp-greedy"):
+        with pytest.raises(ConfigError, match="not a drafter to tune"):
+            plan(TuneConfig(target=str(tiny_folder), drafters=(spec,)))
+    with pytest.raises(ConfigError, match="unknown method 'promptlookup'"):
+        plan(TuneConfig(target=str(tiny_folder), drafters=("promptlookup",)))
+    import specdec.tuning.search as search
+
+    monkeypatch.setattr(search, "open_target", lambda *a: pytest.fail("a bad prompts file must fail before any model loads"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="has no prompts"):
+        tune(TuneConfig(target=str(tiny_folder), prompts=str(empty), runtimes=RUNTIMES[:1]))
+    with pytest.raises(ConfigError, match="neither a prompt set"):
+        tune(TuneConfig(target=str(tiny_folder), prompts=str(tmp_path / "missing.jsonl"), runtimes=RUNTIMES[:1]))
+    monkeypatch.undo()
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"id": "a", "category": "chat", "prompt": "word " * 400}) + "\n")
-    with pytest.raises(PromptError, match="nothing usable.*longer than the model's context"):
+    with pytest.raises(PromptError, match="nothing usable.*longer than 216 tokens"):
         tune(TuneConfig(target=str(tiny_folder), prompts=str(long), runtimes=RUNTIMES[:1], budget_s=30))
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(json.dumps({"id": "a", "category": "chat", "prompt": "   "}) + "\n")
+    with pytest.raises(PromptError, match="nothing usable.*blank"):
+        tune(TuneConfig(target=str(tiny_folder), prompts=str(blank), runtimes=RUNTIMES[:1], budget_s=30))
+
+
+def test_the_prediction_replays_sampled_steps_on_each_runtimes_curve() -> None:
+    from specdec.scheduling import CostCurve
+    from specdec.tuning.search import DrafterSample, RuntimeFigures, _confirmation_set, _predict
+
+    flat = RuntimeFigures("flat", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.011}), 90.0, 0.001, 0.0)  # verifying is nearly free
+    steep = RuntimeFigures("steep", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.090}), 95.0, 0.001, 0.0)  # each position costs a step
+    steps = [(8, 8, 0.0008), (8, 0, 0.0008)]  # one step accepted all 8, one none
+    sample = DrafterSample("prompt-lookup", "flat", ["flat", "steep"], steps)
+    tree = DrafterSample("prompt-lookup+tree", "flat", ["flat"], steps)
+    candidates = _predict({"flat": flat, "steep": steep}, [sample, tree], max_k=8)
+    by_key = {(c.runtime, c.drafter, c.k): c.predicted_tokens_per_s for c in candidates}
+    # at k = 8 on the flat curve: (9 + 1) tokens over 2 x (11 ms + 1 ms overhead + 0.8 ms drafting)
+    assert by_key[("flat", "prompt-lookup", 8)] == pytest.approx(10 / (2 * 0.0128))
+    # at k = 2: min(8, 2) + 1 and 0 + 1 tokens; forwards over 3 tokens; drafting scaled by 2 / 8
+    assert by_key[("flat", "prompt-lookup", 2)] == pytest.approx(4 / (2 * (0.01025 + 0.001 + 0.0002)))
+    assert by_key[("flat", "none", 1)] == pytest.approx(1 / 0.011)
+    assert ("steep", "prompt-lookup+tree", 8) not in by_key  # the tree does not run there
+    assert [k for r, d, k in by_key if d == "prompt-lookup+tree"] == [8]  # a tree is not cut to a prefix
+    assert candidates[0].runtime == "flat" and candidates[0].drafter != "none"
+    steep_best = max((c for c in candidates if c.runtime == "steep"), key=lambda c: c.predicted_tokens_per_s)
+    assert steep_best.k == 1 or steep_best.drafter == "none"  # where positions cost a step, drafting deep never pays
+    chosen = _confirmation_set(candidates, {"flat": flat, "steep": steep}, count=2, max_k=8)
+    labels = [c.label for c in chosen]
+    assert labels[-2:] == ["flat / none", "steep / none"] or set(labels[-2:]) == {"flat / none", "steep / none"}
+    assert any(c.k_policy == "cost-model" for c in chosen)
 
 
 def test_sampled_prompts_cover_every_category() -> None:
-    from specdec.bench.prompts import BenchPrompt
-
     prompts = [BenchPrompt(f"{c}{i}", c, "x") for c in ("a", "b", "c") for i in range(5)]
-    chosen = sample_prompts(prompts, 4)
-    assert [p.category for p in chosen] == ["a", "b", "c", "a"]
-    assert len(sample_prompts(prompts, 100)) == 15
+    assert [p.category for p in round_robin(prompts)[:4]] == ["a", "b", "c", "a"]
+    assert len(round_robin(prompts)) == 15
 
 
 def test_tune_measures_predicts_confirms_and_never_picks_slower_than_target_only(tmp_path: Path, prompts_file: Path) -> None:
@@ -182,17 +240,24 @@ def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path
     for name in ("profile.json", "report.md", "results.json", "predicted_vs_measured.png"):
         assert (out / name).stat().st_size > 0
     report = (out / "report.md").read_text()
-    assert "predicted tok/s | measured tok/s" in report and "## Runtimes" in report
+    assert "| candidate | predicted | measured | measured / predicted |" in report and "## Runtimes" in report
     profile = out / "profile.json"
     generated = runner.invoke(app, ["generate", "abc abc", "--profile", str(profile), "--max-new-tokens", "6", "--json"])
     assert generated.exit_code == 0, generated.output
     assert json.loads(generated.stdout.strip().splitlines()[-1])["stats"]["new_tokens"] == 6
     data = json.loads(profile.read_text())
     data["machine"]["cpu"] = "Another CPU"
+    data["generation"]["k"] = 8  # so that --k 2 below is seen to win
     profile.write_text(json.dumps(data))
-    warned = runner.invoke(app, ["generate", "abc", "--profile", str(profile), "--max-new-tokens", "2", "--k", "2"])
+    warned = runner.invoke(app, ["generate", "abc", "--profile", str(profile), "--max-new-tokens", "12", "--k", "2", "--json"])
     assert warned.exit_code == 0 and "tuned on another machine" in warned.output
-    benched = runner.invoke(app, ["bench", "--profile", str(profile), "--prompts", str(prompts_file), "--quick", "--out", str(tmp_path / "b")])
+    stats = json.loads(warned.stdout.strip().splitlines()[-1])["stats"]
+    assert max(stats["k_per_step"]) <= 2  # --k given: the drafter group (draft, k, k policy) is the command line's
+    switched = runner.invoke(app, ["generate", "abc", "--profile", str(profile), "--max-new-tokens", "2", "--dtype", "bfloat16"])
+    assert switched.exit_code == 0, switched.output  # --dtype given: the profile's precision plan is not applied with it
+    benched = runner.invoke(
+        app, ["bench", "--profile", str(profile), "--prompts", str(prompts_file), "--quick", "--out", str(tmp_path / "b")]
+    )
     assert benched.exit_code == 0, benched.output
     methods = json.loads((tmp_path / "b" / "results.json").read_text())["methods"]
     assert "none" in methods and all(name == "none" or name.startswith(f"{data['drafter']}@") for name in methods)
@@ -216,3 +281,10 @@ def test_tune_on_the_real_gemma_picks_a_configuration_at_least_as_fast_as_target
     profile.save(tmp_path / "p.json")
     generator = Generator.from_profile(tmp_path / "p.json")
     assert generator.generate("def add(a, b):", max_new_tokens=8, seed=1).stats.new_tokens == 8
+
+
+def test_serve_takes_its_runtime_from_a_profile(tmp_path: Path) -> None:
+    profile = tmp_path / "p.json"
+    profile_of("gemma-3-270m", runtime=RuntimeConfig(backend="llama.cpp")).save(profile)
+    result = CliRunner().invoke(app, ["serve", "--profile", str(profile)])
+    assert result.exit_code == 2 and "the server runs transformers or native targets" in result.output

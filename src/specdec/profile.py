@@ -7,7 +7,6 @@ that a profile carried to another machine or used with another model warns inste
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -41,13 +40,12 @@ class Profile:
     measured: dict[str, float] = field(default_factory=dict)  # tokens/s of this configuration and of target-only, when tuned
 
     def to_dict(self) -> dict[str, object]:
-        runtime = asdict(self.runtime) | {"precision": self.runtime.precision.describe() if self.runtime.precision else None}
         g = self.generation
         return {
             "version": VERSION,
             "target": self.target,
             "drafter": self.drafter,
-            "runtime": runtime,
+            "runtime": runtime_dict(self.runtime),
             "generation": {"k": g.k, "k_policy": g.k_policy, "branches": g.branches, "temperature": g.sampling.temperature},
             "batch": asdict(self.batch),
             "machine": self.machine,
@@ -70,6 +68,8 @@ class Profile:
         try:
             text = path.read_text(encoding="utf-8")
             data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except OSError as exc:
+            raise ProfileError(f"profile '{path}' cannot be read ({exc.strerror}): check the path and its permissions") from None
         except (UnicodeDecodeError, json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ProfileError(
                 f"profile '{path}' is not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({exc}): rerun `specdec tune`"
@@ -99,10 +99,10 @@ class Profile:
             )
         except KeyError as exc:
             raise ProfileError(f"profile '{where}' lacks the key {exc}: rerun `specdec tune`") from None
-        except TypeError as exc:
-            raise ProfileError(f"profile '{where}' has a malformed section ({exc}): rerun `specdec tune`") from None
         except ConfigError as exc:
             raise ProfileError(f"profile '{where}': {exc}") from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ProfileError(f"profile '{where}' has a malformed section ({exc}): rerun `specdec tune`") from None
 
     def differences(self, target: str | None = None) -> list[str]:
         """Why this profile may not be the fastest here: another target, another machine (one line each, with the fix)."""
@@ -110,23 +110,22 @@ class Profile:
         if target is not None and target != self.target:
             notes.append(f"the profile was tuned for target '{self.target}', not '{target}': rerun `specdec tune --target {target}`")
         here = fingerprint()
-        changed = [f"{key} {self.machine.get(key)!r} -> {value!r}" for key, value in here.items() if self.machine.get(key) != value]
+        changed = [
+            f"{key} {self.machine[key]!r} -> {value!r}" for key, value in here.items() if key in self.machine and self.machine[key] != value
+        ]
         if changed:
             notes.append(f"the profile was tuned on another machine ({'; '.join(changed)}): rerun `specdec tune` here")
         return notes
 
     def check_installed(self) -> None:
         """Refuse a profile whose backend or drafter is not available in this installation, with the fix."""
-        backend = self.runtime.backend
-        if backend == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
-            raise ProfileError(
-                "the profile runs the llama.cpp backend, and llama-cpp-python is not installed: "
-                "pip install 'specdec[llamacpp]', or rerun `specdec tune` to pick among what is installed"
-            )
+        from specdec.models.llamacpp import INSTALL, llama_cpp_installed
+
         kind, _, arg = self.drafter.partition(":")
-        if kind == "gguf" and importlib.util.find_spec("llama_cpp") is None:
+        if (self.runtime.backend == "llama.cpp" or kind == "gguf") and not llama_cpp_installed():
+            part = "backend" if self.runtime.backend == "llama.cpp" else f"drafter '{self.drafter}'"
             raise ProfileError(
-                f"the profile's drafter '{self.drafter}' runs on llama.cpp, which is not installed: pip install 'specdec[llamacpp]'"
+                f"the profile's {part} runs on llama.cpp, and llama-cpp-python is not installed: run `{INSTALL}`, or rerun `specdec tune`"
             )
         local = kind == "ngram" or arg.startswith(("/", ".", "~"))  # model:/gguf: may also name a hub id or an alias
         if arg and local and not Path(arg).expanduser().exists():
@@ -135,8 +134,13 @@ class Profile:
             )
 
 
+def runtime_dict(runtime: RuntimeConfig) -> dict[str, object]:
+    """A runtime as a profile stores it (the precision plan by its description)."""
+    return asdict(runtime) | {"precision": runtime.precision.describe() if runtime.precision else None}
+
+
 def load_profile(path: str | Path, target: str | None = None) -> tuple[Profile, list[str]]:
-    """A profile checked for this installation, and the warnings it deserves here (another model or machine)."""
+    """A profile checked for this installation, and the warnings it deserves for ``target`` (None: its own) on this machine."""
     profile = Profile.load(path)
     profile.check_installed()
     return profile, profile.differences(target)

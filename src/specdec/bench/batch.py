@@ -9,13 +9,12 @@ run in one process on the same machine; figures are ratios within the run.
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from specdec.bench.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts
+from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts, round_robin
 from specdec.bench.report import fmt, machine_line
 from specdec.bench.runner import machine_info
 from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig
@@ -48,7 +47,7 @@ METHODS = ("target-only", "fixed window", "dynamic window", "one at a time")
 
 def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None] = lambda _: None) -> dict:
     """Decode each batch with every method; return figures per batch size and method."""
-    prompts = _round_robin(load_prompts(config.prompts))
+    prompts = round_robin(load_prompts(config.prompts))
     target = open_target(config.target, config.runtime)
     drafter = build_drafter(config.draft, target, config.runtime)
     fixed = GenerationConfig(k=config.k, k_policy="fixed", max_new_tokens=config.max_new_tokens)
@@ -85,15 +84,6 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
         figures["dynamic window"]["latency_cut_vs_fixed"] = 1 - figures["dynamic window"]["mean_latency_s"] / fixed_latency
         results[str(size)] = figures
     return {"machine": machine_info(config.runtime), "config": asdict(config) | {"runtime": str(config.runtime)}, "batches": results}
-
-
-def _round_robin(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
-    """Prompts taken in turn from each category, so that every batch mixes the kinds of text."""
-    by_category: dict[str, list[BenchPrompt]] = {}
-    for prompt in prompts:
-        by_category.setdefault(prompt.category, []).append(prompt)
-    columns = itertools.zip_longest(*by_category.values())
-    return [p for column in columns for p in column if p is not None]
 
 
 def _together(generator: Generator, batch: list[str]) -> tuple[list[GenerationResult], list[float], float, list[int]]:

@@ -7,6 +7,7 @@ folder; any other JSONL file is passed by its path.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,3 +69,12 @@ def load_prompts(spec: str | Path) -> list[BenchPrompt]:
     if not prompts:
         raise ConfigError(f"prompts file '{path}' has no prompts")
     return prompts
+
+
+def round_robin(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
+    """Prompts taken in turn from each category, so that any prefix of the list mixes the kinds of text."""
+    by_category: dict[str, list[BenchPrompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    columns = itertools.zip_longest(*by_category.values())
+    return [p for column in columns for p in column if p is not None]

@@ -30,6 +30,7 @@ from specdec.cli.options import (
     err,
     fresh_output,
     int_list,
+    name_list,
     progress,
     runtime_config,
     user_errors,
@@ -48,6 +49,7 @@ from specdec.config import (
 )
 from specdec.drafters import DRAFT_SPECS
 from specdec.models import DEFAULT_TARGET
+from specdec.profile import Profile
 
 
 @user_errors
@@ -112,18 +114,19 @@ def bench(
 
     fresh_output(out, overwrite)
     options = dict(target=target, k=k, k_policy=k_policy, backend=backend, dtype=dtype, precision=precision, threads=threads, ubatch=ubatch)
-    options = with_profile(ctx, profile, options | dict(draft=None, branches=1))
+    options = with_profile(ctx, profile, options | dict(temperature=temperature))
     if profile is not None and ctx.get_parameter_source("methods").name != "COMMANDLINE":
-        methods = f"none,{options['draft']}{TREE_SUFFIX if options['branches'] > 1 else ''}"
-    target, k, k_policy = options["target"], str(options["k"]), options["k_policy"]
+        tuned = Profile.load(profile)
+        methods = f"none,{tuned.drafter}{TREE_SUFFIX if tuned.generation.branches > 1 else ''}"
+    target, k, k_policy, temperature = options["target"], str(options["k"]), options["k_policy"], options["temperature"]
     backend, dtype, precision, threads, ubatch = (options[n] for n in ("backend", "dtype", "precision", "threads", "ubatch"))
     ks = int_list("--k", k)
     config = BenchConfig(
         prompts=prompts,
         target=target,
-        methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+        methods=name_list(methods),
         ks=ks,
-        k_policies=tuple(p.strip() for p in k_policy.split(",") if p.strip()),
+        k_policies=name_list(k_policy),
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         repeats=repeats,

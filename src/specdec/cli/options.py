@@ -101,6 +101,11 @@ def fresh_output(out: Path, overwrite: bool) -> None:
         raise SpecDecError(f"output folder '{out}' exists: pass --overwrite or choose another --out")
 
 
+def name_list(value: str | None) -> tuple[str, ...]:
+    """A comma-separated list of names, blanks dropped ("none, prompt-lookup," is two names)."""
+    return tuple(name.strip() for name in (value or "").split(",") if name.strip())
+
+
 def int_list(option: str, value: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in value.split(","))
@@ -150,19 +155,26 @@ ProfileOpt = Annotated[
 ]
 
 
-def with_profile(ctx: typer.Context, path: Path | None, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` (a command's parameters by name) with a profile's settings in place of every one not given on the command line.
+PROFILE_GROUPS = (
+    ("target",),
+    ("backend", "dtype", "precision", "threads", "ubatch"),  # one runtime: a plan tuned for transformers means nothing on llama.cpp
+    ("draft", "branches", "k", "k_policy"),  # k settings tuned for one drafter
+    ("temperature",),
+    ("window",),
+)
 
-    Warns, naming the difference, when the profile was tuned for another target or machine.
+
+def with_profile(ctx: typer.Context, path: Path | None, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` (a command's parameters by name) with a profile's settings in place of those not given on the command line.
+
+    Settings go in groups: when any option of a group (the runtime; the drafter and its k settings) is given, the
+    whole group is the command line's. Warns, naming the difference, when the profile was tuned for another target or machine.
     """
     if path is None:
         return options
-    from click.core import ParameterSource
+    from specdec.profile import load_profile
 
-    from specdec.profile import Profile
-
-    profile = Profile.load(path)
-    profile.check_installed()
+    profile, _ = load_profile(path)
     runtime, generation = profile.runtime, profile.generation
     settings = {
         "target": profile.target,
@@ -170,6 +182,7 @@ def with_profile(ctx: typer.Context, path: Path | None, options: dict[str, Any])
         "k": generation.k,
         "k_policy": generation.k_policy,
         "branches": generation.branches,
+        "temperature": generation.sampling.temperature,
         "backend": runtime.backend,
         "dtype": runtime.dtype,
         "precision": runtime.precision.describe() if runtime.precision else None,
@@ -177,8 +190,13 @@ def with_profile(ctx: typer.Context, path: Path | None, options: dict[str, Any])
         "ubatch": runtime.ubatch,
         "window": profile.batch.window,
     }
-    given = {name for name in options if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
-    merged = options | {name: value for name, value in settings.items() if name in options and name not in given}
+    sources = {name: ctx.get_parameter_source(name) for name in options}  # compared by name: typer may bring its own click
+    given = {name for name, source in sources.items() if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")}
+
+    merged = dict(options)
+    for group in PROFILE_GROUPS:
+        if not given.intersection(group):
+            merged |= {name: settings[name] for name in group if name in options}
     for note in profile.differences(merged.get("target")):
         err.print(f"[yellow]warning:[/yellow] {escape(note)}", highlight=False, soft_wrap=True)
     return merged

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from specdec.cli.options import Overwrite, Prompts, Target, default, err, fresh_output, progress, user_errors
+from specdec.cli.options import Overwrite, Prompts, Target, default, err, fresh_output, name_list, progress, user_errors
 from specdec.errors import ConfigError
 from specdec.tuning.search import TuneConfig
 
@@ -56,8 +56,8 @@ def tune(
         budget_s=budget_s,
         temperature=_temperature(sampling),
         max_k=max_k,
-        runtimes=_names(runtimes),
-        drafters=_names(drafters),
+        runtimes=name_list(runtimes),
+        drafters=name_list(drafters),
         new_tokens=new_tokens,
         confirm=confirm,
     )
@@ -89,7 +89,3 @@ def _temperature(sampling: str) -> float:
     if value <= 0:
         raise ConfigError(f"--sampling is greedy or a temperature above 0 (like 0.7), got '{sampling}'")
     return value
-
-
-def _names(value: str | None) -> tuple[str, ...]:
-    return tuple(name.strip() for name in (value or "").split(",") if name.strip())

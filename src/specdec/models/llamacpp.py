@@ -19,8 +19,12 @@ from specdec.models.backend import TREES_UNSUPPORTED
 INSTALL = 'pip install -e ".[llamacpp]"  (builds llama.cpp from source: about 5-15 minutes on 2 cores)'
 
 
+def llama_cpp_installed() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
 def require_llama_cpp():
-    if importlib.util.find_spec("llama_cpp") is None:
+    if not llama_cpp_installed():
         raise MissingPackageError(f"the llama.cpp backend needs llama-cpp-python: run `{INSTALL}`")
     import llama_cpp
 

@@ -39,17 +39,33 @@ def markdown(results: dict) -> str:
     for label, r in results["runtimes"].items():
         cost = " / ".join(fmt(r["cost_ms"].get(n, r["cost_ms"].get(str(n))), "{:.1f}") for n in (1, 5, 9, 17))
         lines.append(f"| {label} | {r['load_s']:.1f} | {cost} | {r['overhead_ms']:.1f} | {r['target_only_tokens_per_s']:.1f} |")
-    lines += ["", "## Drafters (chains of max k, sampled on the fastest runtime each runs on)", ""]
-    lines += ["| drafter | sampled on | steps | acceptance | accepted/step | draft ms/step |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Cost curves are measured once per machine and runtime and cached (`$SPECDEC_CACHE/costs/`), as the cost-model policy reads them;",
+        "the overhead is a target-only step's time beyond the forward.",
+        "",
+        "## Drafters (chains of max k, sampled on the fastest runtime each runs on)",
+        "",
+        "| drafter | sampled on | runs on | steps | acceptance | accepted/step | draft ms/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for spec, d in results["drafters"].items():
         lines.append(
-            f"| {spec} | {d['sampled_on']} | {d['steps']} | {d['acceptance']:.0%} | {d['accepted_per_step']:.2f} | {d['draft_ms_per_step']:.2f} |"
+            f"| {spec} | {d['sampled_on']} | {', '.join(d['runs_on'])} | {d['steps']} | {d['acceptance']:.0%} | "
+            f"{d['accepted_per_step']:.2f} | {d['draft_ms_per_step']:.2f} |"
         )
-    lines += ["", "## Candidates confirmed by a real run", "", "| candidate | predicted tok/s | measured tok/s | measured / predicted |"]
-    lines.append("|---|---|---|---|")
+    categories = results["categories"]
+    lines += ["", "## Candidates confirmed by a real run (tok/s)", ""]
+    lines.append("| candidate | predicted | measured | measured / predicted | " + " | ".join(categories) + " |")
+    lines.append("|---|---|---|---|" + "---|" * len(categories))
     for c in sorted(results["confirmed"], key=lambda c: -(c["measured_tokens_per_s"] or 0)):
         ratio = c["measured_tokens_per_s"] / c["predicted_tokens_per_s"] if c["measured_tokens_per_s"] else None
-        lines.append(f"| {c['label']} | {c['predicted_tokens_per_s']:.1f} | {fmt(c['measured_tokens_per_s'], '{:.1f}')} | {fmt(ratio)} |")
+        by_category = " | ".join(fmt(c["measured_by_category"].get(category), "{:.1f}") for category in categories)
+        lines.append(
+            f"| {c['label']} | {c['predicted_tokens_per_s']:.1f} | {fmt(c['measured_tokens_per_s'], '{:.1f}')} | {fmt(ratio)} | {by_category} |"
+        )
+    lines.append("")
+    lines.append("A cost-model candidate carries the best fixed k's prediction: the policy aims at that k step by step.")
     lines += ["", "## Every candidate, predicted (best k of each runtime and drafter)", "", "| candidate | predicted tok/s |", "|---|---|"]
     seen = set()
     for c in results["candidates"]:

@@ -20,25 +20,28 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
-from specdec.bench.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts
+from specdec.bench.methods import PEER_PREFIXES, check_method
+from specdec.bench.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts, round_robin
 from specdec.config import PRESETS, TREE_BRANCHES, TREE_SUFFIX, GenerationConfig, RuntimeConfig, SamplingConfig
 from specdec.drafters import build_drafter
 from specdec.engine import Generator
-from specdec.engine.costs import forward_cost_curve
 from specdec.errors import ConfigError, PromptError, SpecDecError
 from specdec.machine import fingerprint
 from specdec.models import DEFAULT_TARGET, Target, open_target, resolve
 from specdec.models.cpu_kernels import vnni_available
+from specdec.models.llamacpp import llama_cpp_installed
 from specdec.models.registry import bundled_draft
-from specdec.profile import Profile
+from specdec.profile import Profile, runtime_dict
 from specdec.scheduling import CostCurve
 
 MIN_BUDGET_S = 30.0  # below this not even one runtime's curve and a short run fit
 PHASE_ENDS = (0.3, 0.6)  # shares of the budget by which runtime measurement, then drafter sampling, stop starting work
 SECONDS_PER_PROMPT = 50.0  # the budget buys one sampled prompt per this many seconds (at least 2, at most the set)
 PROBE_PROMPTS = 2  # prompts of each runtime's target-only run
+MARGIN = 1.03  # speculation must beat the fastest target-only measured by this much to be chosen (short runs are noisy)
+OPEN_ERRORS = (SpecDecError, RuntimeError, OSError, MemoryError)  # a runtime that fails to open is skipped, with the reason
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,9 @@ class RuntimeFigures:
 @dataclass
 class DrafterSample:
     spec: str  # as given: "prompt-lookup", "prompt-lookup+tree"
-    runtime: str  # the runtime label it was sampled on
-    steps: list[tuple[int, int]] = field(default_factory=list)  # (proposed, accepted) of every step after the first
-    draft_s_per_step: float = 0.0  # mean, at max_k
+    runtime: str = ""  # the runtime label it was sampled on
+    runs_on: list[str] = field(default_factory=list)  # every measured runtime it can draft for
+    steps: list[tuple[int, int, float]] = field(default_factory=list)  # (proposed, accepted, draft seconds) per step
 
     @property
     def drafter(self) -> str:
@@ -93,6 +96,11 @@ class DrafterSample:
     def tree(self) -> bool:
         return self.spec.endswith(TREE_SUFFIX)
 
+    @property
+    def acceptance(self) -> float:
+        proposed = sum(p for p, _, _ in self.steps)
+        return sum(a for _, a, _ in self.steps) / proposed if proposed else 0.0
+
 
 @dataclass
 class Candidate:
@@ -100,7 +108,7 @@ class Candidate:
     drafter: str  # a spec, "none" for target-only
     k: int  # 1 for target-only (a GenerationConfig's least; nothing is drafted)
     k_policy: str
-    predicted_tokens_per_s: float
+    predicted_tokens_per_s: float  # for the cost-model policy: the best fixed k's prediction (the policy aims at it)
     measured_tokens_per_s: float | None = None
     measured_by_category: dict[str, float] = field(default_factory=dict)
 
@@ -112,15 +120,13 @@ class Candidate:
 
 def runtime_candidates(target: str) -> dict[str, RuntimeConfig]:
     """Every runtime and precision plan worth measuring for ``target`` here, fastest measured first (BENCHMARKS.md)."""
-    import importlib.util
-
     import torch
 
     found: dict[str, RuntimeConfig] = {}
     cuda = torch.cuda.is_available()
     if not cuda and vnni_available():
         found["native"] = RuntimeConfig(backend="native")
-    if importlib.util.find_spec("llama_cpp") is not None and resolve(target).kind in ("alias", "gguf"):
+    if llama_cpp_installed() and resolve(target).kind in ("alias", "gguf"):
         found["llama.cpp"] = RuntimeConfig(backend="llama.cpp")
     if cuda:
         found["transformers/bf16"] = RuntimeConfig(precision=PRESETS["bf16"])
@@ -143,31 +149,19 @@ def drafter_candidates(target: str) -> list[str]:
 
 
 def plan(config: TuneConfig) -> tuple[dict[str, RuntimeConfig], list[str], int]:
-    """The runtimes and drafters the search will try (checked against what exists), and its units of progress."""
+    """The runtimes and drafters the search will try (checked before any model loads), and its units of progress."""
     available = runtime_candidates(config.target)
     if config.runtimes:
         unknown = [r for r in config.runtimes if r not in available]
         if unknown:
             raise ConfigError(f"runtime(s) {', '.join(unknown)} cannot run '{config.target}' here: choose among {', '.join(available)}")
         available = {r: available[r] for r in config.runtimes}
-    drafters = list(config.drafters) or drafter_candidates(config.target)
-    if "none" in drafters:
-        drafters.remove("none")  # target-only is always a candidate
+    drafters = [d for d in dict.fromkeys(config.drafters or drafter_candidates(config.target)) if d != "none"]  # target-only always runs
+    for spec in drafters:
+        drafter = spec.removesuffix(TREE_SUFFIX)
+        if drafter.partition(":")[0] == "oracle" or drafter.startswith(PEER_PREFIXES) or check_method(spec, config.target) is not None:
+            raise ConfigError(f"'{spec}' is not a drafter to tune: use a --draft spec, or DRAFTER{TREE_SUFFIX}")
     return available, drafters, len(available) + len(drafters) + 1
-
-
-def sample_prompts(prompts: list[BenchPrompt], count: int) -> list[BenchPrompt]:
-    """Up to ``count`` prompts taken in turn from each category, so that every category is represented."""
-    by_category: dict[str, list[BenchPrompt]] = {}
-    for p in prompts:
-        by_category.setdefault(p.category, []).append(p)
-    chosen: list[BenchPrompt] = []
-    while len(chosen) < min(count, len(prompts)):
-        for items in by_category.values():
-            taken = sum(p.category == items[0].category for p in chosen)
-            if taken < len(items) and len(chosen) < count:
-                chosen.append(items[taken])
-    return chosen
 
 
 def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) -> tuple[Profile, dict]:
@@ -178,6 +172,7 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
         return time.perf_counter() - start
 
     runtimes, drafters, _ = plan(config)
+    texts = load_prompts(config.prompts)  # a missing or empty file fails here, before any model loads
     sampling = SamplingConfig(config.temperature)
     base = GenerationConfig(k=1, k_policy="fixed", max_new_tokens=config.new_tokens, sampling=sampling, seed=config.seed)
     notes: list[str] = []
@@ -189,47 +184,50 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
             notes.append(f"runtime {label} not measured: the budget's share for runtimes was spent")
             advance(f"{label} skipped (budget)")
             continue
+        opened = time.perf_counter()
         try:
-            figures, prompts = _measure_runtime(label, runtime, config, base, prompts)
-        except PromptError:
-            raise  # the prompts are unusable on every runtime
-        except SpecDecError as exc:
+            target = open_target(config.target, runtime)
+        except OPEN_ERRORS as exc:
             notes.append(f"runtime {label} skipped: {exc}")
             advance(f"{label} skipped")
             continue
-        measured[label] = figures
-        advance(f"{label}: {figures.target_only_tokens_per_s:.1f} tok/s target-only")
+        load_s = time.perf_counter() - opened
+        prompts = _fitting(prompts or _encode(config, texts, target), target, config)
+        measured[label] = _measure_runtime(label, runtime, target, load_s, prompts, base)
+        advance(f"{label}: {measured[label].target_only_tokens_per_s:.1f} tok/s target-only")
+        if len(measured) == 1 and elapsed() > config.budget_s:
+            raise ConfigError(
+                f"--budget-s {config.budget_s:g} ran out while measuring the first runtime ({elapsed():.0f} s): "
+                f"give at least {3 * elapsed():.0f} s"
+            )
     if not measured:
         raise ConfigError(f"no runtime could open '{config.target}' here: {'; '.join(notes)}")
-    if elapsed() > config.budget_s:
-        raise ConfigError(
-            f"--budget-s {config.budget_s:g} ran out while measuring the first runtime ({elapsed():.0f} s): "
-            f"give at least {3 * elapsed():.0f} s"
-        )
 
     by_speed = sorted(measured.values(), key=lambda f: -f.target_only_tokens_per_s)
     samples: list[DrafterSample] = []
     for spec in drafters:
-        if samples and elapsed() > PHASE_ENDS[1] * config.budget_s:
+        if elapsed() > PHASE_ENDS[1] * config.budget_s:
             notes.append(f"drafter {spec} not sampled: the budget's share for drafters was spent")
             advance(f"{spec} skipped (budget)")
             continue
-        sample = _sample_drafter(spec, by_speed, prompts, config, base, PHASE_ENDS[1] * config.budget_s - elapsed(), notes)
+        sample = _sample_drafter(spec, by_speed, prompts, config, base, start + PHASE_ENDS[1] * config.budget_s, notes)
         if sample is not None:
             samples.append(sample)
-        advance(f"{spec}: " + (f"{_acceptance(sample):.0%} accepted" if sample else "skipped"))
+        advance(f"{spec}: " + (f"{sample.acceptance:.0%} accepted" if sample else "skipped"))
 
     candidates = _predict(measured, samples, config.max_k)
     chosen_set = _confirmation_set(candidates, measured, config.confirm, config.max_k)
-    _confirm(chosen_set, measured, prompts, config, base, start)
+    for label in set(measured) - {c.runtime for c in chosen_set}:
+        measured[label].target = None  # type: ignore[assignment]  # free the models no confirmation needs
+    _confirm(chosen_set, measured, prompts, config, base, start, notes)
     advance("confirmed")
     confirmed = [c for c in chosen_set if c.measured_tokens_per_s is not None]
-    best = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0)
     target_only = max((c for c in confirmed if c.drafter == "none"), key=lambda c: c.measured_tokens_per_s or 0.0)
-    spec = best.drafter.removesuffix(TREE_SUFFIX)
+    fastest = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0)
+    best = fastest if (fastest.measured_tokens_per_s or 0.0) >= MARGIN * (target_only.measured_tokens_per_s or 0.0) else target_only
     profile = Profile(
         target=config.target,
-        drafter=spec,
+        drafter=best.drafter.removesuffix(TREE_SUFFIX),
         runtime=measured[best.runtime].runtime,
         generation=GenerationConfig(
             k=best.k, k_policy=best.k_policy, branches=TREE_BRANCHES if best.drafter.endswith(TREE_SUFFIX) else 1, sampling=sampling
@@ -242,12 +240,12 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
         },
     )
     results = {
-        "config": {k: v for k, v in vars(config).items()},
+        "config": asdict(config),
         "machine": fingerprint(),
         "elapsed_s": elapsed(),
         "runtimes": {
             f.label: {
-                "runtime": Profile(config.target, "none", f.runtime, base).to_dict()["runtime"],
+                "runtime": runtime_dict(f.runtime),
                 "load_s": f.load_s,
                 "cost_ms": {n: 1000 * s for n, s in f.curve.seconds.items()},
                 "overhead_ms": 1000 * f.overhead_s,
@@ -258,13 +256,15 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
         "drafters": {
             s.spec: {
                 "sampled_on": s.runtime,
+                "runs_on": s.runs_on,
                 "steps": len(s.steps),
-                "acceptance": _acceptance(s),
-                "accepted_per_step": sum(a for _, a in s.steps) / max(len(s.steps), 1),
-                "draft_ms_per_step": 1000 * s.draft_s_per_step,
+                "acceptance": s.acceptance,
+                "accepted_per_step": sum(a for _, a, _ in s.steps) / max(len(s.steps), 1),
+                "draft_ms_per_step": 1000 * sum(d for _, _, d in s.steps) / max(len(s.steps), 1),
             }
             for s in samples
         },
+        "categories": sorted({p.category for p, _ in prompts}),
         "candidates": [vars(c) | {"label": c.label} for c in candidates],
         "confirmed": [vars(c) | {"label": c.label} for c in chosen_set],
         "chosen": best.label,
@@ -274,17 +274,36 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
     return profile, results
 
 
+def _encode(config: TuneConfig, texts: list[BenchPrompt], target: Target) -> list[tuple[BenchPrompt, list[int]]]:
+    """A sample of the prompts, taken in turn from each category, with their token ids; blank ones are left out."""
+    if target.tokenizer is None:
+        raise ConfigError(f"target '{config.target}' has no tokenizer; tuning needs one to encode the prompts")
+    usable = [(p, target.tokenizer(p.prompt)["input_ids"]) for p in round_robin(texts) if p.prompt.strip()]
+    count = max(2, int(config.budget_s / SECONDS_PER_PROMPT))
+    return [(p, ids) for p, ids in usable if ids][:count] or _nothing_usable(config, texts, "blank")
+
+
+def _fitting(prompts: list[tuple[BenchPrompt, list[int]]], target: Target, config: TuneConfig) -> list[tuple[BenchPrompt, list[int]]]:
+    """The prompts that leave room for the new tokens and a draft in this runtime's context."""
+    room = target.backend.max_context - config.new_tokens - config.max_k
+    return [(p, ids) for p, ids in prompts if len(ids) < room] or _nothing_usable(
+        config, [p for p, _ in prompts], f"longer than {room} tokens"
+    )
+
+
+def _nothing_usable(config: TuneConfig, prompts: list[BenchPrompt], why: str) -> list:
+    raise PromptError(
+        f"prompts '{config.prompts}' have nothing usable: all {len(prompts)} sampled are {why} (the model's context less "
+        f"{config.new_tokens + config.max_k} tokens for the output and a draft); give prompts like the requests you will serve"
+    )
+
+
 def _measure_runtime(
-    label: str, runtime: RuntimeConfig, config: TuneConfig, base: GenerationConfig, prompts: list[tuple[BenchPrompt, list[int]]]
-) -> tuple[RuntimeFigures, list[tuple[BenchPrompt, list[int]]]]:
-    """Open the target on ``runtime``, measure its cost curve and a target-only run; the prompts are encoded by the first runtime."""
-    started = time.perf_counter()
-    target = open_target(config.target, runtime)
-    load_s = time.perf_counter() - started
-    if not prompts:
-        prompts = _usable_prompts(config, target)
-    curve = CostCurve(forward_cost_curve(target.backend, repeats=3))
+    label: str, runtime: RuntimeConfig, target: Target, load_s: float, prompts: list[tuple[BenchPrompt, list[int]]], base: GenerationConfig
+) -> RuntimeFigures:
+    """The runtime's cost curve (measured once per machine and cached, as the cost-model policy reads it) and a short target-only run."""
     generator = Generator(target, "none", base)
+    curve = generator.costs()
     generator.generate(prompts[0][1], max_new_tokens=4)  # warm-up
     rates, overheads = [], []
     for _, ids in prompts[:PROBE_PROMPTS]:
@@ -293,27 +312,7 @@ def _measure_runtime(
         if s.steps > 1:
             overheads.append(max(0.0, (s.wall_s - s.ttft_s) / (s.steps - 1) - curve(1)))
     overhead = statistics.median(overheads) if overheads else 0.0
-    return RuntimeFigures(label, runtime, target, curve, statistics.median(rates), overhead, load_s), prompts
-
-
-def _usable_prompts(config: TuneConfig, target: Target) -> list[tuple[BenchPrompt, list[int]]]:
-    """The sampled prompts with their token ids; those empty or too long for the model's context are left out."""
-    prompts = load_prompts(config.prompts)
-    if target.tokenizer is None:
-        raise ConfigError(f"target '{config.target}' has no tokenizer; tuning needs one to encode the prompts")
-    usable = []
-    for p in prompts:
-        ids = target.tokenizer(p.prompt)["input_ids"]
-        if ids and p.prompt.strip() and len(ids) + config.new_tokens + config.max_k < target.backend.max_context:
-            usable.append((p, ids))
-    if not usable:
-        raise PromptError(
-            f"prompts '{config.prompts}' have nothing usable: all {len(prompts)} are blank or longer than the model's context "
-            f"({target.backend.max_context} tokens) less {config.new_tokens + config.max_k}; give prompts like the requests you will serve"
-        )
-    count = max(2, min(len(usable), int(config.budget_s / SECONDS_PER_PROMPT)))
-    chosen = {p.id for p in sample_prompts([p for p, _ in usable], count)}
-    return [(p, ids) for p, ids in usable if p.id in chosen]
+    return RuntimeFigures(label, runtime, target, curve, statistics.median(rates), overhead, load_s)
 
 
 def _sample_drafter(
@@ -322,58 +321,69 @@ def _sample_drafter(
     prompts: list[tuple[BenchPrompt, list[int]]],
     config: TuneConfig,
     base: GenerationConfig,
-    time_left: float,
+    deadline: float,
     notes: list[str],
 ) -> DrafterSample | None:
-    """Every step of chains (or trees) of max_k drafts on the sampled prompts, on the fastest runtime the drafter runs on."""
-    sample = DrafterSample(spec, "")
+    """Every step of chains (or trees) of max_k drafts on the sampled prompts, on the fastest runtime the drafter runs on.
+
+    The first step of each prompt (it also reads the prompt) and the last (its drafts are cut by the length limit) are
+    left out. The drafter is also built on every other runtime: the prediction covers only those it runs on.
+    """
+    sample = DrafterSample(spec)
     gen_config = replace(base, k=config.max_k, branches=TREE_BRANCHES if sample.tree else 1)
+    generators: dict[str, Generator] = {}
     reasons = []
     for figures in by_speed:
         try:
             generator = Generator(figures.target, build_drafter(sample.drafter, figures.target, figures.runtime), gen_config)
-            generator.generate(prompts[0][1], max_new_tokens=4)  # warm-up
-        except SpecDecError as exc:
+            generator.completion(prompts[0][1])  # refuses what this backend cannot verify (trees on llama.cpp)
+        except OPEN_ERRORS as exc:
             reasons.append(f"{figures.label}: {exc}")
             continue
-        sample.runtime = figures.label
-        started, draft_s = time.perf_counter(), 0.0
-        for _, ids in prompts:
-            if sample.steps and time.perf_counter() - started > time_left:
-                notes.append(f"drafter {spec} sampled on {len(sample.steps)} steps only: the budget's share for drafters was spent")
-                break
-            s = generator.generate(ids).stats
-            sample.steps += list(zip(s.proposed_per_step[1:], s.accepted_per_step[1:], strict=True))
-            draft_s += s.draft_s
-        sample.draft_s_per_step = draft_s / max(len(sample.steps), 1)
-        return sample
-    notes.append(f"drafter {spec} skipped: it runs on none of the measured runtimes ({'; '.join(reasons)})")
-    return None
-
-
-def _acceptance(sample: DrafterSample | None) -> float:
-    if sample is None:
-        return 0.0
-    proposed = sum(p for p, _ in sample.steps)
-    return sum(a for _, a in sample.steps) / proposed if proposed else 0.0
+        generators[figures.label] = generator
+    if not generators:
+        notes.append(f"drafter {spec} skipped: it runs on none of the measured runtimes ({'; '.join(reasons)})")
+        return None
+    sample.runs_on = list(generators)
+    sample.runtime = sample.runs_on[0]
+    generator = generators[sample.runtime]
+    generator.generate(prompts[0][1], max_new_tokens=4)  # warm-up
+    for _, ids in prompts:
+        if sample.steps and time.perf_counter() > deadline:
+            notes.append(f"drafter {spec} sampled on {len(sample.steps)} steps only: the budget's share for drafters was spent")
+            break
+        s = generator.generate(ids).stats
+        drafted = len(s.draft_s_per_step)  # steps that drafted, the first ones: only the last may not have
+        sample.steps += list(
+            zip(
+                s.proposed_per_step[1 : drafted - 1], s.accepted_per_step[1 : drafted - 1], s.draft_s_per_step[1 : drafted - 1], strict=True
+            )
+        )
+    return sample
 
 
 def _predict(measured: dict[str, RuntimeFigures], samples: list[DrafterSample], max_k: int) -> list[Candidate]:
-    """Tokens per second of every (runtime, drafter, k), replaying the sampled steps on each runtime's curve; best first."""
+    """Tokens per second of every (runtime, drafter, k) the drafter runs on, replaying its sampled steps on the runtime's curve; best first.
+
+    A step that proposed p tokens and had a accepted, replayed at k, proposes min(p, k) and keeps min(a, k); it costs a
+    forward over min(p, k) + 1 tokens, the runtime's per-step overhead and its drafting time scaled by k / max_k.
+    """
     candidates = [Candidate(f.label, "none", 1, "fixed", 1 / (f.curve(1) + f.overhead_s)) for f in measured.values()]
-    for f in measured.values():
-        for s in samples:
-            if not s.steps:
-                continue
+    for s in samples:
+        if not s.steps:
+            continue
+        for label in s.runs_on:
+            f = measured[label]
             for k in [max_k] if s.tree else range(1, max_k + 1):  # a tree's nodes cannot be cut to a prefix
-                tokens = sum(1 + min(a, k) for _, a in s.steps)
-                seconds = sum(f.curve(min(p, k) + 1) + f.overhead_s + s.draft_s_per_step * k / max_k for p, _ in s.steps)
-                candidates.append(Candidate(f.label, s.spec, k, "fixed", tokens / seconds))
+                tokens = sum(1 + min(a, k) for _, a, _ in s.steps)
+                seconds = sum(f.curve(min(p, k) + 1) + f.overhead_s + d * k / max_k for p, _, d in s.steps)
+                candidates.append(Candidate(label, s.spec, k, "fixed", tokens / seconds))
     return sorted(candidates, key=lambda c: -c.predicted_tokens_per_s)
 
 
 def _confirmation_set(candidates: list[Candidate], measured: dict[str, RuntimeFigures], count: int, max_k: int) -> list[Candidate]:
-    """The best predicted k of the ``count`` best (runtime, drafter) pairs, the cost-model policy for the best, and target-only."""
+    """The best predicted k of the ``count`` best (runtime, drafter) pairs, the cost-model policy for the best, and target-only
+    on each of their runtimes and on the fastest."""
     chosen: list[Candidate] = []
     pairs: set[tuple[str, str]] = set()
     for c in candidates:
@@ -382,7 +392,7 @@ def _confirmation_set(candidates: list[Candidate], measured: dict[str, RuntimeFi
             chosen.append(c)
     if chosen and not chosen[0].drafter.endswith(TREE_SUFFIX):
         top = chosen[0]
-        chosen.append(Candidate(top.runtime, top.drafter, max_k, "cost-model", top.predicted_tokens_per_s))  # it aims at the best k
+        chosen.append(Candidate(top.runtime, top.drafter, max_k, "cost-model", top.predicted_tokens_per_s))
     runtimes = {c.runtime for c in chosen} | {max(measured.values(), key=lambda f: f.target_only_tokens_per_s).label}
     chosen += [c for c in candidates if c.drafter == "none" and c.runtime in runtimes]
     return chosen
@@ -395,30 +405,35 @@ def _confirm(
     config: TuneConfig,
     base: GenerationConfig,
     start: float,
+    notes: list[str],
 ) -> None:
-    """Run every chosen candidate on the sampled prompts, taking turns per prompt; at least one prompt, then as the budget allows."""
-    generators = []
-    for c in chosen:
+    """Run every chosen candidate on the sampled prompts, taking turns per prompt; one round, then more while the budget lasts."""
+    generators: dict[int, Generator] = {}
+    for i, c in enumerate(chosen):
         f = measured[c.runtime]
         spec = c.drafter.removesuffix(TREE_SUFFIX)
         gen_config = replace(base, k=c.k, k_policy=c.k_policy, branches=TREE_BRANCHES if spec != c.drafter else 1)
-        generator = Generator(f.target, build_drafter(spec, f.target, f.runtime), gen_config)
-        generator.generate(prompts[0][1], max_new_tokens=4)  # warm-up
-        generators.append(generator)
-    tokens = [dict[str, int]() for _ in chosen]
-    seconds = [dict[str, float]() for _ in chosen]
+        try:
+            generators[i] = Generator(f.target, build_drafter(spec, f.target, f.runtime), gen_config)
+            generators[i].generate(prompts[0][1], max_new_tokens=4)  # warm-up
+        except OPEN_ERRORS as exc:
+            notes.append(f"{c.label} not confirmed: {exc}")
+    tokens: dict[int, dict[str, int]] = {i: {} for i in generators}
+    seconds: dict[int, dict[str, float]] = {i: {} for i in generators}
     round_s = 0.0
     for index, (prompt, ids) in enumerate(prompts):
         if index and time.perf_counter() - start + round_s > config.budget_s:
+            notes.append(f"confirmation ran {index} of {len(prompts)} sampled prompts: the budget was spent")
             break
         round_start = time.perf_counter()
-        order = list(range(len(chosen)))
+        order = list(generators)
         shift = index % len(order)
         for i in order[shift:] + order[:shift]:  # rotated, so that drift falls on all alike
             result = generators[i].generate(ids)
             tokens[i][prompt.category] = tokens[i].get(prompt.category, 0) + len(result.token_ids)
             seconds[i][prompt.category] = seconds[i].get(prompt.category, 0.0) + result.stats.wall_s
         round_s = time.perf_counter() - round_start
-    for c, t, s in zip(chosen, tokens, seconds, strict=True):
-        c.measured_tokens_per_s = sum(t.values()) / sum(s.values())
-        c.measured_by_category = {category: t[category] / s[category] for category in t}
+    for i in generators:
+        if sum(tokens[i].values()):
+            chosen[i].measured_tokens_per_s = sum(tokens[i].values()) / sum(seconds[i].values())
+            chosen[i].measured_by_category = {category: tokens[i][category] / seconds[i][category] for category in tokens[i]}
