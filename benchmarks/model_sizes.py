@@ -68,7 +68,15 @@ def parameters(shape: dict) -> int:
 
 
 def random_model(shape: dict, seed: int = 0) -> torch.nn.Module:
-    """A LlamaForCausalLM of this shape in bfloat16 with N(0, 0.02) weights and unit norms (built on the meta device, then filled)."""
+    """A LlamaForCausalLM of this shape in bfloat16 with N(0, 0.02) weights, unit norms and N(0, 1) embeddings (built on the meta device).
+
+    Why the large embeddings: with every weight at 0.02 the logits of a random model are nearly flat, so near-ties are
+    everywhere and a runtime whose many-token forward rounds differently from its one-token forward (llama.cpp at its
+    default micro-batch) flips the greedy token at most positions: the oracle's reference would then be rejected for
+    reasons that have nothing to do with its accuracy. Embeddings 50x larger dominate the residual stream, the output
+    head (the same matrix, or a copy of it when untied) gives the current token a wide margin, and greedy decoding
+    becomes robust to rounding; every forward still computes every layer at full size, so the timings are unchanged.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     fields = {k: v for k, v in shape.items() if k != "like"}
@@ -82,7 +90,9 @@ def random_model(shape: dict, seed: int = 0) -> torch.nn.Module:
             if name.endswith("norm.weight"):
                 tensor.fill_(1.0)
             else:
-                tensor.normal_(0.0, 0.02, generator=generator)
+                tensor.normal_(0.0, 1.0 if name.endswith("embed_tokens.weight") else 0.02, generator=generator)
+        if not shape["tie_word_embeddings"]:
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     model.model.rotary_emb.to_empty(device="cpu")
     model.model.rotary_emb.__init__(config)  # its inverse frequencies are a buffer, not a weight
     if shape["tie_word_embeddings"]:
@@ -223,8 +233,10 @@ def decode(generator: Generator, prompts: list[list[int]], oracle: OracleDrafter
 def run_backend(size: str, backend: str, files: dict, args: argparse.Namespace, prompts: list[list[int]]) -> dict | None:
     if backend == "llama.cpp":
         source, runtime = str(files["gguf"]), RuntimeConfig(backend="llama.cpp")
-    elif files["hf"] is None:
-        return None  # too large for a transformers folder on this machine
+    elif files["hf"] is None or (
+        backend == "transformers" and args.device == "cpu" and parameters(SHAPES[size]) > args.transformers_max_params
+    ):
+        return None  # no transformers folder at this size, or transformers on this CPU takes seconds per forward
     else:
         runtime = RuntimeConfig(backend=backend, precision=PRESETS["cpu"] if backend == "transformers" and args.device == "cpu" else None)
         source = str(files["hf"])
@@ -281,6 +293,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts of 64 random tokens")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
     parser.add_argument("--hf-max-params", type=float, default=4e9, help="largest model also written as a transformers folder")
+    parser.add_argument("--transformers-max-params", type=float, default=2e9, help="largest model run on the transformers backend on a CPU")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
