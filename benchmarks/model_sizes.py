@@ -53,7 +53,7 @@ SHAPES: dict[str, dict] = {
     "3b": dict(vocab_size=128256, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
                intermediate_size=8192, tie_word_embeddings=True, rope_theta=500000.0, like="Llama-3.2-3B"),
     "7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-               intermediate_size=11008, tie_word_embeddings=False, rope_theta=10000.0, like="Llama-2-7B"),
+               intermediate_size=11008, tie_word_embeddings=False, rope_theta=10000.0, like="Llama-2-7B", embed_std=4.0),
 }  # fmt: skip
 TOKENIZER_GGUF = ALIASES["smollm2-135m-instruct"]  # a Llama-architecture GGUF whose BPE tokenizer the files borrow (padded)
 CURVE_SIZES = (1, 2, 3, 5, 9, 13, 17)
@@ -76,10 +76,12 @@ def random_model(shape: dict, seed: int = 0) -> torch.nn.Module:
     reasons that have nothing to do with its accuracy. Embeddings 50x larger dominate the residual stream, the output
     head (the same matrix, or a copy of it when untied) gives the current token a wide margin, and greedy decoding
     becomes robust to rounding; every forward still computes every layer at full size, so the timings are unchanged.
+    The 7B shape (32 layers, no grouped-query attention) needs 4x that: its layers' sum outgrows a unit embedding, and at
+    1.0 its greedy tokens flipped under llama.cpp's rounding (accepted drafts per step fell to 0.3 at a = 0.9).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    fields = {k: v for k, v in shape.items() if k != "like"}
+    fields = {k: v for k, v in shape.items() if k not in ("like", "embed_std")}
     config = LlamaConfig(**fields, max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
@@ -90,7 +92,7 @@ def random_model(shape: dict, seed: int = 0) -> torch.nn.Module:
             if name.endswith("norm.weight"):
                 tensor.fill_(1.0)
             else:
-                tensor.normal_(0.0, 1.0 if name.endswith("embed_tokens.weight") else 0.02, generator=generator)
+                tensor.normal_(0.0, shape.get("embed_std", 1.0) if name.endswith("embed_tokens.weight") else 0.02, generator=generator)
         if not shape["tie_word_embeddings"]:
             model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     model.model.rotary_emb.to_empty(device="cpu")

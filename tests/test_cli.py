@@ -19,6 +19,7 @@ from specdec.cli.options import default
 from specdec.config import BatchConfig, GenerationConfig, GuardConfig, RayConfig, RuntimeConfig, SamplingConfig, ServeConfig
 from specdec.training.distill import DistillConfig, DraftArch
 from specdec.training.ngram import NgramBuildConfig
+from specdec.tuning.search import TuneConfig
 
 runner = CliRunner()
 
@@ -65,6 +66,7 @@ COMMAND_CONFIGS = {
     "quality": QualityBenchConfig,
     "distill": DistillConfig,
     "ngram build": NgramBuildConfig,
+    "tune": TuneConfig,
 }
 FIELD_OF_OPTION = {  # CLI option name -> config field name, where they differ
     "shutdown_timeout": "shutdown_timeout_s",

@@ -21,7 +21,9 @@ def tune(
     budget_s: Annotated[
         float, typer.Option("--budget-s", help="Seconds the search may take, model loading included (the last short run may overrun it).")
     ] = default(TuneConfig, "budget_s"),
-    sampling: Annotated[str, typer.Option(help="greedy, or a temperature (like 0.7) to tune sampled decoding.")] = "greedy",
+    sampling_mode: Annotated[
+        str, typer.Option("--sampling", help="greedy, or a temperature (like 0.7) to tune sampled decoding.")
+    ] = "greedy",
     max_k: Annotated[int, typer.Option(help="Most draft tokens per step considered.")] = default(TuneConfig, "max_k"),
     runtimes: Annotated[
         str | None,
@@ -54,7 +56,7 @@ def tune(
         target=target,
         prompts=prompts,
         budget_s=budget_s,
-        temperature=_temperature(sampling),
+        temperature=_temperature(sampling_mode),
         max_k=max_k,
         runtimes=name_list(runtimes),
         drafters=name_list(drafters),
