@@ -11,6 +11,9 @@ device; the batched engine with CUDA graphs on and off (identical outputs, equal
 to one-at-a-time, graphs really replayed on CUDA); the server's batcher for a
 few requests; tokens/s of target-only vs the best drafter, and batched
 throughput at 8 and 32 rows. Exit status 1 if any check failed.
+
+Then, for the model-size table (BENCHMARKS.md, issue 25) on the GPU:
+    python benchmarks/model_sizes.py --device cuda --work DIR --out FILE --hf-max-params 1e10
 """
 
 from __future__ import annotations
