@@ -272,7 +272,7 @@ def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path
 
 @pytest.mark.real_model
 def test_tune_on_the_real_gemma_picks_a_configuration_at_least_as_fast_as_target_only(tmp_path: Path) -> None:
-    config = TuneConfig(prompts="core", budget_s=90, runtimes=("transformers/cpu",), drafters=("prompt-lookup",), temperature=0.7)
+    config = TuneConfig(prompts="core", budget_s=45, runtimes=("transformers/cpu",), drafters=("prompt-lookup",), temperature=0.7)
     profile, results = tune(config)
     sampled = results["drafters"]["prompt-lookup"]
     assert sampled["steps"] > 10 and sampled["acceptance"] > 0  # the core prompts repeat themselves: some drafts are accepted

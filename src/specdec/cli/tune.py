@@ -28,7 +28,7 @@ def tune(
     runtimes: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated runtimes to measure (native, llama.cpp, transformers/cpu-vnni, transformers/cpu, transformers/float32); default: every one that runs here."
+            help="Comma-separated runtimes to measure (native, llama.cpp, transformers/cpu-vnni, transformers/cpu, transformers/float32; on CUDA transformers/bf16); default: every one that runs here."
         ),
     ] = None,
     drafters: Annotated[
