@@ -176,7 +176,7 @@ def test_the_prediction_replays_sampled_steps_on_each_runtimes_curve() -> None:
     from specdec.scheduling import CostCurve
     from specdec.tuning.search import DrafterSample, RuntimeFigures, _confirmation_set, _predict
 
-    flat = RuntimeFigures("flat", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.011}), 90.0, 0.001, 0.0)  # verifying is nearly free
+    flat = RuntimeFigures("flat", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.011}), 1 / 0.011, 0.001, 0.0)  # verifying is nearly free
     steep = RuntimeFigures("steep", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.090}), 95.0, 0.001, 0.0)  # each position costs a step
     steps = [(8, 8, 0.0008), (8, 0, 0.0008)]  # one step accepted all 8, one none
     sample = DrafterSample("prompt-lookup", "flat", ["flat", "steep"], steps)
@@ -188,6 +188,9 @@ def test_the_prediction_replays_sampled_steps_on_each_runtimes_curve() -> None:
     # at k = 2: min(8, 2) + 1 and 0 + 1 tokens; forwards over 3 tokens; drafting scaled by 2 / 8
     assert by_key[("flat", "prompt-lookup", 2)] == pytest.approx(4 / (2 * (0.01025 + 0.001 + 0.0002)))
     assert by_key[("flat", "none", 1)] == pytest.approx(1 / 0.011)
+    # steep's target-only ran at 95 tok/s where its curve and overhead say 1 / 11 ms: its predictions are scaled by 95 x 0.011
+    assert by_key[("steep", "none", 1)] == pytest.approx(95.0)
+    assert by_key[("steep", "prompt-lookup", 1)] == pytest.approx(95 * 0.011 * 3 / (2 * (0.020 + 0.001 + 0.0001)))
     assert ("steep", "prompt-lookup+tree", 8) not in by_key  # the tree does not run there
     assert [k for r, d, k in by_key if d == "prompt-lookup+tree"] == [8]  # a tree is not cut to a prefix
     assert candidates[0].runtime == "flat" and candidates[0].drafter != "none"
@@ -261,6 +264,13 @@ def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path
     assert benched.exit_code == 0, benched.output
     methods = json.loads((tmp_path / "b" / "results.json").read_text())["methods"]
     assert "none" in methods and all(name == "none" or name.startswith(f"{data['drafter']}@") for name in methods)
+    chosen = runner.invoke(
+        app,
+        ["bench", "--profile", str(profile), "--prompts", str(prompts_file), "--quick", "--out", str(tmp_path / "c")]
+        + ["--methods", "none,prompt-lookup"],
+    )
+    assert chosen.exit_code == 0, chosen.output  # --methods given: the profile's k = 8 (tuned for its drafter) is not taken
+    assert set(json.loads((tmp_path / "c" / "results.json").read_text())["methods"]) == {"none", "prompt-lookup@k4"}
     profile.write_text("{broken")
     broken = runner.invoke(app, ["generate", "abc", "--profile", str(profile)])
     assert broken.exit_code == 2 and "is not valid JSON" in broken.output and "Traceback" not in broken.output

@@ -114,8 +114,9 @@ def bench(
 
     fresh_output(out, overwrite)
     options = dict(target=target, k=k, k_policy=k_policy, backend=backend, dtype=dtype, precision=precision, threads=threads, ubatch=ubatch)
-    options = with_profile(ctx, profile, options | dict(temperature=temperature))
-    if profile is not None and ctx.get_parameter_source("methods").name != "COMMANDLINE":
+    methods_given = ctx.get_parameter_source("methods").name == "COMMANDLINE"
+    options = with_profile(ctx, profile, options | dict(temperature=temperature), frozenset({"draft"} if methods_given else ()))
+    if profile is not None and not methods_given:
         tuned = Profile.load(profile)
         methods = f"none,{tuned.drafter}{TREE_SUFFIX if tuned.generation.branches > 1 else ''}"
     target, k, k_policy, temperature = options["target"], str(options["k"]), options["k_policy"], options["temperature"]

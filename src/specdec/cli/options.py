@@ -150,7 +150,7 @@ ProfileOpt = Annotated[
     typer.Option(
         "--profile",
         help="A profile from `specdec tune` (DIR/profile.json): its target, runtime, drafter and k settings replace these "
-        "options' defaults; options given on the command line still win.",
+        "options' defaults; options given on the command line still win, by group (README: Tuning).",
     ),
 ]
 
@@ -164,11 +164,11 @@ PROFILE_GROUPS = (
 )
 
 
-def with_profile(ctx: typer.Context, path: Path | None, options: dict[str, Any]) -> dict[str, Any]:
+def with_profile(ctx: typer.Context, path: Path | None, options: dict[str, Any], given: frozenset[str] = frozenset()) -> dict[str, Any]:
     """``options`` (a command's parameters by name) with a profile's settings in place of those not given on the command line.
 
     Settings go in groups: when any option of a group (the runtime; the drafter and its k settings) is given, the
-    whole group is the command line's. Warns, naming the difference, when the profile was tuned for another target or machine.
+    whole group is the command line's; ``given`` names more options to count as given (bench's --methods is its drafter). Warns, naming the difference, when the profile was tuned for another target or machine.
     """
     if path is None:
         return options
@@ -191,7 +191,7 @@ def with_profile(ctx: typer.Context, path: Path | None, options: dict[str, Any])
         "window": profile.batch.window,
     }
     sources = {name: ctx.get_parameter_source(name) for name in options}  # compared by name: typer may bring its own click
-    given = {name for name, source in sources.items() if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")}
+    given = given | {name for name, source in sources.items() if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")}
 
     merged = dict(options)
     for group in PROFILE_GROUPS:

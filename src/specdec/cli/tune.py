@@ -47,6 +47,7 @@ def tune(
     overwrite: Overwrite = False,
 ) -> None:
     """Find the fastest exact configuration (runtime, precision, drafter, k) for this machine, target and prompts."""
+    from specdec.bench.report import fmt
     from specdec.tuning.report import PLOT, write_tune_report
     from specdec.tuning.search import plan
     from specdec.tuning.search import tune as search
@@ -71,7 +72,7 @@ def tune(
         err.print(f"[yellow]note:[/yellow] {note}", highlight=False)
     table = Table("candidate", "predicted tok/s", "measured tok/s")
     for c in sorted(results["confirmed"], key=lambda c: -(c["measured_tokens_per_s"] or 0)):
-        table.add_row(c["label"], f"{c['predicted_tokens_per_s']:.1f}", f"{c['measured_tokens_per_s']:.1f}")
+        table.add_row(c["label"], f"{c['predicted_tokens_per_s']:.1f}", fmt(c["measured_tokens_per_s"], "{:.1f}"))
     Console().print(table)
     m = profile.measured
     Console().print(

@@ -80,6 +80,12 @@ class RuntimeFigures:
     overhead_s: float  # per step, outside the forward (the engine, sampling, bookkeeping)
     load_s: float
 
+    @property
+    def calibration(self) -> float:
+        """Measured target-only tokens/s over the curve's own prediction: what a step costs beyond the curve and the
+        overhead (the prompt's prefill, a cached curve measured on a busier or quieter day), applied to every prediction."""
+        return self.target_only_tokens_per_s * (self.curve(1) + self.overhead_s)
+
 
 @dataclass
 class DrafterSample:
@@ -192,7 +198,14 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
             advance(f"{label} skipped")
             continue
         load_s = time.perf_counter() - opened
-        prompts = _fitting(prompts or _encode(config, texts, target), target, config)
+        try:
+            prompts = _fitting(prompts or _encode(config, texts, target), target, config)
+        except PromptError as exc:
+            if not measured:
+                raise  # the prompts fit no runtime
+            notes.append(f"runtime {label} skipped: {exc}")  # its context is shorter than an earlier runtime's
+            advance(f"{label} skipped")
+            continue
         measured[label] = _measure_runtime(label, runtime, target, load_s, prompts, base)
         advance(f"{label}: {measured[label].target_only_tokens_per_s:.1f} tok/s target-only")
         if len(measured) == 1 and elapsed() > config.budget_s:
@@ -326,8 +339,7 @@ def _sample_drafter(
 ) -> DrafterSample | None:
     """Every step of chains (or trees) of max_k drafts on the sampled prompts, on the fastest runtime the drafter runs on.
 
-    The first step of each prompt (it also reads the prompt) and the last (its drafts are cut by the length limit) are
-    left out. The drafter is also built on every other runtime: the prediction covers only those it runs on.
+    The first step of each prompt (it also reads the prompt) and those whose drafts the length limit cut are left out. The drafter is also built on every other runtime: the prediction covers only those it runs on.
     """
     sample = DrafterSample(spec)
     gen_config = replace(base, k=config.max_k, branches=TREE_BRANCHES if sample.tree else 1)
@@ -353,12 +365,12 @@ def _sample_drafter(
             notes.append(f"drafter {spec} sampled on {len(sample.steps)} steps only: the budget's share for drafters was spent")
             break
         s = generator.generate(ids).stats
-        drafted = len(s.draft_s_per_step)  # steps that drafted, the first ones: only the last may not have
-        sample.steps += list(
-            zip(
-                s.proposed_per_step[1 : drafted - 1], s.accepted_per_step[1 : drafted - 1], s.draft_s_per_step[1 : drafted - 1], strict=True
-            )
-        )
+        produced = 0
+        for step, (p, a) in enumerate(zip(s.proposed_per_step, s.accepted_per_step, strict=True)):
+            room = config.new_tokens - produced - 1  # drafts this step could take before the length limit
+            if step and room >= config.max_k:  # every step drafts (no guards), so draft_s_per_step lines up with them
+                sample.steps.append((p, a, s.draft_s_per_step[step]))
+            produced += a + 1
     return sample
 
 
@@ -366,9 +378,11 @@ def _predict(measured: dict[str, RuntimeFigures], samples: list[DrafterSample], 
     """Tokens per second of every (runtime, drafter, k) the drafter runs on, replaying its sampled steps on the runtime's curve; best first.
 
     A step that proposed p tokens and had a accepted, replayed at k, proposes min(p, k) and keeps min(a, k); it costs a
-    forward over min(p, k) + 1 tokens, the runtime's per-step overhead and its drafting time scaled by k / max_k.
+    forward over min(p, k) + 1 tokens, the runtime's per-step overhead and its drafting time scaled by k / max_k (a
+    drafting cost proportional to k: a drafter's fixed cost per step is underestimated at small k). Each runtime's rates
+    are scaled by its calibration, so that its target-only prediction is its measured rate.
     """
-    candidates = [Candidate(f.label, "none", 1, "fixed", 1 / (f.curve(1) + f.overhead_s)) for f in measured.values()]
+    candidates = [Candidate(f.label, "none", 1, "fixed", f.target_only_tokens_per_s) for f in measured.values()]
     for s in samples:
         if not s.steps:
             continue
@@ -377,7 +391,7 @@ def _predict(measured: dict[str, RuntimeFigures], samples: list[DrafterSample], 
             for k in [max_k] if s.tree else range(1, max_k + 1):  # a tree's nodes cannot be cut to a prefix
                 tokens = sum(1 + min(a, k) for _, a, _ in s.steps)
                 seconds = sum(f.curve(min(p, k) + 1) + f.overhead_s + d * k / max_k for p, _, d in s.steps)
-                candidates.append(Candidate(label, s.spec, k, "fixed", tokens / seconds))
+                candidates.append(Candidate(label, s.spec, k, "fixed", f.calibration * tokens / seconds))
     return sorted(candidates, key=lambda c: -c.predicted_tokens_per_s)
 
 
