@@ -139,8 +139,8 @@ def runtime_dict(runtime: RuntimeConfig) -> dict[str, object]:
     return asdict(runtime) | {"precision": runtime.precision.describe() if runtime.precision else None}
 
 
-def load_profile(path: str | Path, target: str | None = None) -> tuple[Profile, list[str]]:
-    """A profile checked for this installation, and the warnings it deserves for ``target`` (None: its own) on this machine."""
+def load_profile(path: str | Path) -> Profile:
+    """A profile read from ``path`` and checked for this installation (its backend and drafter are there)."""
     profile = Profile.load(path)
     profile.check_installed()
-    return profile, profile.differences(target)
+    return profile

@@ -168,13 +168,14 @@ def with_profile(ctx: typer.Context, path: Path | None, options: dict[str, Any],
     """``options`` (a command's parameters by name) with a profile's settings in place of those not given on the command line.
 
     Settings go in groups: when any option of a group (the runtime; the drafter and its k settings) is given, the
-    whole group is the command line's; ``given`` names more options to count as given (bench's --methods is its drafter). Warns, naming the difference, when the profile was tuned for another target or machine.
+    whole group is the command line's; ``given`` names more options to count as given (bench's --methods is its drafter).
+    Warns, naming the difference, when the profile was tuned for another target or machine.
     """
     if path is None:
         return options
     from specdec.profile import load_profile
 
-    profile, _ = load_profile(path)
+    profile = load_profile(path)
     runtime, generation = profile.runtime, profile.generation
     settings = {
         "target": profile.target,

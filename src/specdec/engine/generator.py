@@ -23,7 +23,7 @@ from specdec.errors import ConfigError, ContextLengthError, PromptError, Vocabul
 from specdec.models import DEFAULT_TARGET, Backend, LoadedModel, Target, TransformersBackend, open_target
 from specdec.models.backend import TREES_UNSUPPORTED, OneRow
 from specdec.models.batched import BatchedTransformersBackend
-from specdec.profile import Profile, ProfileWarning
+from specdec.profile import Profile, ProfileWarning, load_profile
 from specdec.quality import Guards, NoGuards, SentenceEmbedder, ignorable_tokens
 from specdec.scheduling import CostCurve, KPolicy, LoadWindow, build_k_policy, memory_in_use
 from specdec.verification.seeds import Seeds
@@ -93,8 +93,10 @@ class Generator:
         ``target`` replaces the profile's own (a ready model, or another name); a profile tuned for another target
         or on another machine still loads, with a ProfileWarning that says what differs.
         """
-        profile = profile if isinstance(profile, Profile) else Profile.load(profile)
-        profile.check_installed()
+        if isinstance(profile, Profile):
+            profile.check_installed()
+        else:
+            profile = load_profile(profile)
         name = target if isinstance(target, str) else profile.target if target is None else target.name
         for note in profile.differences(name):
             warnings.warn(note, ProfileWarning, stacklevel=2)

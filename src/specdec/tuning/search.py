@@ -339,7 +339,8 @@ def _sample_drafter(
 ) -> DrafterSample | None:
     """Every step of chains (or trees) of max_k drafts on the sampled prompts, on the fastest runtime the drafter runs on.
 
-    The first step of each prompt (it also reads the prompt) and those whose drafts the length limit cut are left out. The drafter is also built on every other runtime: the prediction covers only those it runs on.
+    The first step of each prompt (it also reads the prompt) and those whose drafts the length limit cut are left out.
+    The drafter is also built on every other runtime: the prediction covers only those it runs on.
     """
     sample = DrafterSample(spec)
     gen_config = replace(base, k=config.max_k, branches=TREE_BRANCHES if sample.tree else 1)
