@@ -179,8 +179,8 @@ def test_the_prediction_replays_sampled_steps_on_each_runtimes_curve() -> None:
     flat = RuntimeFigures("flat", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.011}), 1 / 0.011, 0.001, 0.0)  # verifying is nearly free
     steep = RuntimeFigures("steep", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.090}), 95.0, 0.001, 0.0)  # each position costs a step
     steps = [(8, 8, 0.0008), (8, 0, 0.0008)]  # one step accepted all 8, one none
-    sample = DrafterSample("prompt-lookup", "flat", ["flat", "steep"], steps)
-    tree = DrafterSample("prompt-lookup+tree", "flat", ["flat"], steps)
+    sample = DrafterSample("prompt-lookup", ["flat", "steep"], steps)
+    tree = DrafterSample("prompt-lookup+tree", ["flat"], steps)
     candidates = _predict({"flat": flat, "steep": steep}, [sample, tree], max_k=8)
     by_key = {(c.runtime, c.drafter, c.k): c.predicted_tokens_per_s for c in candidates}
     # at k = 8 on the flat curve: (9 + 1) tokens over 2 x (11 ms + 1 ms overhead + 0.8 ms drafting)

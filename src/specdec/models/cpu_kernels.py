@@ -305,12 +305,10 @@ def attention(
     kernel = compiled()
     if kernel is None:
         raise RuntimeError("the attention kernel is not built on this machine")
-    if visible is None:
-        return kernel.attention(
-            q.contiguous(), k_cache, v_cache, start, window, scale, torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.long)
-        )
-    mask = visible.to(torch.uint8).contiguous()
-    return kernel.attention(q.contiguous(), k_cache, v_cache, start, window, scale, mask, positions.to(torch.long).contiguous())
+    chain = visible is None  # the kernel reads empty tensors as a chain
+    mask = torch.empty(0, dtype=torch.uint8) if chain else visible.to(torch.uint8).contiguous()
+    where = torch.empty(0, dtype=torch.long) if chain else positions.to(torch.long).contiguous()
+    return kernel.attention(q.contiguous(), k_cache, v_cache, start, window, scale, mask, where)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

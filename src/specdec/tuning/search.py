@@ -90,9 +90,13 @@ class RuntimeFigures:
 @dataclass
 class DrafterSample:
     spec: str  # as given: "prompt-lookup", "prompt-lookup+tree"
-    runtime: str = ""  # the runtime label it was sampled on
-    runs_on: list[str] = field(default_factory=list)  # every measured runtime it can draft for
+    runs_on: list[str] = field(default_factory=list)  # every measured runtime it can draft for, fastest first
     steps: list[tuple[int, int, float]] = field(default_factory=list)  # (proposed, accepted, draft seconds) per step
+
+    @property
+    def runtime(self) -> str:
+        """The runtime it was sampled on: the fastest it runs on."""
+        return self.runs_on[0]
 
     @property
     def drafter(self) -> str:
@@ -129,14 +133,14 @@ def runtime_candidates(target: str) -> dict[str, RuntimeConfig]:
     import torch
 
     found: dict[str, RuntimeConfig] = {}
-    cuda = torch.cuda.is_available()
-    if not cuda and vnni_available():
+    cuda, vnni = torch.cuda.is_available(), vnni_available()
+    if not cuda and vnni:
         found["native"] = RuntimeConfig(backend="native")
     if llama_cpp_installed() and resolve(target).kind in ("alias", "gguf"):
         found["llama.cpp"] = RuntimeConfig(backend="llama.cpp")
     if cuda:
         found["transformers/bf16"] = RuntimeConfig(precision=PRESETS["bf16"])
-    elif vnni_available():
+    elif vnni:
         found["transformers/cpu-vnni"] = RuntimeConfig(precision=PRESETS["cpu-vnni"])
     if not cuda:
         found["transformers/cpu"] = RuntimeConfig(precision=PRESETS["cpu"])
@@ -344,22 +348,20 @@ def _sample_drafter(
     """
     sample = DrafterSample(spec)
     gen_config = replace(base, k=config.max_k, branches=TREE_BRANCHES if sample.tree else 1)
-    generators: dict[str, Generator] = {}
+    generator: Generator | None = None  # on the fastest runtime it runs on; the others are only checked
     reasons = []
     for figures in by_speed:
         try:
-            generator = Generator(figures.target, build_drafter(sample.drafter, figures.target, figures.runtime), gen_config)
-            generator.completion(prompts[0][1])  # refuses what this backend cannot verify (trees on llama.cpp)
+            built = Generator(figures.target, build_drafter(sample.drafter, figures.target, figures.runtime), gen_config)
+            built.completion(prompts[0][1])  # refuses what this backend cannot verify (trees on llama.cpp)
         except OPEN_ERRORS as exc:
             reasons.append(f"{figures.label}: {exc}")
             continue
-        generators[figures.label] = generator
-    if not generators:
+        sample.runs_on.append(figures.label)
+        generator = generator or built
+    if generator is None:
         notes.append(f"drafter {spec} skipped: it runs on none of the measured runtimes ({'; '.join(reasons)})")
         return None
-    sample.runs_on = list(generators)
-    sample.runtime = sample.runs_on[0]
-    generator = generators[sample.runtime]
     generator.generate(prompts[0][1], max_new_tokens=4)  # warm-up
     for _, ids in prompts:
         if sample.steps and time.perf_counter() > deadline:
