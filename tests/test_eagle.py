@@ -15,7 +15,7 @@ from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig, RuntimeConfig
 from specdec.drafters import FallbackDrafter, PromptLookupDrafter, build_drafter
-from specdec.drafters.eagle import EagleDrafter, build_eagle
+from specdec.drafters.eagle import EagleDrafter, NativeHead, build_eagle
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend, cpu_kernels, open_target
 from specdec.models.backend import OneRow
@@ -26,6 +26,7 @@ from specdec.training.distill import DistillConfig, DraftArch, distill
 
 PROMPTS = ["the cat sat on the mat. the cat sat on the", "abc abd abc abd abc", "Hello, world! Hello, there! Hello, world!"]
 RUNTIMES = ["transformers"] + (["native"] if cpu_kernels.compiled() is not None else [])
+HEAD_RUNNERS = ["module"] + (["native"] if cpu_kernels.compiled() is not None else [])  # ModuleHead, NativeHead
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -54,20 +55,70 @@ def test_backends_return_the_hidden_states_the_head_reads(family: str) -> None:
         assert float(cosine.min()) > 0.97  # int8 weights: close to transformers' float32, not equal
 
 
+def head_runner(family: str, runner: str) -> tuple[EagleDrafter, object]:
+    """An untrained head for the tiny ``family`` model, run as its module or on the native kernels; and the model."""
+    tokenizer, model = models()[0], models()[1][family]
+    module = build_eagle(model, torch.arange(len(tokenizer)), 1).eval()
+    embed = model.get_input_embeddings()
+    head = NativeHead(module, embed) if runner == "native" else module
+    return EagleDrafter(head, embed, len(tokenizer), min_score=0.0), model
+
+
+@pytest.mark.parametrize("runner", HEAD_RUNNERS)
 @pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_eagle_drafts_give_the_target_only_tokens(family: str, runtime: str) -> None:
-    """An untrained head (its guesses are poor, so rejections are frequent) as chains and trees."""
+def test_eagle_drafts_give_the_target_only_tokens(family: str, runtime: str, runner: str) -> None:
+    """An untrained head (its guesses are poor, so rejections are frequent) as chains and trees, on either runner."""
     tokenizer, model = models()[0], models()[1][family]
     target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=RuntimeConfig(backend=runtime))
-    head = build_eagle(model, torch.arange(len(tokenizer)), 1)
-    drafted = Generator(target.target, EagleDrafter(head, target.backend.token_embeddings(), target.backend.vocab_size, min_score=0.0))
+    module = build_eagle(model, torch.arange(len(tokenizer)), 1).eval()
+    embed = target.backend.token_embeddings()
+    head = NativeHead(module, embed) if runner == "native" else module
+    drafted = Generator(target.target, EagleDrafter(head, embed, target.backend.vocab_size, min_score=0.0))
     for prompt in PROMPTS:
         expected = target.generate(prompt, max_new_tokens=30, stop_on_eos=False).token_ids
         for branches in (1, 3):
             got = drafted.generate(prompt, max_new_tokens=30, k=6, k_policy="fixed", branches=branches, stop_on_eos=False)
             assert got.token_ids == expected, (family, runtime, branches, prompt)
             assert got.stats.draft_tokens_proposed > 0
+
+
+@pytest.mark.parametrize("runner", HEAD_RUNNERS)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_tree_level_of_the_head_equals_each_path_run_as_a_chain(family: str, runner: str) -> None:
+    """Tree nodes run together (each seeing the context and its ancestors, at its depth's position) give what each
+    root-to-node path gives alone: the tree mask and positions the drafter's levels rely on."""
+    drafter, model = head_runner(family, runner)
+    head = drafter.runner
+    gen = torch.Generator().manual_seed(1)
+    context, features = torch.randint(3, 60, (9,), generator=gen), torch.randn(9, model.config.hidden_size, generator=gen)
+    nodes, node_features = torch.randint(3, 60, (5,), generator=gen), torch.randn(5, model.config.hidden_size, generator=gen)
+    parents = torch.tensor([-1, 0, -1, 1, 2])  # two roots; paths 0-1-3 and 2-4
+    with torch.inference_mode():
+        cache = head.new_cache()
+        head.run(cache, context, features, None)
+        logits, out = head.run(cache, nodes, node_features, parents)
+        assert head.length(cache) == 14
+        for leaf, path in ((3, [0, 1, 3]), (4, [2, 4])):
+            head.truncate(cache, 9)
+            chain_logits, chain_out = head.run(cache, nodes[path], node_features[path], None)
+            assert torch.allclose(chain_logits[-1], logits[leaf], atol=1e-4), (family, runner, leaf)
+            assert torch.allclose(chain_out[-1], out[leaf], atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.skipif(cpu_kernels.compiled() is None, reason="the native kernels are not built on this machine")
+def test_the_native_head_follows_its_module(family: str) -> None:
+    """int8 weights and activations: close to the module's float32 logits and features, not equal."""
+    (module_drafter, model), (native_drafter, _) = head_runner(family, "module"), head_runner(family, "native")
+    gen = torch.Generator().manual_seed(2)
+    tokens, features = torch.randint(3, 60, (16,), generator=gen), torch.randn(16, model.config.hidden_size, generator=gen)
+    with torch.inference_mode():
+        got = [d.runner.run(d.runner.new_cache(), tokens, features, None) for d in (module_drafter, native_drafter)]
+    (module_logits, module_out), (native_logits, native_out) = got
+    assert float(torch.nn.functional.cosine_similarity(native_logits, module_logits, dim=-1).min()) > 0.97
+    assert float(torch.nn.functional.cosine_similarity(native_out, module_out, dim=-1).min()) > 0.97
+    assert (native_logits.argmax(-1) == module_logits.argmax(-1)).float().mean() > 0.8
 
 
 def test_lookup_then_eagle_keeps_the_head_fed() -> None:

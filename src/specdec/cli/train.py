@@ -43,6 +43,12 @@ def distill(
     on_policy_tokens: Annotated[
         int, typer.Option(help="Of those, tokens the target writes itself, continuing prompts drawn from the data (on-policy).")
     ] = default(DistillConfig, "on_policy_tokens"),
+    general_prompts: Annotated[
+        float,
+        typer.Option(
+            help="Of the prompts the target continues, the share drawn from general topics (everyday questions, story and essay openings) instead of the data."
+        ),
+    ] = default(DistillConfig, "general_prompts"),
     continue_tokens: Annotated[int, typer.Option(help="Longest continuation the target writes per prompt.")] = default(
         DistillConfig, "continue_tokens"
     ),
@@ -69,6 +75,7 @@ def distill(
         lr=lr,
         teacher_tokens=teacher_tokens,
         on_policy_tokens=on_policy_tokens,
+        general_prompts=general_prompts,
         continue_tokens=continue_tokens,
         generate_batch=generate_batch,
         top_k=top_k,

@@ -36,6 +36,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Pretrai
 
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.errors import ConfigError
+from specdec.models import cpu_kernels, native
+from specdec.models.backend import tree_mask
+from specdec.models.cpu_kernels import PackedInt8
+from specdec.models.native import KVCache, NativeModel
 from specdec.verification.shaping import to_probs
 
 MAX_DEPTH = 6  # levels of a tree: deeper nodes are rarely reached and each level costs a forward of the head
@@ -101,6 +105,85 @@ def head_forward(
     return out.logits, out.hidden_states[-1]
 
 
+class ModuleHead:
+    """The head run as its transformers module (any device): a DynamicCache, trees by an additive attention mask."""
+
+    def __init__(self, module: PreTrainedModel, embed: Embed) -> None:
+        self.module, self.embed = module, embed
+        self.keep_ids = module.keep_ids
+        self.device = module.eagle_fc.weight.device
+        self.max_position = module.config.max_position_embeddings
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.module.config)
+
+    def length(self, cache: DynamicCache) -> int:
+        return cache.get_seq_length()
+
+    def truncate(self, cache: DynamicCache, length: int) -> None:
+        if cache.get_seq_length() > length:
+            cache.crop(length - cache.get_seq_length())  # crop takes the count to remove
+
+    def run(
+        self, cache: DynamicCache, tokens: torch.Tensor, features: torch.Tensor, parents: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, N] and output features [n, H] of pairs (features[i], tokens[i]) appended to ``cache``: a chain, or
+        with ``parents`` a tree (each node seeing the cache and its ancestors, at the position of its depth)."""
+        start, n = cache.get_seq_length(), len(tokens)
+        positions, mask = torch.arange(start, start + n, device=self.device), None
+        if parents is not None:
+            visible = tree_mask(n, parents).to(self.device)
+            positions = start + visible.sum(dim=1) - 1
+            mask = torch.zeros(n, start + n, device=self.device, dtype=self.module.dtype)
+            mask[:, start:].masked_fill_(~visible, torch.finfo(self.module.dtype).min)
+            mask = mask[None, None]
+        logits, out = head_forward(self.module, self.embed, tokens[None].to(self.device), features[None], positions[None], cache, mask)
+        return logits[0], out[0]
+
+
+class NativeHead:
+    """The head on the native CPU runtime (models/native.py): its layer, ``fc`` and output rows in the int8 kernels.
+
+    As a transformers module one level of drafting costs about 5 ms on a 2-core CPU, most of it framework time and
+    float32 matrix-vector products at a fifth of the memory bandwidth; here its 12 MB of int8 weights are read once
+    per level. Its numbers are int8's, not the module's: drafts differ a little, verification keeps the output exact.
+    """
+
+    def __init__(self, module: PreTrainedModel, embed: Embed) -> None:
+        self.model = NativeModel(module)
+        self.fc = PackedInt8(module.eagle_fc.weight.float())
+        self.embed = embed
+        self.keep_ids = module.keep_ids
+        self.device = torch.device("cpu")
+        self.max_position = self.model.shape.max_context
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.model)
+
+    def length(self, cache: KVCache) -> int:
+        return cache.length
+
+    def truncate(self, cache: KVCache, length: int) -> None:
+        cache.length = min(cache.length, length)
+
+    def run(
+        self, cache: KVCache, tokens: torch.Tensor, features: torch.Tensor, parents: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`ModuleHead.run`."""
+        x = cpu_kernels.linear(torch.cat([self.embed(tokens).float(), features.float()], dim=-1), self.fc)
+        visible = None if parents is None else tree_mask(len(tokens), parents)
+        logits, hidden = self.model.forward(x, cache, len(tokens), visible, features=True)
+        return logits, hidden  # type: ignore[return-value]
+
+
+def native_head_runs(module: PreTrainedModel) -> bool:
+    """Whether ``module`` can run as a :class:`NativeHead` here: a CPU with the kernels, a family native runs, widths the
+    int8 kernel takes (multiples of 32)."""
+    config = module.config
+    widths = (config.hidden_size, config.intermediate_size, config.num_attention_heads * module.model.layers[0].self_attn.head_dim)
+    return module.eagle_fc.weight.device.type == "cpu" and native.unsupported(module) is None and all(w % 32 == 0 for w in widths)
+
+
 class EagleDrafter:
     """Drafts trees (or chains) with a feature-conditioned head; the engine hands it the target's hidden states every step."""
 
@@ -109,19 +192,26 @@ class EagleDrafter:
     scored = True  # its proposals carry scores: the engine asks for the most nodes and keeps the ones worth verifying
 
     def __init__(
-        self, head: PreTrainedModel, embed: Embed, full_vocab: int, max_depth: int = MAX_DEPTH, min_score: float = MIN_SCORE
+        self,
+        head: PreTrainedModel | NativeHead,
+        embed: Embed,
+        full_vocab: int,
+        max_depth: int = MAX_DEPTH,
+        min_score: float = MIN_SCORE,
     ) -> None:
-        self.head, self.embed = head, embed
+        self.head = head
+        self.runner: ModuleHead | NativeHead = head if isinstance(head, NativeHead) else ModuleHead(head, embed)
+        self.embed = embed
         self.vocab_size: int | None = full_vocab
         self.max_depth, self.min_score = max_depth, min_score
-        self.device = head.eagle_fc.weight.device
-        self.keep_ids = head.keep_ids
+        self.device = self.runner.device
+        self.keep_ids = self.runner.keep_ids
         self.settings = DraftSettings()
         self.begin(self.settings)
 
     def begin(self, settings: DraftSettings) -> None:
         self.settings = settings
-        self.cache = DynamicCache(config=self.head.config)
+        self.cache = self.runner.new_cache()
         self.read = 0  # context pairs in the head's cache
         self.features: list[torch.Tensor] = []  # the target's, one [n, H] piece per step, for the positions after ``read``
         self.known = 0  # context positions whose target features arrived
@@ -147,15 +237,10 @@ class EagleDrafter:
         # Read the new context pairs (f_t, x_{t+1}) with the target's features: their last output drafts x_length.
         features = torch.cat(self.features)[: length - 1 - self.read]
         self.features = []
-        tokens = context[self.read + 1 : length].to(self.device)
-        positions = torch.arange(self.read, length - 1, device=self.device)
-        logits, out = head_forward(self.head, self.embed, tokens[None], features[None], positions[None], self.cache)
+        self.runner.truncate(self.cache, self.read)
+        logits, out = self.runner.run(self.cache, context[self.read + 1 : length], features, None)
         self.read = length - 1
-        tree = self._grow(logits[0, -1], out[0, -1], k, length)
-        # Forget the drafts' own states (crop takes the count to remove): the next step reads the accepted ones with the target's features.
-        if self.cache.get_seq_length() > self.read:
-            self.cache.crop(self.read - self.cache.get_seq_length())
-        return tree
+        return self._grow(logits[-1], out[-1], k, length)
 
     def _grow(self, logits: torch.Tensor, feature: torch.Tensor, k: int, length: int) -> Proposal:
         """The k most likely nodes of a tree grown level by level, expanding the ``branches`` most likely nodes of each level."""
@@ -163,22 +248,22 @@ class EagleDrafter:
         sampling = self.settings.sampling
         shape = (lambda z: torch.softmax(z.float(), dim=-1)) if sampling.greedy else (lambda z: to_probs(z, sampling))
         nodes: list[tuple[float, int, int]] = []  # (score, kept-vocabulary token, parent node), level by level
-        frontier = [(-1, 1.0, shape(logits), feature)]  # (node, score, the head's distribution after it, its output feature)
-        slots: dict[int, int] = {}  # node -> its slot in the head's cache
-        for depth in range(min(self.max_depth, k)):
+        after = {-1: (shape(logits), feature)}  # node -> the head's distribution after it and its output feature (-1: the context)
+        frontier = [-1]
+        depth_limit = min(self.max_depth, k, self.runner.max_position - length)
+        for depth in range(depth_limit):
             children = []
-            for node, score, probs, _ in frontier:
-                top = probs.topk(width)
+            for node in frontier:
+                score, top = nodes[node][0] if node >= 0 else 1.0, after[node][0].topk(width)
                 children += [(score * p, t, node) for p, t in zip(top.values.tolist(), top.indices.tolist(), strict=True)]
             children = [c for c in children if c[0] >= self.min_score]
             if not children:
                 break
             start = len(nodes)
             nodes += children
-            expand = sorted(range(start, len(nodes)), key=lambda i: -nodes[i][0])[:width]
-            if depth + 1 == min(self.max_depth, k) or length + depth + 1 >= self.head.config.max_position_embeddings:
-                break
-            frontier = self._expand(expand, nodes, frontier, slots, shape, depth)
+            frontier = sorted(range(start, len(nodes)), key=lambda i: -nodes[i][0])[:width]
+            if depth + 1 < depth_limit:
+                after |= self._expand(frontier, nodes, after, shape)
         # The k best nodes, best first (ties: shallower first): a node's score is its parent's times a probability, so a
         # parent always precedes its children and the engine may keep any prefix of them (CostModelK.tree_size).
         order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], i))[:k]
@@ -188,28 +273,28 @@ class EagleDrafter:
         scores = torch.tensor([nodes[i][0] for i in order])
         return Proposal(tokens, None, parents if width > 1 else None, scores)
 
-    def _expand(self, expand: list[int], nodes: list, frontier: list, slots: dict[int, int], shape, depth: int) -> list:
-        """Run the head once over the nodes ``expand`` (each seeing the context and its ancestors); their distributions and features."""
-        outputs = {node: out for node, _, _, out in frontier}
-        cached = self.cache.get_seq_length()
-        n = len(expand)
-        visible = torch.zeros(n, cached + n, dtype=torch.bool, device=self.device)
-        visible[:, : self.read] = True
-        for row, node in enumerate(expand):
-            visible[row, cached + row] = True
-            parent = nodes[node][2]
-            while parent >= 0:
-                visible[row, slots[parent]] = True
-                parent = nodes[parent][2]
-            slots[node] = cached + row
-        mask = torch.zeros(visible.shape, device=self.device).masked_fill_(~visible, torch.finfo(torch.float32).min)
-        tokens = torch.tensor([nodes[i][1] for i in expand], device=self.device)
-        tokens = self.keep_ids[tokens]
-        features = torch.stack([outputs[nodes[i][2]] for i in expand])
-        positions = torch.full((n,), self.read + depth, device=self.device)  # a depth-0 node follows the last context pair
-        mask = mask[None, None].to(self.head.dtype)
-        logits, out = head_forward(self.head, self.embed, tokens[None], features[None], positions[None], self.cache, mask)
-        return [(node, nodes[node][0], shape(logits[0, row]), out[0, row]) for row, node in enumerate(expand)]
+    def _expand(self, expand: list[int], nodes: list[tuple[float, int, int]], after: dict, shape) -> dict:
+        """The head's distribution and output feature after each node of ``expand``.
+
+        The nodes and their ancestors are run as one tree after the context (each sees the context and its own
+        ancestors), then dropped from the head's cache: re-running an ancestor costs rows, not weights, and keeps
+        one cache layout for both runners.
+        """
+        tree: list[int] = []
+        for node in expand:
+            path = []
+            while node >= 0 and node not in tree and node not in path:
+                path.append(node)
+                node = nodes[node][2]
+            tree += path
+        tree.sort()  # parents before children: a parent's index is lower
+        slot = {node: i for i, node in enumerate(tree)}
+        parents = torch.tensor([slot.get(nodes[node][2], -1) for node in tree], dtype=torch.long)
+        tokens = self.keep_ids[torch.tensor([nodes[node][1] for node in tree], device=self.keep_ids.device)]
+        features = torch.stack([after[nodes[node][2]][1] for node in tree])
+        logits, out = self.runner.run(self.cache, tokens, features, parents)
+        self.runner.truncate(self.cache, self.read)
+        return {node: (shape(logits[slot[node]]), out[slot[node]]) for node in expand}
 
 
 def load_eagle(
@@ -233,4 +318,5 @@ def load_eagle(
     head.to(device)
     if embed(torch.zeros(1, dtype=torch.long, device=device)).shape[-1] != rows.shape[1]:
         raise ConfigError(f"eagle head '{folder}' has hidden size {rows.shape[1]}, unlike this target: use it with its own target")
-    return EagleDrafter(head.eval(), embed, full_vocab)
+    head.eval()
+    return EagleDrafter(NativeHead(head, embed) if native_head_runs(head) else head, embed, full_vocab)

@@ -67,7 +67,8 @@ class NativeModel:
         self.vocab_size = model.get_output_embeddings().out_features
         gemma = self.shape.family == "gemma3_text"
         offset = 1.0 if gemma else 0.0  # Gemma's norms multiply by (1 + w)
-        self.embedding = model.get_input_embeddings().weight.detach().to(torch.bfloat16)
+        embedding = model.get_input_embeddings()  # an eagle head has none: it is fed vectors, not tokens
+        self.embedding = embedding.weight.detach().to(torch.bfloat16) if isinstance(embedding, torch.nn.Embedding) else None
         self.layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -94,7 +95,8 @@ class NativeModel:
         self, tokens: torch.Tensor, cache: KVCache, last: int, visible: torch.Tensor | None = None, features: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [last, V] of the last ``last`` of ``tokens`` [n], appended to ``cache`` at its length; with ``features``
-        also every position's final hidden state [n, H] (what the output head reads), else None.
+        also every position's final hidden state [n, H] (what the output head reads), else None. ``tokens`` may also be
+        the input vectors themselves [n, H] (what a feature-conditioned head feeds its layer).
 
         ``visible`` (bool [n, n], ``backend.tree_mask``) makes the new tokens a tree: each at the position of its depth,
         seeing only its ancestors among them.
@@ -102,7 +104,7 @@ class NativeModel:
         shape, start, n = self.shape, cache.length, len(tokens)
         gemma = shape.family == "gemma3_text"  # a norm after each block and one before the MLP; GELU, not SiLU
         cache.reserve(start + n)
-        x = self.embed(tokens)
+        x = self.embed(tokens) if tokens.dim() == 1 else tokens.float()
         positions = torch.arange(start, start + n) if visible is None else start + visible.sum(dim=1) - 1
         rotary = {theta: self._cos_sin(theta, positions) for theta in set(shape.thetas)}
         q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim

@@ -34,7 +34,7 @@ from specdec.engine import Generator
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
 from specdec.training.ngram import JSONL_TEXT_FIELDS, corpus_files, documents, jsonl_records, record_text
-from specdec.training.on_policy import chat_template_of, continue_prompts, corpus_prompts
+from specdec.training.on_policy import chat_template_of, continue_prompts, corpus_prompts, general_prompts, mixed_prompts
 
 TEACHER_FILE = "teacher.pt"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -103,6 +103,7 @@ class DistillConfig:
     lr: float = 1e-3
     teacher_tokens: int = 400_000  # tokens of data the target scores
     on_policy_tokens: int = 0  # of those, how many the target writes itself (continuing prompts drawn from the data)
+    general_prompts: float = 0.0  # of the prompts it continues, the share drawn from general topics instead of the data
     continue_tokens: int = 128  # the longest continuation the target writes per prompt
     generate_batch: int = 16  # prompts the target continues at once
     top_k: int = 32  # teacher entries kept per position
@@ -124,6 +125,8 @@ class DistillConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.general_prompts <= 1.0:
+            raise ConfigError(f"general_prompts is a share of the on-policy prompts, between 0 and 1, got {self.general_prompts}")
         if not 0 <= self.on_policy_tokens <= self.teacher_tokens:
             raise ConfigError(f"on_policy_tokens must be between 0 and teacher_tokens ({self.teacher_tokens}), got {self.on_policy_tokens}")
         if not self.data:
@@ -172,7 +175,11 @@ def collect_tokens(target: LoadedModel, config: DistillConfig, progress: Progres
     stream = stream[:corpus_limit]
     wanted = config.teacher_tokens - len(stream)
     if config.on_policy_tokens or prompts:
-        drawn = corpus_prompts(list(config.data), config.seed, chat_template_of(target)) if config.on_policy_tokens else iter(())
+        drawn = iter(())
+        if config.on_policy_tokens:
+            general = general_prompts(config.seed)
+            corpus = corpus_prompts(list(config.data), config.seed, chat_template_of(target)) if config.general_prompts < 1 else general
+            drawn = mixed_prompts(corpus, general, config.general_prompts, config.seed)
         written, started = 0, time.perf_counter()
         for ids, new in continue_prompts(target, itertools.chain(prompts, drawn), config.continue_tokens, config.generate_batch):
             stream += ids[1:] + eos if ids[:1] == [tokenizer.bos_token_id] else ids + eos

@@ -1,18 +1,24 @@
-"""On-policy distillation data: prompts drawn from the corpus, continued by the target itself, in batches.
+"""On-policy distillation data: prompts drawn from the corpus or from general topics, continued by the target itself, in batches.
 
 A draft is judged on the target's own outputs, not on corpus text, so it should
 learn from them: the chat answers, summaries and code continuations the target
 writes. Prompts come in the three shapes users send (a plain text to continue, a
 ``User: ... / Assistant:`` request, the model's own chat template), built from
 random passages of the corpus so that any corpus yields them, for any target.
+A technical corpus only asks technical things, so general prompts (everyday
+questions and story or essay openings on a shipped list of topics, in English
+and Chinese) can be mixed in: the target's answers to them are what a chat or
+writing request gets, and what a draft must learn to predict there.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import random
 import re
 from collections.abc import Callable, Iterator
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -65,6 +71,25 @@ def corpus_prompts(sources: list[str], seed: int, chat_template: Callable[[str],
             yield f"User: {rng.choice(TOPIC_QUESTIONS).format(rng.choice(topics).strip())}\nAssistant:"
         else:
             yield passage
+
+
+def general_prompts(seed: int) -> Iterator[str]:
+    """An endless, seeded stream of general chat requests and writing openings (``data/training/general_prompts.json``)."""
+    table = json.loads(resources.files("specdec").joinpath("data/training/general_prompts.json").read_text(encoding="utf-8"))
+    languages = [table[language] for language in ("en", "zh")]
+    rng = random.Random(seed)
+    while True:
+        language = rng.choices(languages, weights=[len(lang["topics"]) for lang in languages])[0]  # every topic equally likely
+        templates = language["requests"] if rng.random() < 0.5 else language["openings"]
+        template, topic = rng.choice(templates), rng.choice(language["topics"])
+        yield template.format(topic=topic[0].upper() + topic[1:] if template.startswith("{topic}") else topic)
+
+
+def mixed_prompts(corpus: Iterator[str], general: Iterator[str], general_share: float, seed: int) -> Iterator[str]:
+    """Prompts from ``general`` with probability ``general_share``, else from ``corpus``."""
+    rng = random.Random(seed + 1)
+    while True:
+        yield next(general if rng.random() < general_share else corpus)
 
 
 def _random_document(rng: random.Random, files: list[Path]) -> str:
