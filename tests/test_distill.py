@@ -10,11 +10,12 @@ from conftest import char_tokenizer, loaded, tiny_llama
 from typer.testing import CliRunner
 
 from specdec import Generator
+from specdec.bench.prompts import load_prompts, prompt_sets
 from specdec.cli.main import app
 from specdec.drafters.distilled import ReducedVocabBackend, is_distilled_draft, load_draft, own_parameters
 from specdec.errors import ConfigError
 from specdec.training.distill import DistillConfig, DraftArch, collect_tokens, distill
-from specdec.training.on_policy import continue_prompts, corpus_prompts
+from specdec.training.on_policy import continue_prompts, corpus_prompts, general_prompts, mixed_prompts
 
 TEXT = "the cat sat on the mat. the dog sat on the log. a cat and a dog sat on a mat and a log.\n"
 
@@ -140,6 +141,29 @@ def test_on_policy_prompts_come_from_the_corpus_in_every_shape(target, tmp_path:
     assert any("Sorting lists" in p and p.startswith("User: ") for p in prompts)  # a question about a heading
     with pytest.raises(ConfigError, match="text files"):
         next(corpus_prompts([str(tmp_path / "none.jsonl")], seed=0, chat_template=None))
+
+
+def test_general_prompts_mix_chat_and_writing_in_two_languages_and_no_benchmark_prompt() -> None:
+    prompts = list(itertools.islice(general_prompts(seed=3), 400))
+    assert prompts == list(itertools.islice(general_prompts(seed=3), 400))  # seeded
+    assert any(p.startswith("User: ") and p.endswith("\nAssistant:") for p in prompts)  # chat requests
+    assert any(p.startswith("用户：") and p.endswith("\n助手：") for p in prompts)
+    assert any(not p.startswith(("User: ", "用户：")) for p in prompts)  # openings to continue
+    english = sum(p.isascii() for p in prompts) / len(prompts)
+    assert 0.55 < english < 0.85  # every topic equally likely: about 110 English and 48 Chinese ones
+    benchmark = {record.prompt for name in prompt_sets() for record in load_prompts(name)}
+    assert not benchmark & set(prompts)  # training prompts are never the benchmarks' own
+
+
+def test_on_policy_prompts_mix_general_ones_at_the_share_asked(target, tmp_path: Path) -> None:
+    corpus = tmp_path / "doc.md"
+    corpus.write_text("# Sorting lists\n\n" + "Sorting puts items in order. The sort method works in place.\n" * 30)
+    drawn = corpus_prompts([str(corpus)], seed=1, chat_template=None)
+    mixed = list(itertools.islice(mixed_prompts(drawn, general_prompts(seed=1), 0.75, seed=1), 200))
+    from_corpus = sum("Sort" in p for p in mixed) / len(mixed)
+    assert 0.15 < from_corpus < 0.35
+    with pytest.raises(ConfigError, match="general_prompts"):
+        config(tmp_path, general_prompts=1.5)
 
 
 def test_on_policy_tokens_are_written_by_the_target_and_held_out_last(target, tmp_path: Path) -> None:
