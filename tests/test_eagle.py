@@ -15,7 +15,7 @@ from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig, RuntimeConfig
 from specdec.drafters import FallbackDrafter, PromptLookupDrafter, build_drafter
-from specdec.drafters.eagle import EagleDrafter, NativeHead, build_eagle
+from specdec.drafters.eagle import EagleDrafter, ModuleHead, NativeHead, build_eagle, load_eagle, native_head_runs
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend, cpu_kernels, open_target
 from specdec.models.backend import OneRow
@@ -178,6 +178,14 @@ def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path) -> None:
     got = gen.generate(TEXT[:20], max_new_tokens=30, branches=2, stop_on_eos=False)
     assert got.token_ids == plain.token_ids  # (a random target's output is nothing like the corpus: few drafts pass)
     assert got.stats.draft_tokens_proposed > 0
+    embed = target.model.get_input_embeddings()
+    module = load_eagle(settings.out, embed, len(tokenizer), native=False)
+    assert isinstance(module.runner, ModuleHead)  # asked for: the module, even where the kernels run
+    if native_head_runs(module.head):
+        assert isinstance(load_eagle(settings.out, embed, len(tokenizer)).runner, NativeHead)  # by default where it runs
+    else:
+        with pytest.raises(ConfigError, match="native kernels"):
+            load_eagle(settings.out, embed, len(tokenizer), native=True)
     other = tmp_path / "other"
     other.mkdir()
     (other / "teacher.pt").write_bytes((Path(settings.out) / "teacher.pt").read_bytes())

@@ -298,9 +298,17 @@ class EagleDrafter:
 
 
 def load_eagle(
-    folder: str | Path, embed: Embed, full_vocab: int, device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32
+    folder: str | Path,
+    embed: Embed,
+    full_vocab: int,
+    device: torch.device = torch.device("cpu"),
+    dtype: torch.dtype = torch.float32,
+    native: bool | None = None,
 ) -> EagleDrafter:
-    """The head saved in ``folder`` by ``specdec distill --arch eagle``, on ``device``, drafting for a target with input embedding ``embed``."""
+    """The head saved in ``folder`` by ``specdec distill --arch eagle``, on ``device``, drafting for a target with input embedding ``embed``.
+
+    ``native``: run it on the native int8 kernels (None: wherever they run, see :func:`native_head_runs`; False: as its module).
+    """
     tensors = load_file(str(Path(folder) / "model.safetensors"))
     keep_ids, rows = tensors.pop("keep_ids"), tensors.pop("lm_head.weight").to(dtype)
     if int(keep_ids.max()) >= full_vocab:
@@ -319,4 +327,7 @@ def load_eagle(
     if embed(torch.zeros(1, dtype=torch.long, device=device)).shape[-1] != rows.shape[1]:
         raise ConfigError(f"eagle head '{folder}' has hidden size {rows.shape[1]}, unlike this target: use it with its own target")
     head.eval()
-    return EagleDrafter(NativeHead(head, embed) if native_head_runs(head) else head, embed, full_vocab)
+    if native and not native_head_runs(head):
+        raise ConfigError("this eagle head cannot run on the native kernels here (they need a CPU with AVX-512 VNNI): leave native unset")
+    native = native_head_runs(head) if native is None else native
+    return EagleDrafter(NativeHead(head, embed) if native else head, embed, full_vocab)
