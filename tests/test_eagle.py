@@ -15,7 +15,9 @@ from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig, RuntimeConfig
 from specdec.drafters import FallbackDrafter, PromptLookupDrafter, build_drafter
+from specdec.drafters.base import Proposal
 from specdec.drafters.eagle import EagleDrafter, ModuleHead, NativeHead, build_eagle, load_eagle, native_head_runs
+from specdec.drafters.fallback import merge_trees
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend, cpu_kernels, open_target
 from specdec.models.backend import OneRow
@@ -133,6 +135,47 @@ def test_lookup_then_eagle_keeps_the_head_fed() -> None:
     assert drafted.drafter.wants_features and head.known > 0
 
 
+def test_merged_trees_share_paths_and_list_parents_first() -> None:
+    lookup = Proposal(torch.tensor([5, 6, 7]))  # a chain: scores 0.6, 0.36, 0.216
+    head = Proposal(torch.tensor([5, 9, 6, 4]), None, torch.tensor([-1, -1, 0, 2]), torch.tensor([0.9, 0.05, 0.5, 0.3]))
+    merged = merge_trees(lookup, head, k=10)
+    paths = set()
+    for i in range(len(merged)):
+        path, node = [], i
+        while node >= 0:
+            path.insert(0, int(merged.tokens[node]))
+            node = int(merged.parents[node])
+        paths.add(tuple(path))
+        assert int(merged.parents[i]) < i
+    assert paths == {(5,), (5, 6), (5, 6, 7), (5, 6, 4), (9,)}  # the shared prefix 5-6 is one path
+    assert merged.scores.tolist() == pytest.approx([0.9, 0.5, 0.3, 0.216, 0.05])  # the higher score where both propose
+    assert merged.is_tree and len(merge_trees(lookup, head, k=3)) == 3
+
+
+def test_lookup_and_eagle_merge_into_one_tree_and_stay_exact() -> None:
+    """With branches, prompt lookup's copy and the head's tree are verified together; the tokens are target-only's."""
+    tokenizer, model = models()[0], models()[1]["gemma3"]
+    target = Generator(loaded(model, tokenizer=tokenizer), "none")
+    head = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
+    both = FallbackDrafter(PromptLookupDrafter(), head)
+    drafted = Generator(target.target, both)
+    merged_steps = 0
+    original = both.propose
+
+    def counting(context: torch.Tensor, k: int) -> Proposal:
+        nonlocal merged_steps
+        proposal = original(context, k)
+        merged_steps += len(both._proposed) == 2
+        return proposal
+
+    both.propose = counting  # type: ignore[method-assign]
+    for prompt in PROMPTS:
+        expected = target.generate(prompt, max_new_tokens=30, stop_on_eos=False).token_ids
+        got = drafted.generate(prompt, max_new_tokens=30, k=8, k_policy="cost-model", branches=3, stop_on_eos=False)
+        assert got.token_ids == expected
+    assert merged_steps > 0
+
+
 def test_eagle_trees_in_a_batch_give_each_rows_own_tokens() -> None:
     tokenizer, model = models()[0], models()[1]["gemma3"]
     drafter = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
@@ -144,10 +187,14 @@ def test_eagle_trees_in_a_batch_give_each_rows_own_tokens() -> None:
     assert [r.token_ids for r in gen.generate_batch(PROMPTS, configs)] == expected
 
 
-def test_sampled_eagle_trees_keep_the_target_law() -> None:
-    """The head's trees are deterministic (its top tokens): the target's draw decides; chi-square against the target's law."""
+@pytest.mark.parametrize("merged", [False, True])
+def test_sampled_eagle_trees_keep_the_target_law(merged: bool) -> None:
+    """The head's trees are deterministic (its top tokens): the target's draw decides; chi-square against the target's law.
+    ``merged``: prompt lookup's copies merged into the head's trees (FallbackDrafter with branches)."""
     target = tiny_llama(3, vocab=8, scale=0.15)
     drafter = EagleDrafter(build_eagle(target, torch.arange(8), 1), target.get_input_embeddings(), 8, min_score=0.0)
+    if merged:
+        drafter = FallbackDrafter(PromptLookupDrafter(), drafter)
     gen = Generator(loaded(target), drafter)
     sampling = SamplingConfig(temperature=0.9, top_k=5)
     configs = [
