@@ -24,7 +24,7 @@ from specdec.models.precision import convert_draft
 from specdec.models.registry import bundled_draft
 
 DRAFT_SPECS = (
-    "none, prompt-lookup, lookup-then-draft (prompt lookup, then the distilled draft shipped for the target), eagle (the eagle head shipped for the target), lookup-then-eagle (prompt lookup, then the eagle head), ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
+    "none, prompt-lookup, lookup-then-draft (prompt lookup, then the distilled draft shipped for the target), eagle (the eagle head shipped for the target), lookup-then-eagle (prompt lookup, then the eagle head; with branches both, merged into one tree), ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
     "model:MODEL (transformers; a model with another tokenizer is re-tokenized; a folder from `specdec distill`), "
     "gguf:MODEL (llama.cpp)"
 )
