@@ -233,6 +233,16 @@ def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path) -> None:
     else:
         with pytest.raises(ConfigError, match="native kernels"):
             load_eagle(settings.out, embed, len(tokenizer), native=True)
+    again = distill(target, DistillConfig(**{**settings.__dict__, "out": str(tmp_path / "again"), "steps": 1, "init_from": settings.out}))
+    assert again["evaluations"][0]["held_out_loss"] < 0.8 * first["held_out_loss"]  # it starts where the saved head ended
+    two_layers = {
+        **settings.__dict__,
+        "arch": DraftArch.parse("eagle,layers=2,keep=40"),
+        "out": str(tmp_path / "two"),
+        "init_from": settings.out,
+    }
+    with pytest.raises(ConfigError, match="another shape"):
+        distill(target, DistillConfig(**two_layers))
     other = tmp_path / "other"
     other.mkdir()
     (other / "teacher.pt").write_bytes((Path(settings.out) / "teacher.pt").read_bytes())

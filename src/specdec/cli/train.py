@@ -56,6 +56,12 @@ def distill(
     top_k: Annotated[int, typer.Option(help="Teacher entries kept per position.")] = default(DistillConfig, "top_k"),
     eval_every: Annotated[int, typer.Option(help="Steps between held-out acceptance evaluations.")] = default(DistillConfig, "eval_every"),
     checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints.")] = default(DistillConfig, "checkpoint_every"),
+    init_from: Annotated[
+        Path | None,
+        typer.Option(
+            help="Start the draft's own weights from a draft distilled for this target with the same --arch layers (its kept vocabulary may differ)."
+        ),
+    ] = None,
     resume: Annotated[bool, typer.Option(help="Continue the distillation saved in --out.")] = False,
 ) -> None:
     """Distil a draft model for a target: the target scores the data once, then a small draft learns to match it."""
@@ -81,6 +87,7 @@ def distill(
         top_k=top_k,
         eval_every=eval_every,
         checkpoint_every=checkpoint_every,
+        init_from=str(init_from) if init_from else None,
     )
     with err.status(f"loading {target}"):
         model = load_model(target)

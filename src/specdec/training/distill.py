@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from specdec.config import GenerationConfig
 from specdec.drafters.distilled import ReducedVocabBackend, build_draft, build_exit_draft, own_parameters, save_draft
@@ -110,6 +111,7 @@ class DistillConfig:
     eval_every: int = 100
     checkpoint_every: int = 50
     seed: int = 0
+    init_from: str | None = None  # a draft folder of the same arch to start the draft's own weights from (its kept vocabulary may differ)
 
     def __post_init__(self) -> None:
         for name in (
@@ -270,6 +272,8 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
         draft = build_exit_draft(model, config.arch.exit, teacher.keep_ids)
     else:
         draft = build_draft(model, config.arch.layer_ids(len(model.model.layers)), teacher.keep_ids)
+    if config.init_from and not resume:
+        start_from(draft, config.init_from)
     params = list(own_parameters(draft).values())
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     record: dict = {"target": target.name, "arch": asdict(config.arch), "config": asdict(config), "evaluations": [], "train_s": 0.0}
@@ -328,6 +332,24 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
         record |= calibrate(draft, teacher)
     save_draft(draft, out, record)
     return record
+
+
+def start_from(draft, folder: str) -> None:
+    """Copy the own weights of the draft saved in ``folder`` into ``draft`` (same arch and target; output rows are the target's own)."""
+    path = Path(folder) / "model.safetensors"
+    if not path.is_file():
+        raise ConfigError(f"--init-from '{folder}' holds no draft (no model.safetensors): pass a folder written by `specdec distill`")
+    saved = load_file(str(path))
+    own = own_parameters(draft)
+    mismatched = [name for name, p in own.items() if name not in saved or saved[name].shape != p.shape]
+    if mismatched:
+        raise ConfigError(
+            f"--init-from '{folder}' is a draft of another shape ({mismatched[0]} differs): "
+            "start from a draft distilled for this target with the same --arch layers"
+        )
+    with torch.no_grad():
+        for name, p in own.items():
+            p.copy_(saved[name].to(p.dtype))
 
 
 EAGLE_FEATURE_NOISE = (
