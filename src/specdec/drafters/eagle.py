@@ -144,9 +144,10 @@ class ModuleHead:
 class NativeHead:
     """The head on the native CPU runtime (models/native.py): its layer, ``fc`` and output rows in the int8 kernels.
 
-    As a transformers module one level of drafting costs about 5 ms on a 2-core CPU, most of it framework time and
-    float32 matrix-vector products at a fifth of the memory bandwidth; here its 12 MB of int8 weights are read once
-    per level. Its numbers are int8's, not the module's: drafts differ a little, verification keeps the output exact.
+    As a transformers module one level of drafting costs 5.5 ms on a 2-core CPU (47 MB of float32 weights, roofline
+    1.5 ms: the rest is framework time and slow skinny products); here its 11.7 MB of int8 weights are read once per
+    level, 0.36 ms (benchmarks/eagle_head_cost.py). Its numbers are int8's, not the module's: drafts differ a little,
+    verification keeps the output exact.
     """
 
     def __init__(self, module: PreTrainedModel, embed: Embed) -> None:
