@@ -176,9 +176,13 @@ def test_lookup_and_eagle_merge_into_one_tree_and_stay_exact() -> None:
     assert merged_steps > 0
 
 
-def test_eagle_trees_in_a_batch_give_each_rows_own_tokens() -> None:
+@pytest.mark.parametrize("merged", [False, True])
+def test_eagle_trees_in_a_batch_give_each_rows_own_tokens(merged: bool) -> None:
+    """Rows of different tree sizes in one batched step; ``merged``: prompt lookup's copies merged into the head's trees."""
     tokenizer, model = models()[0], models()[1]["gemma3"]
     drafter = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
+    if merged:
+        drafter = FallbackDrafter(PromptLookupDrafter(), drafter)
     gen = Generator(loaded(model, tokenizer=tokenizer), drafter, batch=BatchConfig(window="fixed"))  # k as configured
     expected = [gen.generate(p, max_new_tokens=25, k=1, k_policy="fixed", stop_on_eos=False).token_ids for p in PROMPTS]
     configs = [
