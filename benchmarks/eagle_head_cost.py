@@ -73,7 +73,7 @@ def main() -> None:
     read_gbs = bandwidth()["read_GBps"]
     target = open_target("gemma-3-270m", RuntimeConfig(precision=PrecisionPlan.parse("cpu")))
     embed = target.backend.token_embeddings()
-    runners = {name: load_eagle(args.head, embed, target.backend.vocab_size, native=name == "native") for name in ("module", "native")}
+    runners = {name: load_eagle(args.head, embed, target.backend.vocab_size, kernels=name == "native") for name in ("module", "native")}
     prompts = round_robin(load_prompts("default"))[: args.count]
     ids = target.tokenizer(prompts[0].prompt * 8, return_tensors="pt").input_ids[0][:CONTEXT]
     with torch.inference_mode():

@@ -164,6 +164,8 @@ def test_on_policy_prompts_mix_general_ones_at_the_share_asked(target, tmp_path:
     assert 0.15 < from_corpus < 0.35
     with pytest.raises(ConfigError, match="general_prompts"):
         config(tmp_path, general_prompts=1.5)
+    with pytest.raises(ConfigError, match="--on-policy-tokens"):  # a share of nothing would be silently ignored
+        config(tmp_path, general_prompts=0.5, on_policy_tokens=0)
 
 
 def test_on_policy_tokens_are_written_by_the_target_and_held_out_last(target, tmp_path: Path) -> None:

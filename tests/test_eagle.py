@@ -15,8 +15,8 @@ from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig, RuntimeConfig
 from specdec.drafters import FallbackDrafter, PromptLookupDrafter, build_drafter
-from specdec.drafters.base import Proposal
-from specdec.drafters.eagle import EagleDrafter, ModuleHead, NativeHead, build_eagle, load_eagle, native_head_runs
+from specdec.drafters.base import DraftSettings, Proposal
+from specdec.drafters.eagle import EagleDrafter, ModuleHead, NativeHead, build_eagle, load_eagle, why_not_native
 from specdec.drafters.fallback import merge_trees
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend, cpu_kernels, open_target
@@ -106,6 +106,30 @@ def test_a_tree_level_of_the_head_equals_each_path_run_as_a_chain(family: str, r
             chain_logits, chain_out = head.run(cache, nodes[path], node_features[path], None)
             assert torch.allclose(chain_logits[-1], logits[leaf], atol=1e-4), (family, runner, leaf)
             assert torch.allclose(chain_out[-1], out[leaf], atol=1e-4)
+
+
+@pytest.mark.parametrize("runner", HEAD_RUNNERS)
+def test_a_chain_draft_is_the_heads_own_greedy_chain_even_after_an_anchor(runner: str) -> None:
+    """With one branch, each level's token is the head's argmax after the previous one, fed its own output feature; begun
+    mid-sequence (a guard's anchor) the head keeps only the context it read in its cache between steps."""
+    drafter, model = head_runner("gemma3", runner)
+    head = drafter.runner
+    gen = torch.Generator().manual_seed(4)
+    context, features = torch.randint(3, 60, (12,), generator=gen), torch.randn(12, model.config.hidden_size, generator=gen)
+    for known in (11, 5):  # from the start, and begun mid-sequence with the last 5 positions' features
+        drafter.begin(DraftSettings(branches=1))
+        drafter.observe_features(features[12 - 1 - known : 11] if known < 11 else features[:11])
+        with torch.inference_mode():
+            proposal = drafter.propose(context, 4)
+            assert head.length(drafter.cache) == drafter.cached == known  # the drafts' own entries are gone
+            cache = head.new_cache()
+            logits, out = head.run(cache, context[12 - known :], features[11 - known : 11], None)
+            expected = []
+            for _ in range(4):
+                token = drafter.keep_ids[logits[-1].argmax()]
+                expected.append(int(token))
+                logits, out = head.run(cache, token[None], out[-1:], None)
+        assert proposal.tokens.tolist() == expected, (runner, known)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -230,13 +254,13 @@ def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path) -> None:
     assert got.token_ids == plain.token_ids  # (a random target's output is nothing like the corpus: few drafts pass)
     assert got.stats.draft_tokens_proposed > 0
     embed = target.model.get_input_embeddings()
-    module = load_eagle(settings.out, embed, len(tokenizer), native=False)
+    module = load_eagle(settings.out, embed, len(tokenizer), kernels=False)
     assert isinstance(module.runner, ModuleHead)  # asked for: the module, even where the kernels run
-    if native_head_runs(module.head):
+    if why_not_native(module.head) is None:
         assert isinstance(load_eagle(settings.out, embed, len(tokenizer)).runner, NativeHead)  # by default where it runs
     else:
         with pytest.raises(ConfigError, match="native kernels"):
-            load_eagle(settings.out, embed, len(tokenizer), native=True)
+            load_eagle(settings.out, embed, len(tokenizer), kernels=True)
     again = distill(target, DistillConfig(**{**settings.__dict__, "out": str(tmp_path / "again"), "steps": 1, "init_from": settings.out}))
     assert again["evaluations"][0]["held_out_loss"] < 0.8 * first["held_out_loss"]  # it starts where the saved head ended
     two_layers = {

@@ -37,7 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Pretrai
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels, native
-from specdec.models.backend import tree_mask
+from specdec.models.backend import tree_mask, tree_positions
 from specdec.models.cpu_kernels import PackedInt8
 from specdec.models.native import KVCache, NativeModel
 from specdec.verification.shaping import to_probs
@@ -133,7 +133,7 @@ class ModuleHead:
         positions, mask = torch.arange(start, start + n, device=self.device), None
         if parents is not None:
             visible = tree_mask(n, parents).to(self.device)
-            positions = start + visible.sum(dim=1) - 1
+            positions = tree_positions(start, visible)
             mask = torch.zeros(n, start + n, device=self.device, dtype=self.module.dtype)
             mask[:, start:].masked_fill_(~visible, torch.finfo(self.module.dtype).min)
             mask = mask[None, None]
@@ -177,12 +177,14 @@ class NativeHead:
         return logits, hidden  # type: ignore[return-value]
 
 
-def native_head_runs(module: PreTrainedModel) -> bool:
-    """Whether ``module`` can run as a :class:`NativeHead` here: a CPU with the kernels, a family native runs, widths the
-    int8 kernel takes (multiples of 32)."""
+def why_not_native(module: PreTrainedModel) -> str | None:
+    """Why ``module`` cannot run as a :class:`NativeHead` here (a CPU with the kernels, a family the native runtime runs,
+    widths the int8 kernel takes), or None when it can."""
     config = module.config
     widths = (config.hidden_size, config.intermediate_size, config.num_attention_heads * module.model.layers[0].self_attn.head_dim)
-    return module.eagle_fc.weight.device.type == "cpu" and native.unsupported(module) is None and all(w % 32 == 0 for w in widths)
+    if reason := native.unsupported(module):
+        return reason
+    return None if all(w % 32 == 0 for w in widths) else f"the int8 kernels need widths in multiples of 32, not {widths}"
 
 
 class EagleDrafter:
@@ -194,14 +196,14 @@ class EagleDrafter:
 
     def __init__(
         self,
-        head: PreTrainedModel | NativeHead,
+        head: PreTrainedModel | ModuleHead | NativeHead,
         embed: Embed,
         full_vocab: int,
         max_depth: int = MAX_DEPTH,
         min_score: float = MIN_SCORE,
     ) -> None:
         self.head = head
-        self.runner: ModuleHead | NativeHead = head if isinstance(head, NativeHead) else ModuleHead(head, embed)
+        self.runner: ModuleHead | NativeHead = head if isinstance(head, (ModuleHead, NativeHead)) else ModuleHead(head, embed)
         self.embed = embed
         self.vocab_size: int | None = full_vocab
         self.max_depth, self.min_score = max_depth, min_score
@@ -213,7 +215,8 @@ class EagleDrafter:
     def begin(self, settings: DraftSettings) -> None:
         self.settings = settings
         self.cache = self.runner.new_cache()
-        self.read = 0  # context pairs in the head's cache
+        self.read = 0  # context positions read: the head's cache holds their pairs (or, begun mid-sequence, the last of them)
+        self.cached = 0  # entries of the head's cache that are context, not drafts
         self.features: list[torch.Tensor] = []  # the target's, one [n, H] piece per step, for the positions after ``read``
         self.known = 0  # context positions whose target features arrived
 
@@ -238,9 +241,8 @@ class EagleDrafter:
         # Read the new context pairs (f_t, x_{t+1}) with the target's features: their last output drafts x_length.
         features = torch.cat(self.features)[: length - 1 - self.read]
         self.features = []
-        self.runner.truncate(self.cache, self.read)
         logits, out = self.runner.run(self.cache, context[self.read + 1 : length], features, None)
-        self.read = length - 1
+        self.read, self.cached = length - 1, self.runner.length(self.cache)
         return self._grow(logits[-1], out[-1], k, length)
 
     def _grow(self, logits: torch.Tensor, feature: torch.Tensor, k: int, length: int) -> Proposal:
@@ -284,7 +286,7 @@ class EagleDrafter:
         tree: list[int] = []
         for node in expand:
             path = []
-            while node >= 0 and node not in tree and node not in path:
+            while node >= 0 and node not in tree:
                 path.append(node)
                 node = nodes[node][2]
             tree += path
@@ -294,7 +296,7 @@ class EagleDrafter:
         tokens = self.keep_ids[torch.tensor([nodes[node][1] for node in tree], device=self.keep_ids.device)]
         features = torch.stack([after[nodes[node][2]][1] for node in tree])
         logits, out = self.runner.run(self.cache, tokens, features, parents)
-        self.runner.truncate(self.cache, self.read)
+        self.runner.truncate(self.cache, self.cached)
         return {node: (shape(logits[slot[node]]), out[slot[node]]) for node in expand}
 
 
@@ -304,11 +306,11 @@ def load_eagle(
     full_vocab: int,
     device: torch.device = torch.device("cpu"),
     dtype: torch.dtype = torch.float32,
-    native: bool | None = None,
+    kernels: bool | None = None,
 ) -> EagleDrafter:
     """The head saved in ``folder`` by ``specdec distill --arch eagle``, on ``device``, drafting for a target with input embedding ``embed``.
 
-    ``native``: run it on the native int8 kernels (None: wherever they run, see :func:`native_head_runs`; False: as its module).
+    ``kernels``: run it on the native int8 kernels (None: wherever they run, see :func:`why_not_native`; False: as its module).
     """
     tensors = load_file(str(Path(folder) / "model.safetensors"))
     keep_ids, rows = tensors.pop("keep_ids"), tensors.pop("lm_head.weight").to(dtype)
@@ -328,7 +330,8 @@ def load_eagle(
     if embed(torch.zeros(1, dtype=torch.long, device=device)).shape[-1] != rows.shape[1]:
         raise ConfigError(f"eagle head '{folder}' has hidden size {rows.shape[1]}, unlike this target: use it with its own target")
     head.eval()
-    if native and not native_head_runs(head):
-        raise ConfigError("this eagle head cannot run on the native kernels here (they need a CPU with AVX-512 VNNI): leave native unset")
-    native = native_head_runs(head) if native is None else native
-    return EagleDrafter(NativeHead(head, embed) if native else head, embed, full_vocab)
+    reason = why_not_native(head)
+    if kernels and reason:
+        raise ConfigError(f"eagle head '{folder}' cannot run on the native kernels here: {reason}")
+    on_kernels = reason is None if kernels is None else kernels
+    return EagleDrafter(NativeHead(head, embed) if on_kernels else head, embed, full_vocab)

@@ -51,6 +51,8 @@ class FallbackDrafter:
         return proposal
 
     def accept(self, n: int) -> None:
+        """Tell the drafter whose proposal was verified; for a merged tree both are told the merged count (neither learns
+        from it today: prompt lookup and the eagle head keep no per-proposal state)."""
         for drafter in self._proposed:
             drafter.accept(n)
 

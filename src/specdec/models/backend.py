@@ -110,7 +110,7 @@ def tree_mask(length: int, parents: torch.Tensor) -> torch.Tensor:
     """Which of ``length`` new positions each one sees when the last len(parents) are a tree and the rest a chain: bool [length, length].
 
     Node i of the tree sees the chain, its ancestors and itself; its position in the text is the chain's end plus its depth
-    (``positions = start + mask.sum(1) - 1``).
+    (``tree_positions``).
     """
     chain = length - len(parents)
     seen = torch.ones(length, length, dtype=torch.bool).tril_()
@@ -120,6 +120,11 @@ def tree_mask(length: int, parents: torch.Tensor) -> torch.Tensor:
             seen[chain + node, chain:] = seen[chain + parent, chain:]
         seen[chain + node, chain + node] = True
     return seen
+
+
+def tree_positions(start: int | torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Each new position's place in the text under a ``tree_mask`` (the chain's end plus its depth), after ``start`` cached ones."""
+    return start + visible.sum(dim=-1) - 1
 
 
 class OneRow:

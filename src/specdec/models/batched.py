@@ -22,7 +22,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from specdec.errors import ConfigError
-from specdec.models.backend import keep_branch, model_identity, tree_mask
+from specdec.models.backend import keep_branch, model_identity, tree_mask, tree_positions
 from specdec.models.cuda_graphs import CudaGraphs
 from specdec.models.precision import PADDED_ATTENTION
 
@@ -169,7 +169,7 @@ class BatchedTransformersBackend:
         for i, tree in enumerate(trees):  # within each feed: causal, or a tree at its end
             if tree is not None:
                 visible[i, pads[i] :, pads[i] :] = tree_mask(int(sizes[i]), tree)
-        positions = torch.where(real, starts[:, None] + visible.sum(dim=2) - 1 - pads[:, None], 0)
+        positions = torch.where(real, tree_positions(starts[:, None] - pads[:, None], visible), 0)
         tokens = torch.zeros(len(rows), n, dtype=torch.long)
         for i, feed in enumerate(feeds):
             tokens[i, pads[i] :] = feed

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels
-from specdec.models.backend import keep_branch, tree_mask
+from specdec.models.backend import keep_branch, tree_mask, tree_positions
 from specdec.models.cpu_kernels import PackedInt8
 
 FAMILIES = ("gemma3_text", "llama")
@@ -67,8 +67,8 @@ class NativeModel:
         self.vocab_size = model.get_output_embeddings().out_features
         gemma = self.shape.family == "gemma3_text"
         offset = 1.0 if gemma else 0.0  # Gemma's norms multiply by (1 + w)
-        embedding = model.get_input_embeddings()  # an eagle head has none: it is fed vectors, not tokens
-        self.embedding = embedding.weight.detach().to(torch.bfloat16) if isinstance(embedding, torch.nn.Embedding) else None
+        weight = getattr(model.get_input_embeddings(), "weight", None)  # an eagle head has none: it is fed vectors, not tokens
+        self.embedding = None if weight is None else weight.detach().to(torch.bfloat16)
         self.layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -105,7 +105,7 @@ class NativeModel:
         gemma = shape.family == "gemma3_text"  # a norm after each block and one before the MLP; GELU, not SiLU
         cache.reserve(start + n)
         x = self.embed(tokens) if tokens.dim() == 1 else tokens.float()
-        positions = torch.arange(start, start + n) if visible is None else start + visible.sum(dim=1) - 1
+        positions = torch.arange(start, start + n) if visible is None else tree_positions(start, visible)
         rotary = {theta: self._cos_sin(theta, positions) for theta in set(shape.thetas)}
         q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         for index, layer in enumerate(self.layers):

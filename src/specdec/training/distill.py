@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from specdec.config import GenerationConfig
-from specdec.drafters.distilled import ReducedVocabBackend, build_draft, build_exit_draft, own_parameters, save_draft
+from specdec.drafters.distilled import ReducedVocabBackend, build_draft, build_exit_draft, own_parameters, read_meta, save_draft
 from specdec.drafters.eagle import EagleDrafter, build_eagle, head_forward
 from specdec.drafters.model import ModelDrafter
 from specdec.engine import Generator
@@ -129,6 +129,8 @@ class DistillConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.general_prompts <= 1.0:
             raise ConfigError(f"general_prompts is a share of the on-policy prompts, between 0 and 1, got {self.general_prompts}")
+        if self.general_prompts and not self.on_policy_tokens:
+            raise ConfigError("general_prompts share the on-policy prompts: pass --on-policy-tokens N (> 0) with it")
         if not 0 <= self.on_policy_tokens <= self.teacher_tokens:
             raise ConfigError(f"on_policy_tokens must be between 0 and teacher_tokens ({self.teacher_tokens}), got {self.on_policy_tokens}")
         if not self.data:
@@ -273,7 +275,7 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
     else:
         draft = build_draft(model, config.arch.layer_ids(len(model.model.layers)), teacher.keep_ids)
     if config.init_from and not resume:
-        start_from(draft, config.init_from)
+        start_from(draft, config.init_from, target.name)
     params = list(own_parameters(draft).values())
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     record: dict = {"target": target.name, "arch": asdict(config.arch), "config": asdict(config), "evaluations": [], "train_s": 0.0}
@@ -334,11 +336,13 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
     return record
 
 
-def start_from(draft, folder: str) -> None:
+def start_from(draft, folder: str, target: str) -> None:
     """Copy the own weights of the draft saved in ``folder`` into ``draft`` (same arch and target; output rows are the target's own)."""
     path = Path(folder) / "model.safetensors"
     if not path.is_file():
         raise ConfigError(f"--init-from '{folder}' holds no draft (no model.safetensors): pass a folder written by `specdec distill`")
+    if (distilled_for := read_meta(folder).get("target")) != target:
+        raise ConfigError(f"--init-from '{folder}' was distilled for '{distilled_for}', not '{target}': start from a draft of this target")
     saved = load_file(str(path))
     own = own_parameters(draft)
     mismatched = [name for name, p in own.items() if name not in saved or saved[name].shape != p.shape]
