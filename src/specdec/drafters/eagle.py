@@ -12,7 +12,8 @@ autoregressively over its own features.
 
 Drafts grow as a tree (EAGLE-2): each level expands the ``branches`` most likely
 nodes (by the product of the head's probabilities along their path) with their
-``branches`` most likely tokens in one forward of the head; the k most likely
+``branches`` most likely tokens in one forward of the head (the nodes re-run with their ancestors after the
+context, then dropped from its cache); the k most likely
 nodes of all levels form the proposal. With one branch it is a chain. The
 proposal is deterministic (the head's top tokens), so verification draws from
 the target and descends while the draw is a child: exact at any temperature.
