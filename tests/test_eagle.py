@@ -11,7 +11,7 @@ from conftest import char_tokenizer, loaded, tiny_llama
 from test_distill import TEXT, config
 from test_native import models
 
-from specdec import GenerationConfig, Generator, SamplingConfig
+from specdec import GenerationConfig, Generator, SamplingConfig, drafters
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig, RuntimeConfig
 from specdec.drafters import FallbackDrafter, PromptLookupDrafter, build_drafter
@@ -237,7 +237,7 @@ def test_sampled_eagle_trees_keep_the_target_law(merged: bool) -> None:
     assert dof > 30 and pvalue > 1e-3
 
 
-def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path) -> None:
+def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tokenizer = char_tokenizer()
     target = loaded(tiny_llama(0, vocab=len(tokenizer), layers=3), tokenizer=tokenizer)
     settings = config(tmp_path, arch=DraftArch.parse("eagle,keep=40"), out=str(tmp_path / "head"), checkpoint_every=20)
@@ -253,6 +253,12 @@ def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path) -> None:
     got = gen.generate(TEXT[:20], max_new_tokens=30, branches=2, stop_on_eos=False)
     assert got.token_ids == plain.token_ids  # (a random target's output is nothing like the corpus: few drafts pass)
     assert got.stats.draft_tokens_proposed > 0
+    assert isinstance(build_drafter("auto", open_target(target)), PromptLookupDrafter)  # no head ships for this target
+    monkeypatch.setattr(drafters, "bundled_draft", lambda name, kind="": Path(settings.out) if kind == "eagle" else None)
+    auto = build_drafter("auto", open_target(target))  # as if this head shipped for it: prompt lookup, then the head
+    assert isinstance(auto, FallbackDrafter) and isinstance(auto.second, EagleDrafter)
+    assert Generator(target, auto).generate(TEXT[:20], max_new_tokens=30, stop_on_eos=False).token_ids == plain.token_ids
+    monkeypatch.undo()
     embed = target.model.get_input_embeddings()
     module = load_eagle(settings.out, embed, len(tokenizer), kernels=False)
     assert isinstance(module.runner, ModuleHead)  # asked for: the module, even where the kernels run
@@ -293,6 +299,9 @@ def test_tree_size_follows_the_costs_and_learns_the_scores_calibration() -> None
     costly = CostModelK(8, CostCurve({1: 0.010, 9: 0.090}))
     assert cheap.tree_size(scores, 0.0) == 6
     assert costly.tree_size(scores, 0.0) < cheap.tree_size(scores, 0.0)
+    seeded = CostModelK(8, CostCurve({1: 0.010, 9: 0.090}), draft_s_per_token=0.0)
+    assert seeded.tree_size(scores, 0.0) == seeded.tree_size(scores, 0.5)  # a seeded run's cut never follows the clock
+    assert costly.tree_size(scores, 0.5) != costly.tree_size(scores, 0.0)
     before = cheap.calibration
     cheap.tree_size(scores, 0.0)
     cheap.observe(StepOutcome(6, 0, 0.0, 10, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long)))

@@ -342,13 +342,28 @@ def test_chat_on_the_bundled_chat_model() -> None:
         server.stop()
 
 
+@pytest.mark.real_model
+def test_gemma_is_served_with_its_eagle_head_by_default() -> None:
+    """No --draft: prompt lookup, then the eagle head shipped for Gemma; greedy output is the target's own."""
+    server = Server("gemma-3-270m", "--k-policy", "fixed", "--k", "4")  # always draft: the cost model may not, under load
+    try:
+        prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+        expected = Generator("gemma-3-270m", "none").generate(prompt, max_new_tokens=32)
+        got = server.client.completions.create(model="gemma-3-270m", prompt=prompt, max_tokens=32, temperature=0)
+        assert got.choices[0].text == expected.text
+        assert server.metric("specdec_draft_tokens_accepted_total") > 0
+    finally:
+        code, log = server.stop()
+    assert "draft 'auto (lookup-then-eagle)'" in log
+
+
 def test_load_benchmark_reports_both_configurations(folder: Path, tmp_path: Path) -> None:
     from specdec.bench.serve_load import LoadConfig, markdown, run_load_benchmark
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "category": "c", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
     report = run_load_benchmark(LoadConfig(str(prompts), str(folder), clients=3, duration_s=3, max_tokens=16), say=lambda _: None)
-    assert list(report["results"]) == ["speculation off", "speculation on (prompt-lookup)"]
+    assert list(report["results"]) == ["speculation off", "speculation on (auto)"]
     for figures in report["results"].values():
         assert figures["errors"] == 0 and figures["requests"] > 0 and figures["tokens_per_s"] > 0
         assert figures["latency_s"]["p50"] <= figures["latency_s"]["p99"]

@@ -12,6 +12,7 @@ TREE_SUFFIX = "+tree"  # "prompt-lookup+tree" (bench methods, profiles): the dra
 TREE_BRANCHES = 4
 MIN_TEMPERATURE = 1e-6  # below it, logits / temperature overflow float32 to inf (and probabilities to NaN)
 K_POLICIES = ("fixed", "heuristic", "perplexity", "confidence", "cost-model")
+DEFAULT_DRAFT = "auto"  # every command's drafter: the fastest measured for the target (drafters.build_drafter says which)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts, round_robin
 from specdec.bench.report import fmt, machine_line
 from specdec.bench.runner import machine_info
-from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig
+from specdec.config import DEFAULT_DRAFT, BatchConfig, GenerationConfig, RuntimeConfig
 from specdec.drafters import build_drafter
 from specdec.engine import GenerationResult, Generator
 from specdec.errors import ConfigError
@@ -28,7 +28,7 @@ from specdec.models import DEFAULT_TARGET, open_target
 class BatchBenchConfig:
     prompts: str = DEFAULT_PROMPTS
     target: str = DEFAULT_TARGET
-    draft: str = "prompt-lookup"
+    draft: str = DEFAULT_DRAFT
     batch_sizes: tuple[int, ...] = (8, 16, 32)
     k: int = 5  # the fixed window, and the dynamic window's largest
     max_new_tokens: int = 64

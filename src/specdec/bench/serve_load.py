@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts
+from specdec.config import DEFAULT_DRAFT
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET
 
@@ -33,7 +34,7 @@ from specdec.models import DEFAULT_TARGET
 class LoadConfig:
     prompts: str = DEFAULT_PROMPTS
     target: str = DEFAULT_TARGET
-    draft: str = "prompt-lookup"
+    draft: str = DEFAULT_DRAFT
     clients: int = 8
     duration_s: float = 60.0
     max_tokens: int = 64

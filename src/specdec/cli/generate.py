@@ -28,6 +28,7 @@ from specdec.cli.options import (
     with_profile,
 )
 from specdec.config import (
+    DEFAULT_DRAFT,
     GenerationConfig,
     GuardConfig,
     RuntimeConfig,
@@ -43,7 +44,7 @@ def generate(
     ctx: typer.Context,
     prompt: Annotated[str, typer.Argument(help="Text to continue.")],
     target: Target = DEFAULT_TARGET,
-    draft: Draft = "prompt-lookup",
+    draft: Draft = DEFAULT_DRAFT,
     k: Annotated[int, typer.Option(help="Draft tokens per step (1-32); the most per step for an adaptive --k-policy.")] = default(
         GenerationConfig, "k"
     ),
@@ -151,20 +152,22 @@ def demo(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate in each run.")] = default(GenerationConfig, "max_new_tokens"),
     k: Annotated[int, typer.Option(help="Draft tokens per step.")] = default(GenerationConfig, "k"),
 ) -> None:
-    """Generate once without and once with speculation (prompt lookup) and print the speed-up."""
+    """Generate once without and once with speculation (the default drafter) and print the speed-up."""
     from specdec import Generator
+    from specdec.drafters import auto_draft
     from specdec.models import load_model
 
     with err.status(f"loading {target} (the first run converts the GGUF file once, about a minute)"):
         model = load_model(target)
     config = GenerationConfig(k=k, max_new_tokens=max_new_tokens)
+    baseline = Generator(model, "none", config)
+    drafted = auto_draft(baseline.target)
     runs = {}
-    for spec in ("none", "prompt-lookup"):
+    for spec, generator in (("none", baseline), (drafted, Generator(baseline.target, drafted, config))):
         with err.status(f"generating with draft={spec}"):
-            generator = Generator(model, spec, config)
             generator.generate(DEMO_PROMPT, max_new_tokens=4)  # warm-up
             runs[spec] = generator.generate(DEMO_PROMPT)
-    base, spec_run = runs["none"], runs["prompt-lookup"]
+    base, spec_run = runs["none"], runs[drafted]
     err.print(f"[bold]prompt[/bold] ({target}):\n{DEMO_PROMPT}")
     err.print(f"[bold]output[/bold]:\n{spec_run.text}\n")
     table = Table("draft", "tokens", "tok/s", "target forwards", "acceptance")

@@ -20,10 +20,7 @@ from specdec.drafters import DRAFT_SPECS
 from specdec.errors import SpecDecError
 
 err = Console(stderr=True)
-DRAFT_HELP = (
-    f"Drafter: {DRAFT_SPECS}. Deliberately prompt-lookup by default (it needs no model and costs next to nothing); "
-    "the library's Generator drafts nothing (none) unless given a drafter."
-)
+DRAFT_HELP = f"Drafter: {DRAFT_SPECS}. The library's Generator drafts nothing (none) unless given a drafter."
 F = TypeVar("F", bound=Callable[..., None])
 
 

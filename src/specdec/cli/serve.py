@@ -21,12 +21,14 @@ from specdec.cli.options import (
     with_profile,
 )
 from specdec.config import (
+    DEFAULT_DRAFT,
     BatchConfig,
     GenerationConfig,
     RayConfig,
     RuntimeConfig,
     ServeConfig,
 )
+from specdec.drafters import auto_draft
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET
 
@@ -45,7 +47,7 @@ def serve(
             envvar="SPECDEC_DRAFT",
             help=DRAFT_HELP,
         ),
-    ] = "prompt-lookup",
+    ] = DEFAULT_DRAFT,
     host: Annotated[str, typer.Option(envvar="SPECDEC_HOST", help="Address to listen on (0.0.0.0 for every interface).")] = default(
         ServeConfig, "host"
     ),
@@ -205,7 +207,8 @@ def serve(
     with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
         generator = Generator(target, draft, config, runtime, batch=BatchConfig(window=window))
         generator.batch_decoder()  # measures this machine's batch costs now (cached), not on the first request
-    err.print(f"serving '{generator.target.name}' with draft '{draft}' on http://{host}:{port}/v1")
+    shown = f"{draft} ({auto_draft(generator.target)})" if draft == "auto" else draft
+    err.print(f"serving '{generator.target.name}' with draft '{shown}' on http://{host}:{port}/v1")
     run_server(generator, serve_config)
 
 

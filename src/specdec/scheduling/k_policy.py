@@ -242,6 +242,8 @@ class CostModelK:
         1 + calibration * (their summed scores) tokens for a forward over n + 1 positions plus the drafting already done;
         the n with the most tokens per second wins, and a tree never costs more per token than the chain would.
         """
+        if not self._learn_draft_cost:  # a seeded run: the priced draft cost, not the clock, so the cut repeats
+            draft_s = len(scores) * self._draft_s_per_token
         gains = torch.cat([torch.zeros(1), scores.float().cpu().cumsum(0)])[: self.max_k + 1]
         rates = (1 + self.calibration * gains) / (torch.tensor(self._verify_s[: len(gains)]) + draft_s)
         best = int(rates.argmax())

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
-from specdec.config import BatchConfig, GenerationConfig, PrecisionPlan, RayConfig, RuntimeConfig, ServeConfig
+from specdec.config import DEFAULT_DRAFT, BatchConfig, GenerationConfig, PrecisionPlan, RayConfig, RuntimeConfig, ServeConfig
 from specdec.errors import ConfigError, DeploymentError
 from specdec.serving.metrics import RelayMetrics, merge_replicas
 from specdec.serving.relay import Forwarded, call_asgi, relay
@@ -242,7 +242,7 @@ def app_builder(args: dict):
         runtime["precision"] = PrecisionPlan.parse(runtime["precision"])
     spec = ReplicaSpec(
         target=args.get("target", "gemma-3-270m"),
-        draft=args.get("draft", "prompt-lookup"),
+        draft=args.get("draft", DEFAULT_DRAFT),
         generation=GenerationConfig(**part("generation")),
         runtime=RuntimeConfig(**runtime),
         batch=BatchConfig(**part("batch")),
