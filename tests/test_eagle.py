@@ -126,7 +126,7 @@ def test_a_chain_draft_is_the_heads_own_greedy_chain_even_after_an_anchor(runner
             logits, out = head.run(cache, context[12 - known :], features[11 - known : 11], None)
             expected = []
             for _ in range(4):
-                token = drafter.keep_ids[logits[-1].argmax()]
+                token = drafter.runner.keep_ids[logits[-1].argmax()]
                 expected.append(int(token))
                 logits, out = head.run(cache, token[None], out[-1:], None)
         assert proposal.tokens.tolist() == expected, (runner, known)
@@ -262,7 +262,7 @@ def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path, monkeypatch: 
     embed = target.model.get_input_embeddings()
     module = load_eagle(settings.out, embed, len(tokenizer), kernels=False)
     assert isinstance(module.runner, ModuleHead)  # asked for: the module, even where the kernels run
-    if why_not_native(module.head) is None:
+    if why_not_native(module.runner.module) is None:
         assert isinstance(load_eagle(settings.out, embed, len(tokenizer)).runner, NativeHead)  # by default where it runs
     else:
         with pytest.raises(ConfigError, match="native kernels"):

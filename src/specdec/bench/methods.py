@@ -270,6 +270,7 @@ def check_method(spec: str, target: str) -> str | None:
     if oracle_accuracy(spec) is not None:
         return None
     if spec in (
+        "auto",
         "none",
         "prompt-lookup",
         "lookup-then-draft",

@@ -76,6 +76,20 @@ class Proposal:
             return self
         return Proposal(*(None if t is None else t[:length] for t in (self.tokens, self.probs, self.parents, self.scores)))  # type: ignore[arg-type]
 
+    def best_chain(self) -> Proposal:
+        """A tree's best path as a chain: from the root, each node's first listed child (nodes are listed best first)."""
+        if self.parents is None:
+            return self
+        path, node = [], -1
+        for i, parent in enumerate(self.parents.tolist()):
+            if parent == node:
+                path.append(i)
+                node = i
+        at = torch.tensor(path, dtype=torch.long)
+        return Proposal(
+            self.tokens[at], None if self.probs is None else self.probs[at], None, None if self.scores is None else self.scores[at]
+        )
+
     @staticmethod
     def empty() -> Proposal:
         return Proposal(torch.zeros(0, dtype=torch.long))
@@ -86,21 +100,39 @@ class Proposal:
 
         Nodes are listed branch by branch, so the best branch comes whole before the others add their nodes.
         """
-        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-        tokens: list[int] = []
-        parents: list[int] = []
+        trie = TokenTrie()
         for branch in branches:
             parent = -1
             for token in branch:
-                node = children.get((parent, token))
+                node = trie.find(parent, token)
                 if node is None:
-                    if len(tokens) == budget:
+                    if len(trie) == budget:
                         break
-                    node = children[(parent, token)] = len(tokens)
-                    tokens.append(token)
-                    parents.append(parent)
+                    node = trie.add(parent, token)
                 parent = node
-        return Proposal(torch.tensor(tokens, dtype=torch.long), None, torch.tensor(parents, dtype=torch.long))
+        return Proposal(torch.tensor(trie.tokens, dtype=torch.long), None, torch.tensor(trie.parents, dtype=torch.long))
+
+
+class TokenTrie:
+    """Tree nodes keyed by (parent node, token): the same token after the same path is one node. Nodes are numbered in the
+    order they are added, so parents come before their children, as a tree ``Proposal`` lists them."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[tuple[int, int], int] = {}
+        self.tokens: list[int] = []
+        self.parents: list[int] = []  # -1: the node follows the context
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def find(self, parent: int, token: int) -> int | None:
+        return self._nodes.get((parent, token))
+
+    def add(self, parent: int, token: int) -> int:
+        node = self._nodes[(parent, token)] = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        return node
 
 
 class Drafter(Protocol):

@@ -203,13 +203,9 @@ class EagleDrafter:
         max_depth: int = MAX_DEPTH,
         min_score: float = MIN_SCORE,
     ) -> None:
-        self.head = head
         self.runner: ModuleHead | NativeHead = head if isinstance(head, (ModuleHead, NativeHead)) else ModuleHead(head, embed)
-        self.embed = embed
         self.vocab_size: int | None = full_vocab
         self.max_depth, self.min_score = max_depth, min_score
-        self.device = self.runner.device
-        self.keep_ids = self.runner.keep_ids
         self.settings = DraftSettings()
         self.begin(self.settings)
 
@@ -223,14 +219,14 @@ class EagleDrafter:
 
     def observe_features(self, features: torch.Tensor) -> None:
         """The target's final hidden states of the next context positions (those it cached this step)."""
-        self.features.append(features.to(self.device))
+        self.features.append(features.to(self.runner.device))
         self.known += len(features)
 
     def accept(self, n: int) -> None:
         pass  # the head re-reads the accepted tokens with the target's features at the next step
 
     def fork(self) -> EagleDrafter:
-        return EagleDrafter(self.head, self.embed, self.vocab_size, self.max_depth, self.min_score)  # type: ignore[arg-type]
+        return EagleDrafter(self.runner, self.runner.embed, self.vocab_size, self.max_depth, self.min_score)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def propose(self, context: torch.Tensor, k: int) -> Proposal:
@@ -272,7 +268,8 @@ class EagleDrafter:
         # parent always precedes its children and the engine may keep any prefix of them (CostModelK.tree_size).
         order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], i))[:k]
         index = {node: i for i, node in enumerate(order)}
-        tokens = self.keep_ids[torch.tensor([nodes[i][1] for i in order], dtype=torch.long, device=self.keep_ids.device)].cpu()
+        keep_ids = self.runner.keep_ids
+        tokens = keep_ids[torch.tensor([nodes[i][1] for i in order], dtype=torch.long, device=keep_ids.device)].cpu()
         parents = torch.tensor([index[nodes[i][2]] if nodes[i][2] >= 0 else -1 for i in order], dtype=torch.long)
         scores = torch.tensor([nodes[i][0] for i in order])
         return Proposal(tokens, None, parents if width > 1 else None, scores)
@@ -284,17 +281,16 @@ class EagleDrafter:
         ancestors), then dropped from the head's cache: re-running an ancestor costs rows, not weights, and keeps
         one cache layout for both runners.
         """
-        tree: list[int] = []
+        included: set[int] = set()
         for node in expand:
-            path = []
-            while node >= 0 and node not in tree:
-                path.append(node)
+            while node >= 0 and node not in included:
+                included.add(node)
                 node = nodes[node][2]
-            tree += path
-        tree.sort()  # parents before children: a parent's index is lower
+        tree = sorted(included)  # parents before children: a parent's index is lower
         slot = {node: i for i, node in enumerate(tree)}
         parents = torch.tensor([slot.get(nodes[node][2], -1) for node in tree], dtype=torch.long)
-        tokens = self.keep_ids[torch.tensor([nodes[node][1] for node in tree], device=self.keep_ids.device)]
+        keep_ids = self.runner.keep_ids
+        tokens = keep_ids[torch.tensor([nodes[node][1] for node in tree], device=keep_ids.device)]
         features = torch.stack([after[nodes[node][2]][1] for node in tree])
         logits, out = self.runner.run(self.cache, tokens, features, parents)
         self.runner.truncate(self.cache, self.cached)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import Drafter, DraftSettings, Proposal
+from specdec.drafters.base import Drafter, DraftSettings, Proposal, TokenTrie
 
 FIRST_NODE_SCORE = (
     0.6  # the chance given to each further node of the first drafter's unscored draft when merged (a node at depth d: 0.6**d)
@@ -71,9 +71,7 @@ def merge_trees(first: Proposal, second: Proposal, k: int, first_score: float = 
     parent scores at least as much as its children in both, so the nodes listed best first (shallower first among
     equals) keep parents before children, as a scored proposal must.
     """
-    found: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-    tokens: list[int] = []
-    parents: list[int] = []
+    trie = TokenTrie()
     scores: list[float] = []
     depths: list[int] = []
     for proposal in (first, second):
@@ -84,21 +82,19 @@ def merge_trees(first: Proposal, second: Proposal, k: int, first_score: float = 
             parent = index[link] if link >= 0 else -1
             depth = depths[parent] + 1 if parent >= 0 else 1
             score = own[i] if own is not None else first_score**depth
-            node = found.get((parent, token))
+            node = trie.find(parent, token)
             if node is None:
-                node = found[(parent, token)] = len(tokens)
-                tokens.append(token)
-                parents.append(parent)
+                node = trie.add(parent, token)
                 scores.append(score)
                 depths.append(depth)
             else:
                 scores[node] = max(scores[node], score)
             index.append(node)
-    order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:k]
+    order = sorted(range(len(trie)), key=lambda i: (-scores[i], depths[i], i))[:k]
     place = {node: i for i, node in enumerate(order)}
     return Proposal(
-        torch.tensor([tokens[i] for i in order], dtype=torch.long),
+        torch.tensor([trie.tokens[i] for i in order], dtype=torch.long),
         None,
-        torch.tensor([place[parents[i]] if parents[i] >= 0 else -1 for i in order], dtype=torch.long),
+        torch.tensor([place[trie.parents[i]] if trie.parents[i] >= 0 else -1 for i in order], dtype=torch.long),
         torch.tensor([scores[i] for i in order]),
     )
