@@ -14,7 +14,7 @@ from test_native import models
 from specdec import GenerationConfig, Generator, SamplingConfig, drafters
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig, RuntimeConfig
-from specdec.drafters import FallbackDrafter, PromptLookupDrafter, build_drafter
+from specdec.drafters import FallbackDrafter, PromptLookupDrafter, auto_draft, build_drafter
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.drafters.eagle import EagleDrafter, ModuleHead, NativeHead, build_eagle, load_eagle, why_not_native
 from specdec.drafters.fallback import merge_trees
@@ -253,11 +253,17 @@ def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path, monkeypatch: 
     got = gen.generate(TEXT[:20], max_new_tokens=30, branches=2, stop_on_eos=False)
     assert got.token_ids == plain.token_ids  # (a random target's output is nothing like the corpus: few drafts pass)
     assert got.stats.draft_tokens_proposed > 0
-    assert isinstance(build_drafter("auto", open_target(target)), PromptLookupDrafter)  # no head ships for this target
+    assert isinstance(Generator(target, "auto").drafter, PromptLookupDrafter)  # no head ships for this target
+    with pytest.raises(ConfigError, match="measured costs"):
+        build_drafter("auto", open_target(target))
     monkeypatch.setattr(drafters, "bundled_draft", lambda name, kind="": Path(settings.out) if kind == "eagle" else None)
-    auto = build_drafter("auto", open_target(target))  # as if this head shipped for it: prompt lookup, then the head
-    assert isinstance(auto, FallbackDrafter) and isinstance(auto.second, EagleDrafter)
-    assert Generator(target, auto).generate(TEXT[:20], max_new_tokens=30, stop_on_eos=False).token_ids == plain.token_ids
+    cheap, costly = CostCurve({1: 0.010, 3: 0.0105}), CostCurve({1: 0.010, 3: 0.020})
+    assert auto_draft(open_target(target), lambda: cheap) == "lookup-then-eagle"  # as if this head shipped for it
+    assert auto_draft(open_target(target), lambda: costly) == "prompt-lookup"  # its short drafts would not pay
+    monkeypatch.setattr(Generator, "costs", lambda self: cheap)
+    auto = Generator(target, "auto")
+    assert auto.draft_name == "lookup-then-eagle" and isinstance(auto.drafter.second, EagleDrafter)
+    assert auto.generate(TEXT[:20], max_new_tokens=30, stop_on_eos=False).token_ids == plain.token_ids
     monkeypatch.undo()
     embed = target.model.get_input_embeddings()
     module = load_eagle(settings.out, embed, len(tokenizer), kernels=False)

@@ -22,7 +22,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import GenerationConfig, Generator
-from specdec.config import GuardConfig, TypicalAcceptance
+from specdec.config import PRESETS, GuardConfig, RuntimeConfig, TypicalAcceptance
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
@@ -344,11 +344,14 @@ def test_chat_on_the_bundled_chat_model() -> None:
 
 @pytest.mark.real_model
 def test_gemma_is_served_with_its_eagle_head_by_default() -> None:
-    """No --draft: prompt lookup, then the eagle head shipped for Gemma; greedy output is the target's own."""
-    server = Server("gemma-3-270m", "--k-policy", "fixed", "--k", "4")  # always draft: the cost model may not, under load
+    """No --draft, on the `cpu` plan (verifying a few tokens costs one step): prompt lookup, then the eagle head shipped
+    for Gemma; greedy output is the target's own on the same plan."""
+    server = Server(
+        "gemma-3-270m", "--precision", "cpu", "--k-policy", "fixed", "--k", "4"
+    )  # always draft: the cost model may not, under load
     try:
         prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-        expected = Generator("gemma-3-270m", "none").generate(prompt, max_new_tokens=32)
+        expected = Generator("gemma-3-270m", "none", runtime=RuntimeConfig(precision=PRESETS["cpu"])).generate(prompt, max_new_tokens=32)
         got = server.client.completions.create(model="gemma-3-270m", prompt=prompt, max_tokens=32, temperature=0)
         assert got.choices[0].text == expected.text
         assert server.metric("specdec_draft_tokens_accepted_total") > 0

@@ -18,7 +18,6 @@ from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts, round_robin
 from specdec.bench.report import fmt, machine_line
 from specdec.bench.runner import machine_info
 from specdec.config import DEFAULT_DRAFT, BatchConfig, GenerationConfig, RuntimeConfig
-from specdec.drafters import build_drafter
 from specdec.engine import GenerationResult, Generator
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET, open_target
@@ -49,14 +48,16 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
     """Decode each batch with every method; return figures per batch size and method."""
     prompts = round_robin(load_prompts(config.prompts))
     target = open_target(config.target, config.runtime)
-    drafter = build_drafter(config.draft, target, config.runtime)
+    sequential = Generator(
+        target, config.draft, GenerationConfig(k=config.k, k_policy="cost-model", max_new_tokens=config.max_new_tokens), config.runtime
+    )
+    drafter = sequential.drafter  # ``auto`` made concrete once, shared by every method
     fixed = GenerationConfig(k=config.k, k_policy="fixed", max_new_tokens=config.max_new_tokens)
     generators = {
         "target-only": Generator(target, "none", fixed, batch=BatchConfig(window="fixed")),  # nothing to cap
         "fixed window": Generator(target, drafter, fixed, batch=BatchConfig(window="fixed")),
         "dynamic window": Generator(target, drafter, fixed, batch=BatchConfig(window="dynamic")),
     }
-    sequential = Generator(target, drafter, GenerationConfig(k=config.k, k_policy="cost-model", max_new_tokens=config.max_new_tokens))
     warm = [p.prompt for p in prompts[:2]]
     generators["dynamic window"].generate_batch(warm, max_new_tokens=4)  # measures the batch cost curve once (cached)
     sequential.generate(warm[0], max_new_tokens=4)  # measures the single-sequence cost curve once (cached)

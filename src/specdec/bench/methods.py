@@ -12,7 +12,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from specdec.config import TREE_BRANCHES, TREE_SUFFIX, GenerationConfig, RuntimeConfig
-from specdec.drafters import DRAFT_SPECS, build_drafter
+from specdec.drafters import DRAFT_SPECS
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.engine import Generator
 from specdec.errors import ConfigError
@@ -123,8 +123,7 @@ class SpecdecMethod:
             self.name = f"{spec}@{policy}k{config.k}"
         accuracy = oracle_accuracy(spec)
         self.oracle = OracleDrafter(accuracy, config.seed or 0) if accuracy is not None else None
-        drafter = self.oracle or build_drafter(drafter_spec, target, runtime)
-        self.generator = Generator(target, drafter, config)
+        self.generator = Generator(target, self.oracle or drafter_spec, config, runtime)
 
     def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
         if self.oracle is not None:

@@ -154,20 +154,19 @@ def demo(
 ) -> None:
     """Generate once without and once with speculation (the default drafter) and print the speed-up."""
     from specdec import Generator
-    from specdec.drafters import auto_draft
     from specdec.models import load_model
 
     with err.status(f"loading {target} (the first run converts the GGUF file once, about a minute)"):
         model = load_model(target)
     config = GenerationConfig(k=k, max_new_tokens=max_new_tokens)
-    baseline = Generator(model, "none", config)
-    drafted = auto_draft(baseline.target)
     runs = {}
-    for spec, generator in (("none", baseline), (drafted, Generator(baseline.target, drafted, config))):
-        with err.status(f"generating with draft={spec}"):
+    baseline = Generator(model, "none", config)
+    for generator in (baseline, Generator(baseline.target, DEFAULT_DRAFT, config)):
+        with err.status(f"generating with draft={generator.draft_name}"):
             generator.generate(DEMO_PROMPT, max_new_tokens=4)  # warm-up
-            runs[spec] = generator.generate(DEMO_PROMPT)
-    base, spec_run = runs["none"], runs[drafted]
+            runs[generator.draft_name] = generator.generate(DEMO_PROMPT)
+    base, spec_run = runs.pop("none"), next(iter(runs.values()))
+    runs = {"none": base} | runs
     err.print(f"[bold]prompt[/bold] ({target}):\n{DEMO_PROMPT}")
     err.print(f"[bold]output[/bold]:\n{spec_run.text}\n")
     table = Table("draft", "tokens", "tok/s", "target forwards", "acceptance")

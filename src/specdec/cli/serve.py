@@ -28,7 +28,6 @@ from specdec.config import (
     RuntimeConfig,
     ServeConfig,
 )
-from specdec.drafters import auto_draft
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET
 
@@ -207,7 +206,7 @@ def serve(
     with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
         generator = Generator(target, draft, config, runtime, batch=BatchConfig(window=window))
         generator.batch_decoder()  # measures this machine's batch costs now (cached), not on the first request
-    shown = f"{draft} ({auto_draft(generator.target)})" if draft == "auto" else draft
+    shown = draft if draft == generator.draft_name else f"{draft} ({generator.draft_name})"
     err.print(f"serving '{generator.target.name}' with draft '{shown}' on http://{host}:{port}/v1")
     run_server(generator, serve_config)
 

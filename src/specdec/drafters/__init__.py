@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -23,8 +24,9 @@ from specdec.models import Target, TransformersBackend, open_target
 from specdec.models.precision import convert_draft
 from specdec.models.registry import bundled_draft
 
+AUTO_HEAD_MAX_VERIFY = 1.15  # ``auto`` drafts with the eagle head where verifying 3 tokens costs at most this many steps
 DRAFT_SPECS = (
-    "auto (the default: lookup-then-eagle where an eagle head ships for the target, otherwise prompt-lookup), none, prompt-lookup, lookup-then-draft (prompt lookup, then the distilled draft shipped for the target), eagle (the eagle head shipped for the target), lookup-then-eagle (prompt lookup, then the eagle head; with branches both, merged into one tree), ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
+    "auto (the default: lookup-then-eagle where an eagle head ships for the target and verifying 3 tokens costs about one step, otherwise prompt-lookup), none, prompt-lookup, lookup-then-draft (prompt lookup, then the distilled draft shipped for the target), eagle (the eagle head shipped for the target), lookup-then-eagle (prompt lookup, then the eagle head; with branches both, merged into one tree), ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
     "model:MODEL (transformers; a model with another tokenizer is re-tokenized; a folder from `specdec distill`), "
     "gguf:MODEL (llama.cpp)"
 )
@@ -34,7 +36,9 @@ def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeCon
     """Build a drafter for ``target`` from its command-line spec (see DRAFT_SPECS); model drafts share the runtime settings."""
     kind, _, arg = spec.partition(":")
     if spec == "auto":
-        spec = auto_draft(target)
+        raise ConfigError(
+            "'auto' is chosen from this machine's measured costs: pass it to Generator, which measures them, or name a drafter"
+        )
     if spec == "none":
         return NoDrafter()
     if spec == "prompt-lookup":
@@ -84,12 +88,19 @@ def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeCon
     raise ConfigError(f"unknown draft '{spec}': use one of {DRAFT_SPECS}")
 
 
-def auto_draft(target: Target) -> str:
-    """What ``auto`` drafts with on ``target``: prompt lookup, then the shipped eagle head, where one ships and the backend
-    gives hidden states (2.38x target-only against prompt lookup's 2.28x greedy, 1.67x against 1.61x at temperature 0.7:
-    BENCHMARKS.md, issue 24); prompt lookup alone elsewhere, since it needs no model."""
-    has_features = getattr(target.backend, "token_embeddings", None) is not None
-    return "lookup-then-eagle" if has_features and bundled_draft(target.name, "eagle") else "prompt-lookup"
+def auto_draft(target: Target, verify_cost: Callable[[], Callable[[int], float]]) -> str:
+    """What ``auto`` drafts with on ``target``: prompt lookup, then the shipped eagle head, where a head ships for it, its
+    backend gives hidden states and verifying 3 tokens costs at most AUTO_HEAD_MAX_VERIFY one-token steps (``verify_cost()``:
+    the target's forward cost over n tokens on this machine, asked only then); prompt lookup alone elsewhere.
+
+    The head's drafts are short (one or two accepted per step), so they pay only where verifying them is nearly free. On the
+    44 benchmark prompts (BENCHMARKS.md, issue 24): transformers' `cpu` plan (3 tokens: 0.98x one) 2.38x target-only against
+    prompt lookup's 2.28x; float32 (2.5x) 1.50x against 1.54x; native (1.25x) 1.84x against 1.85x, with 8-11% more memory.
+    """
+    if getattr(target.backend, "token_embeddings", None) is None or bundled_draft(target.name, "eagle") is None:
+        return "prompt-lookup"
+    cost = verify_cost()
+    return "lookup-then-eagle" if cost(3) <= AUTO_HEAD_MAX_VERIFY * cost(1) else "prompt-lookup"
 
 
 def _eagle(folder: str, target: Target) -> EagleDrafter:

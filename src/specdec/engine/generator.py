@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig, with_overrides
-from specdec.drafters import Drafter, build_drafter
+from specdec.drafters import Drafter, auto_draft, build_drafter
 from specdec.engine.costs import machine_batch_cost_curve, machine_cost_curve
 from specdec.engine.decoder import Decoder
 from specdec.engine.stats import DecodeStats
@@ -70,6 +70,11 @@ class Generator:
         self.target = target if isinstance(target, Target) else open_target(target, runtime)
         self.tokenizer = self.target.tokenizer
         self.backend = self.target.backend
+        self._costs: CostCurve | None = None
+        self._measuring = threading.Lock()
+        if drafter == "auto":
+            drafter = auto_draft(self.target, self.costs)
+        self.draft_name = drafter if isinstance(drafter, str) else type(drafter).__name__  # what drafts (``auto`` resolved)
         self.drafter = build_drafter(drafter, self.target, runtime) if isinstance(drafter, str) else drafter
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != self.backend.vocab_size:
             raise VocabularyMismatchError(
@@ -78,13 +83,11 @@ class Generator:
                 "with a tokenizer (it is then re-tokenized), or --draft prompt-lookup"
             )
         self.eos_ids = self.target.eos_ids
-        self._costs: CostCurve | None = None
         self._ignorable: frozenset[int] | None = None
         self._embedder: SentenceEmbedder | None = None
         self._draft_cost: float | None = None
         self._busy = False  # a single-sequence run is decoding on self.backend and self.drafter
         self._lock = threading.Lock()  # completions may start on several threads
-        self._measuring = threading.Lock()
 
     @classmethod
     def from_profile(cls, profile: str | Path | Profile, target: str | LoadedModel | Target | None = None) -> Generator:
