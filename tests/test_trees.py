@@ -22,8 +22,6 @@ from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend, cpu_kernels
 from specdec.models.backend import tree_mask
-from specdec.scheduling import CostCurve
-from specdec.scheduling.k_policy import TREE_TRIAL_EVERY, CostModelK, StepOutcome
 from specdec.verification.sampling import draw
 from specdec.verification.seeds import rng_on
 from specdec.verification.shaping import to_probs
@@ -169,9 +167,9 @@ class ShapedTreeDrafter:
         return Proposal(torch.tensor(tokens), torch.stack(probs) if self.sampled else None, torch.tensor(parents))
 
 
-def _sample(gen: Generator, sampling: SamplingConfig, n: int, batched: bool, k_policy: str = "fixed") -> list[tuple[int, ...]]:
+def _sample(gen: Generator, sampling: SamplingConfig, n: int, batched: bool) -> list[tuple[int, ...]]:
     configs = [
-        GenerationConfig(k=8, k_policy=k_policy, branches=4, max_new_tokens=NEW, stop_on_eos=False, sampling=sampling, seed=s)
+        GenerationConfig(k=8, k_policy="fixed", branches=4, max_new_tokens=NEW, stop_on_eos=False, sampling=sampling, seed=s)
         for s in range(n)
     ]
     if not batched:
@@ -224,55 +222,6 @@ def test_sampled_trees_keep_the_target_law(
     pvalue, dof = sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS[sampling]))
     assert dof > 50
     assert pvalue > MIN_PVALUE
-
-
-def test_tree_rows_that_draft_their_best_path_keep_the_target_law(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under the cost model a tree row drafts a tree or, where chains have been faster, its tree's best path (a tree first,
-    then a chain, then the faster way): sampled siblings, both kinds of step, the target's law."""
-    target = tiny_llama(3, vocab=VOCAB, scale=0.15)
-    drafter = ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["binary"], True)
-    gen = Generator(loaded(target), drafter, batch=BatchConfig(window="fixed"))  # every row drafts its own k, whatever the load
-    chains, original = [0], Proposal.best_chain
-
-    def counting(self: Proposal) -> Proposal:
-        chains[0] += self.is_tree
-        return original(self)
-
-    monkeypatch.setattr(Proposal, "best_chain", counting)
-    samples = _sample(gen, SAMPLINGS["plain"], 2000, batched=True, k_policy="cost-model")
-    assert chains[0] > 300, chains  # the second step of every sequence, and later ones while chains are faster
-    pvalue, dof = sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["plain"]))
-    assert dof > 50
-    assert pvalue > MIN_PVALUE
-
-
-def test_a_trees_best_path_follows_each_nodes_first_child() -> None:
-    tree = Proposal(torch.tensor([5, 6, 7, 8, 9]), None, torch.tensor([-1, -1, 0, 2, 2]), torch.tensor([0.9, 0.5, 0.6, 0.4, 0.3]))
-    chain = tree.best_chain()
-    assert chain.tokens.tolist() == [5, 7, 8] and chain.parents is None and chain.scores.tolist() == pytest.approx([0.9, 0.6, 0.4])
-    assert Proposal(torch.tensor([1, 2])).best_chain().tokens.tolist() == [1, 2]
-
-
-def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
-    """Trees first, then a chain; then the faster of the two, the other one step in TREE_TRIAL_EVERY, until they swap."""
-    policy = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}))
-
-    def step(tree_accepts: int, chain_accepts: int) -> bool:
-        tree = policy.use_tree()
-        accepted = tree_accepts if tree else chain_accepts
-        policy.observe(
-            StepOutcome(4, accepted, 0.001, 10, torch.zeros(accepted + 1, 4), torch.zeros(accepted + 1, dtype=torch.long), 8 if tree else 4)
-        )
-        return tree
-
-    assert [step(1, 3), step(1, 3)] == [True, False]
-    assert sum(step(1, 3) for _ in range(4 * TREE_TRIAL_EVERY)) == 4  # chains win: a tree only on the trial steps
-    later = [step(7, 0) for _ in range(6 * TREE_TRIAL_EVERY)]  # now trees win, once their trials have shown it
-    assert sum(later[-2 * TREE_TRIAL_EVERY :]) == 2 * TREE_TRIAL_EVERY - 2
-    seeded = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.0)
-    seeded.use_tree()
-    seeded.observe(StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8))
-    assert seeded.rates[True] == pytest.approx(2 / 0.02)  # a seeded run prices drafting, never times it: the choices repeat
 
 
 def test_a_wrong_sibling_residual_fails(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -76,20 +76,6 @@ class Proposal:
             return self
         return Proposal(*(None if t is None else t[:length] for t in (self.tokens, self.probs, self.parents, self.scores)))  # type: ignore[arg-type]
 
-    def best_chain(self) -> Proposal:
-        """A tree's best path as a chain: from the root, each node's first listed child (nodes are listed best first)."""
-        if self.parents is None:
-            return self
-        path, node = [], -1
-        for i, parent in enumerate(self.parents.tolist()):
-            if parent == node:
-                path.append(i)
-                node = i
-        at = torch.tensor(path, dtype=torch.long)
-        return Proposal(
-            self.tokens[at], None if self.probs is None else self.probs[at], None, None if self.scores is None else self.scores[at]
-        )
-
     @staticmethod
     def empty() -> Proposal:
         return Proposal(torch.zeros(0, dtype=torch.long))

@@ -111,7 +111,7 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
         scored = logits[i, : accepted + 1] if trees[i] is None else logits[i, [0] + [j + 1 for j in path]]  # along the kept path
         row.tokens = torch.cat([row.tokens, tokens])
         depth = d.proposal.depth  # what a chain reaching as deep would have proposed: acceptance stays per position
-        row.policy.observe(StepOutcome(depth, accepted, d.seconds, row.length, scored, tokens, lengths[i]))
+        row.policy.observe(StepOutcome(depth, accepted, d.seconds, row.length, scored, tokens))
         row.acceptance.observe(depth, accepted)
         row.stats.record_step(d.chosen, d.k, lengths[i], accepted, len(tokens), d.seconds, t2 - t1, time.perf_counter() - row.started)
         row.stats.events += row.guards.settle(row.stats.new_tokens - len(tokens), accepted, d.anchored)
@@ -134,12 +134,8 @@ def _draft(row: Row, window: int | None, max_context: int) -> Draft:
     anchored = row.guards.anchor_due(row.stats.new_tokens)
     if anchored or not k:
         return Draft(chosen, 0, Proposal.empty(), 0.0, anchored)
-    use_tree = getattr(row.policy, "use_tree", None)  # a policy that measures whether trees pay (cost-model)
-    tree = row.config.branches > 1 and (use_tree is None or use_tree())  # else a tree row drafts its tree's best path this step
     start = time.perf_counter()
     proposal = row.drafter.propose(row.tokens, k)
-    if not tree:
-        proposal = proposal.best_chain()
     if proposal.scores is not None and tree_size is not None:
         proposal = proposal.cut(tree_size(proposal.scores, time.perf_counter() - start))
     elif wanted != chosen:

@@ -26,7 +26,6 @@ class StepOutcome:
     context_length: int  # tokens in the sequence after the step
     logits: torch.Tensor  # the target's raw logits [accepted + 1, V] at the positions of the new tokens
     new_tokens: torch.Tensor  # [accepted + 1]
-    verified: int = 0  # draft nodes the target scored (a tree's nodes; a chain's equals ``proposed``)
 
     def token_nll(self) -> torch.Tensor:
         """Negative log-likelihood of each new token under the target (computed only when asked: it reads the full vocabulary)."""
@@ -203,10 +202,6 @@ def expected_tokens(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-TREE_TRIAL_EVERY = 8  # a tree row's steps: one in this many drafts the way that has been slower, to keep its rate current
-RATE_DECAY = 0.8  # weight of the past in the tree and chain steps' rates
-
-
 class CostModelK:
     """Pick the k that maximises expected tokens per second under this machine's costs.
 
@@ -235,9 +230,6 @@ class CostModelK:
         self.min_confidence = 0.0
         self.calibration = 1.0  # accepted nodes over the drafter's summed scores of the nodes verified: how far to trust its scores
         self._predicted: float | None = None
-        self.rates: dict[bool, float | None] = {True: None, False: None}  # tokens per second of tree (True) and chain steps
-        self._tree_steps = 0
-        self._drafting_tree: bool | None = None  # what this step of a tree row drafts; None: not asked
 
     @property
     def acceptance(self) -> float:
@@ -248,7 +240,7 @@ class CostModelK:
 
         A node's score is the drafter's chance that it is accepted, so the best n nodes are expected to yield
         1 + calibration * (their summed scores) tokens for a forward over n + 1 positions plus the drafting already done;
-        the n with the most tokens per second wins, and a tree never costs more per token than the chain would.
+        the n with the most tokens per second wins.
         """
         if not self._learn_draft_cost:  # a seeded run: the priced draft cost, not the clock, so the cut repeats
             draft_s = len(scores) * self._draft_s_per_token
@@ -257,21 +249,6 @@ class CostModelK:
         best = int(rates.argmax())
         self._predicted = float(gains[best])
         return best
-
-    def use_tree(self) -> bool:
-        """Whether this step of a row allowed trees drafts one (else the tree's best path, as a chain).
-
-        Trees verify more nodes for more accepted tokens; whether that pays depends on the drafter and the machine, so
-        it is measured: each way's tokens per second (priced by this machine's costs), the faster one drafted, the other
-        one step in TREE_TRIAL_EVERY. Trees are tried first, then chains. So trees do not make decoding slower than chains.
-        """
-        self._tree_steps += 1
-        tree, chain = self.rates[True], self.rates[False]
-        if tree is None or chain is None:
-            self._drafting_tree = tree is None
-        else:
-            self._drafting_tree = (tree >= chain) != (self._tree_steps % TREE_TRIAL_EVERY == 0)
-        return self._drafting_tree
 
     def expected_rate(self, k: int, a: float | None = None) -> float:
         """Expected tokens per second of a step drafting k tokens (at acceptance ``a``, by default the estimate)."""
@@ -289,13 +266,6 @@ class CostModelK:
             ratio = outcome.accepted / self._predicted
             self.calibration = min(3.0, max(0.2, self.calibration + 0.2 * (ratio - self.calibration)))
         self._predicted = None
-        if self._drafting_tree is not None:
-            n = min(outcome.verified, self.max_k)
-            draft_s = outcome.draft_s if self._learn_draft_cost else n * self._draft_s_per_token  # seeded: priced, not timed
-            rate = (outcome.accepted + 1) / (self._verify_s[n] + draft_s)
-            old = self.rates[self._drafting_tree]
-            self.rates[self._drafting_tree] = rate if old is None else RATE_DECAY * old + (1 - RATE_DECAY) * rate
-            self._drafting_tree = None
         if self._chosen and self._learn_draft_cost:
             per_token = outcome.draft_s / self._chosen
             self._draft_s_per_token += 0.5 * (per_token - self._draft_s_per_token)
