@@ -159,14 +159,14 @@ def demo(
     with err.status(f"loading {target} (the first run converts the GGUF file once, about a minute)"):
         model = load_model(target)
     config = GenerationConfig(k=k, max_new_tokens=max_new_tokens)
-    runs = {}
     baseline = Generator(model, "none", config)
-    for generator in (baseline, Generator(baseline.target, DEFAULT_DRAFT, config)):
+    drafted = Generator(baseline.target, DEFAULT_DRAFT, config)
+    runs = {}
+    for generator in (baseline, drafted):
         with err.status(f"generating with draft={generator.draft_name}"):
             generator.generate(DEMO_PROMPT, max_new_tokens=4)  # warm-up
             runs[generator.draft_name] = generator.generate(DEMO_PROMPT)
-    base, spec_run = runs.pop("none"), next(iter(runs.values()))
-    runs = {"none": base} | runs
+    base, spec_run = runs["none"], runs[drafted.draft_name]
     err.print(f"[bold]prompt[/bold] ({target}):\n{DEMO_PROMPT}")
     err.print(f"[bold]output[/bold]:\n{spec_run.text}\n")
     table = Table("draft", "tokens", "tok/s", "target forwards", "acceptance")
