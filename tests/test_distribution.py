@@ -124,7 +124,7 @@ def test_a_wrong_residual_fails(monkeypatch: pytest.MonkeyPatch, driver: str) ->
 class UnshapedReport(ModelDrafter):
     """Samples its drafts from the shaped distribution but reports the one before top-k/top-p (a classic bug)."""
 
-    def propose(self, context, k):
+    def propose(self, context, k, branches=1):
         proposal = super().propose(context, k)
         if proposal.probs is None:
             return proposal

@@ -117,7 +117,7 @@ def test_a_chain_draft_is_the_heads_own_greedy_chain_even_after_an_anchor(runner
     gen = torch.Generator().manual_seed(4)
     context, features = torch.randint(3, 60, (12,), generator=gen), torch.randn(12, model.config.hidden_size, generator=gen)
     for known in (11, 5):  # from the start, and begun mid-sequence with the last 5 positions' features
-        drafter.begin(DraftSettings(branches=1))
+        drafter.begin(DraftSettings())
         drafter.observe_features(features[12 - 1 - known : 11] if known < 11 else features[:11])
         with torch.inference_mode():
             proposal = drafter.propose(context, 4)
@@ -186,9 +186,9 @@ def test_lookup_and_eagle_merge_into_one_tree_and_stay_exact() -> None:
     merged_steps = 0
     original = both.propose
 
-    def counting(context: torch.Tensor, k: int) -> Proposal:
+    def counting(context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         nonlocal merged_steps
-        proposal = original(context, k)
+        proposal = original(context, k, branches)
         merged_steps += len(both._proposed) == 2
         return proposal
 

@@ -22,6 +22,8 @@ from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend, cpu_kernels
 from specdec.models.backend import tree_mask
+from specdec.scheduling import CostCurve
+from specdec.scheduling.k_policy import TREE_TRIAL_EVERY, CostModelK, StepOutcome
 from specdec.verification.sampling import draw
 from specdec.verification.seeds import rng_on
 from specdec.verification.shaping import to_probs
@@ -58,13 +60,12 @@ def test_greedy_tree_verdicts_for_a_batch() -> None:
 
 def test_prompt_lookup_proposes_several_matches_as_a_tree() -> None:
     drafter = PromptLookupDrafter()
-    drafter.begin(DraftSettings(branches=3))
+    drafter.begin(DraftSettings())
     context = torch.tensor([1, 2, 7, 8, 9, 1, 2, 3, 4, 5, 1, 2])
-    proposal = drafter.propose(context, 6)
+    proposal = drafter.propose(context, 6, branches=3)
     assert proposal.is_tree
     assert proposal.tokens.tolist() == [3, 4, 5, 1, 7, 8]  # the latest match first, then the earlier one
     assert proposal.parents.tolist() == [-1, 0, 1, 2, -1, 4]
-    drafter.begin(DraftSettings())
     assert not drafter.propose(context, 6).is_tree
 
 
@@ -110,8 +111,8 @@ def _count_trees(gen: Generator, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     drafter_type = type(gen.drafter)
     original = drafter_type.propose
 
-    def counting(self, context, k):
-        proposal = original(self, context, k)
+    def counting(self, context, k, branches=1):
+        proposal = original(self, context, k, branches)
         count[0] += proposal.is_tree
         return proposal
 
@@ -126,13 +127,15 @@ MIN_PVALUE = 1e-3
 
 class ShapedTreeDrafter:
     """Trees of a fixed shape from a draft model: a node's children are its top tokens (deterministic) or independent draws
-    from its shaped distribution (sampled, the distribution reported for each)."""
+    from its shaped distribution (sampled, the distribution reported for each). Asked for a chain (one branch), a chain
+    as deep as the shape; ``chains`` counts those, over all its forks."""
 
     vocab_size = VOCAB
     backend = None
 
-    def __init__(self, model, shape: tuple[int, ...], sampled: bool) -> None:
+    def __init__(self, model, shape: tuple[int, ...], sampled: bool, chains: list[int] | None = None) -> None:
         self.model, self.shape, self.sampled = model, shape, sampled
+        self.chains = [0] if chains is None else chains
         self.settings = DraftSettings()
 
     def begin(self, settings: DraftSettings) -> None:
@@ -142,14 +145,15 @@ class ShapedTreeDrafter:
         pass
 
     def fork(self) -> ShapedTreeDrafter:
-        return ShapedTreeDrafter(self.model, self.shape, self.sampled)
+        return ShapedTreeDrafter(self.model, self.shape, self.sampled, self.chains)
 
     @torch.no_grad()
-    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         tokens, parents, probs = [], [], []
         level = [(-1, context.tolist())]
         rng = rng_on(self.settings.seeds, torch.device("cpu"))
-        for width in self.shape:
+        self.chains[0] += branches == 1
+        for width in self.shape if branches > 1 else (1,) * len(self.shape):
             deeper = []
             for parent, path in level:
                 q = to_probs(self.model(torch.tensor([path])).logits[0, -1], self.settings.sampling)
@@ -167,9 +171,9 @@ class ShapedTreeDrafter:
         return Proposal(torch.tensor(tokens), torch.stack(probs) if self.sampled else None, torch.tensor(parents))
 
 
-def _sample(gen: Generator, sampling: SamplingConfig, n: int, batched: bool) -> list[tuple[int, ...]]:
+def _sample(gen: Generator, sampling: SamplingConfig, n: int, batched: bool, k_policy: str = "fixed") -> list[tuple[int, ...]]:
     configs = [
-        GenerationConfig(k=8, k_policy="fixed", branches=4, max_new_tokens=NEW, stop_on_eos=False, sampling=sampling, seed=s)
+        GenerationConfig(k=8, k_policy=k_policy, branches=4, max_new_tokens=NEW, stop_on_eos=False, sampling=sampling, seed=s)
         for s in range(n)
     ]
     if not batched:
@@ -222,6 +226,41 @@ def test_sampled_trees_keep_the_target_law(
     pvalue, dof = sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS[sampling]))
     assert dof > 50
     assert pvalue > MIN_PVALUE
+
+
+def test_tree_rows_that_draft_chains_while_chains_are_faster_keep_the_target_law() -> None:
+    """Under the cost model a tree row drafts a tree or, where chains have been faster, a chain (a tree first, then a
+    chain, then the faster way): sampled siblings, both kinds of step, the target's law."""
+    target = tiny_llama(3, vocab=VOCAB, scale=0.15)
+    drafter = ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["binary"], True)
+    gen = Generator(loaded(target), drafter, batch=BatchConfig(window="fixed"))  # every row drafts its own k, whatever the load
+    samples = _sample(gen, SAMPLINGS["plain"], 2000, batched=True, k_policy="cost-model")
+    assert drafter.chains[0] > 300, drafter.chains  # the second step of every sequence, and later ones while chains are faster
+    pvalue, dof = sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["plain"]))
+    assert dof > 50
+    assert pvalue > MIN_PVALUE
+
+
+def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
+    """Trees first, then a chain; then the faster of the two, the other one step in TREE_TRIAL_EVERY, until they swap."""
+    policy = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}))
+
+    def step(tree_accepts: int, chain_accepts: int) -> bool:
+        tree = policy.use_tree()
+        accepted = tree_accepts if tree else chain_accepts
+        policy.observe(
+            StepOutcome(4, accepted, 0.001, 10, torch.zeros(accepted + 1, 4), torch.zeros(accepted + 1, dtype=torch.long), 8 if tree else 4)
+        )
+        return tree
+
+    assert [step(1, 3), step(1, 3)] == [True, False]
+    assert sum(step(1, 3) for _ in range(4 * TREE_TRIAL_EVERY)) == 4  # chains win: a tree only on the trial steps
+    later = [step(7, 0) for _ in range(6 * TREE_TRIAL_EVERY)]  # now trees win, once their trials have shown it
+    assert sum(later[-2 * TREE_TRIAL_EVERY :]) == 2 * TREE_TRIAL_EVERY - 2
+    seeded = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.0)
+    seeded.use_tree()
+    seeded.observe(StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8))
+    assert seeded.rates[True] == pytest.approx((2, 0.02))  # a seeded run prices drafting, never times it: the choices repeat
 
 
 def test_a_wrong_sibling_residual_fails(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -76,7 +76,7 @@ class OracleDrafter:
     def begin(self, settings: DraftSettings) -> None:
         pass
 
-    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         length = context.shape[0]
         if context.tolist() != self.reference[:length]:
             return Proposal.empty()

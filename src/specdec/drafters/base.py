@@ -20,12 +20,12 @@ from specdec.verification.seeds import Seeds
 
 @dataclass(frozen=True)
 class DraftSettings:
-    """What stays fixed for one sequence: how it samples, its random generators, and the confidence floor of its k policy."""
+    """What stays fixed for one sequence: how it samples, its random generators, and the confidence floor of its k policy.
+    (The shape of a step's draft, chain or tree, is asked for with each proposal: the cost model may switch it per step.)"""
 
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seeds: Seeds | None = None  # draw on device d with ``rng_on(seeds, d)`` (verification/seeds.py); None: unseeded
     min_confidence: float = 0.0  # a drafter with probabilities stops before its first token below this
-    branches: int = 1  # the most children a draft node may have: 1 = chains only; more lets a tree drafter branch
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,12 @@ class Drafter(Protocol):
         """
         ...
 
-    def propose(self, context: torch.Tensor, k: int) -> Proposal:
-        """Propose up to ``k`` tokens following ``context`` [T] (every token so far, on the host)."""
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
+        """Propose up to ``k`` tokens following ``context`` [T] (every token so far, on the host).
+
+        ``branches``: the most children a draft node may have in this proposal; 1 asks for a chain, more lets a tree
+        drafter branch (drafters that only draft chains ignore it).
+        """
         ...
 
     def accept(self, n: int) -> None:

@@ -47,7 +47,7 @@ class CrossTokenizerDrafter:
         return CrossTokenizerDrafter(self.backend.fork(), self.tokenizer, self.target_tokenizer, self.eos_ids)
 
     @torch.inference_mode()
-    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         target_ids = context.tolist()
         text = self.target_tokenizer.decode(target_ids, skip_special_tokens=True)
         draft_ids = self.tokenizer(text)["input_ids"]

@@ -229,7 +229,7 @@ class EagleDrafter:
         return EagleDrafter(self.runner, self.runner.embed, self.vocab_size, self.max_depth, self.min_score)  # type: ignore[arg-type]
 
     @torch.inference_mode()
-    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         length = context.shape[0]
         if self.read == 0 and 0 < self.known < length - 1:  # begun mid-sequence (a guard's anchor): read from the first position it has
             self.read = length - 1 - self.known
@@ -240,11 +240,10 @@ class EagleDrafter:
         self.features = []
         logits, out = self.runner.run(self.cache, context[self.read + 1 : length], features, None)
         self.read, self.cached = length - 1, self.runner.length(self.cache)
-        return self._grow(logits[-1], out[-1], k, length)
+        return self._grow(logits[-1], out[-1], k, branches, length)
 
-    def _grow(self, logits: torch.Tensor, feature: torch.Tensor, k: int, length: int) -> Proposal:
-        """The k most likely nodes of a tree grown level by level, expanding the ``branches`` most likely nodes of each level."""
-        width = self.settings.branches
+    def _grow(self, logits: torch.Tensor, feature: torch.Tensor, k: int, width: int, length: int) -> Proposal:
+        """The k most likely nodes of a tree grown level by level, expanding the ``width`` most likely nodes of each level."""
         sampling = self.settings.sampling
         shape = (lambda z: torch.softmax(z.float(), dim=-1)) if sampling.greedy else (lambda z: to_probs(z, sampling))
         nodes: list[tuple[float, int, int]] = []  # (score, kept-vocabulary token, parent node), level by level

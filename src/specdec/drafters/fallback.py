@@ -30,20 +30,18 @@ class FallbackDrafter:
         self._readers = [d for d in (first, second) if getattr(d, "wants_features", False)]  # drafters of the target's hidden states
         self.wants_features = bool(self._readers)
         self.scored = getattr(second, "scored", False)  # its proposals may carry scores (the first's are cut to the policy's k)
-        self._merge = False
         self._proposed: list[Drafter] = [first]
 
     def begin(self, settings: DraftSettings) -> None:
         self.first.begin(settings)
         self.second.begin(settings)
-        self._merge = self.scored and settings.branches > 1
         self._proposed = [self.first]
 
-    def propose(self, context: torch.Tensor, k: int) -> Proposal:
-        proposal = self.first.propose(context, k)
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
+        proposal = self.first.propose(context, k, branches)
         self._proposed = [self.first]
-        if not len(proposal) or self._merge:
-            theirs = self.second.propose(context, k)
+        if not len(proposal) or (self.scored and branches > 1):
+            theirs = self.second.propose(context, k, branches)
             if not len(proposal):
                 proposal, self._proposed = theirs, [self.second]
             elif proposal.probs is None and theirs.probs is None:  # deterministic trees merge; drawn ones keep their own law

@@ -24,6 +24,7 @@ class ModelDrafter:
         self.vocab_size: int | None = backend.vocab_size
         self.settings = DraftSettings()
         self._context_length = 0
+        self._branched = False  # the last proposal was a tree: its last accepted node may be a leaf the cache never read
 
     def begin(self, settings: DraftSettings) -> None:
         self.settings = settings
@@ -31,7 +32,7 @@ class ModelDrafter:
         self._context_length = 0
 
     @torch.inference_mode()
-    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         # The draft's own context limit: the context plus k - 1 fed drafts must fit its positions.
         k = min(k, self.backend.max_context - context.shape[0] + 1)
         if k <= 0:
@@ -40,8 +41,9 @@ class ModelDrafter:
         # Feed whatever the cache has not seen yet: the tokens accepted since the last step.
         logits = self.backend.forward(context[None, self.backend.cached_length :], last=1)[0, -1]
         self._context_length = context.shape[0]
-        if self.settings.branches > 1:
-            return self._tree(logits, k)
+        self._branched = branches > 1
+        if self._branched:
+            return self._tree(logits, k, branches)
         sampling = self.settings.sampling
         min_confidence = self.floor
         tokens: list[torch.Tensor] = []
@@ -67,11 +69,10 @@ class ModelDrafter:
         """The confidence below which it stops: its own calibrated floor or the k policy's, whichever is higher."""
         return max(self.settings.min_confidence, self.min_confidence)
 
-    def _tree(self, logits: torch.Tensor, k: int) -> Proposal:
+    def _tree(self, logits: torch.Tensor, k: int, width: int) -> Proposal:
         """A chain of the draft's most likely tokens with, at each depth, its next most likely ones as leaves beside it:
         no more draft steps than the chain, and a second chance wherever the chain's token is rejected. Deterministic
         (verification draws from the target and descends while the draw is a node), so exact when sampling too."""
-        width = self.settings.branches
         tokens: list[int] = []
         parents: list[int] = []
         parent = -1
@@ -92,7 +93,7 @@ class ModelDrafter:
     def accept(self, n: int) -> None:
         # Called only after a proposal. The cache holds the context plus the first k-1 drafts; keep the context plus the accepted ones.
         # In a tree the last accepted node may be a leaf the cache never read: keep one fewer (the next step reads it).
-        n = n if self.settings.branches == 1 else max(n - 1, 0)
+        n = max(n - 1, 0) if self._branched else n
         self.backend.truncate(min(self._context_length + n, self.backend.cached_length))
 
     def fork(self) -> ModelDrafter:

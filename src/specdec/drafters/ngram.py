@@ -139,7 +139,7 @@ class NgramDrafter:
     def fork(self) -> NgramDrafter:
         return NgramDrafter(self.table, self.min_share)  # shares the table; its settings are its own sequence's
 
-    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         copied = self.lookup.propose(context, k)
         if len(copied):
             return copied

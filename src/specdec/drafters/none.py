@@ -14,7 +14,7 @@ class NoDrafter:
     def begin(self, settings: DraftSettings) -> None:
         pass
 
-    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         return Proposal.empty()
 
     def accept(self, n: int) -> None:

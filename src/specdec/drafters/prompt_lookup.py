@@ -24,10 +24,8 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-        self.branches = 1
-
     def begin(self, settings: DraftSettings) -> None:
-        self.branches = settings.branches  # copies are deterministic: the same for greedy and sampled sequences
+        pass  # copies are deterministic: the same for greedy and sampled sequences
 
     def accept(self, n: int) -> None:
         pass
@@ -35,7 +33,7 @@ class PromptLookupDrafter:
     def fork(self) -> PromptLookupDrafter:
         return type(self)(self.max_ngram, self.min_ngram)
 
-    def propose(self, context: torch.Tensor, k: int) -> Proposal:
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         """Up to k tokens that followed the most recent earlier match of the longest possible suffix.
 
         With branches, a tree of up to k nodes: the continuations of the ``branches`` best distinct matches (longest
@@ -46,16 +44,16 @@ class PromptLookupDrafter:
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             windows = context[: length - 1].unfold(0, n, 1)  # every n-gram that has at least one token after it
             hits = (windows == context[length - n :]).all(dim=1).nonzero().squeeze(1)
-            if self.branches == 1 and hits.numel():
+            if branches == 1 and hits.numel():
                 start = int(hits[-1]) + n
                 return Proposal(context[start : start + k])
             for hit in reversed(hits.tolist()):
                 run = context[hit + n : hit + n + k].tolist()
                 if run not in runs:
                     runs.append(run)
-                if len(runs) == self.branches:
+                if len(runs) == branches:
                     break
-            if len(runs) == self.branches:
+            if len(runs) == branches:
                 break
         if not runs:
             return Proposal(context[:0])

@@ -7,7 +7,7 @@ generation runs it on a :class:`~specdec.models.backend.OneRow` backend):
    limits (a step yields the accepted drafts plus one target token, never past
    max_new_tokens or the context), and its drafter proposes up to k tokens
    (none on a guard's anchor step): a chain, or a tree of k nodes when the
-   row's config allows branches;
+   row's config allows branches and its k policy finds trees faster this step;
 2. each row is fed the tokens its cache lacks (the whole prompt at its first
    step, afterwards the pending token, the last one produced) followed by its
    drafts, all rows in ONE target forward (a tree's nodes each see only their
@@ -59,7 +59,7 @@ class Row:
 
     @property
     def draft_settings(self) -> DraftSettings:
-        return DraftSettings(self.config.sampling, self.seeds, self.policy.min_confidence, self.config.branches)
+        return DraftSettings(self.config.sampling, self.seeds, self.policy.min_confidence)
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
         scored = logits[i, : accepted + 1] if trees[i] is None else logits[i, [0] + [j + 1 for j in path]]  # along the kept path
         row.tokens = torch.cat([row.tokens, tokens])
         depth = d.proposal.depth  # what a chain reaching as deep would have proposed: acceptance stays per position
-        row.policy.observe(StepOutcome(depth, accepted, d.seconds, row.length, scored, tokens))
+        row.policy.observe(StepOutcome(depth, accepted, d.seconds, row.length, scored, tokens, lengths[i]))
         row.acceptance.observe(depth, accepted)
         row.stats.record_step(d.chosen, d.k, lengths[i], accepted, len(tokens), d.seconds, t2 - t1, time.perf_counter() - row.started)
         row.stats.events += row.guards.settle(row.stats.new_tokens - len(tokens), accepted, d.anchored)
@@ -124,18 +124,22 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
 
 def _draft(row: Row, window: int | None, max_context: int) -> Draft:
     chosen = row.policy.choose(row.length)
-    tree_size = getattr(row.policy, "tree_size", None)  # a policy that prices a scored proposal's nodes (cost-model)
-    # A tree row of a scoring drafter under such a policy asks for the most nodes: their scores (or, for a proposal without
-    # scores, the policy's choice) cut them after. Other rows draft what the policy chose.
-    scored = row.config.branches > 1 and tree_size is not None and getattr(row.drafter, "scored", False)
-    wanted = row.config.k if scored else chosen
     limit = min(row.config.max_new_tokens - row.stats.new_tokens, max_context - row.length) - 1
-    k = max(0, min(wanted, limit, wanted if window is None else window))
     anchored = row.guards.anchor_due(row.stats.new_tokens)
-    if anchored or not k:
+    if anchored or limit <= 0 or window == 0:
+        return Draft(chosen, 0, Proposal.empty(), 0.0, anchored)
+    use_tree = getattr(row.policy, "use_tree", None)  # a policy that measures whether trees pay (cost-model)
+    branches = row.config.branches if row.config.branches > 1 and (use_tree is None or use_tree()) else 1
+    tree_size = getattr(row.policy, "tree_size", None)  # a policy that prices a scored proposal's nodes (cost-model)
+    # A tree step of a scoring drafter under a pricing policy asks for the most nodes: their scores (or, for a proposal
+    # without scores, the policy's choice) cut them after. Other steps draft what the policy chose.
+    scored = branches > 1 and tree_size is not None and getattr(row.drafter, "scored", False)
+    wanted = row.config.k if scored else chosen
+    k = max(0, min(wanted, limit, wanted if window is None else window))
+    if not k:
         return Draft(chosen, 0, Proposal.empty(), 0.0, anchored)
     start = time.perf_counter()
-    proposal = row.drafter.propose(row.tokens, k)
+    proposal = row.drafter.propose(row.tokens, k, branches)
     if proposal.scores is not None and tree_size is not None:
         proposal = proposal.cut(tree_size(proposal.scores, time.perf_counter() - start))
     elif wanted != chosen:

@@ -26,6 +26,7 @@ class StepOutcome:
     context_length: int  # tokens in the sequence after the step
     logits: torch.Tensor  # the target's raw logits [accepted + 1, V] at the positions of the new tokens
     new_tokens: torch.Tensor  # [accepted + 1]
+    verified: int = 0  # draft nodes the target scored (a tree's nodes; a chain's equals ``proposed``)
 
     def token_nll(self) -> torch.Tensor:
         """Negative log-likelihood of each new token under the target (computed only when asked: it reads the full vocabulary)."""
@@ -202,6 +203,10 @@ def expected_tokens(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
+TREE_TRIAL_EVERY = 8  # a tree row's steps: one in this many drafts the way that has been slower, to keep its rate current
+RATE_DECAY = 0.8  # weight of the past in the tree and chain steps' rates
+
+
 class CostModelK:
     """Pick the k that maximises expected tokens per second under this machine's costs.
 
@@ -230,6 +235,12 @@ class CostModelK:
         self.min_confidence = 0.0
         self.calibration = 1.0  # accepted nodes over the drafter's summed scores of the nodes verified: how far to trust its scores
         self._predicted: float | None = None
+        self.rates: dict[bool, tuple[float, float] | None] = {
+            True: None,
+            False: None,
+        }  # (tokens, seconds), decayed: tree (True) and chain steps
+        self._tree_steps = 0
+        self._drafting_tree: bool | None = None  # what this step of a tree row drafts; None: not asked
 
     @property
     def acceptance(self) -> float:
@@ -250,6 +261,23 @@ class CostModelK:
         self._predicted = float(gains[best])
         return best
 
+    def use_tree(self) -> bool:
+        """Whether this step of a row allowed trees drafts one (else a chain, drafted as a chain row would).
+
+        A tree verifies more nodes for more accepted tokens and costs more to draft; whether that pays depends on the
+        drafter, the text and the machine, so it is measured: each way's tokens per second (verification priced by this
+        machine's cost curve, drafting timed), the faster way drafted, the other one step in TREE_TRIAL_EVERY. Trees
+        are tried first, then chains: so a tree row is at most one trial step in TREE_TRIAL_EVERY slower than a chain row.
+        """
+        self._tree_steps += 1
+        tree, chain = self.rates[True], self.rates[False]
+        if tree is None or chain is None:
+            self._drafting_tree = tree is None
+        else:
+            faster = tree[0] / tree[1] >= chain[0] / chain[1]
+            self._drafting_tree = faster != (self._tree_steps % TREE_TRIAL_EVERY == 0)
+        return self._drafting_tree
+
     def expected_rate(self, k: int, a: float | None = None) -> float:
         """Expected tokens per second of a step drafting k tokens (at acceptance ``a``, by default the estimate)."""
         tokens = expected_tokens(self.acceptance if a is None else a, k)
@@ -266,6 +294,15 @@ class CostModelK:
             ratio = outcome.accepted / self._predicted
             self.calibration = min(3.0, max(0.2, self.calibration + 0.2 * (ratio - self.calibration)))
         self._predicted = None
+        if self._drafting_tree is not None:
+            n = min(outcome.verified, self.max_k)
+            draft_s = outcome.draft_s if self._learn_draft_cost else n * self._draft_s_per_token  # seeded: priced, not timed
+            tokens, seconds = self.rates[self._drafting_tree] or (0.0, 0.0)
+            self.rates[self._drafting_tree] = (
+                RATE_DECAY * tokens + outcome.accepted + 1,
+                RATE_DECAY * seconds + self._verify_s[n] + draft_s,
+            )
+            self._drafting_tree = None
         if self._chosen and self._learn_draft_cost:
             per_token = outcome.draft_s / self._chosen
             self._draft_s_per_token += 0.5 * (per_token - self._draft_s_per_token)
