@@ -15,7 +15,7 @@ from specdec.bench.perplexity import perplexity
 from specdec.cli.main import app
 from specdec.config import PRESETS, PrecisionPlan, RuntimeConfig
 from specdec.errors import ConfigError
-from specdec.models.precision import QUANTIZED, QuantizedLinear, apply_plan, convert_draft
+from specdec.models.precision import QUANTIZED, QuantizedLinear, RowStableLinear, apply_plan, convert_draft, padded_eager_attention
 
 PROMPTS = ["the cat sat", "a dog and a log", "xyz 123", "Hello, world!"]
 
@@ -105,6 +105,31 @@ def test_cpu_vnni_greedy_identity_through_the_kernel() -> None:
     for prompt in PROMPTS:
         expected = target.generate(prompt, max_new_tokens=24, stop_on_eos=False).token_ids
         assert drafted.generate(prompt, max_new_tokens=24, k=4, k_policy="fixed", stop_on_eos=False).token_ids == expected, prompt
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_and_keys_beside_it() -> None:
+    """What greedy identity needs of a plan's 16-bit layers: a position computes alike alone (decode), among a few
+    (verification) or among many (a prompt, a batch), whatever the keys after it. On CPUs with AMX, bfloat16 products
+    of about 32 rows and more, and attention over a different number of keys, round otherwise unless split (gemma-3-270m's
+    widths)."""
+    gen = torch.Generator().manual_seed(0)
+    linear = RowStableLinear(640, 2048, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(48, 640, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([linear(x[i : i + 1]) for i in range(48)])
+        for rows in (2, 17, 33, 48):
+            assert torch.equal(linear(x[:rows]), alone[:rows]), rows
+        queries, keys = 20, 80
+        q = torch.randn(1, 4, queries, 256, generator=gen).to(torch.bfloat16)
+        k, v = (torch.randn(1, 1, keys, 256, generator=gen).to(torch.bfloat16) for _ in range(2))
+        visible = torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None]  # causal: query i sees keys 0..60 + i
+        mask = torch.zeros(1, 1, queries, keys, dtype=torch.bfloat16).masked_fill(~visible, torch.finfo(torch.bfloat16).min)
+        module = torch.nn.Module().eval()
+        together = padded_eager_attention(module, q, k, v, mask)[0]
+        for i in range(queries):
+            seen = keys - queries + i + 1  # decode: the query alone with exactly the keys it sees
+            single = padded_eager_attention(module, q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], mask[:, :, i : i + 1, :seen])[0]
+            assert torch.equal(single[:, 0], together[:, i]), i
 
 
 def test_a_plan_applies_once_and_refuses_a_second_plan() -> None:

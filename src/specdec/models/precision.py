@@ -29,7 +29,12 @@ float16 a third one: the product of attention weights and values rounds
 differently when the number of keys is not a multiple of 4, so a position
 scored with one masked key more (verification) or less (decode) drifts; the
 plans' attention (``padded_eager_attention``) pads the keys to a multiple of
-8 with masked zeros.
+8 with masked zeros. On a CPU with AMX (an Intel Xeon, measured: BENCHMARKS.md)
+the 16-bit matrix multiply takes yet another kernel from about 32 rows on, and
+attention's products of weights and values round a lone query apart from the
+same query among others; so linear layers and attention both take their rows
+ROW_BLOCK at a time, a lone row as two (prompts and batches are split, and a
+few-row kernel computes every row alike).
 """
 
 from __future__ import annotations
@@ -48,7 +53,10 @@ from specdec.models import cpu_kernels
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PADDED_ATTENTION = "specdec_padded_eager"
-KEY_BLOCK = 8  # keys are padded to a multiple of this (the float16 kernel is exact from multiples of 4 on)
+KEY_BLOCK = 64  # keys are padded to a multiple of this and weigh values this many at a time (float16 needs a multiple of 4)
+ROW_BLOCK = (
+    16  # rows per 16-bit matmul call: with AMX, bfloat16 products of about 32 rows and more take a kernel that rounds rows otherwise
+)
 
 
 def padded_eager_attention(
@@ -62,7 +70,9 @@ def padded_eager_attention(
     softcap: float | None = None,
     **_: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager attention over keys padded to a multiple of KEY_BLOCK (masked zeros), so a query's result does not depend on how many keys follow it masked.
+    """Eager attention over keys padded to a multiple of KEY_BLOCK (masked zeros), its queries taken ROW_BLOCK at a time
+    (a lone one as two), so a query's result depends neither on how many keys follow it masked nor on how many
+    queries come with it.
 
     Shapes as transformers' attention functions: query [batch, heads, queries, dim], key/value
     [batch, kv_heads, keys, dim], an additive mask [batch, 1, queries, keys] or None.
@@ -75,14 +85,30 @@ def padded_eager_attention(
         attention_mask = F.pad(attention_mask, (0, pad), value=torch.finfo(attention_mask.dtype).min)
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    outs, probs = [], []
+    for start in range(0, query.shape[2], ROW_BLOCK):
+        block = query[:, :, start : start + ROW_BLOCK]
+        mask = None if attention_mask is None else attention_mask[:, :, start : start + ROW_BLOCK]
+        lone = block.shape[2] == 1
+        if lone:
+            block, mask = block.repeat(1, 1, 2, 1), None if mask is None else mask.repeat(1, 1, 2, 1)
+        scores = torch.matmul(block, key.transpose(2, 3)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            scores = scores + mask
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        weights = F.dropout(weights, p=dropout, training=module.training)
+        # One product per KEY_BLOCK keys, summed in float32 in key order: a query's masked keys add exact zeros, so its
+        # result does not depend on how many keys the call has (one product over all of them would: AMX blocks by length).
+        out = sum(
+            torch.matmul(weights[..., k : k + KEY_BLOCK], value[:, :, k : k + KEY_BLOCK]).float() for k in range(0, key.shape[2], KEY_BLOCK)
+        )
+        out = out.to(query.dtype)
+        outs.append(out[:, :, :1] if lone else out)
+        probs.append(weights[:, :, :1] if lone else weights)
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), torch.cat(probs, dim=2)
 
 
 AttentionInterface.register(PADDED_ATTENTION, padded_eager_attention)
@@ -90,9 +116,15 @@ AttentionMaskInterface.register(PADDED_ATTENTION, eager_mask)  # additive masks,
 
 
 def stable_rows(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``matmul`` over the rows of ``x`` [..., in], a lone row computed as two, so it goes through the many-row kernel."""
+    """``matmul`` over the rows of ``x`` [..., in], ROW_BLOCK rows at a time and a lone row as two, so every row goes
+    through the same few-row kernel whatever the number of rows."""
     flat = x.reshape(-1, x.shape[-1])
-    out = matmul(flat.repeat(2, 1))[:1] if flat.shape[0] == 1 else matmul(flat)
+    if flat.shape[0] == 1:
+        out = matmul(flat.repeat(2, 1))[:1]
+    elif flat.shape[0] <= ROW_BLOCK:
+        out = matmul(flat)
+    else:
+        out = torch.cat([matmul(part) if part.shape[0] > 1 else matmul(part.repeat(2, 1))[:1] for part in flat.split(ROW_BLOCK)])
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
