@@ -176,6 +176,47 @@ def test_merged_trees_share_paths_and_list_parents_first() -> None:
     assert merged.is_tree and len(merge_trees(lookup, head, k=3)) == 3
 
 
+class OneScoredNode:
+    """A scored second drafter that always guesses token 99 with score 0.5."""
+
+    vocab_size = None
+    backend = None
+    scored = True
+
+    def begin(self, settings: DraftSettings) -> None:
+        pass
+
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
+        return Proposal(torch.tensor([99]), None, torch.tensor([-1]), torch.tensor([0.5]))
+
+    def accept(self, n: int) -> None:
+        pass
+
+    def fork(self) -> OneScoredNode:
+        return self
+
+
+def test_merged_copies_are_scored_by_how_often_they_came_true() -> None:
+    """A copied node at depth d scores a^d, a learned from whether the copies matched the text that followed them."""
+    both = FallbackDrafter(PromptLookupDrafter(), OneScoredNode())
+    text = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8] * 8)  # repeats itself: every copy comes true
+    both.begin(DraftSettings())
+    length = 10
+    first = both.propose(text[:length], 4, branches=2)
+    assert first.scores[first.tokens == 3].item() == pytest.approx(0.6)  # no evidence yet: the prior
+    for _ in range(6):
+        length += both.propose(text[:length], 4, branches=2).depth  # the text took the copy
+    assert both.first_rate.value > 0.9
+    merged = both.propose(text[:length], 4, branches=2)
+    copy = merged.tokens != 99
+    assert merged.scores[copy].tolist() == pytest.approx([both.first_rate.value**d for d in range(1, int(copy.sum()) + 1)])
+    assert merged.tokens[0] != 99  # the copy now outranks the head's 0.5 guess
+    wrong = torch.cat([text[:length], torch.tensor([42, 43, 44, 45])])  # the text went elsewhere
+    before = both.first_rate.value
+    both.propose(wrong, 4, branches=2)
+    assert both.first_rate.value < before
+
+
 def test_lookup_and_eagle_merge_into_one_tree_and_stay_exact() -> None:
     """With branches, prompt lookup's copy and the head's tree are verified together; the tokens are target-only's."""
     tokenizer, model = models()[0], models()[1]["gemma3"]

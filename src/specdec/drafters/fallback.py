@@ -8,7 +8,10 @@ drafts: on its next call it reads the tokens it missed.
 When trees are asked for and the second drafter scores its nodes (the eagle
 head), a copy from the context and the head's guesses need not exclude each
 other: both are drafted and merged into one tree, and the engine's cost model
-keeps the nodes worth verifying.
+keeps the nodes worth verifying. The first drafter's nodes are scored by how
+often its tokens have been the text's next ones in this sequence (checked
+against the context at the next step, whichever path the target took), so a
+copy that keeps being right is kept whole.
 """
 
 from __future__ import annotations
@@ -16,10 +19,9 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.base import Drafter, DraftSettings, Proposal, TokenTrie
+from specdec.scheduling import AcceptanceEstimate
 
-FIRST_NODE_SCORE = (
-    0.6  # the chance given to each further node of the first drafter's unscored draft when merged (a node at depth d: 0.6**d)
-)
+FIRST_NODE_SCORE = 0.6  # before any evidence, the chance that each further token of the first drafter's draft is right
 
 
 class FallbackDrafter:
@@ -31,22 +33,43 @@ class FallbackDrafter:
         self.wants_features = bool(self._readers)
         self.scored = getattr(second, "scored", False)  # its proposals may carry scores (the first's are cut to the policy's k)
         self._proposed: list[Drafter] = [first]
+        self._forget()
 
     def begin(self, settings: DraftSettings) -> None:
         self.first.begin(settings)
         self.second.begin(settings)
         self._proposed = [self.first]
+        self._forget()
+
+    def _forget(self) -> None:
+        self.first_rate = AcceptanceEstimate(prior=FIRST_NODE_SCORE)  # how often the first drafter's tokens come true
+        self._copy: tuple[int, list[int]] | None = None  # (context length, the first drafter's best run) awaiting the text
 
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
+        self._check_copy(context)
         proposal = self.first.propose(context, k, branches)
         self._proposed = [self.first]
+        if len(proposal):
+            self._copy = (context.shape[0], proposal.tokens[: _first_run(proposal)].tolist())
         if not len(proposal) or (self.scored and branches > 1):
             theirs = self.second.propose(context, k, branches)
             if not len(proposal):
                 proposal, self._proposed = theirs, [self.second]
             elif proposal.probs is None and theirs.probs is None:  # deterministic trees merge; drawn ones keep their own law
-                proposal, self._proposed = merge_trees(proposal, theirs, k), [self.first, self.second]
+                proposal, self._proposed = merge_trees(proposal, theirs, k, self.first_rate.value), [self.first, self.second]
         return proposal
+
+    def _check_copy(self, context: torch.Tensor) -> None:
+        """Score the first drafter's last run against the tokens the text took since (its accepted drafts and the
+        target's own next token): the chain acceptance it would have had, whatever was verified."""
+        if self._copy is None:
+            return
+        length, run = self._copy
+        self._copy = None
+        came = context[length : length + len(run)].tolist()
+        judged = run[: len(came)]  # a run longer than the text taken since is judged only as far as the text goes
+        right = next((i for i, (a, b) in enumerate(zip(judged, came, strict=True)) if a != b), len(judged))
+        self.first_rate.observe(len(judged), right)
 
     def accept(self, n: int) -> None:
         """Tell the drafter whose proposal was verified; for a merged tree both are told the merged count (neither learns
@@ -62,10 +85,18 @@ class FallbackDrafter:
         return FallbackDrafter(self.first.fork(), self.second.fork())
 
 
+def _first_run(proposal: Proposal) -> int:
+    """How many of a proposal's first nodes form one run from the root (all of a chain's; a tree lists its best run first)."""
+    if proposal.parents is None:
+        return len(proposal)
+    links = proposal.parents.tolist()
+    return next((i for i, parent in enumerate(links) if parent != i - 1), len(links))
+
+
 def merge_trees(first: Proposal, second: Proposal, k: int, first_score: float = FIRST_NODE_SCORE) -> Proposal:
     """One deterministic tree of both proposals' nodes (the same token after the same path is one node), its k best.
 
-    Scores: the second's own, ``first_score ** depth`` for the first's nodes, the higher where both propose a node. A
+    Scores: the second's own, ``first_score ** depth`` for the first's nodes (first_score: the chance each is right), the higher where both propose a node. A
     parent scores at least as much as its children in both, so the nodes listed best first (shallower first among
     equals) keep parents before children, as a scored proposal must.
     """
