@@ -110,8 +110,8 @@ def test_cpu_vnni_greedy_identity_through_the_kernel() -> None:
 def test_a_rows_result_does_not_depend_on_the_rows_and_keys_beside_it() -> None:
     """What greedy identity needs of a plan's 16-bit layers: a position computes alike alone (decode), among a few
     (verification) or among many (a prompt, a batch), whatever the keys after it. On CPUs with AMX, bfloat16 products
-    of about 32 rows and more, and attention over a different number of keys, round otherwise unless split (gemma-3-270m's
-    widths)."""
+    of about 32 rows and more, and attention over a different number or layout of keys, round otherwise unless split
+    (gemma-3-270m's widths)."""
     gen = torch.Generator().manual_seed(0)
     linear = RowStableLinear(640, 2048, bias=False, dtype=torch.bfloat16)
     x = torch.randn(48, 640, generator=gen).to(torch.bfloat16)
@@ -130,6 +130,18 @@ def test_a_rows_result_does_not_depend_on_the_rows_and_keys_beside_it() -> None:
             seen = keys - queries + i + 1  # decode: the query alone with exactly the keys it sees
             single = padded_eager_attention(module, q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], mask[:, :, i : i + 1, :seen])[0]
             assert torch.equal(single[:, 0], together[:, i]), i
+        # A tree of drafts: node i sees the context and the nodes of its path (here every second one up to itself).
+        context = keys - queries
+        tree = visible.clone()
+        tree[:, context:] = (torch.arange(queries)[None, :] <= torch.arange(queries)[:, None]) & (
+            (torch.arange(queries)[None, :] % 2 == 0) | (torch.arange(queries)[None, :] == torch.arange(queries)[:, None])
+        )
+        mask = torch.zeros_like(mask).masked_fill(~tree, torch.finfo(torch.bfloat16).min)
+        together = padded_eager_attention(module, q, k, v, mask)[0]
+        for i in range(queries):
+            path = tree[i].nonzero().squeeze(1)  # decode: the node's path laid out as a sequence
+            single = padded_eager_attention(module, q[:, :, i : i + 1], k[:, :, path], v[:, :, path], mask[:, :, i : i + 1, path])[0]
+            assert torch.equal(single[:, 0], together[:, i]), ("tree", i)
 
 
 def test_a_plan_applies_once_and_refuses_a_second_plan() -> None:

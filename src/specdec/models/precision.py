@@ -28,18 +28,21 @@ rows (``stable_rows``): decode and verification then run the same kernel. In
 float16 a third one: the product of attention weights and values rounds
 differently when the number of keys is not a multiple of 4, so a position
 scored with one masked key more (verification) or less (decode) drifts; the
-plans' attention (``padded_eager_attention``) pads the keys to a multiple of
-8 with masked zeros. On a CPU with AMX (an Intel Xeon, measured: BENCHMARKS.md)
-the 16-bit matrix multiply takes yet another kernel from about 32 rows on, and
-attention's products of weights and values round a lone query apart from the
-same query among others; so linear layers and attention both take their rows
-ROW_BLOCK at a time, a lone row as two (prompts and batches are split, and a
-few-row kernel computes every row alike).
+plans' attention (``padded_eager_attention``) pads the keys with masked zeros.
+On a CPU with AMX (an Intel Xeon, measured: BENCHMARKS.md) three more: the
+16-bit matrix multiply takes yet another kernel from about 32 rows on, and
+attention's product of weights and values rounds a lone query apart from the
+same query among others, and differently for another number of keys. So linear
+layers and attention take their rows ROW_BLOCK at a time, a lone row as two
+(prompts and batches are split; a few-row kernel computes every row alike),
+and attention weighs values KEY_BLOCK keys at a time, summing the parts in
+float32 (a query's masked keys add exact zeros, however many there are).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -70,45 +73,53 @@ def padded_eager_attention(
     softcap: float | None = None,
     **_: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager attention over keys padded to a multiple of KEY_BLOCK (masked zeros), its queries taken ROW_BLOCK at a time
-    (a lone one as two), so a query's result depends neither on how many keys follow it masked nor on how many
-    queries come with it.
+    """Eager attention computed so that a query's result is the one it gets in one-token decoding: whatever the keys
+    masked after it, the queries beside it, or (a tree of drafts) masked keys between the ones it sees.
 
+    Inference only (plans convert a model for decoding): no dropout. Queries go ROW_BLOCK at a time (a lone one as two), over keys padded to a multiple of KEY_BLOCK; a query that sees
+    other than a prefix of the keys (a tree node) is computed again alone over just the keys it sees, in order, as in decoding.
     Shapes as transformers' attention functions: query [batch, heads, queries, dim], key/value
     [batch, kv_heads, keys, dim], an additive mask [batch, 1, queries, keys] or None.
     """
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    attend = partial(_attend, scale=scaling if scaling is not None else query.shape[-1] ** -0.5, softcap=softcap)
+    if attention_mask is None:
+        attention_mask = torch.zeros(1, 1, query.shape[2], key.shape[2], dtype=query.dtype, device=query.device)
+    parts = [
+        attend(query[:, :, s : s + ROW_BLOCK], key, value, attention_mask[:, :, s : s + ROW_BLOCK])
+        for s in range(0, query.shape[2], ROW_BLOCK)
+    ]
+    out, weights = torch.cat([o for o, _ in parts], dim=2), torch.cat([w for _, w in parts], dim=2)
+    seen = attention_mask > torch.finfo(attention_mask.dtype).min / 2  # [batch, 1, queries, keys]
+    prefix = torch.arange(seen.shape[-1], device=seen.device) < seen.sum(-1, keepdim=True)
+    for b, _, i in (seen != prefix).any(-1).nonzero().tolist():  # queries that see scattered keys (tree nodes)
+        keys = seen[b, 0, i].nonzero().squeeze(1)
+        alone = torch.zeros(1, 1, 1, len(keys), dtype=attention_mask.dtype, device=attention_mask.device)
+        out[b, :, i] = attend(query[b : b + 1, :, i : i + 1], key[b : b + 1, :, keys], value[b : b + 1, :, keys], alone)[0][0, :, 0]
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def _attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of at most ROW_BLOCK queries, a lone one run as two, over keys padded to a multiple of KEY_BLOCK."""
     pad = -key.shape[2] % KEY_BLOCK
     if pad:
         key, value = F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
-        if attention_mask is None:
-            attention_mask = torch.zeros(1, 1, query.shape[2], key.shape[2] - pad, dtype=query.dtype, device=query.device)
-        attention_mask = F.pad(attention_mask, (0, pad), value=torch.finfo(attention_mask.dtype).min)
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    outs, probs = [], []
-    for start in range(0, query.shape[2], ROW_BLOCK):
-        block = query[:, :, start : start + ROW_BLOCK]
-        mask = None if attention_mask is None else attention_mask[:, :, start : start + ROW_BLOCK]
-        lone = block.shape[2] == 1
-        if lone:
-            block, mask = block.repeat(1, 1, 2, 1), None if mask is None else mask.repeat(1, 1, 2, 1)
-        scores = torch.matmul(block, key.transpose(2, 3)) * scale
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        if mask is not None:
-            scores = scores + mask
-        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        weights = F.dropout(weights, p=dropout, training=module.training)
-        # One product per KEY_BLOCK keys, summed in float32 in key order: a query's masked keys add exact zeros, so its
-        # result does not depend on how many keys the call has (one product over all of them would: AMX blocks by length).
-        out = sum(
-            torch.matmul(weights[..., k : k + KEY_BLOCK], value[:, :, k : k + KEY_BLOCK]).float() for k in range(0, key.shape[2], KEY_BLOCK)
-        )
-        out = out.to(query.dtype)
-        outs.append(out[:, :, :1] if lone else out)
-        probs.append(weights[:, :, :1] if lone else weights)
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), torch.cat(probs, dim=2)
+        mask = F.pad(mask, (0, pad), value=torch.finfo(mask.dtype).min)
+    lone = query.shape[2] == 1
+    if lone:
+        query, mask = query.repeat(1, 1, 2, 1), mask.expand(-1, -1, 2, -1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    weights = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(query.dtype)
+    # One product per KEY_BLOCK keys, summed in float32 in key order: a query's masked keys add exact zeros, so its
+    # result does not depend on how many keys the call has (one product over all of them would: AMX blocks by length).
+    blocks = range(0, key.shape[2], KEY_BLOCK)
+    out = sum(torch.matmul(weights[..., k : k + KEY_BLOCK], value[:, :, k : k + KEY_BLOCK]).float() for k in blocks).to(query.dtype)  # type: ignore[union-attr]
+    return (out[:, :, :1], weights[:, :, :1]) if lone else (out, weights)
 
 
 AttentionInterface.register(PADDED_ATTENTION, padded_eager_attention)
