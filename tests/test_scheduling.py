@@ -160,3 +160,26 @@ def test_machine_cost_curve_is_measured_once(tmp_path, monkeypatch: pytest.Monke
     other = TransformersBackend(tiny_llama(0, layers=3))  # other weights: measured separately
     cost_module.machine_cost_curve(other)
     assert calls == [1, 1]
+
+
+def test_a_stretch_of_load_does_not_make_small_forwards_look_dear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sizes take turns, one forward each per round: load during the first five timed forwards slows two rounds of
+    one-token forwards, not all of them, and the medians ignore it (measured one size after another, n = 1 read 1 s)."""
+    now, calls = [0.0], [0]
+
+    class Timed:
+        vocab_size = 10
+
+        def reset(self) -> None:
+            pass
+
+        def truncate(self, n: int) -> None:
+            pass
+
+        def forward(self, tokens: torch.Tensor, last: int) -> None:
+            calls[0] += 1
+            now[0] += 0.010 * tokens.shape[1] + (1.0 if 2 < calls[0] <= 7 else 0.0)  # after the two warm-up forwards
+
+    monkeypatch.setattr(cost_module, "_clock", lambda: now[0])
+    curve = cost_module.forward_cost_curve(Timed(), sizes=(1, 2, 9), repeats=5)  # type: ignore[arg-type]
+    assert curve == pytest.approx({1: 0.010, 2: 0.020, 9: 0.090})

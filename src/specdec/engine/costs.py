@@ -28,24 +28,26 @@ BATCH_SIZES = (1, 2, 3, 5, 9)
 
 
 def forward_cost_curve(backend: Backend, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 64, repeats: int = 5) -> dict[int, float]:
-    """Median seconds of a forward over n new tokens (logits for all n) after ``context`` cached tokens."""
+    """Median seconds of a forward over n new tokens (logits for all n) after ``context`` cached tokens.
+
+    The sizes take turns, one forward each per round: a stretch of load from elsewhere (a compiler, another process)
+    then slows every size alike instead of making a few look dearer than bigger ones; the curve is cached for good.
+    """
     vocab = backend.vocab_size
     tokens = torch.arange(context + max(sizes), dtype=torch.long)[None] % vocab
     backend.reset()
     backend.forward(tokens[:, :context], last=1)
     backend.forward(tokens[:, context : context + 1], last=1)  # warm-up
     backend.truncate(context)
-    curve = {}
-    for n in sizes:
-        times = []
-        for _ in range(repeats):
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
             start = _clock()
             backend.forward(tokens[:, context : context + n], last=n)
-            times.append(_clock() - start)
+            times[n].append(_clock() - start)
             backend.truncate(context)
-        curve[n] = statistics.median(times)
     backend.reset()
-    return curve
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def batch_cost_curve(
