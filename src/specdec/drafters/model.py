@@ -30,6 +30,7 @@ class ModelDrafter:
         self.settings = settings
         self.backend.reset()
         self._context_length = 0
+        self._branched = False
 
     @torch.inference_mode()
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:

@@ -140,7 +140,7 @@ class NgramDrafter:
         return NgramDrafter(self.table, self.min_share)  # shares the table; its settings are its own sequence's
 
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
-        copied = self.lookup.propose(context, k)
+        copied = self.lookup.propose(context, k, branches)  # its copies (a tree of several with branches), else the table's chain
         if len(copied):
             return copied
         sampling, min_confidence = self.settings.sampling, self.settings.min_confidence

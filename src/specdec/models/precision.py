@@ -76,8 +76,9 @@ def padded_eager_attention(
     """Eager attention computed so that a query's result is the one it gets in one-token decoding: whatever the keys
     masked after it, the queries beside it, or (a tree of drafts) masked keys between the ones it sees.
 
-    Inference only (plans convert a model for decoding): no dropout. Queries go ROW_BLOCK at a time (a lone one as two), over keys padded to a multiple of KEY_BLOCK; a query that sees
-    other than a prefix of the keys (a tree node) is computed again alone over just the keys it sees, in order, as in decoding.
+    Inference only (plans convert a model for decoding): no dropout. Queries go ROW_BLOCK at a time (a lone one as
+    two), over keys padded to a multiple of KEY_BLOCK; a query that sees other than one run of keys (a tree node) is
+    computed again alone over just the keys it sees, in order, as in decoding.
     Shapes as transformers' attention functions: query [batch, heads, queries, dim], key/value
     [batch, kv_heads, keys, dim], an additive mask [batch, 1, queries, keys] or None.
     """
@@ -86,17 +87,22 @@ def padded_eager_attention(
     attend = partial(_attend, scale=scaling if scaling is not None else query.shape[-1] ** -0.5, softcap=softcap)
     if attention_mask is None:
         attention_mask = torch.zeros(1, 1, query.shape[2], key.shape[2], dtype=query.dtype, device=query.device)
+    attention_mask = attention_mask.expand(query.shape[0], 1, query.shape[2], key.shape[2])  # broadcast dims made whole
     parts = [
         attend(query[:, :, s : s + ROW_BLOCK], key, value, attention_mask[:, :, s : s + ROW_BLOCK])
         for s in range(0, query.shape[2], ROW_BLOCK)
     ]
-    out, weights = torch.cat([o for o, _ in parts], dim=2), torch.cat([w for _, w in parts], dim=2)
-    seen = attention_mask > torch.finfo(attention_mask.dtype).min / 2  # [batch, 1, queries, keys]
-    prefix = torch.arange(seen.shape[-1], device=seen.device) < seen.sum(-1, keepdim=True)
-    for b, _, i in (seen != prefix).any(-1).nonzero().tolist():  # queries that see scattered keys (tree nodes)
-        keys = seen[b, 0, i].nonzero().squeeze(1)
+    out, weights = torch.cat([o for o, _ in parts], dim=2), torch.cat([w for _, w in parts], dim=2)[..., : key.shape[2]]
+    seen = attention_mask[:, 0] > torch.finfo(attention_mask.dtype).min / 2  # [batch, queries, keys]
+    # One run of keys (a prefix, or a sliding window) is laid out as in decoding; a tree node's path is not.
+    first, last = seen.int().argmax(-1), seen.shape[-1] - 1 - seen.flip(-1).int().argmax(-1)
+    count = seen.sum(-1)
+    for b, i in ((count > 0) & (count < last - first + 1)).nonzero().tolist():
+        keys = seen[b, i].nonzero().squeeze(1)
         alone = torch.zeros(1, 1, 1, len(keys), dtype=attention_mask.dtype, device=attention_mask.device)
-        out[b, :, i] = attend(query[b : b + 1, :, i : i + 1], key[b : b + 1, :, keys], value[b : b + 1, :, keys], alone)[0][0, :, 0]
+        weights[b, :, i] = 0
+        single, probs = attend(query[b : b + 1, :, i : i + 1], key[b : b + 1, :, keys], value[b : b + 1, :, keys], alone)
+        out[b, :, i], weights[b, :, i, keys] = single[0, :, 0], probs[0, :, 0, : len(keys)]
     return out.transpose(1, 2).contiguous(), weights
 
 
@@ -130,12 +136,8 @@ def stable_rows(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor)
     """``matmul`` over the rows of ``x`` [..., in], ROW_BLOCK rows at a time and a lone row as two, so every row goes
     through the same few-row kernel whatever the number of rows."""
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] == 1:
-        out = matmul(flat.repeat(2, 1))[:1]
-    elif flat.shape[0] <= ROW_BLOCK:
-        out = matmul(flat)
-    else:
-        out = torch.cat([matmul(part) if part.shape[0] > 1 else matmul(part.repeat(2, 1))[:1] for part in flat.split(ROW_BLOCK)])
+    parts = [matmul(part) if part.shape[0] > 1 else matmul(part.repeat(2, 1))[:1] for part in flat.split(ROW_BLOCK)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

@@ -26,7 +26,7 @@ class StepOutcome:
     context_length: int  # tokens in the sequence after the step
     logits: torch.Tensor  # the target's raw logits [accepted + 1, V] at the positions of the new tokens
     new_tokens: torch.Tensor  # [accepted + 1]
-    verified: int = 0  # draft nodes the target scored (a tree's nodes; a chain's equals ``proposed``)
+    verified: int | None = None  # draft nodes the target scored (a tree's nodes); None: a chain's, ``proposed``
 
     def token_nll(self) -> torch.Tensor:
         """Negative log-likelihood of each new token under the target (computed only when asked: it reads the full vocabulary)."""
@@ -289,20 +289,20 @@ class CostModelK:
         return self._chosen
 
     def observe(self, outcome: StepOutcome) -> None:
-        self.estimate.observe(outcome.proposed, outcome.accepted)
+        tree = self._drafting_tree  # None: a chain row; False: a tree row's chain step
+        self._drafting_tree = None
+        if tree is not None:
+            n = min(outcome.proposed if outcome.verified is None else outcome.verified, self.max_k)
+            draft_s = outcome.draft_s if self._learn_draft_cost else n * self._draft_s_per_token  # seeded: priced, not timed
+            tokens, seconds = self.rates[tree] or (0.0, 0.0)
+            self.rates[tree] = (RATE_DECAY * tokens + outcome.accepted + 1, RATE_DECAY * seconds + self._verify_s[n] + draft_s)
         if self._predicted:  # the scores' calibration, bounded so that one surprise cannot switch trees off or blow them up
             ratio = outcome.accepted / self._predicted
             self.calibration = min(3.0, max(0.2, self.calibration + 0.2 * (ratio - self.calibration)))
         self._predicted = None
-        if self._drafting_tree is not None:
-            n = min(outcome.verified, self.max_k)
-            draft_s = outcome.draft_s if self._learn_draft_cost else n * self._draft_s_per_token  # seeded: priced, not timed
-            tokens, seconds = self.rates[self._drafting_tree] or (0.0, 0.0)
-            self.rates[self._drafting_tree] = (
-                RATE_DECAY * tokens + outcome.accepted + 1,
-                RATE_DECAY * seconds + self._verify_s[n] + draft_s,
-            )
-            self._drafting_tree = None
+        if tree:  # a tree accepts more and drafts more nodes than the chain k is chosen for: its step says nothing of either
+            return
+        self.estimate.observe(outcome.proposed, outcome.accepted)
         if self._chosen and self._learn_draft_cost:
             per_token = outcome.draft_s / self._chosen
             self._draft_s_per_token += 0.5 * (per_token - self._draft_s_per_token)
