@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import assert_lookup_matches_greedy
+from conftest import assert_lookup_matches_greedy, why_llama_cpp_cannot_run
 from typer.testing import CliRunner
 
 from specdec import Generator, RuntimeConfig
@@ -14,8 +14,8 @@ from specdec.cli.main import app
 from specdec.errors import ConfigError, MissingPackageError
 from specdec.models import open_target
 
-HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
-needs_llama_cpp = pytest.mark.skipif(not HAS_LLAMA_CPP, reason='llama-cpp-python is not installed (pip install -e ".[llamacpp]")')
+CANNOT_RUN = why_llama_cpp_cannot_run()
+needs_llama_cpp = pytest.mark.skipif(CANNOT_RUN is not None, reason=CANNOT_RUN or "")
 
 PROMPTS = [
     "def is_even(n):\n    return n % 2 == 0\n\n\ndef is_odd(n):\n",

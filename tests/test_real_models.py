@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_lookup_matches_greedy
+from conftest import assert_lookup_matches_greedy, why_llama_cpp_cannot_run
 from typer.testing import CliRunner
 
 from specdec import Generator
@@ -123,8 +123,8 @@ def test_gemma_eagle_head_is_identical_as_chain_and_tree(backend: str, branches:
 
     if backend == "native" and cpu_kernels.compiled() is None:
         pytest.skip("the native backend needs AVX-512 VNNI and g++")
-    if backend == "llama.cpp":
-        pytest.importorskip("llama_cpp")
+    if backend == "llama.cpp" and (why := why_llama_cpp_cannot_run()):
+        pytest.skip(why)
     runtime = RuntimeConfig(backend=backend)
     baseline = Generator("gemma-3-270m", "none", runtime=runtime)
     drafted = Generator(baseline.target, "eagle", runtime=runtime)
