@@ -168,5 +168,8 @@ def why_llama_cpp_cannot_run() -> str | None:
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=600)
     if done.returncode != 0:
-        return f"llama.cpp's decode fails on this machine (exit code {done.returncode}): rebuild llama-cpp-python for this CPU"
+        return (
+            f"llama.cpp's decode fails on this machine (exit code {done.returncode}): rebuild llama-cpp-python without "
+            'native flags (README, "Tests")'
+        )
     return None
