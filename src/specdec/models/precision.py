@@ -93,6 +93,8 @@ def padded_eager_attention(
         for s in range(0, query.shape[2], ROW_BLOCK)
     ]
     out, weights = torch.cat([o for o, _ in parts], dim=2), torch.cat([w for _, w in parts], dim=2)[..., : key.shape[2]]
+    if query.shape[2] == 1:  # decoding: one query, one run of keys (its prefix or window); nothing to lay out again
+        return out.transpose(1, 2).contiguous(), weights
     seen = attention_mask[:, 0] > torch.finfo(attention_mask.dtype).min / 2  # [batch, queries, keys]
     # One run of keys (a prefix, or a sliding window) is laid out as in decoding; a tree node's path is not.
     first, last = seen.int().argmax(-1), seen.shape[-1] - 1 - seen.flip(-1).int().argmax(-1)
