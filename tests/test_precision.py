@@ -119,7 +119,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_and_keys_beside_it() -> None:
         alone = torch.cat([linear(x[i : i + 1]) for i in range(48)])
         for rows in (2, 17, 33, 48):
             assert torch.equal(linear(x[:rows]), alone[:rows]), rows
-        queries, keys = 20, 80
+        queries, keys = 20, 150  # the context fills two key blocks before the queries
         q = torch.randn(1, 4, queries, 256, generator=gen).to(torch.bfloat16)
         k, v = (torch.randn(1, 1, keys, 256, generator=gen).to(torch.bfloat16) for _ in range(2))
         visible = torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None]  # causal: query i sees keys 0..60 + i
@@ -130,18 +130,34 @@ def test_a_rows_result_does_not_depend_on_the_rows_and_keys_beside_it() -> None:
             seen = keys - queries + i + 1  # decode: the query alone with exactly the keys it sees
             single = padded_eager_attention(module, q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], mask[:, :, i : i + 1, :seen])[0]
             assert torch.equal(single[:, 0], together[:, i]), i
-        # A tree of drafts: node i sees the context and the nodes of its path (here every second one up to itself).
-        context = keys - queries
-        tree = visible.clone()
-        tree[:, context:] = (torch.arange(queries)[None, :] <= torch.arange(queries)[:, None]) & (
-            (torch.arange(queries)[None, :] % 2 == 0) | (torch.arange(queries)[None, :] == torch.arange(queries)[:, None])
-        )
-        mask = torch.zeros_like(mask).masked_fill(~tree, torch.finfo(torch.bfloat16).min)
-        together = padded_eager_attention(module, q, k, v, mask)[0]
-        for i in range(queries):
-            path = tree[i].nonzero().squeeze(1)  # decode: the node's path laid out as a sequence
-            single = padded_eager_attention(module, q[:, :, i : i + 1], k[:, :, path], v[:, :, path], mask[:, :, i : i + 1, path])[0]
-            assert torch.equal(single[:, 0], together[:, i]), ("tree", i)
+        # Trees of drafts in a batch of two: node i sees the context and the nodes of its path (every second or third
+        # one up to itself).
+        context, order = keys - queries, torch.arange(queries)
+        trees = torch.stack([visible, visible]).unsqueeze(1)
+        for row, every in enumerate((2, 3)):
+            trees[row, 0, :, context:] &= (order[None, :] <= order[:, None]) & (
+                (order[None, :] % every == 0) | (order[None, :] == order[:, None])
+            )
+        q2, k2, v2 = torch.cat([q, q.flip(2)]), torch.cat([k, k.flip(2)]), torch.cat([v, v.flip(2)])
+        mask = torch.zeros(trees.shape, dtype=torch.bfloat16).masked_fill(~trees, torch.finfo(torch.bfloat16).min)
+        together, weights = padded_eager_attention(module, q2, k2, v2, mask)
+        for row in range(2):
+            for i in range(queries):
+                path = trees[row, 0, i].nonzero().squeeze(1)  # decode: the node's path laid out as a sequence
+                r = slice(row, row + 1)
+                single, alone = padded_eager_attention(
+                    module, q2[r, :, i : i + 1], k2[r, :, path], v2[r, :, path], mask[r, :, i : i + 1, path]
+                )
+                assert torch.equal(single[0, 0], together[row, i]), ("tree", row, i)
+                assert torch.equal(alone[0, :, 0], weights[row, :, i, path]) and not weights[row, :, i, ~trees[row, 0, i]].any()
+        # A lone tree node: of two roots, the second sees the context and itself.
+        roots = visible[-2:].clone()
+        roots[1, -2] = False
+        mask = torch.zeros(1, 1, 2, keys, dtype=torch.bfloat16).masked_fill(~roots, torch.finfo(torch.bfloat16).min)
+        together = padded_eager_attention(module, q[:, :, -2:], k, v, mask)[0]
+        path = roots[1].nonzero().squeeze(1)
+        single = padded_eager_attention(module, q[:, :, -1:], k[:, :, path], v[:, :, path], mask[:, :, 1:, path])[0]
+        assert torch.equal(single[:, 0], together[:, 1])
 
 
 def test_a_plan_applies_once_and_refuses_a_second_plan() -> None:
@@ -157,12 +173,13 @@ def test_speculative_greedy_equals_target_only_greedy_of_the_same_plan(preset: s
     tokenizer = char_tokenizer()
     runtime = RuntimeConfig(precision=PRESETS[preset])
     target = Generator(loaded(tiny_gemma3(1, vocab=len(tokenizer)), tokenizer=tokenizer), "none", runtime=runtime)
-    for drafter in ("prompt-lookup", "layerskip:2"):
+    # Trees (prompt lookup's matches, 4 branches) too: their nodes see their paths only, past the sliding window (6).
+    for drafter, branches in (("prompt-lookup", 1), ("prompt-lookup", 4), ("layerskip:2", 1)):
         drafted = Generator(target.target, drafter, runtime=runtime)
         for prompt in PROMPTS:
             expected = target.generate(prompt, max_new_tokens=24, stop_on_eos=False).token_ids
-            got = drafted.generate(prompt, max_new_tokens=24, k=4, k_policy="fixed", stop_on_eos=False).token_ids
-            assert got == expected, (preset, drafter, prompt)
+            got = drafted.generate(prompt, max_new_tokens=24, k=4, k_policy="fixed", branches=branches, stop_on_eos=False)
+            assert got.token_ids == expected, (preset, drafter, branches, prompt)
 
 
 def test_a_draft_model_runs_in_the_plans_draft_format() -> None:

@@ -261,6 +261,10 @@ def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
     seeded.use_tree()
     seeded.observe(StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8))
     assert seeded.rates[True] == pytest.approx((2, 0.02))  # a seeded run prices drafting, never times it: the choices repeat
+    timed = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}))
+    timed.use_tree()
+    timed.observe(StepOutcome(4, 1, 0.5, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, verify_s=0.25))
+    assert timed.rates[True] == pytest.approx((2, 0.75))  # otherwise the step's own time: a tree's forward costs more than the curve says
 
 
 def test_a_wrong_sibling_residual_fails(monkeypatch: pytest.MonkeyPatch) -> None:

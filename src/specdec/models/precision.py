@@ -41,7 +41,9 @@ float32 (a query's masked keys add exact zeros, however many there are).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -84,28 +86,97 @@ def padded_eager_attention(
     """
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    attend = partial(_attend, scale=scaling if scaling is not None else query.shape[-1] ** -0.5, softcap=softcap)
-    if attention_mask is None:
-        attention_mask = torch.zeros(1, 1, query.shape[2], key.shape[2], dtype=query.dtype, device=query.device)
-    attention_mask = attention_mask.expand(query.shape[0], 1, query.shape[2], key.shape[2])  # broadcast dims made whole
-    parts = [
-        attend(query[:, :, s : s + ROW_BLOCK], key, value, attention_mask[:, :, s : s + ROW_BLOCK])
-        for s in range(0, query.shape[2], ROW_BLOCK)
-    ]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    attend = partial(_attend, scale=scale, softcap=softcap)
+    given = torch.zeros(1, 1, 1, 1, dtype=query.dtype, device=query.device) if attention_mask is None else attention_mask
+    mask = given.expand(query.shape[0], 1, query.shape[2], key.shape[2])  # broadcast dims made whole
+    parts = [attend(query[:, :, s : s + ROW_BLOCK], key, value, mask[:, :, s : s + ROW_BLOCK]) for s in range(0, query.shape[2], ROW_BLOCK)]
     out, weights = torch.cat([o for o, _ in parts], dim=2), torch.cat([w for _, w in parts], dim=2)[..., : key.shape[2]]
-    if query.shape[2] == 1:  # decoding: one query, one run of keys (its prefix or window); nothing to lay out again
-        return out.transpose(1, 2).contiguous(), weights
-    seen = attention_mask[:, 0] > torch.finfo(attention_mask.dtype).min / 2  # [batch, queries, keys]
+    # Decoding (one query) and no mask: one run of keys.
+    groups = [] if query.shape[2] == 1 or attention_mask is None else _tree_nodes(attention_mask, mask)
+    for group in groups:  # tree nodes again, each over the keys it sees in order, as decoding lays them out
+        single, probs = _attend_nodes(query, key, value, group, scale, softcap)
+        out[group.row][:, group.queries] = single
+        weights[group.row][:, group.queries] = 0  # then each node's weights at its keys (padding keys weigh exact zeros)
+        weights[group.row].permute(1, 2, 0).index_put_((group.queries[:, None], group.keys), probs.permute(1, 2, 0), accumulate=True)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+@dataclass(frozen=True)
+class _NodeGroup:
+    """Up to ROW_BLOCK queries of one batch row that see other than one run of keys (tree nodes: their ancestors lie
+    past masked siblings), with the keys each sees in order."""
+
+    row: int
+    queries: torch.Tensor  # [nodes]
+    keys: torch.Tensor  # [nodes, a multiple of KEY_BLOCK]: the keys each sees, in order, padded with key 0
+    mask: torch.Tensor  # additive [nodes, keys]: the padding masked
+    shared: int  # leading KEY_BLOCK blocks in which every node's keys are the row's keys as they lie (its prefix)
+
+
+_LAYOUTS: list[tuple[weakref.ref, list[_NodeGroup]]] = []  # the last few masks' tree nodes, found by identity
+LAYOUTS_KEPT = 4  # a forward passes one mask per attention kind (full, sliding) to every layer of that kind
+
+
+def _tree_nodes(given: torch.Tensor, mask: torch.Tensor) -> list[_NodeGroup]:
+    """The tree nodes of an additive mask [batch, 1, queries, keys] (``given``, expanded to ``mask``). Worked out once
+    per mask: every layer of a kind reads the same mask tensor in a forward, so a forward reads the layout back to the
+    host once, not once per layer."""
+    for ref, groups in _LAYOUTS:
+        if ref() is given:
+            return groups
+    seen = mask[:, 0] > torch.finfo(mask.dtype).min / 2  # [batch, queries, keys]
     # One run of keys (a prefix, or a sliding window) is laid out as in decoding; a tree node's path is not.
     first, last = seen.int().argmax(-1), seen.shape[-1] - 1 - seen.flip(-1).int().argmax(-1)
     count = seen.sum(-1)
-    for b, i in ((count > 0) & (count < last - first + 1)).nonzero().tolist():
-        keys = seen[b, i].nonzero().squeeze(1)
-        alone = torch.zeros(1, 1, 1, len(keys), dtype=attention_mask.dtype, device=attention_mask.device)
-        weights[b, :, i] = 0
-        single, probs = attend(query[b : b + 1, :, i : i + 1], key[b : b + 1, :, keys], value[b : b + 1, :, keys], alone)
-        out[b, :, i], weights[b, :, i, keys] = single[0, :, 0], probs[0, :, 0, : len(keys)]
-    return out.transpose(1, 2).contiguous(), weights
+    groups = []
+    for row in ((count > 0) & (count < last - first + 1)).any(-1).nonzero().flatten().tolist():
+        nodes = ((count[row] > 0) & (count[row] < last[row] - first[row] + 1)).nonzero().flatten()
+        for queries in nodes.split(ROW_BLOCK):
+            node_seen = seen[row, queries]
+            lengths = node_seen.sum(-1)
+            width = -int(lengths.max()) // KEY_BLOCK * -KEY_BLOCK
+            order = torch.sort((~node_seen).to(torch.uint8), dim=-1, stable=True).indices  # seen keys first, in order
+            order = F.pad(order, (0, max(0, width - order.shape[1])))[:, :width]
+            inside = torch.arange(width, device=mask.device) < lengths[:, None]
+            in_place = (order == torch.arange(width, device=mask.device)) | ~inside  # a key where decoding has it too
+            shared = int(in_place.all(0).int().cumprod(0).sum()) // KEY_BLOCK
+            padding = torch.zeros(inside.shape, dtype=mask.dtype, device=mask.device).masked_fill_(~inside, torch.finfo(mask.dtype).min)
+            groups.append(_NodeGroup(row, queries, order.where(inside, 0), padding, shared))
+    _LAYOUTS[:] = [(weakref.ref(given), groups), *[entry for entry in _LAYOUTS if entry[0]() is not None][: LAYOUTS_KEPT - 1]]
+    return groups
+
+
+def _attend_nodes(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: _NodeGroup, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a group's tree nodes [heads, nodes, dim] and their weights [heads, nodes, keys] (over group.keys),
+    each node as decoding computes it: over its keys in order, padded to a multiple of KEY_BLOCK, values weighed a block
+    at a time and summed in float32. A query's score for a key is the same wherever the key lies, so scores come from
+    the row's keys as they lie; the blocks before the tree (``shared``) weigh the row's values as they lie, all nodes in
+    one product (as a chain's queries do), the rest gather each node's values."""
+    pad = -key.shape[2] % KEY_BLOCK
+    keys, values = (F.pad(x[group.row], (0, 0, 0, pad)) for x in (key, value))  # [heads, keys, dim]
+    lone = len(group.queries) == 1
+    rows = query[group.row][:, group.queries].repeat(1, 2 if lone else 1, 1)  # [heads, nodes, dim]: a lone one as two
+    scores = torch.matmul(rows, keys.transpose(1, 2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    order = group.keys.repeat(2 if lone else 1, 1)
+    mask = group.mask.repeat(2 if lone else 1, 1)
+    weights = F.softmax(scores.gather(-1, order.expand(scores.shape[0], -1, -1)) + mask, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = 0
+    for b, k in enumerate(range(0, order.shape[1], KEY_BLOCK)):
+        if b < group.shared:  # [heads, nodes, block] x [heads, block, dim]
+            part = torch.matmul(weights[..., k : k + KEY_BLOCK], values[:, k : k + KEY_BLOCK])
+        else:  # each node its own values: [nodes, heads, 2, block] x [nodes, heads, block, dim], a lone row as two
+            gathered = values[:, group.keys[:, k : k + KEY_BLOCK]].transpose(0, 1)
+            node_weights = weights[:, : len(group.queries), k : k + KEY_BLOCK].transpose(0, 1).unsqueeze(2).repeat(1, 1, 2, 1)
+            part = torch.matmul(node_weights, gathered)[:, :, 0].transpose(0, 1)
+            part = part.repeat(1, 2, 1) if lone else part
+        out = out + part.float()
+    n = len(group.queries)
+    return out.to(query.dtype)[:, :n], weights[:, :n]
 
 
 def _attend(

@@ -27,6 +27,7 @@ class StepOutcome:
     logits: torch.Tensor  # the target's raw logits [accepted + 1, V] at the positions of the new tokens
     new_tokens: torch.Tensor  # [accepted + 1]
     verified: int | None = None  # draft nodes the target scored (a tree's nodes); None: a chain's, ``proposed``
+    verify_s: float | None = None  # seconds of the step's target forward and verification (the whole batch's); None: not timed
 
     def token_nll(self) -> torch.Tensor:
         """Negative log-likelihood of each new token under the target (computed only when asked: it reads the full vocabulary)."""
@@ -265,9 +266,10 @@ class CostModelK:
         """Whether this step of a row allowed trees drafts one (else a chain, drafted as a chain row would).
 
         A tree verifies more nodes for more accepted tokens and costs more to draft; whether that pays depends on the
-        drafter, the text and the machine, so it is measured: each way's tokens per second (verification priced by this
-        machine's cost curve, drafting timed), the faster way drafted, the other one step in TREE_TRIAL_EVERY. Trees
-        are tried first, then chains: so a tree row is at most one trial step in TREE_TRIAL_EVERY slower than a chain row.
+        drafter, the text and the machine, so it is measured: each way's tokens per second (drafting and verification
+        timed; priced by this machine's cost curve in a seeded run), the faster way drafted, the other one step in
+        TREE_TRIAL_EVERY. Trees are tried first, then chains: so a tree row is at most one trial step in TREE_TRIAL_EVERY
+        slower than a chain row.
         """
         self._tree_steps += 1
         tree, chain = self.rates[True], self.rates[False]
@@ -292,10 +294,13 @@ class CostModelK:
         tree = self._drafting_tree  # None: a chain row; False: a tree row's chain step
         self._drafting_tree = None
         if tree is not None:
+            # Timed: a tree's forward costs more than a chain's over as many tokens (its nodes' attention is laid out
+            # again, models/precision.py), which the cost curve does not know. A seeded run prices both, so it repeats.
             n = min(outcome.proposed if outcome.verified is None else outcome.verified, self.max_k)
-            draft_s = outcome.draft_s if self._learn_draft_cost else n * self._draft_s_per_token  # seeded: priced, not timed
-            tokens, seconds = self.rates[tree] or (0.0, 0.0)
-            self.rates[tree] = (RATE_DECAY * tokens + outcome.accepted + 1, RATE_DECAY * seconds + self._verify_s[n] + draft_s)
+            timed = self._learn_draft_cost and outcome.verify_s is not None
+            seconds = outcome.draft_s + outcome.verify_s if timed else n * self._draft_s_per_token + self._verify_s[n]  # type: ignore[operator]
+            tokens, total = self.rates[tree] or (0.0, 0.0)
+            self.rates[tree] = (RATE_DECAY * tokens + outcome.accepted + 1, RATE_DECAY * total + seconds)
         if self._predicted:  # the scores' calibration, bounded so that one surprise cannot switch trees off or blow them up
             ratio = outcome.accepted / self._predicted
             self.calibration = min(3.0, max(0.2, self.calibration + 0.2 * (ratio - self.calibration)))
