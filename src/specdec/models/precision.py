@@ -80,7 +80,7 @@ def padded_eager_attention(
 
     Inference only (plans convert a model for decoding): no dropout. Queries go ROW_BLOCK at a time (a lone one as
     two), over keys padded to a multiple of KEY_BLOCK; a query that sees other than one run of keys (a tree node) is
-    computed again alone over just the keys it sees, in order, as in decoding.
+    computed again over just the keys it sees, laid out in order as in decoding (_attend_nodes, all such nodes together).
     Shapes as transformers' attention functions: query [batch, heads, queries, dim], key/value
     [batch, kv_heads, keys, dim], an additive mask [batch, 1, queries, keys] or None.
     """
