@@ -111,7 +111,10 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
         scored = logits[i, : accepted + 1] if trees[i] is None else logits[i, [0] + [j + 1 for j in path]]  # along the kept path
         row.tokens = torch.cat([row.tokens, tokens])
         depth = d.proposal.depth  # what a chain reaching as deep would have proposed: acceptance stays per position
-        row.policy.observe(StepOutcome(depth, accepted, d.seconds, row.length, scored, tokens, lengths[i], t2 - t1))
+        read_prompt = len(feeds[i]) - lengths[i] > 1  # more than the pending token: the step's time is mostly the prompt's
+        row.policy.observe(
+            StepOutcome(depth, accepted, d.seconds, row.length, scored, tokens, lengths[i], None if read_prompt else t2 - t1)
+        )
         row.acceptance.observe(depth, accepted)
         row.stats.record_step(d.chosen, d.k, lengths[i], accepted, len(tokens), d.seconds, t2 - t1, time.perf_counter() - row.started)
         row.stats.events += row.guards.settle(row.stats.new_tokens - len(tokens), accepted, d.anchored)

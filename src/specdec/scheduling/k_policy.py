@@ -27,7 +27,9 @@ class StepOutcome:
     logits: torch.Tensor  # the target's raw logits [accepted + 1, V] at the positions of the new tokens
     new_tokens: torch.Tensor  # [accepted + 1]
     verified: int | None = None  # draft nodes the target scored (a tree's nodes); None: a chain's, ``proposed``
-    verify_s: float | None = None  # seconds of the step's target forward and verification (the whole batch's); None: not timed
+    verify_s: float | None = (
+        None  # seconds of the step's target forward and verification (the whole batch's); None: not timed, or the step also read the prompt
+    )
 
     def token_nll(self) -> torch.Tensor:
         """Negative log-likelihood of each new token under the target (computed only when asked: it reads the full vocabulary)."""
@@ -297,8 +299,9 @@ class CostModelK:
             # Timed: a tree's forward costs more than a chain's over as many tokens (its nodes' attention is laid out
             # again, models/precision.py), which the cost curve does not know. A seeded run prices both, so it repeats.
             n = min(outcome.proposed if outcome.verified is None else outcome.verified, self.max_k)
-            timed = self._learn_draft_cost and outcome.verify_s is not None
-            seconds = outcome.draft_s + outcome.verify_s if timed else n * self._draft_s_per_token + self._verify_s[n]  # type: ignore[operator]
+            draft_s = outcome.draft_s if self._learn_draft_cost else n * self._draft_s_per_token
+            verify_s = outcome.verify_s if self._learn_draft_cost and outcome.verify_s is not None else self._verify_s[n]
+            seconds = draft_s + verify_s
             tokens, total = self.rates[tree] or (0.0, 0.0)
             self.rates[tree] = (RATE_DECAY * tokens + outcome.accepted + 1, RATE_DECAY * total + seconds)
         if self._predicted:  # the scores' calibration, bounded so that one surprise cannot switch trees off or blow them up
