@@ -122,7 +122,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_and_keys_beside_it() -> None:
         queries, keys = 20, 150  # the context fills two key blocks before the queries
         q = torch.randn(1, 4, queries, 256, generator=gen).to(torch.bfloat16)
         k, v = (torch.randn(1, 1, keys, 256, generator=gen).to(torch.bfloat16) for _ in range(2))
-        visible = torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None]  # causal: query i sees keys 0..60 + i
+        visible = torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None]  # causal: query i sees keys 0..130 + i
         mask = torch.zeros(1, 1, queries, keys, dtype=torch.bfloat16).masked_fill(~visible, torch.finfo(torch.bfloat16).min)
         module = torch.nn.Module().eval()
         together = padded_eager_attention(module, q, k, v, mask)[0]
