@@ -129,10 +129,10 @@ def _tree_nodes(given: torch.Tensor, mask: torch.Tensor) -> list[_NodeGroup]:
     # One run of keys (a prefix, or a sliding window) is laid out as in decoding; a tree node's path is not.
     first, last = seen.int().argmax(-1), seen.shape[-1] - 1 - seen.flip(-1).int().argmax(-1)
     count = seen.sum(-1)
+    is_node = (count > 0) & (count < last - first + 1)  # [batch, queries]
     groups = []
-    for row in ((count > 0) & (count < last - first + 1)).any(-1).nonzero().flatten().tolist():
-        nodes = ((count[row] > 0) & (count[row] < last[row] - first[row] + 1)).nonzero().flatten()
-        for queries in nodes.split(ROW_BLOCK):
+    for row in is_node.any(-1).nonzero().flatten().tolist():
+        for queries in is_node[row].nonzero().flatten().split(ROW_BLOCK):
             node_seen = seen[row, queries]
             lengths = node_seen.sum(-1)
             width = -int(lengths.max()) // KEY_BLOCK * -KEY_BLOCK
