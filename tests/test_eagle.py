@@ -340,17 +340,21 @@ def test_eagle_arch_errors() -> None:
 
 def test_tree_size_follows_the_costs_and_learns_the_scores_calibration() -> None:
     """Cheap verification keeps every useful node; expensive verification keeps only the likely ones; a drafter whose
-    scores are too hopeful is trusted less afterwards."""
+    scores are too hopeful is trusted less afterwards; a tree's extra forward cost is charged once the nodes branch."""
     scores = torch.tensor([0.9, 0.8, 0.6, 0.3, 0.1, 0.05])
+    parents = torch.tensor([-1, 0, 1, 0, 2, 3])  # a chain of three, then branches
     cheap = CostModelK(8, CostCurve({1: 0.010, 9: 0.011}))
     costly = CostModelK(8, CostCurve({1: 0.010, 9: 0.090}))
-    assert cheap.tree_size(scores, 0.0) == 6
-    assert costly.tree_size(scores, 0.0) < cheap.tree_size(scores, 0.0)
+    assert cheap.tree_size(scores, parents, 0.0) == 6
+    assert costly.tree_size(scores, parents, 0.0) < cheap.tree_size(scores, parents, 0.0)
     seeded = CostModelK(8, CostCurve({1: 0.010, 9: 0.090}), draft_s_per_token=0.0)
-    assert seeded.tree_size(scores, 0.0) == seeded.tree_size(scores, 0.5)  # a seeded run's cut never follows the clock
-    assert costly.tree_size(scores, 0.5) != costly.tree_size(scores, 0.0)
+    assert seeded.tree_size(scores, parents, 0.0) == seeded.tree_size(scores, parents, 0.5)  # a seeded run's cut never follows the clock
+    assert costly.tree_size(scores, parents, 0.5) != costly.tree_size(scores, parents, 0.0)
+    dear_trees = CostModelK(8, CostCurve({1: 0.010, 9: 0.011}), tree_overhead=CostCurve({1: 0.0, 3: 0.010, 9: 0.010}))
+    assert dear_trees.tree_size(scores, parents, 0.0) == 3  # the chain, uncharged; branching would not pay the overhead
+    assert dear_trees.tree_size(scores, torch.arange(-1, 5), 0.0) == 6  # a chain of six is never charged it
     before = cheap.calibration
-    cheap.tree_size(scores, 0.0)
+    cheap.tree_size(scores, parents, 0.0)
     cheap.observe(StepOutcome(6, 0, 0.0, 10, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long)))
     assert cheap.calibration < before
 

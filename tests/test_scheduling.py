@@ -10,7 +10,7 @@ import torch
 from conftest import loaded, perturbed, tiny_llama
 
 from specdec import Generator
-from specdec.config import K_POLICIES
+from specdec.config import K_POLICIES, GenerationConfig
 from specdec.drafters import DraftSettings, ModelDrafter, NoDrafter, PromptLookupDrafter
 from specdec.engine import costs as cost_module
 from specdec.errors import ConfigError
@@ -183,3 +183,47 @@ def test_a_stretch_of_load_does_not_make_small_forwards_look_dear(monkeypatch: p
     monkeypatch.setattr(cost_module, "_clock", lambda: now[0])
     curve = cost_module.forward_cost_curve(Timed(), sizes=(1, 2, 9), repeats=5)  # type: ignore[arg-type]
     assert curve == pytest.approx({1: 0.010, 2: 0.020, 9: 0.090})
+
+
+def test_tree_overhead_is_a_trees_time_over_a_chains_as_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chain and tree forwards of each size take turns on one row; the curve is their difference, 0 at n = 1."""
+    now = [0.0]
+
+    class Rows:
+        vocab_size, lengths = 10, [0]
+
+        def add_rows(self, count: int) -> None:
+            pass
+
+        def remove_rows(self, rows: list[int]) -> None:
+            self.lengths = []
+
+        def truncate(self, row: int, length: int) -> None:
+            pass
+
+        def forward(self, rows: list[int], feeds: list[torch.Tensor], last: int, trees: list[torch.Tensor | None] | None = None) -> None:
+            tree = trees[0] if trees else None
+            assert tree is None or (len(tree) == len(feeds[0]) - 1 and (tree[:2] == -1).all() and (tree[2:] >= 0).all())
+            now[0] += 0.010 * len(feeds[0]) + (0.002 * len(tree) if tree is not None else 0.0)
+
+    monkeypatch.setattr(cost_module, "_clock", lambda: now[0])
+    rows = Rows()
+    curve = cost_module.tree_overhead_curve(rows, sizes=(3, 9), context=8, repeats=3)  # type: ignore[arg-type]
+    assert curve == pytest.approx({1: 0.0, 3: 0.004, 9: 0.016}) and rows.lengths == []
+
+
+def test_generator_measures_tree_overhead_once_for_sequences_that_branch(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a real (tiny) model, on the batched cache trees decode in: measured once, cached, and priced into the policies
+    of sequences that may draft trees only."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    calls = []
+    real = cost_module.tree_overhead_curve
+    monkeypatch.setattr(cost_module, "tree_overhead_curve", lambda rows: calls.append(rows) or real(rows, sizes=(3, 5), context=8, repeats=1))
+    gen = Generator(loaded(tiny_llama(0)), "prompt-lookup")
+    policy = gen.k_policy(GenerationConfig(k=4, k_policy="cost-model", branches=3))
+    assert len(calls) == 1 and calls[0].lengths == []  # measured in a row of its own, freed afterwards
+    curve = gen.tree_overhead()
+    assert len(calls) == 1 and set(curve.seconds) == {1, 3, 5} and min(curve.seconds.values()) >= 0
+    assert isinstance(policy, CostModelK) and policy._tree_verify_s[2:] == [c + curve(k + 1) for k, c in enumerate(policy._verify_s)][2:]
+    chains = gen.k_policy(GenerationConfig(k=4, k_policy="cost-model"))
+    assert chains._tree_verify_s == chains._verify_s  # type: ignore[union-attr]

@@ -17,12 +17,14 @@ from collections.abc import Callable
 
 import torch
 
-from specdec.models.backend import Backend
+from specdec.models.backend import Backend, RowBackend
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.models.registry import cache_root
 from specdec.scheduling import BatchCostCurve, CostCurve
 
 DEFAULT_SIZES = (1, 2, 3, 5, 9, 13, 17)  # k + 1 for k = 0, 1, 2, 4, 8, 12, 16
+TREE_SIZES = (3, 5, 9, 13, 17)  # the pending token and 2 .. 16 tree nodes
+TREE_CONTEXT = 256  # a tree's extra cost grows with the context its nodes see; this is about a benchmark prompt and its answer
 BATCH_ROWS = (1, 2, 4, 8, 16, 32)
 BATCH_SIZES = (1, 2, 3, 5, 9)
 
@@ -48,6 +50,34 @@ def forward_cost_curve(backend: Backend, sizes: tuple[int, ...] = DEFAULT_SIZES,
             backend.truncate(context)
     backend.reset()
     return {n: statistics.median(t) for n, t in times.items()}
+
+
+def tree_overhead_curve(
+    rows: RowBackend, sizes: tuple[int, ...] = TREE_SIZES, context: int = TREE_CONTEXT, repeats: int = 7
+) -> dict[int, float]:
+    """Median extra seconds of a forward over n new tokens whose last n - 1 are a tree of drafts, over the same forward as a chain.
+
+    A tree's nodes each see only their ancestors, so a runtime lays out their attention apart from a chain's
+    (models/precision.py); the chain cost curve does not know that. The tree is a drafter's top branches: two roots,
+    every node two children. Chain and tree take turns on one cache row, so both see the same load; 0 at n = 1.
+    """
+    vocab = rows.vocab_size
+    tokens = torch.arange(context + max(sizes), dtype=torch.long) % vocab
+    rows.add_rows(1)
+    rows.forward([0], [tokens[:context]], last=1)
+    times: dict[tuple[int, bool], list[float]] = {(n, tree): [] for n in sizes for tree in (False, True)}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for n in sizes:
+            parents = torch.tensor([-1 if i < 2 else (i - 2) // 2 for i in range(n - 1)])
+            for tree in (False, True):
+                start = _clock()
+                rows.forward([0], [tokens[context : context + n]], last=n, trees=[parents if tree else None])
+                if round_:
+                    times[n, tree].append(_clock() - start)
+                rows.truncate(0, context)
+    rows.remove_rows([0])
+    extra = {n: max(0.0, statistics.median(times[n, True]) - statistics.median(times[n, False])) for n in sizes}
+    return {1: 0.0, **extra}
 
 
 def batch_cost_curve(
@@ -85,6 +115,12 @@ def batch_cost_curve(
 def machine_cost_curve(backend: Backend) -> CostCurve:
     """This backend's cost curve on this machine: measured once (a few seconds), then read from the cache."""
     stored = _cached(backend.identity, lambda: {str(n): s for n, s in forward_cost_curve(backend).items()})
+    return CostCurve({int(n): s for n, s in stored.items()})
+
+
+def machine_tree_overhead(rows: RowBackend) -> CostCurve:
+    """What a tree costs beyond a chain on this runtime (``tree_overhead_curve``): measured once (about 20 s for a real model), then cached."""
+    stored = _cached(f"{rows.identity}|tree overhead", lambda: {str(n): s for n, s in tree_overhead_curve(rows).items()})
     return CostCurve({int(n): s for n, s in stored.items()})
 
 

@@ -15,13 +15,13 @@ from typing import Literal
 
 from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig, with_overrides
 from specdec.drafters import Drafter, auto_draft, build_drafter
-from specdec.engine.costs import machine_batch_cost_curve, machine_cost_curve
+from specdec.engine.costs import machine_batch_cost_curve, machine_cost_curve, machine_tree_overhead
 from specdec.engine.decoder import Decoder
 from specdec.engine.stats import DecodeStats
 from specdec.engine.text import TextTracker
 from specdec.errors import ConfigError, ContextLengthError, PromptError, VocabularyMismatchError
 from specdec.models import DEFAULT_TARGET, Backend, LoadedModel, Target, TransformersBackend, open_target
-from specdec.models.backend import TREES_UNSUPPORTED, OneRow
+from specdec.models.backend import TREES_UNSUPPORTED, OneRow, RowBackend
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.profile import Profile, ProfileWarning, load_profile
 from specdec.quality import Guards, NoGuards, SentenceEmbedder, ignorable_tokens
@@ -71,6 +71,7 @@ class Generator:
         self.tokenizer = self.target.tokenizer
         self.backend = self.target.backend
         self._costs: CostCurve | None = None
+        self._tree_overhead: CostCurve | None = None
         self._measuring = threading.Lock()
         if drafter == "auto":
             drafter = auto_draft(self.target, self.costs)
@@ -124,6 +125,20 @@ class Generator:
                 self._costs = machine_cost_curve(_quiet_copy(self.backend))
         return self._costs
 
+    def tree_overhead(self) -> CostCurve:
+        """A tree forward's seconds over a chain's on the backend single sequences draft trees on (measured on first use, cached on disk)."""
+        with self._measuring:
+            if self._tree_overhead is None:
+                self._tree_overhead = machine_tree_overhead(self.sequence_rows(_quiet_copy(self.backend), trees=True))
+        return self._tree_overhead
+
+    def sequence_rows(self, backend: Backend, trees: bool) -> RowBackend:
+        """The cache one sequence decodes in on ``backend``: its own; for trees on transformers' plain cache (which keeps
+        chains only), a batched cache of one row over the same weights."""
+        if trees and not getattr(backend, "trees", False):
+            return BatchedTransformersBackend(backend.model, cuda_graphs=self.batch.cuda_graphs)
+        return OneRow(backend)
+
     def draft_cost(self) -> float:
         """Seconds per draft token from the cached cost curve of the draft model (its one-token forward; measured on first use), 0 for model-free drafters."""
         with self._measuring:
@@ -135,7 +150,7 @@ class Generator:
     def k_policy(self, config: GenerationConfig) -> KPolicy:
         """A fresh k policy for one sequence. With a seed, the cost model prices drafts from measured (cached) costs, not live timings, so the seed reproduces the output."""
         draft_cost = self.draft_cost if config.seed is not None else None
-        return build_k_policy(config.k_policy, config.k, self.costs, draft_cost)
+        return build_k_policy(config.k_policy, config.k, self.costs, draft_cost, self.tree_overhead if config.branches > 1 else None)
 
     def acquire(self) -> tuple[Backend, Drafter]:
         """The target cache and drafter for a single-sequence run: this Generator's own, or forks of them while another run holds those."""
@@ -343,12 +358,7 @@ class Completion:
         gen = self.generator
         backend, drafter = gen.acquire()
         try:
-            if self.config.branches > 1 and not getattr(
-                backend, "trees", False
-            ):  # transformers' plain cache keeps chains; its batched one trees
-                decoder = Decoder(BatchedTransformersBackend(backend.model, cuda_graphs=gen.batch.cuda_graphs))
-            else:
-                decoder = Decoder(OneRow(backend))
+            decoder = Decoder(gen.sequence_rows(backend, trees=self.config.branches > 1))
             decoder.join(
                 self, drafter, gen.k_policy(self.config)
             )  # after acquiring: a first measurement must not disturb another run's cache

@@ -113,7 +113,9 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
         depth = d.proposal.depth  # what a chain reaching as deep would have proposed: acceptance stays per position
         read_prompt = len(feeds[i]) - lengths[i] > 1  # more than the pending token: the step's time is mostly the prompt's
         row.policy.observe(
-            StepOutcome(depth, accepted, d.seconds, row.length, scored, tokens, lengths[i], None if read_prompt else t2 - t1)
+            StepOutcome(
+                depth, accepted, d.seconds, row.length, scored, tokens, lengths[i], None if read_prompt else t2 - t1, trees[i] is not None
+            )
         )
         row.acceptance.observe(depth, accepted)
         row.stats.record_step(d.chosen, d.k, lengths[i], accepted, len(tokens), d.seconds, t2 - t1, time.perf_counter() - row.started)
@@ -144,7 +146,8 @@ def _draft(row: Row, window: int | None, max_context: int) -> Draft:
     start = time.perf_counter()
     proposal = row.drafter.propose(row.tokens, k, branches)
     if proposal.scores is not None and tree_size is not None:
-        proposal = proposal.cut(tree_size(proposal.scores, time.perf_counter() - start))
+        parents = proposal.parents if proposal.parents is not None else torch.arange(-1, len(proposal) - 1)
+        proposal = proposal.cut(tree_size(proposal.scores, parents, time.perf_counter() - start))
     elif wanted != chosen:
         proposal = proposal.cut(chosen)
     if proposal.probs is None:  # a deterministic draft token that a guard blocks would only be rejected

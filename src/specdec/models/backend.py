@@ -72,6 +72,11 @@ class RowBackend(Protocol):
     lengths: list[int]  # cached positions of each row
     last_features: list[torch.Tensor]  # after a forward with ``features``: per fed row, its positions' final hidden states [len(feed), H]
 
+    @property
+    def identity(self) -> str:
+        """The model and runtime, as Backend.identity: what measured costs are cached under."""
+        ...
+
     def add_rows(self, count: int) -> None:
         """Append ``count`` empty rows."""
         ...
@@ -143,6 +148,10 @@ class OneRow:
         self.trees = getattr(backend, "trees", False)
         self.last_features: list[torch.Tensor] = []
         self._rows = 0
+
+    @property
+    def identity(self) -> str:
+        return self.backend.identity
 
     @property
     def lengths(self) -> list[int]:

@@ -21,12 +21,18 @@ from specdec.scheduling.k_policy import (
 from specdec.scheduling.window import BatchCostCurve, LoadWindow, memory_in_use
 
 
-def build_k_policy(name: str, k: int, costs: Callable[[], CostCurve], draft_cost: Callable[[], float] | None = None) -> KPolicy:
+def build_k_policy(
+    name: str,
+    k: int,
+    costs: Callable[[], CostCurve],
+    draft_cost: Callable[[], float] | None = None,
+    tree_overhead: Callable[[], CostCurve] | None = None,
+) -> KPolicy:
     """A fresh policy for one sequence; ``k`` is the fixed k or the adaptive policies' maximum.
 
-    ``costs`` (and ``draft_cost``, seconds per draft token) are called only by
-    policies that price forwards (they may measure them). Without ``draft_cost``
-    the cost model learns the draft's cost from live timings.
+    ``costs`` (and ``draft_cost``, seconds per draft token; ``tree_overhead``, a tree forward's seconds over a
+    chain's, for sequences that may draft trees) are called only by policies that price forwards (they may measure
+    them). Without ``draft_cost`` the cost model learns the draft's cost from live timings.
     """
     if name == "fixed":
         return FixedK(k)
@@ -37,7 +43,12 @@ def build_k_policy(name: str, k: int, costs: Callable[[], CostCurve], draft_cost
     if name == "confidence":
         return ConfidenceK(k)
     if name == "cost-model":
-        return CostModelK(k, costs(), draft_s_per_token=draft_cost() if draft_cost is not None else None)
+        return CostModelK(
+            k,
+            costs(),
+            draft_s_per_token=draft_cost() if draft_cost is not None else None,
+            tree_overhead=tree_overhead() if tree_overhead is not None else None,
+        )
     raise ConfigError(f"unknown k policy '{name}': use one of {', '.join(K_POLICIES)}")
 
 

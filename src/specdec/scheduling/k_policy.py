@@ -30,6 +30,7 @@ class StepOutcome:
     verify_s: float | None = (
         None  # seconds of the step's target forward and verification (the whole batch's); None: not timed, or the step also read the prompt
     )
+    branched: bool = False  # the draft was a tree (some node had two children): its forward cost a tree's, not a chain's
 
     def token_nll(self) -> torch.Tensor:
         """Negative log-likelihood of each new token under the target (computed only when asked: it reads the full vocabulary)."""
@@ -218,6 +219,8 @@ class CostModelK:
     tokens plus k draft steps. A draft step's cost is ``draft_s_per_token``
     when given (then k depends only on the costs and the tokens, so a seeded
     run repeats itself), otherwise learned from the measured drafting time.
+    A tree of drafts costs its forward's ``tree_overhead`` (seconds over a
+    chain as long, by tokens; none when not given) on top of the chain's price.
     """
 
     def __init__(
@@ -228,9 +231,12 @@ class CostModelK:
         prior: float = 0.8,
         prior_weight: float = 1.0,
         draft_s_per_token: float | None = None,
+        tree_overhead: CostCurve | None = None,
     ) -> None:
         self.max_k = max_k
         self._verify_s = [costs(k + 1) for k in range(max_k + 1)]  # the curve is fixed: price each k once
+        extra = [tree_overhead(k + 1) if tree_overhead is not None and k >= 2 else 0.0 for k in range(max_k + 1)]
+        self._tree_verify_s = [chain + more for chain, more in zip(self._verify_s, extra, strict=True)]  # k nodes as a tree
         self.estimate = AcceptanceEstimate(decay, prior, prior_weight)
         self._learn_draft_cost = draft_s_per_token is None
         self._draft_s_per_token = draft_s_per_token or 0.0
@@ -249,17 +255,21 @@ class CostModelK:
     def acceptance(self) -> float:
         return self.estimate.value
 
-    def tree_size(self, scores: torch.Tensor, draft_s: float) -> int:
-        """How many of a scored proposal's best nodes to verify (EAGLE-2's reranking, priced by this machine's costs).
+    def tree_size(self, scores: torch.Tensor, parents: torch.Tensor, draft_s: float) -> int:
+        """How many of a scored proposal's best nodes (``parents``: its tree) to verify (EAGLE-2's reranking, priced by
+        this machine's costs).
 
         A node's score is the drafter's chance that it is accepted, so the best n nodes are expected to yield
-        1 + calibration * (their summed scores) tokens for a forward over n + 1 positions plus the drafting already done;
-        the n with the most tokens per second wins.
+        1 + calibration * (their summed scores) tokens for a forward over n + 1 positions (a tree's price once they
+        branch, a chain's before) plus the drafting already done; the n with the most tokens per second wins.
         """
         if not self._learn_draft_cost:  # a seeded run: the priced draft cost, not the clock, so the cut repeats
             draft_s = len(scores) * self._draft_s_per_token
         gains = torch.cat([torch.zeros(1), scores.float().cpu().cumsum(0)])[: self.max_k + 1]
-        rates = (1 + self.calibration * gains) / (torch.tensor(self._verify_s[: len(gains)]) + draft_s)
+        n = len(gains)
+        chain = torch.cat([torch.ones(1, dtype=torch.bool), (parents.cpu()[: n - 1] == torch.arange(-1, n - 2)).cummin(0).values])
+        verify = torch.where(chain, torch.tensor(self._verify_s[:n]), torch.tensor(self._tree_verify_s[:n]))
+        rates = (1 + self.calibration * gains) / (verify + draft_s)
         best = int(rates.argmax())
         self._predicted = float(gains[best])
         return best
@@ -269,7 +279,7 @@ class CostModelK:
 
         A tree verifies more nodes for more accepted tokens and costs more to draft; whether that pays depends on the
         drafter, the text and the machine, so it is measured: each way's tokens per second (drafting and verification
-        timed; priced by this machine's cost curve in a seeded run), the faster way drafted, the other one step in
+        timed; in a seeded run priced by this machine's cost curves, a tree's with its overhead), the faster way drafted, the other one step in
         TREE_TRIAL_EVERY. Trees are tried first, then chains: so a tree row is at most one trial step in TREE_TRIAL_EVERY
         slower than a chain row.
         """
@@ -296,11 +306,11 @@ class CostModelK:
         tree = self._drafting_tree  # None: a chain row; False: a tree row's chain step
         self._drafting_tree = None
         if tree is not None:
-            # Timed: a tree's forward costs more than a chain's over as many tokens (its nodes' attention is laid out
-            # again, models/precision.py), which the cost curve does not know. A seeded run prices both, so it repeats.
+            # Timed, where the clock may be read; a seeded run prices both ways (a tree with its overhead), so it repeats.
             n = min(outcome.proposed if outcome.verified is None else outcome.verified, self.max_k)
             draft_s = outcome.draft_s if self._learn_draft_cost else n * self._draft_s_per_token
-            verify_s = outcome.verify_s if self._learn_draft_cost and outcome.verify_s is not None else self._verify_s[n]
+            priced = (self._tree_verify_s if outcome.branched else self._verify_s)[n]
+            verify_s = outcome.verify_s if self._learn_draft_cost and outcome.verify_s is not None else priced
             seconds = draft_s + verify_s
             tokens, total = self.rates[tree] or (0.0, 0.0)
             self.rates[tree] = (RATE_DECAY * tokens + outcome.accepted + 1, RATE_DECAY * total + seconds)
