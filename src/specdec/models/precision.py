@@ -44,7 +44,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
@@ -80,35 +79,37 @@ def padded_eager_attention(
 
     Inference only (plans convert a model for decoding): no dropout. Queries go ROW_BLOCK at a time (a lone one as
     two), over keys padded to a multiple of KEY_BLOCK; a query that sees other than one run of keys (a tree node) is
-    computed again over just the keys it sees, laid out in order as in decoding (_attend_nodes, all such nodes together).
+    weighed over just the keys it sees, laid out in order as in decoding (_attend's node groups).
     Shapes as transformers' attention functions: query [batch, heads, queries, dim], key/value
     [batch, kv_heads, keys, dim], an additive mask [batch, 1, queries, keys] or None.
     """
     groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    keys = key.shape[2]
+    pad = -keys % KEY_BLOCK
+    key, shared_values = (F.pad(x, (0, 0, 0, pad)) for x in (key, value))  # shared: one per key-value head
+    key, value = key.repeat_interleave(groups, dim=1), shared_values.repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    attend = partial(_attend, scale=scale, softcap=softcap)
     given = torch.zeros(1, 1, 1, 1, dtype=query.dtype, device=query.device) if attention_mask is None else attention_mask
-    mask = given.expand(query.shape[0], 1, query.shape[2], key.shape[2])  # broadcast dims made whole
-    parts = [attend(query[:, :, s : s + ROW_BLOCK], key, value, mask[:, :, s : s + ROW_BLOCK]) for s in range(0, query.shape[2], ROW_BLOCK)]
-    out, weights = torch.cat([o for o, _ in parts], dim=2), torch.cat([w for _, w in parts], dim=2)[..., : key.shape[2]]
+    mask = given.expand(query.shape[0], 1, query.shape[2], keys)  # broadcast dims made whole
     # Decoding (one query) and no mask: one run of keys.
-    groups = [] if query.shape[2] == 1 or attention_mask is None else _tree_nodes(attention_mask, mask)
-    for group in groups:  # tree nodes again, each over the keys it sees in order, as decoding lays them out
-        single, probs = _attend_nodes(query, key, value, group, scale, softcap)
-        out[group.row][:, group.queries] = single
-        weights[group.row][:, group.queries] = 0  # then each node's weights at its keys (padding keys weigh exact zeros)
-        weights[group.row].permute(1, 2, 0).index_put_((group.queries[:, None], group.keys), probs.permute(1, 2, 0), accumulate=True)
+    nodes = [] if query.shape[2] == 1 or attention_mask is None else _tree_nodes(attention_mask, mask)
+    mask = F.pad(mask, (0, pad), value=torch.finfo(mask.dtype).min)
+    parts = [
+        _attend(query[:, :, s : s + ROW_BLOCK], key, value, mask[:, :, s : s + ROW_BLOCK], scale, softcap, [g for g in nodes if g.start == s], shared_values)
+        for s in range(0, query.shape[2], ROW_BLOCK)
+    ]
+    out, weights = torch.cat([o for o, _ in parts], dim=2), torch.cat([w for _, w in parts], dim=2)[..., :keys]
     return out.transpose(1, 2).contiguous(), weights
 
 
 @dataclass(frozen=True)
 class _NodeGroup:
-    """Up to ROW_BLOCK queries of one batch row that see other than one run of keys (tree nodes: their ancestors lie
-    past masked siblings), with the keys each sees in order."""
+    """The queries of one batch row and one ROW_BLOCK of queries that see other than one run of keys (tree nodes: their
+    ancestors lie past masked siblings), with the keys each sees in order."""
 
     row: int
-    queries: torch.Tensor  # [nodes]
+    start: int  # the first query of the block
+    queries: torch.Tensor  # [nodes]: within the block
     keys: torch.Tensor  # [nodes, a multiple of KEY_BLOCK]: the keys each sees, in order, padded with key 0
     mask: torch.Tensor  # additive [nodes, keys]: the padding masked
     shared: int  # leading KEY_BLOCK blocks in which every node's keys are the row's keys as they lie (its prefix)
@@ -132,8 +133,11 @@ def _tree_nodes(given: torch.Tensor, mask: torch.Tensor) -> list[_NodeGroup]:
     is_node = (count > 0) & (count < last - first + 1)  # [batch, queries]
     groups = []
     for row in is_node.any(-1).nonzero().flatten().tolist():
-        for queries in is_node[row].nonzero().flatten().split(ROW_BLOCK):
-            node_seen = seen[row, queries]
+        for start in range(0, is_node.shape[1], ROW_BLOCK):
+            queries = is_node[row, start : start + ROW_BLOCK].nonzero().flatten()
+            if not len(queries):
+                continue
+            node_seen = seen[row, start + queries]
             lengths = node_seen.sum(-1)
             width = -int(lengths.max()) // KEY_BLOCK * -KEY_BLOCK
             order = torch.sort((~node_seen).to(torch.uint8), dim=-1, stable=True).indices  # seen keys first, in order
@@ -142,51 +146,30 @@ def _tree_nodes(given: torch.Tensor, mask: torch.Tensor) -> list[_NodeGroup]:
             in_place = (order == torch.arange(width, device=mask.device)) | ~inside  # a key where decoding has it too
             shared = int(in_place.all(0).int().cumprod(0).sum()) // KEY_BLOCK
             padding = torch.zeros(inside.shape, dtype=mask.dtype, device=mask.device).masked_fill_(~inside, torch.finfo(mask.dtype).min)
-            groups.append(_NodeGroup(row, queries, order.where(inside, 0), padding, shared))
+            groups.append(_NodeGroup(row, start, queries, order.where(inside, 0), padding, shared))
     _LAYOUTS[:] = [(weakref.ref(given), groups), *[entry for entry in _LAYOUTS if entry[0]() is not None][: LAYOUTS_KEPT - 1]]
     return groups
 
 
-def _attend_nodes(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: _NodeGroup, scale: float, softcap: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of a group's tree nodes [heads, nodes, dim] and their weights [heads, nodes, keys] (over group.keys),
-    each node as decoding computes it: over its keys in order, padded to a multiple of KEY_BLOCK, values weighed a block
-    at a time and summed in float32. A query's score for a key is the same wherever the key lies, so scores come from
-    the row's keys as they lie; the blocks before the tree (``shared``) weigh the row's values as they lie, all nodes in
-    one product (as a chain's queries do), the rest gather each node's values."""
-    pad = -key.shape[2] % KEY_BLOCK
-    keys, values = (F.pad(x[group.row], (0, 0, 0, pad)) for x in (key, value))  # [heads, keys, dim]
-    lone = len(group.queries) == 1
-    rows = query[group.row][:, group.queries].repeat(1, 2 if lone else 1, 1)  # [heads, nodes, dim]: a lone one as two
-    scores = torch.matmul(rows, keys.transpose(1, 2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    order = group.keys.repeat(2 if lone else 1, 1)
-    mask = group.mask.repeat(2 if lone else 1, 1)
-    weights = F.softmax(scores.gather(-1, order.expand(scores.shape[0], -1, -1)) + mask, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = 0
-    for b, k in enumerate(range(0, order.shape[1], KEY_BLOCK)):
-        if b < group.shared:  # [heads, nodes, block] x [heads, block, dim]
-            part = torch.matmul(weights[..., k : k + KEY_BLOCK], values[:, k : k + KEY_BLOCK])
-        else:  # each node its own values: [nodes, heads, 2, block] x [nodes, heads, block, dim], a lone row as two
-            gathered = values[:, group.keys[:, k : k + KEY_BLOCK]].transpose(0, 1)
-            node_weights = weights[:, : len(group.queries), k : k + KEY_BLOCK].transpose(0, 1).unsqueeze(2).repeat(1, 1, 2, 1)
-            part = torch.matmul(node_weights, gathered)[:, :, 0].transpose(0, 1)
-            part = part.repeat(1, 2, 1) if lone else part
-        out = out + part.float()
-    n = len(group.queries)
-    return out.to(query.dtype)[:, :n], weights[:, :n]
-
-
 def _attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    nodes: list[_NodeGroup],
+    shared_values: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of at most ROW_BLOCK queries, a lone one run as two, over keys padded to a multiple of KEY_BLOCK."""
-    pad = -key.shape[2] % KEY_BLOCK
-    if pad:
-        key, value = F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
-        mask = F.pad(mask, (0, pad), value=torch.finfo(mask.dtype).min)
+    """Attention of at most ROW_BLOCK queries, a lone one run as two, over keys (and a mask) padded to a multiple of KEY_BLOCK.
+
+    Values are weighed one KEY_BLOCK of keys at a time and the parts summed in float32 in key order: a query's masked keys
+    add exact zeros, so its result does not depend on how many keys the call has (one product over all of them would:
+    AMX blocks by length). A tree node (``nodes``) is weighed as decoding weighs it: softmax over its keys in order
+    (a query's score for a key is the same wherever the key lies, so the scores are gathered into that order), the
+    blocks before the tree (``shared``) in the one product with the other queries, the rest over its own values, gathered
+    from ``shared_values`` (the values before grouped-query heads repeat them: a quarter of the copying for 4 heads to one).
+    """
     lone = query.shape[2] == 1
     if lone:
         query, mask = query.repeat(1, 1, 2, 1), mask.expand(-1, -1, 2, -1)
@@ -194,10 +177,39 @@ def _attend(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     weights = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(query.dtype)
-    # One product per KEY_BLOCK keys, summed in float32 in key order: a query's masked keys add exact zeros, so its
-    # result does not depend on how many keys the call has (one product over all of them would: AMX blocks by length).
-    blocks = range(0, key.shape[2], KEY_BLOCK)
-    out = sum(torch.matmul(weights[..., k : k + KEY_BLOCK], value[:, :, k : k + KEY_BLOCK]).float() for k in blocks).to(query.dtype)  # type: ignore[union-attr]
+    rows = [torch.arange(2, device=query.device) if lone else g.queries for g in nodes]  # a lone node is both rows of its pair
+    in_order = []  # each group's weights over its keys in order [heads, nodes, width]
+    for g, r in zip(nodes, rows, strict=True):
+        order, padding = (g.keys.repeat(2, 1), g.mask.repeat(2, 1)) if lone else (g.keys, g.mask)
+        node_scores = scores[g.row][:, r].gather(-1, order.expand(scores.shape[1], -1, -1))
+        in_order.append(F.softmax(node_scores + padding, dim=-1, dtype=torch.float32).to(query.dtype))
+        weights[g.row][:, r] = F.pad(in_order[-1], (0, weights.shape[-1] - order.shape[1]))
+    out: torch.Tensor | int = 0
+    before_tree: dict[int, torch.Tensor] = {}  # per group: its nodes' sums over the blocks before the tree
+    for b, k in enumerate(range(0, key.shape[2], KEY_BLOCK)):
+        for i, g in enumerate(nodes):
+            if b == g.shared:
+                before_tree[i] = out[g.row][:, rows[i]] if isinstance(out, torch.Tensor) else 0  # type: ignore[assignment]
+        out = out + torch.matmul(weights[..., k : k + KEY_BLOCK], value[:, :, k : k + KEY_BLOCK]).float()
+    kv_heads, heads = shared_values.shape[1], query.shape[1]
+    for i, g in enumerate(nodes):
+        node_out, n = before_tree[i], len(g.queries)
+        for k in range(g.shared * KEY_BLOCK, g.keys.shape[1], KEY_BLOCK):
+            # Per node and key-value head: the weights of the heads sharing it [rows, block] times its values [block, dim],
+            # the heads as rows of one product (a node alone as two rows, as decoding computes a lone query).
+            gathered = shared_values[g.row].index_select(1, g.keys[:, k : k + KEY_BLOCK].flatten()).unflatten(1, (n, KEY_BLOCK))
+            node_weights = in_order[i][:, :n, k : k + KEY_BLOCK].unflatten(0, (kv_heads, -1)).transpose(1, 2)  # [kv, n, heads/kv, block]
+            pair = node_weights.shape[2] == 1
+            part = torch.matmul(node_weights.repeat(1, 1, 2, 1) if pair else node_weights, gathered)  # [kv, n, rows, dim]
+            part = (part[:, :, :1] if pair else part).transpose(1, 2).reshape(heads, n, -1)
+            node_out = node_out + (part.repeat(1, 2, 1) if lone else part).float()
+        out[g.row][:, rows[i]] = node_out  # type: ignore[index]
+        # Its weights at the keys they weigh; padding points past the last key, cut off after.
+        keys, padding = (g.keys.repeat(2, 1), g.mask.repeat(2, 1)) if lone else (g.keys, g.mask)
+        order = keys.masked_fill(padding < 0, weights.shape[-1])
+        scattered = weights.new_zeros(heads, len(rows[i]), weights.shape[-1] + 1)
+        weights[g.row][:, rows[i]] = scattered.scatter_(-1, order.expand(heads, -1, -1), in_order[i])[..., :-1]
+    out = out.to(query.dtype)  # type: ignore[union-attr]
     return (out[:, :, :1], weights[:, :, :1]) if lone else (out, weights)
 
 
