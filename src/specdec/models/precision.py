@@ -86,18 +86,18 @@ def padded_eager_attention(
     groups = query.shape[1] // key.shape[1]
     keys = key.shape[2]
     pad = -keys % KEY_BLOCK
-    key, shared_values = (F.pad(x, (0, 0, 0, pad)) for x in (key, value))  # shared: one per key-value head
-    key, value = key.repeat_interleave(groups, dim=1), shared_values.repeat_interleave(groups, dim=1)
+    key, kv_values = (F.pad(x, (0, 0, 0, pad)) for x in (key, value))  # kv_values: one per key-value head
+    key, value = key.repeat_interleave(groups, dim=1), kv_values.repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     given = torch.zeros(1, 1, 1, 1, dtype=query.dtype, device=query.device) if attention_mask is None else attention_mask
     mask = given.expand(query.shape[0], 1, query.shape[2], keys)  # broadcast dims made whole
     # Decoding (one query) and no mask: one run of keys.
     nodes = [] if query.shape[2] == 1 or attention_mask is None else _tree_nodes(attention_mask, mask)
     mask = F.pad(mask, (0, pad), value=torch.finfo(mask.dtype).min)
-    parts = [
-        _attend(query[:, :, s : s + ROW_BLOCK], key, value, mask[:, :, s : s + ROW_BLOCK], scale, softcap, [g for g in nodes if g.start == s], shared_values)
-        for s in range(0, query.shape[2], ROW_BLOCK)
-    ]
+    parts = []
+    for s in range(0, query.shape[2], ROW_BLOCK):
+        rows, block_nodes = slice(s, s + ROW_BLOCK), [g for g in nodes if g.start == s]
+        parts.append(_attend(query[:, :, rows], key, value, mask[:, :, rows], scale, softcap, block_nodes, kv_values))
     out, weights = torch.cat([o for o, _ in parts], dim=2), torch.cat([w for _, w in parts], dim=2)[..., :keys]
     return out.transpose(1, 2).contiguous(), weights
 
@@ -159,7 +159,7 @@ def _attend(
     scale: float,
     softcap: float | None,
     nodes: list[_NodeGroup],
-    shared_values: torch.Tensor,
+    kv_values: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of at most ROW_BLOCK queries, a lone one run as two, over keys (and a mask) padded to a multiple of KEY_BLOCK.
 
@@ -168,7 +168,7 @@ def _attend(
     AMX blocks by length). A tree node (``nodes``) is weighed as decoding weighs it: softmax over its keys in order
     (a query's score for a key is the same wherever the key lies, so the scores are gathered into that order), the
     blocks before the tree (``shared``) in the one product with the other queries, the rest over its own values, gathered
-    from ``shared_values`` (the values before grouped-query heads repeat them: a quarter of the copying for 4 heads to one).
+    from ``kv_values`` (the values before grouped-query heads repeat them: a quarter of the copying for 4 heads to one).
     """
     lone = query.shape[2] == 1
     if lone:
@@ -191,13 +191,13 @@ def _attend(
             if b == g.shared:
                 before_tree[i] = out[g.row][:, rows[i]] if isinstance(out, torch.Tensor) else 0  # type: ignore[assignment]
         out = out + torch.matmul(weights[..., k : k + KEY_BLOCK], value[:, :, k : k + KEY_BLOCK]).float()
-    kv_heads, heads = shared_values.shape[1], query.shape[1]
+    kv_heads, heads = kv_values.shape[1], query.shape[1]
     for i, g in enumerate(nodes):
         node_out, n = before_tree[i], len(g.queries)
         for k in range(g.shared * KEY_BLOCK, g.keys.shape[1], KEY_BLOCK):
             # Per node and key-value head: the weights of the heads sharing it [rows, block] times its values [block, dim],
             # the heads as rows of one product (a node alone as two rows, as decoding computes a lone query).
-            gathered = shared_values[g.row].index_select(1, g.keys[:, k : k + KEY_BLOCK].flatten()).unflatten(1, (n, KEY_BLOCK))
+            gathered = kv_values[g.row].index_select(1, g.keys[:, k : k + KEY_BLOCK].flatten()).unflatten(1, (n, KEY_BLOCK))
             node_weights = in_order[i][:, :n, k : k + KEY_BLOCK].unflatten(0, (kv_heads, -1)).transpose(1, 2)  # [kv, n, heads/kv, block]
             pair = node_weights.shape[2] == 1
             part = torch.matmul(node_weights.repeat(1, 1, 2, 1) if pair else node_weights, gathered)  # [kv, n, rows, dim]
