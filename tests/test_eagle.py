@@ -345,16 +345,17 @@ def test_tree_size_follows_the_costs_and_learns_the_scores_calibration() -> None
     parents = torch.tensor([-1, 0, 1, 0, 2, 3])  # a chain of three, then branches
     cheap = CostModelK(8, CostCurve({1: 0.010, 9: 0.011}))
     costly = CostModelK(8, CostCurve({1: 0.010, 9: 0.090}))
-    assert cheap.tree_size(scores, parents, 0.0) == 6
-    assert costly.tree_size(scores, parents, 0.0) < cheap.tree_size(scores, parents, 0.0)
+    assert cheap.tree_size(scores, parents, 0.0, 4) == 6
+    assert costly.tree_size(scores, parents, 0.0, 4) < cheap.tree_size(scores, parents, 0.0, 4)
     seeded = CostModelK(8, CostCurve({1: 0.010, 9: 0.090}), draft_s_per_token=0.0)
-    assert seeded.tree_size(scores, parents, 0.0) == seeded.tree_size(scores, parents, 0.5)  # a seeded run's cut never follows the clock
-    assert costly.tree_size(scores, parents, 0.5) != costly.tree_size(scores, parents, 0.0)
+    # a seeded run's cut never follows the clock
+    assert seeded.tree_size(scores, parents, 0.0, 4) == seeded.tree_size(scores, parents, 0.5, 4)
+    assert costly.tree_size(scores, parents, 0.5, 4) != costly.tree_size(scores, parents, 0.0, 4)
     dear_trees = CostModelK(8, CostCurve({1: 0.010, 9: 0.011}), tree_overhead=CostCurve({1: 0.0, 3: 0.010, 9: 0.010}))
-    assert dear_trees.tree_size(scores, parents, 0.0) == 3  # the chain, uncharged; branching would not pay the overhead
-    assert dear_trees.tree_size(scores, torch.arange(-1, 5), 0.0) == 6  # a chain of six is never charged it
+    assert dear_trees.tree_size(scores, parents, 0.0, 4) == 3  # the chain, uncharged; branching would not pay the overhead
+    assert dear_trees.tree_size(scores, torch.arange(-1, 5), 0.0, 6) == 6  # a chain of six is never charged it
     before = cheap.calibration
-    cheap.tree_size(scores, parents, 0.0)
+    cheap.tree_size(scores, parents, 0.0, 4)
     cheap.observe(StepOutcome(6, 0, 0.0, 10, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long)))
     assert cheap.calibration < before
 

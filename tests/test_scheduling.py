@@ -218,7 +218,8 @@ def test_generator_measures_tree_overhead_once_for_sequences_that_branch(tmp_pat
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     calls = []
     real = cost_module.tree_overhead_curve
-    monkeypatch.setattr(cost_module, "tree_overhead_curve", lambda rows: calls.append(rows) or real(rows, sizes=(3, 5), context=8, repeats=1))
+    quick = lambda rows: calls.append(rows) or real(rows, sizes=(3, 5), context=8, repeats=1)  # noqa: E731
+    monkeypatch.setattr(cost_module, "tree_overhead_curve", quick)
     gen = Generator(loaded(tiny_llama(0)), "prompt-lookup")
     policy = gen.k_policy(GenerationConfig(k=4, k_policy="cost-model", branches=3))
     assert len(calls) == 1 and calls[0].lengths == []  # measured in a row of its own, freed afterwards

@@ -262,8 +262,9 @@ def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
     seeded.observe(StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8))
     assert seeded.rates[True] == pytest.approx((2, 0.02))  # a seeded run prices drafting, never times it: the choices repeat
     overhead = CostCurve({1: 0.0, 9: 0.008})  # a tree forward's seconds over a chain's
-    for branched, seconds in ((False, 0.02), (True, 0.028)):  # a tree step whose drafts happened not to branch costs a chain's forward
-        priced = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.0, tree_overhead=overhead)
+    for branched, seconds in ((False, 0.024), (True, 0.032)):  # a tree step whose drafts happened not to branch costs a chain's forward
+        # 4 levels drafted (a draft step each) for 8 nodes verified
+        priced = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.001, tree_overhead=overhead)
         assert priced.use_tree()
         priced.observe(StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, branched=branched))
         assert priced.rates[True] == pytest.approx((2, seconds))

@@ -147,7 +147,7 @@ def _draft(row: Row, window: int | None, max_context: int) -> Draft:
     proposal = row.drafter.propose(row.tokens, k, branches)
     if proposal.scores is not None and tree_size is not None:
         parents = proposal.parents if proposal.parents is not None else torch.arange(-1, len(proposal) - 1)
-        proposal = proposal.cut(tree_size(proposal.scores, parents, time.perf_counter() - start))
+        proposal = proposal.cut(tree_size(proposal.scores, parents, time.perf_counter() - start, proposal.depth))
     elif wanted != chosen:
         proposal = proposal.cut(chosen)
     if proposal.probs is None:  # a deterministic draft token that a guard blocks would only be rejected

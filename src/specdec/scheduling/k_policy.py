@@ -255,16 +255,16 @@ class CostModelK:
     def acceptance(self) -> float:
         return self.estimate.value
 
-    def tree_size(self, scores: torch.Tensor, parents: torch.Tensor, draft_s: float) -> int:
-        """How many of a scored proposal's best nodes (``parents``: its tree) to verify (EAGLE-2's reranking, priced by
-        this machine's costs).
+    def tree_size(self, scores: torch.Tensor, parents: torch.Tensor, draft_s: float, levels: int) -> int:
+        """How many of a scored proposal's best nodes (``parents``: its tree, ``levels`` deep) to verify (EAGLE-2's
+        reranking, priced by this machine's costs).
 
         A node's score is the drafter's chance that it is accepted, so the best n nodes are expected to yield
         1 + calibration * (their summed scores) tokens for a forward over n + 1 positions (a tree's price once they
         branch, a chain's before) plus the drafting already done; the n with the most tokens per second wins.
         """
         if not self._learn_draft_cost:  # a seeded run: the priced draft cost, not the clock, so the cut repeats
-            draft_s = len(scores) * self._draft_s_per_token
+            draft_s = levels * self._draft_s_per_token
         gains = torch.cat([torch.zeros(1), scores.float().cpu().cumsum(0)])[: self.max_k + 1]
         n = len(gains)
         chain = torch.cat([torch.ones(1, dtype=torch.bool), (parents.cpu()[: n - 1] == torch.arange(-1, n - 2)).cummin(0).values])
@@ -306,9 +306,10 @@ class CostModelK:
         tree = self._drafting_tree  # None: a chain row; False: a tree row's chain step
         self._drafting_tree = None
         if tree is not None:
-            # Timed, where the clock may be read; a seeded run prices both ways (a tree with its overhead), so it repeats.
+            # Timed, where the clock may be read; a seeded run prices both ways, so it repeats: a draft step per level
+            # (a drafter drafts a tree's level in one step, as a chain's token), a forward over the nodes (a tree's with its overhead).
             n = min(outcome.proposed if outcome.verified is None else outcome.verified, self.max_k)
-            draft_s = outcome.draft_s if self._learn_draft_cost else n * self._draft_s_per_token
+            draft_s = outcome.draft_s if self._learn_draft_cost else min(outcome.proposed, self.max_k) * self._draft_s_per_token
             priced = (self._tree_verify_s if outcome.branched else self._verify_s)[n]
             verify_s = outcome.verify_s if self._learn_draft_cost and outcome.verify_s is not None else priced
             seconds = draft_s + verify_s
