@@ -64,9 +64,11 @@ def test_prompt_lookup_proposes_several_matches_as_a_tree() -> None:
     context = torch.tensor([1, 2, 7, 8, 9, 1, 2, 3, 4, 5, 1, 2])
     proposal = drafter.propose(context, 6, branches=3)
     assert proposal.is_tree
-    assert proposal.tokens.tolist() == [3, 4, 5, 1, 7, 8]  # the latest match first, then the earlier one
-    assert proposal.parents.tolist() == [-1, 0, 1, 2, -1, 4]
-    assert not drafter.propose(context, 6).is_tree
+    assert proposal.tokens.tolist() == [3, 4, 5, 1, 2, 7]  # the latest match first, whole, then the earlier one
+    assert proposal.parents.tolist() == [-1, 0, 1, 2, 3, -1]
+    chain = drafter.propose(context, 6)
+    assert not chain.is_tree and proposal.tokens[: len(chain)].tolist() == chain.tokens.tolist()  # the chain is the tree's first branch
+    assert not drafter.propose(context, 4, branches=3).is_tree  # no room left beside it: the chain
 
 
 FIXED = BatchConfig(window="fixed")
@@ -76,17 +78,23 @@ RUNTIMES = ["transformers"] + (["native"] if cpu_kernels.compiled() is not None 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_greedy_trees_give_the_target_only_tokens(monkeypatch: pytest.MonkeyPatch, family: str, runtime: str) -> None:
-    """Trees of prompt-lookup matches (4 branches), deeper than the sliding window, on one row; fewer steps than the target alone."""
+    """Trees on one row, deeper than the sliding window: prompt lookup's matches (a tree where the likeliest copy leaves
+    room for others) and a noisy copy's top tokens (a tree at every step); fewer forwards than the target alone."""
     tokenizer, model = models()[0], models()[1][family]
     target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=RuntimeConfig(backend=runtime))
-    drafted = Generator(target.target, "prompt-lookup")
-    trees = _count_trees(drafted, monkeypatch)
-    for prompt in PROMPTS:
-        expected = target.generate(prompt, max_new_tokens=40, stop_on_eos=False)
-        got = drafted.generate(prompt, max_new_tokens=40, k=8, k_policy="fixed", branches=4, stop_on_eos=False)
-        assert got.token_ids == expected.token_ids, (family, runtime, prompt)
-        assert got.stats.target_forwards < expected.stats.target_forwards
-    assert trees[0] >= 3
+    noisy = ModelDrafter(TransformersBackend(perturbed(model, noise=0.2, seed=1)))
+    for drafter, k in (("prompt-lookup", 16), (noisy, 12)):
+        drafted = Generator(target.target, drafter)
+        trees = _count_trees(drafted, monkeypatch)
+        forwards = {"target only": 0, "trees": 0}
+        for prompt in PROMPTS:
+            expected = target.generate(prompt, max_new_tokens=40, stop_on_eos=False)
+            got = drafted.generate(prompt, max_new_tokens=40, k=k, k_policy="fixed", branches=4, stop_on_eos=False)
+            assert got.token_ids == expected.token_ids, (family, runtime, prompt, drafter)
+            forwards["target only"] += expected.stats.target_forwards
+            forwards["trees"] += got.stats.target_forwards
+        assert forwards["trees"] < forwards["target only"], drafter
+        assert trees[0] >= 2, drafter
 
 
 def test_greedy_trees_in_a_batch_give_the_target_only_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,8 +103,8 @@ def test_greedy_trees_in_a_batch_give_the_target_only_tokens(monkeypatch: pytest
     gen = Generator(loaded(model, tokenizer=tokenizer), "prompt-lookup", batch=FIXED)  # k as configured, whatever the timings
     expected = [gen.generate(p, max_new_tokens=30, k=1, k_policy="fixed", stop_on_eos=False).token_ids for p in PROMPTS]
     configs = [
-        GenerationConfig(k=8, k_policy="fixed", branches=4, max_new_tokens=30, stop_on_eos=False),
-        GenerationConfig(k=5, k_policy="fixed", branches=2, max_new_tokens=30, stop_on_eos=False),
+        GenerationConfig(k=16, k_policy="fixed", branches=4, max_new_tokens=30, stop_on_eos=False),
+        GenerationConfig(k=12, k_policy="fixed", branches=2, max_new_tokens=30, stop_on_eos=False),
         GenerationConfig(k=6, k_policy="fixed", max_new_tokens=30, stop_on_eos=False),
     ]
     trees = _count_trees(gen, monkeypatch)

@@ -37,7 +37,8 @@ class PromptLookupDrafter:
         """Up to k tokens that followed the most recent earlier match of the longest possible suffix.
 
         With branches, a tree of up to k nodes: the continuations of the ``branches`` best distinct matches (longest
-        suffix first, then most recent), the best one given most of the nodes.
+        suffix first, then most recent), the best one whole, as the chain would propose it, the others in the nodes it
+        leaves: a tree step never drafts less of the likeliest copy than a chain step.
         """
         length = context.shape[0]
         runs: list[list[int]] = []
@@ -57,5 +58,4 @@ class PromptLookupDrafter:
                 break
         if not runs:
             return Proposal(context[:0])
-        runs[0] = runs[0][: max(k - 2 * (len(runs) - 1), (k + 1) // 2)]  # room for the others' first two tokens
         return Proposal.tree(runs, k)
