@@ -276,6 +276,7 @@ def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
         assert priced.use_tree()
         priced.observe(StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, branched=branched))
         assert priced.rates[True] == pytest.approx((2, seconds))
+        assert (priced.acceptance == CostModelK(8, CostCurve({1: 0.010})).acceptance) == branched  # only a chain-shaped step teaches k
     timed = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}))
     timed.use_tree()
     timed.observe(StepOutcome(4, 1, 0.5, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, verify_s=0.25))

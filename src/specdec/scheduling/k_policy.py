@@ -319,9 +319,11 @@ class CostModelK:
             ratio = outcome.accepted / self._predicted
             self.calibration = min(3.0, max(0.2, self.calibration + 0.2 * (ratio - self.calibration)))
         self._predicted = None
-        if tree:  # a tree accepts more and drafts more nodes than the chain k is chosen for: its step says nothing of either
+        # A tree accepts more and drafts more nodes than the chain k is chosen for: its step says nothing of either. A tree
+        # step whose drafts did not branch was a chain, so it teaches the acceptance (not the draft cost: it may draft more than k).
+        if tree and outcome.branched:
             return
         self.estimate.observe(outcome.proposed, outcome.accepted)
-        if self._chosen and self._learn_draft_cost:
+        if self._chosen and self._learn_draft_cost and not tree:
             per_token = outcome.draft_s / self._chosen
             self._draft_s_per_token += 0.5 * (per_token - self._draft_s_per_token)
