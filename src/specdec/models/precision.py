@@ -178,9 +178,9 @@ def _attend(
         scores = torch.tanh(scores / softcap) * softcap
     weights = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(query.dtype)
     rows = [torch.arange(2, device=query.device) if lone else g.queries for g in nodes]  # a lone node is both rows of its pair
+    layouts = [(g.keys.repeat(2, 1), g.mask.repeat(2, 1)) if lone else (g.keys, g.mask) for g in nodes]  # per row: keys, padding
     in_order = []  # each group's weights over its keys in order [heads, nodes, width]
-    for g, r in zip(nodes, rows, strict=True):
-        order, padding = (g.keys.repeat(2, 1), g.mask.repeat(2, 1)) if lone else (g.keys, g.mask)
+    for g, r, (order, padding) in zip(nodes, rows, layouts, strict=True):
         node_scores = scores[g.row][:, r].gather(-1, order.expand(scores.shape[1], -1, -1))
         in_order.append(F.softmax(node_scores + padding, dim=-1, dtype=torch.float32).to(query.dtype))
         weights[g.row][:, r] = F.pad(in_order[-1], (0, weights.shape[-1] - order.shape[1]))
@@ -205,7 +205,7 @@ def _attend(
             node_out = node_out + (part.repeat(1, 2, 1) if lone else part).float()
         out[g.row][:, rows[i]] = node_out  # type: ignore[index]
         # Its weights at the keys they weigh; padding points past the last key, cut off after.
-        keys, padding = (g.keys.repeat(2, 1), g.mask.repeat(2, 1)) if lone else (g.keys, g.mask)
+        keys, padding = layouts[i]
         order = keys.masked_fill(padding < 0, weights.shape[-1])
         scattered = weights.new_zeros(heads, len(rows[i]), weights.shape[-1] + 1)
         weights[g.row][:, rows[i]] = scattered.scatter_(-1, order.expand(heads, -1, -1), in_order[i])[..., :-1]
