@@ -86,10 +86,16 @@ def test_a_killed_replica_loses_no_request_silently_and_the_cluster_recovers(ray
     """SIGKILL one replica's process under 12 requests (streamed and not): each completes or fails visibly, and is counted."""
     counted_before = {o: ray_server.metric("specdec_replica_failures_total", outcome=o) for o in ("retried", "failed")}
 
+    streaming: list[str] = []  # the replica of each stream that has had its first token
+
     def ask(i: int) -> str:
         body = {"prompt": "the cat sat on the mat", "max_tokens": 220, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}
         with httpx.stream("POST", f"{ray_server.url}/v1/completions", json=body, timeout=120) as response:
-            lines = [line for line in response.iter_lines() if line]
+            lines = []
+            for line in response.iter_lines():
+                if line and not lines and body["stream"] and response.status_code == 200:
+                    streaming.append(response.headers["x-specdec-replica"])
+                lines += [line] if line else []
         if response.status_code == 503 and "replica_failed" in lines[0]:
             return "failed visibly"  # every replica tried failed before answering
         assert response.status_code == 200, lines
@@ -103,7 +109,10 @@ def test_a_killed_replica_loses_no_request_silently_and_the_cluster_recovers(ray
     before = set(_replicas())
     with ThreadPoolExecutor(12) as pool:
         outcomes = pool.map(ask, range(12))
-        time.sleep(0.5)  # requests are in flight on both replicas
+        # Kill once both replicas stream, or every stream has begun: requests still in Serve's router are rerouted unseen.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(set(streaming)) < 2 and len(streaming) < 6:
+            time.sleep(0.05)
         os.kill(_replica_pids()[0], signal.SIGKILL)
         outcomes = list(outcomes)
     counted = {o: ray_server.metric("specdec_replica_failures_total", outcome=o) - counted_before[o] for o in counted_before}
