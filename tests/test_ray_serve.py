@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -86,16 +88,22 @@ def test_a_killed_replica_loses_no_request_silently_and_the_cluster_recovers(ray
     """SIGKILL one replica's process under 12 requests (streamed and not): each completes or fails visibly, and is counted."""
     counted_before = {o: ray_server.metric("specdec_replica_failures_total", outcome=o) for o in ("retried", "failed")}
 
-    streaming: list[str] = []  # the replica of each stream that has had its first token
+    live: Counter[str] = Counter()  # streams under way (first token received, not yet ended) by replica
+    counting = threading.Lock()
 
     def ask(i: int) -> str:
-        body = {"prompt": "the cat sat on the mat", "max_tokens": 220, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}
+        body = {"prompt": "the cat sat on the mat", "max_tokens": 220, "temperature": 0, "ignore_eos": True, "stream": i % 3 != 0}
         with httpx.stream("POST", f"{ray_server.url}/v1/completions", json=body, timeout=120) as response:
+            replica = response.headers.get("x-specdec-replica", "") if body["stream"] and response.status_code == 200 else ""
             lines = []
             for line in response.iter_lines():
-                if line and not lines and body["stream"] and response.status_code == 200:
-                    streaming.append(response.headers["x-specdec-replica"])
+                if line and not lines and replica:
+                    with counting:
+                        live[replica] += 1
                 lines += [line] if line else []
+            if lines and replica:
+                with counting:
+                    live[replica] -= 1
         if response.status_code == 503 and "replica_failed" in lines[0]:
             return "failed visibly"  # every replica tried failed before answering
         assert response.status_code == 200, lines
@@ -109,9 +117,10 @@ def test_a_killed_replica_loses_no_request_silently_and_the_cluster_recovers(ray
     before = set(_replicas())
     with ThreadPoolExecutor(12) as pool:
         outcomes = pool.map(ask, range(12))
-        # Kill once both replicas stream, or every stream has begun: requests still in Serve's router are rerouted unseen.
+        # Kill once both replicas are streaming: requests still in Serve's router would be rerouted unseen.
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(set(streaming)) < 2 and len(streaming) < 6:
+        while sum(n > 0 for n in live.values()) < 2:
+            assert time.monotonic() < deadline, f"the streams did not reach both replicas: {live}"
             time.sleep(0.05)
         os.kill(_replica_pids()[0], signal.SIGKILL)
         outcomes = list(outcomes)
