@@ -7,6 +7,8 @@ trees and for trees whose siblings are independent draws, at several shapes, wit
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import loaded, perturbed, tiny_llama
@@ -22,7 +24,7 @@ from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend, cpu_kernels
 from specdec.models.backend import tree_mask
-from specdec.scheduling import CostCurve
+from specdec.scheduling import CostCurve, KPolicy
 from specdec.scheduling.k_policy import TREE_TRIAL_EVERY, CostModelK, StepOutcome
 from specdec.verification.sampling import draw
 from specdec.verification.seeds import rng_on
@@ -268,19 +270,46 @@ def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
     seeded = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.0)
     seeded.use_tree()
     seeded.observe(StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8))
-    assert seeded.rates[True] == pytest.approx((2, 0.02))  # a seeded run prices drafting, never times it: the choices repeat
+    assert seeded.ways.rates[True] == pytest.approx((2, 0.02))  # a seeded run prices drafting, never times it: the choices repeat
     overhead = CostCurve({1: 0.0, 9: 0.008})  # a tree forward's seconds over a chain's
     for branched, seconds in ((False, 0.024), (True, 0.032)):  # a tree step whose drafts happened not to branch costs a chain's forward
         # 4 levels drafted (a draft step each) for 8 nodes verified
         priced = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.001, tree_overhead=overhead)
         assert priced.use_tree()
         priced.observe(StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, branched=branched))
-        assert priced.rates[True] == pytest.approx((2, seconds))
+        assert priced.ways.rates[True] == pytest.approx((2, seconds))
         assert (priced.acceptance == CostModelK(8, CostCurve({1: 0.010})).acceptance) == branched  # only a chain-shaped step teaches k
     timed = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}))
     timed.use_tree()
     timed.observe(StepOutcome(4, 1, 0.5, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, verify_s=0.25))
-    assert timed.rates[True] == pytest.approx((2, 0.75))  # otherwise the step's own time: a tree's forward costs more than the curve says
+    # Otherwise the step's own time: a tree's forward costs more than the curve says.
+    assert timed.ways.rates[True] == pytest.approx((2, 0.75))
+
+
+def test_a_timed_tree_row_starts_from_its_generators_earlier_rows() -> None:
+    """Unseeded, tree rows of one generator with the same settings share their tree and chain rates: a row's first steps
+    draft whichever way earlier rows found faster. A seeded row, or one with other settings, starts afresh."""
+    gen = Generator(loaded(tiny_llama(3, vocab=VOCAB)), PromptLookupDrafter())
+    gen.costs = gen.tree_overhead = lambda: CostCurve({1: 0.010, 9: 0.020})  # type: ignore[method-assign]
+    config = GenerationConfig(k=8, branches=2, k_policy="cost-model")
+
+    def steps(policy: KPolicy, n: int, tree_accepts: int, chain_accepts: int) -> list[bool]:
+        assert isinstance(policy, CostModelK)
+        drafted = []
+        for _ in range(n):
+            tree = policy.use_tree()
+            accepted = tree_accepts if tree else chain_accepts
+            policy.observe(StepOutcome(4, accepted, 0.001, 10, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), 8 if tree else 4))
+            drafted.append(tree)
+        return drafted
+
+    assert steps(gen.k_policy(config), 2, 0, 3) == [True, False]  # no rates yet: a tree, then a chain
+    assert steps(gen.k_policy(config), 2, 7, 0) == [False, False], "chains were faster for the first row"
+    assert steps(gen.k_policy(config), TREE_TRIAL_EVERY, 7, 0)[-4:] == [True] * 4, "trees win once a trial shows it"
+    assert steps(gen.k_policy(config), 2, 7, 0) == [True, True], "a fresh row would draft a chain on its second step"
+    for fresh in (replace(config, seed=0), replace(config, k=6), replace(config, sampling=SamplingConfig(temperature=0.7))):
+        assert steps(gen.k_policy(fresh), 2, 7, 0) == [True, False]
+    assert steps(gen.k_policy(config, batched=True), 2, 7, 0) == [True, False], "a batch row's steps are timed with the batch"
 
 
 def test_a_wrong_sibling_residual_fails(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ from specdec.models.backend import TREES_UNSUPPORTED, OneRow, RowBackend
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.profile import Profile, ProfileWarning, load_profile
 from specdec.quality import Guards, NoGuards, SentenceEmbedder, ignorable_tokens
-from specdec.scheduling import CostCurve, KPolicy, LoadWindow, build_k_policy, memory_in_use
+from specdec.scheduling import CostCurve, KPolicy, LoadWindow, WayRates, build_k_policy, memory_in_use
 from specdec.verification.seeds import Seeds
 
 FinishReason = Literal["length", "eos", "stop", "context"]
@@ -72,6 +72,7 @@ class Generator:
         self.backend = self.target.backend
         self._costs: CostCurve | None = None
         self._tree_overhead: CostCurve | None = None
+        self._tree_rates: dict[tuple[int, int, bool, bool], WayRates] = {}  # timed tree rows': by k, branches, greedy, batched
         self._measuring = threading.Lock()
         if drafter == "auto":
             drafter = auto_draft(self.target, self.costs)
@@ -147,10 +148,17 @@ class Generator:
                 self._draft_cost = machine_cost_curve(_quiet_copy(backend))(1) if backend is not None else 0.0
         return self._draft_cost
 
-    def k_policy(self, config: GenerationConfig) -> KPolicy:
-        """A fresh k policy for one sequence. With a seed, the cost model prices drafts from measured (cached) costs, not live timings, so the seed reproduces the output."""
+    def k_policy(self, config: GenerationConfig, batched: bool = False) -> KPolicy:
+        """A fresh k policy for one sequence (a row of a batch decoder's, ``batched``). With a seed, the cost model prices
+        drafts from measured (cached) costs, not live timings, so the seed reproduces the output. Without, a tree row
+        shares the tree and chain steps' rates its generator's rows timed with the same settings (a batch row's steps are
+        timed with the batch, so apart from single runs'); a seeded row's choices must not depend on earlier requests."""
+        trees = config.branches > 1
         draft_cost = self.draft_cost if config.seed is not None else None
-        return build_k_policy(config.k_policy, config.k, self.costs, draft_cost, self.tree_overhead if config.branches > 1 else None)
+        ways = None
+        if trees and config.seed is None:
+            ways = self._tree_rates.setdefault((config.k, config.branches, config.sampling.greedy, batched), WayRates())
+        return build_k_policy(config.k_policy, config.k, self.costs, draft_cost, self.tree_overhead if trees else None, ways)
 
     def acquire(self) -> tuple[Backend, Drafter]:
         """The target cache and drafter for a single-sequence run: this Generator's own, or forks of them while another run holds those."""
@@ -240,7 +248,7 @@ class Generator:
     def admit(self, decoder: Decoder, run: Completion) -> None:
         """Add ``run`` to a batch ``decoder`` with a forked drafter and a fresh k policy."""
         drafter = self.drafter.fork()  # first: a drafter that cannot fork is refused before anything is measured on it
-        decoder.join(run, drafter, self.k_policy(run.config))
+        decoder.join(run, drafter, self.k_policy(run.config, batched=True))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """``prompt``'s token ids, checked: not empty, valid text or in-vocabulary ids, within the context."""

@@ -9,6 +9,7 @@ before each step and observes the step's outcome after it; it never sees a model
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -211,6 +212,32 @@ TREE_TRIAL_EVERY = 8  # a tree row's steps: one in this many drafts the way that
 RATE_DECAY = 0.8  # weight of the past in the tree and chain steps' rates
 
 
+class WayRates:
+    """Tokens per second of tree steps and of chain steps (decayed sums of tokens and seconds), and the steps counted:
+    one tree row's, or shared by a generator's timed rows so that a row starts from what earlier ones measured."""
+
+    def __init__(self) -> None:
+        self.rates: dict[bool, tuple[float, float] | None] = {True: None, False: None}  # tree (True) and chain steps
+        self.steps = 0
+        self._lock = threading.Lock()  # rows of concurrent runs share it
+
+    def next_is_tree(self) -> bool:
+        """Whether the next step drafts a tree: a tree, then a chain, until both ways have a rate; then the faster way, and
+        the slower one step in TREE_TRIAL_EVERY."""
+        with self._lock:
+            self.steps += 1
+            tree, chain = self.rates[True], self.rates[False]
+            if tree is None or chain is None:
+                return tree is None
+            faster = tree[0] / tree[1] >= chain[0] / chain[1]
+            return faster != (self.steps % TREE_TRIAL_EVERY == 0)
+
+    def record(self, tree: bool, tokens: int, seconds: float) -> None:
+        with self._lock:
+            past_tokens, past_seconds = self.rates[tree] or (0.0, 0.0)
+            self.rates[tree] = (RATE_DECAY * past_tokens + tokens, RATE_DECAY * past_seconds + seconds)
+
+
 class CostModelK:
     """Pick the k that maximises expected tokens per second under this machine's costs.
 
@@ -221,6 +248,7 @@ class CostModelK:
     run repeats itself), otherwise learned from the measured drafting time.
     A tree of drafts costs its forward's ``tree_overhead`` (seconds over a
     chain as long, by tokens; none when not given) on top of the chain's price.
+    ``ways``: a tree row's rates of tree and chain steps, when shared with other rows (its own otherwise).
     """
 
     def __init__(
@@ -232,6 +260,7 @@ class CostModelK:
         prior_weight: float = 1.0,
         draft_s_per_token: float | None = None,
         tree_overhead: CostCurve | None = None,
+        ways: WayRates | None = None,
     ) -> None:
         self.max_k = max_k
         self._verify_s = [costs(k + 1) for k in range(max_k + 1)]  # the curve is fixed: price each k once
@@ -244,11 +273,7 @@ class CostModelK:
         self.min_confidence = 0.0
         self.calibration = 1.0  # accepted nodes over the drafter's summed scores of the nodes verified: how far to trust its scores
         self._predicted: float | None = None
-        self.rates: dict[bool, tuple[float, float] | None] = {
-            True: None,
-            False: None,
-        }  # (tokens, seconds), decayed: tree (True) and chain steps
-        self._tree_steps = 0
+        self.ways = ways or WayRates()
         self._drafting_tree: bool | None = None  # what this step of a tree row drafts; None: not asked
 
     @property
@@ -280,16 +305,11 @@ class CostModelK:
         A tree verifies more nodes for more accepted tokens and costs more to draft; whether that pays depends on the
         drafter, the text and the machine, so it is measured: each way's tokens per second (drafting and verification
         timed; in a seeded run priced by this machine's cost curves, a tree's with its overhead), the faster way drafted, the other one step in
-        TREE_TRIAL_EVERY. Trees are tried first, then chains: so a tree row is at most one trial step in TREE_TRIAL_EVERY
+        TREE_TRIAL_EVERY (WayRates). Rows without rates try a tree first, then a chain; a timed row starts from its
+        generator's earlier rows' rates (Generator.k_policy). So a tree row is at most one trial step in TREE_TRIAL_EVERY
         slower than a chain row.
         """
-        self._tree_steps += 1
-        tree, chain = self.rates[True], self.rates[False]
-        if tree is None or chain is None:
-            self._drafting_tree = tree is None
-        else:
-            faster = tree[0] / tree[1] >= chain[0] / chain[1]
-            self._drafting_tree = faster != (self._tree_steps % TREE_TRIAL_EVERY == 0)
+        self._drafting_tree = self.ways.next_is_tree()
         return self._drafting_tree
 
     def expected_rate(self, k: int, a: float | None = None) -> float:
@@ -312,9 +332,7 @@ class CostModelK:
             draft_s = outcome.draft_s if self._learn_draft_cost else min(outcome.proposed, self.max_k) * self._draft_s_per_token
             priced = (self._tree_verify_s if outcome.branched else self._verify_s)[n]
             verify_s = outcome.verify_s if self._learn_draft_cost and outcome.verify_s is not None else priced
-            seconds = draft_s + verify_s
-            tokens, total = self.rates[tree] or (0.0, 0.0)
-            self.rates[tree] = (RATE_DECAY * tokens + outcome.accepted + 1, RATE_DECAY * total + seconds)
+            self.ways.record(tree, outcome.accepted + 1, draft_s + verify_s)
         if self._predicted:  # the scores' calibration, bounded so that one surprise cannot switch trees off or blow them up
             ratio = outcome.accepted / self._predicted
             self.calibration = min(3.0, max(0.2, self.calibration + 0.2 * (ratio - self.calibration)))
