@@ -1,0 +1,74 @@
+"""How often the eagle head's first draft is accepted when sampling: its top token against a draw from its own law (issue 24).
+
+Usage: python benchmarks/eagle_sampled_acceptance.py [--temperature 0.7] [--per-category 3] [--new-tokens 48]
+
+A deterministic draft x is accepted with the target's p(x); a draft drawn from the head's tempered distribution q
+with min(1, p/q), so sum min(p, q) = 1 - TV(p, q) in expectation. Along the target's own sampled text (gemma-3-270m on
+the transformers `cpu` plan, the first prompts of each category, k = 1, seeded), each step records the head's q and
+the target's p at the draft's position and reports both rates, per category.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import specdec.drafters.eagle as eagle_module
+import specdec.engine.step as step_module
+from specdec import GenerationConfig, Generator, SamplingConfig
+from specdec.config import PrecisionPlan, RuntimeConfig
+
+PROMPTS = Path(__file__).parents[1] / "src" / "specdec" / "data" / "prompts" / "default.jsonl"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--per-category", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    args = parser.parse_args()
+    temperature = args.temperature
+    gen = Generator("gemma-3-270m", "eagle", runtime=RuntimeConfig(precision=PrecisionPlan.parse("cpu")))
+    chosen, seen = [], defaultdict(int)
+    for row in map(json.loads, PROMPTS.read_text().splitlines()):
+        if seen[row["category"]] < args.per_category:
+            chosen.append(row)
+            seen[row["category"]] += 1
+
+    head: dict[str, torch.Tensor] = {}  # the head's logits over its kept tokens for this step's first draft
+    stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    grow, verify = eagle_module.EagleDrafter._grow, step_module._verify
+
+    def recording_grow(self, logits, feature, k, width, length):
+        head["logits"], head["keep"] = logits.float().clone(), self.runner.keep_ids
+        return grow(self, logits, feature, k, width, length)
+
+    def recording_verify(rows, proposals, trees, logits):
+        if "logits" in head and len(proposals[0]):
+            p = torch.softmax(logits[0, 0].float() / temperature, -1)
+            q = torch.zeros_like(p)
+            q[head["keep"]] = torch.softmax(head["logits"] / temperature, -1)
+            s = stats[category]
+            s["top"] += float(p[int(q.argmax())])
+            s["drawn"] += float(torch.minimum(p, q).sum())
+            s["steps"] += 1
+        head.clear()
+        return verify(rows, proposals, trees, logits)
+
+    eagle_module.EagleDrafter._grow, step_module._verify = recording_grow, recording_verify
+    sampling = SamplingConfig(temperature=temperature)
+    for seed, row in enumerate(chosen):
+        category = row["category"]
+        config = GenerationConfig(max_new_tokens=args.new_tokens, k=1, k_policy="fixed", stop_on_eos=False, seed=seed, sampling=sampling)
+        gen.generate(row["prompt"], config)
+    print(f"temperature {temperature}: first draft accepted, the head's top token against a draw from its law")
+    for category, s in stats.items():
+        print(f"{category}: {int(s['steps'])} steps, top token {s['top'] / s['steps']:.3f}, drawn {s['drawn'] / s['steps']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
