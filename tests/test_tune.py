@@ -19,7 +19,7 @@ from specdec.config import PRESETS, GenerationConfig, RuntimeConfig, SamplingCon
 from specdec.drafters import PromptLookupDrafter
 from specdec.errors import ConfigError, PromptError
 from specdec.profile import Profile, ProfileError, ProfileWarning
-from specdec.tuning.search import TuneConfig, plan, tune
+from specdec.tuning.search import MARGIN, TuneConfig, plan, tune
 
 RUNTIMES = ("transformers/float32", "transformers/cpu")  # on every CPU; native needs head sizes the tiny model lacks
 
@@ -225,10 +225,12 @@ def test_tune_measures_predicts_confirms_and_never_picks_slower_than_target_only
     assert {(r, "prompt-lookup", k) for r in RUNTIMES for k in range(1, 9)} <= predicted
     confirmed = results["confirmed"]
     assert any(c["drafter"] == "none" for c in confirmed) and all(c["measured_tokens_per_s"] > 0 for c in confirmed)
-    best = max(confirmed, key=lambda c: c["measured_tokens_per_s"])
+    fastest = max(confirmed, key=lambda c: c["measured_tokens_per_s"])
+    target_only = max((c for c in confirmed if c["drafter"] == "none"), key=lambda c: c["measured_tokens_per_s"])
+    # The fastest, unless it beats target-only by less than the margin that short runs' noise calls for.
+    best = fastest if fastest["measured_tokens_per_s"] >= MARGIN * target_only["measured_tokens_per_s"] else target_only
     assert results["chosen"] == best["label"]
-    fastest_target_only = max(c["measured_tokens_per_s"] for c in confirmed if c["drafter"] == "none")
-    assert profile.measured["tokens_per_s"] == best["measured_tokens_per_s"] >= fastest_target_only
+    assert profile.measured["tokens_per_s"] == best["measured_tokens_per_s"] >= target_only["measured_tokens_per_s"]
     assert profile.target == str(folder) and profile.runtime.backend == "transformers"
     assert results["elapsed_s"] < config.budget_s + 15  # the last confirmation round may overrun a little
 
