@@ -1,17 +1,22 @@
 """How often the eagle head's first draft is accepted when sampling: its top token against a draw from its own law (issue 24).
 
-Usage: python benchmarks/eagle_sampled_acceptance.py [--temperature 0.7] [--per-category 3] [--new-tokens 48]
+Usage: python benchmarks/eagle_sampled_acceptance.py [--temperature 0.7] [--per-category 3] [--new-tokens 48] [--engine]
 
 A deterministic draft x is accepted with the target's p(x); a draft drawn from the head's tempered distribution q
 with min(1, p/q), so sum min(p, q) = 1 - TV(p, q) in expectation. Along the target's own sampled text (gemma-3-270m on
 the transformers `cpu` plan, the first prompts of each category, k = 1, seeded), each step records the head's q and
 the target's p at the draft's position and reports both rates, per category.
+
+--engine: then `lookup-then-eagle` in the engine (cost-model k <= 10, 64 new tokens, seeded, every prompt of the default
+set), with sampled chains and with top-token chains (``eagle.SAMPLED_CHAINS``) taking turns per prompt, order
+alternated: tokens per second and accepted drafts per step, per category, and the ratio of the two.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -25,49 +30,93 @@ from specdec.config import PrecisionPlan, RuntimeConfig
 PROMPTS = Path(__file__).parents[1] / "src" / "specdec" / "data" / "prompts" / "default.jsonl"
 
 
+def prompts(per_category: int | None) -> list[dict]:
+    """The default set's prompts in order, the first ``per_category`` of each category (None: all)."""
+    chosen, seen = [], defaultdict(int)
+    for row in map(json.loads, PROMPTS.read_text().splitlines()):
+        if per_category is None or seen[row["category"]] < per_category:
+            chosen.append(row)
+            seen[row["category"]] += 1
+    return chosen
+
+
+def replay(gen: Generator, chosen: list[dict], new_tokens: int, temperature: float) -> None:
+    """First-draft acceptance of the head's top token and of a draw from its law, along the target's sampled text."""
+    step: dict = {}  # this step's category, and the head's logits over its kept tokens for the step's first draft
+    stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    grow, verify = eagle_module.EagleDrafter._grow, step_module._verify
+
+    def recording_grow(self, logits, feature, k, width, length):
+        step["logits"], step["keep"] = logits.float().clone(), self.runner.keep_ids
+        return grow(self, logits, feature, k, width, length)
+
+    def recording_verify(rows, proposals, trees, logits):
+        if "logits" in step and len(proposals[0]):
+            p = torch.softmax(logits[0, 0].float() / temperature, -1)
+            q = torch.zeros_like(p)
+            q[step["keep"]] = torch.softmax(step.pop("logits") / temperature, -1)
+            s = stats[step["category"]]
+            s["top"] += float(p[int(q.argmax())])
+            s["drawn"] += float(torch.minimum(p, q).sum())
+            s["steps"] += 1
+        step.pop("logits", None)
+        return verify(rows, proposals, trees, logits)
+
+    eagle_module.EagleDrafter._grow, step_module._verify = recording_grow, recording_verify
+    try:
+        for seed, row in enumerate(chosen):
+            step["category"] = row["category"]
+            sampling = SamplingConfig(temperature=temperature)
+            gen.generate(
+                row["prompt"],
+                GenerationConfig(max_new_tokens=new_tokens, k=1, k_policy="fixed", stop_on_eos=False, seed=seed, sampling=sampling),
+            )
+    finally:
+        eagle_module.EagleDrafter._grow, step_module._verify = grow, verify
+    print(f"temperature {temperature}: first draft accepted, the head's top token against a draw from its law")
+    for category, s in stats.items():
+        print(f"{category}: {int(s['steps'])} steps, top token {s['top'] / s['steps']:.3f}, drawn {s['drawn'] / s['steps']:.3f}")
+
+
+def engine(target: Generator, runtime: RuntimeConfig, temperature: float) -> None:
+    """lookup-then-eagle with sampled and with top-token chains, taking turns per prompt: tokens/s and accepted per step."""
+    gen = Generator(target.target, "lookup-then-eagle", runtime=runtime)
+    totals: dict[bool, dict[str, list[float]]] = {True: defaultdict(lambda: [0.0, 0, 0, 0]), False: defaultdict(lambda: [0.0, 0, 0, 0])}
+    sampling = SamplingConfig(temperature=temperature)
+    for seed, row in enumerate(prompts(None)):
+        for sampled in (True, False) if seed % 2 == 0 else (False, True):
+            eagle_module.SAMPLED_CHAINS = sampled
+            config = GenerationConfig(max_new_tokens=64, k=10, k_policy="cost-model", stop_on_eos=False, seed=seed, sampling=sampling)
+            start = time.perf_counter()
+            stats = gen.generate(row["prompt"], config).stats
+            total = totals[sampled][row["category"]]
+            total[0] += time.perf_counter() - start
+            total[1] += stats.new_tokens
+            total[2] += stats.draft_tokens_accepted
+            total[3] += stats.steps
+    eagle_module.SAMPLED_CHAINS = True
+    print(f"lookup-then-eagle at temperature {temperature}, cost-model k <= 10, 64 new tokens: sampled chains against top-token chains")
+    for category in totals[True]:
+        rate = {way: totals[way][category][1] / totals[way][category][0] for way in (True, False)}
+        accepted = {way: totals[way][category][2] / totals[way][category][3] for way in (True, False)}
+        print(
+            f"{category}: sampled {rate[True]:.1f} tok/s ({accepted[True]:.2f} accepted/step), top token {rate[False]:.1f} tok/s "
+            f"({accepted[False]:.2f}), ratio {rate[True] / rate[False]:.3f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--per-category", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--engine", action="store_true", help="then time sampled against top-token chains in the engine")
     args = parser.parse_args()
-    temperature = args.temperature
-    gen = Generator("gemma-3-270m", "eagle", runtime=RuntimeConfig(precision=PrecisionPlan.parse("cpu")))
-    chosen, seen = [], defaultdict(int)
-    for row in map(json.loads, PROMPTS.read_text().splitlines()):
-        if seen[row["category"]] < args.per_category:
-            chosen.append(row)
-            seen[row["category"]] += 1
-
-    head: dict[str, torch.Tensor] = {}  # the head's logits over its kept tokens for this step's first draft
-    stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    grow, verify = eagle_module.EagleDrafter._grow, step_module._verify
-
-    def recording_grow(self, logits, feature, k, width, length):
-        head["logits"], head["keep"] = logits.float().clone(), self.runner.keep_ids
-        return grow(self, logits, feature, k, width, length)
-
-    def recording_verify(rows, proposals, trees, logits):
-        if "logits" in head and len(proposals[0]):
-            p = torch.softmax(logits[0, 0].float() / temperature, -1)
-            q = torch.zeros_like(p)
-            q[head["keep"]] = torch.softmax(head["logits"] / temperature, -1)
-            s = stats[category]
-            s["top"] += float(p[int(q.argmax())])
-            s["drawn"] += float(torch.minimum(p, q).sum())
-            s["steps"] += 1
-        head.clear()
-        return verify(rows, proposals, trees, logits)
-
-    eagle_module.EagleDrafter._grow, step_module._verify = recording_grow, recording_verify
-    sampling = SamplingConfig(temperature=temperature)
-    for seed, row in enumerate(chosen):
-        category = row["category"]
-        config = GenerationConfig(max_new_tokens=args.new_tokens, k=1, k_policy="fixed", stop_on_eos=False, seed=seed, sampling=sampling)
-        gen.generate(row["prompt"], config)
-    print(f"temperature {temperature}: first draft accepted, the head's top token against a draw from its law")
-    for category, s in stats.items():
-        print(f"{category}: {int(s['steps'])} steps, top token {s['top'] / s['steps']:.3f}, drawn {s['drawn'] / s['steps']:.3f}")
+    runtime = RuntimeConfig(precision=PrecisionPlan.parse("cpu"))
+    gen = Generator("gemma-3-270m", "eagle", runtime=runtime)
+    replay(gen, prompts(args.per_category), args.new_tokens, args.temperature)
+    if args.engine:
+        engine(gen, runtime, args.temperature)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from specdec.verification.shaping import to_probs
 
 MAX_DEPTH = 6  # levels of a tree: deeper nodes are rarely reached and each level costs a forward of the head
 MIN_SCORE = 0.02  # a node the head gives less than this chance of being reached is not worth verifying
+SAMPLED_CHAINS = True  # when sampling, chains are draws from the head's law (False: its top tokens; the benchmark compares)
 
 
 Embed = Callable[[torch.Tensor], torch.Tensor]  # the target's input embedding, scale included (Backend.token_embeddings)
@@ -251,7 +252,7 @@ class EagleDrafter:
         """The k most likely nodes of a tree grown level by level, expanding the ``width`` most likely nodes of each level."""
         sampling = self.settings.sampling
         shape = (lambda z: torch.softmax(z.float(), dim=-1)) if sampling.greedy else (lambda z: to_probs(z, sampling))
-        if width == 1 and not sampling.greedy:
+        if width == 1 and not sampling.greedy and SAMPLED_CHAINS:
             return self._sample_chain(shape(logits), feature, min(self.max_depth, k, self.runner.max_position - length), shape)
         nodes: list[tuple[float, int, int]] = []  # (score, kept-vocabulary token, parent node), level by level
         after = {-1: (shape(logits), feature)}  # node -> the head's distribution after it and its output feature (-1: the context)
