@@ -1,22 +1,21 @@
 """How often the eagle head's first draft is accepted when sampling: its top token against a draw from its own law (issue 24).
 
-Usage: python benchmarks/eagle_sampled_acceptance.py [--temperature 0.7] [--per-category 3] [--new-tokens 48] [--engine]
+Usage: python benchmarks/eagle_sampled_acceptance.py [--temperature 0.7] [--per-category 3] [--new-tokens 48]
 
 A deterministic draft x is accepted with the target's p(x); a draft drawn from the head's tempered distribution q
 with min(1, p/q), so sum min(p, q) = 1 - TV(p, q) in expectation. Along the target's own sampled text (gemma-3-270m on
 the transformers `cpu` plan, the first prompts of each category, k = 1, seeded), each step records the head's q and
 the target's p at the draft's position and reports both rates, per category.
 
---engine: then `lookup-then-eagle` in the engine (cost-model k <= 10, 64 new tokens, seeded, every prompt of the default
-set), with sampled chains and with top-token chains (``eagle.SAMPLED_CHAINS``) taking turns per prompt, order
-alternated: tokens per second and accepted drafts per step, per category, and the ratio of the two.
+The head drafts its top tokens: at commit 0bef240 this script's --engine switch timed drawn chains in the engine
+against them (`lookup-then-eagle`, every default prompt, taking turns): 0.99x, a wash, so they were not kept
+(BENCHMARKS.md, "Drawn eagle chains").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -78,45 +77,14 @@ def replay(gen: Generator, chosen: list[dict], new_tokens: int, temperature: flo
         print(f"{category}: {int(s['steps'])} steps, top token {s['top'] / s['steps']:.3f}, drawn {s['drawn'] / s['steps']:.3f}")
 
 
-def engine(target: Generator, runtime: RuntimeConfig, temperature: float) -> None:
-    """lookup-then-eagle with sampled and with top-token chains, taking turns per prompt: tokens/s and accepted per step."""
-    gen = Generator(target.target, "lookup-then-eagle", runtime=runtime)
-    totals: dict[bool, dict[str, list[float]]] = {True: defaultdict(lambda: [0.0, 0, 0, 0]), False: defaultdict(lambda: [0.0, 0, 0, 0])}
-    sampling = SamplingConfig(temperature=temperature)
-    for seed, row in enumerate(prompts(None)):
-        for sampled in (True, False) if seed % 2 == 0 else (False, True):
-            eagle_module.SAMPLED_CHAINS = sampled
-            config = GenerationConfig(max_new_tokens=64, k=10, k_policy="cost-model", stop_on_eos=False, seed=seed, sampling=sampling)
-            start = time.perf_counter()
-            stats = gen.generate(row["prompt"], config).stats
-            total = totals[sampled][row["category"]]
-            total[0] += time.perf_counter() - start
-            total[1] += stats.new_tokens
-            total[2] += stats.draft_tokens_accepted
-            total[3] += stats.steps
-    eagle_module.SAMPLED_CHAINS = True
-    print(f"lookup-then-eagle at temperature {temperature}, cost-model k <= 10, 64 new tokens: sampled chains against top-token chains")
-    for category in totals[True]:
-        rate = {way: totals[way][category][1] / totals[way][category][0] for way in (True, False)}
-        accepted = {way: totals[way][category][2] / totals[way][category][3] for way in (True, False)}
-        print(
-            f"{category}: sampled {rate[True]:.1f} tok/s ({accepted[True]:.2f} accepted/step), top token {rate[False]:.1f} tok/s "
-            f"({accepted[False]:.2f}), ratio {rate[True] / rate[False]:.3f}"
-        )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--per-category", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--engine", action="store_true", help="then time sampled against top-token chains in the engine")
     args = parser.parse_args()
-    runtime = RuntimeConfig(precision=PrecisionPlan.parse("cpu"))
-    gen = Generator("gemma-3-270m", "eagle", runtime=runtime)
+    gen = Generator("gemma-3-270m", "eagle", runtime=RuntimeConfig(precision=PrecisionPlan.parse("cpu")))
     replay(gen, prompts(args.per_category), args.new_tokens, args.temperature)
-    if args.engine:
-        engine(gen, runtime, args.temperature)
 
 
 if __name__ == "__main__":

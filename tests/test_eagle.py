@@ -11,7 +11,6 @@ from conftest import char_tokenizer, loaded, tiny_llama
 from test_distill import TEXT, config
 from test_native import models
 
-import specdec.drafters.eagle as eagle_module
 from specdec import GenerationConfig, Generator, SamplingConfig, drafters
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig, RuntimeConfig
@@ -280,31 +279,13 @@ def _sampled_eagle(branches: int, merged: bool, n: int) -> tuple[list[tuple[int,
 
 
 @pytest.mark.parametrize(("merged", "branches"), [(False, 3), (True, 3), (False, 1), (True, 1)])
-def test_sampled_eagle_drafts_keep_the_target_law(merged: bool, branches: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The head's trees are deterministic (its top tokens): the target's draw decides; its chains are drawn from its own
-    distribution, which rejection sampling reads. Chi-square against the target's law. ``merged``: prompt lookup's copies
-    merged into the head's trees (FallbackDrafter with branches), or its chains where it finds one."""
-    chains: list[Proposal] = []
-    sample_chain = EagleDrafter._sample_chain
-
-    def recorded(self: EagleDrafter, *args) -> Proposal:
-        chains.append(sample_chain(self, *args))
-        return chains[-1]
-
-    monkeypatch.setattr(EagleDrafter, "_sample_chain", recorded)
+def test_sampled_eagle_drafts_keep_the_target_law(merged: bool, branches: int) -> None:
+    """The head's trees and chains are deterministic (its top tokens): the target's draw decides; chi-square against the
+    target's law. ``merged``: prompt lookup's copies merged into the head's trees (FallbackDrafter with branches), or its
+    chains where it finds one."""
     samples, law = _sampled_eagle(branches, merged, 1500)
-    if branches == 1:
-        assert sum(len(c) > 1 for c in chains) > 100 and all(c.probs is not None for c in chains if len(c))
-        assert any(len(c) < 6 for c in chains if len(c)), "some chains stop at the score floor"
     pvalue, dof = sequential_pvalue(samples, law)
     assert dof > 30 and pvalue > 1e-3
-
-
-def test_a_sampled_chain_that_misstates_its_law_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: a chain of the head's top tokens that claims to be drawn from q must be caught."""
-    monkeypatch.setattr(eagle_module, "draw", lambda probs, rng: probs.argmax(-1))
-    samples, law = _sampled_eagle(1, False, 1500)
-    assert sequential_pvalue(samples, law)[0] < 1e-3
 
 
 def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,12 +14,9 @@ Drafts grow as a tree (EAGLE-2): each level expands the ``branches`` most likely
 nodes (by the product of the head's probabilities along their path) with their
 ``branches`` most likely tokens in one forward of the head (the nodes re-run with their ancestors after the
 context, then dropped from its cache); the k most likely
-nodes of all levels form the proposal. With one branch it is a chain. A tree,
-and a greedy chain, are deterministic (the head's top tokens): verification
-draws from the target and descends while the draw is a child. A sampled chain
-draws each token from the head's own tempered distribution q and carries q, so
-rejection sampling accepts it with min(1, p/q): sum min(p, q) in expectation, where
-the head's top token is accepted with p(top) only. Both are exact at any temperature.
+nodes of all levels form the proposal. With one branch it is a chain. The
+proposal is deterministic (the head's top tokens), so verification draws from
+the target and descends while the draw is a child: exact at any temperature.
 
 A draft folder holds ``config.json`` (the head's transformers config),
 ``model.safetensors`` (fc, layer, norm, its output rows and kept token ids: it
@@ -44,13 +41,10 @@ from specdec.models import cpu_kernels, native
 from specdec.models.backend import tree_mask, tree_positions
 from specdec.models.cpu_kernels import PackedInt8
 from specdec.models.native import KVCache, NativeModel
-from specdec.verification.sampling import draw
-from specdec.verification.seeds import rng_on
 from specdec.verification.shaping import to_probs
 
 MAX_DEPTH = 6  # levels of a tree: deeper nodes are rarely reached and each level costs a forward of the head
 MIN_SCORE = 0.02  # a node the head gives less than this chance of being reached is not worth verifying
-SAMPLED_CHAINS = True  # when sampling, chains are draws from the head's law (False: its top tokens; the benchmark compares)
 
 
 Embed = Callable[[torch.Tensor], torch.Tensor]  # the target's input embedding, scale included (Backend.token_embeddings)
@@ -199,7 +193,7 @@ class EagleDrafter:
 
     backend = None  # the head is not a Backend: its cost is learned from measured drafting time
     wants_features = True
-    scored = True  # its trees carry scores: the engine asks for the most nodes and keeps the ones worth verifying
+    scored = True  # its proposals carry scores: the engine asks for the most nodes and keeps the ones worth verifying
 
     def __init__(
         self,
@@ -252,8 +246,6 @@ class EagleDrafter:
         """The k most likely nodes of a tree grown level by level, expanding the ``width`` most likely nodes of each level."""
         sampling = self.settings.sampling
         shape = (lambda z: torch.softmax(z.float(), dim=-1)) if sampling.greedy else (lambda z: to_probs(z, sampling))
-        if width == 1 and not sampling.greedy and SAMPLED_CHAINS:
-            return self._sample_chain(shape(logits), feature, min(self.max_depth, k, self.runner.max_position - length), shape)
         nodes: list[tuple[float, int, int]] = []  # (score, kept-vocabulary token, parent node), level by level
         after = {-1: (shape(logits), feature)}  # node -> the head's distribution after it and its output feature (-1: the context)
         frontier = [-1]
@@ -280,32 +272,6 @@ class EagleDrafter:
         parents = torch.tensor([index[nodes[i][2]] if nodes[i][2] >= 0 else -1 for i in order], dtype=torch.long)
         scores = torch.tensor([nodes[i][0] for i in order])
         return Proposal(tokens, None, parents if width > 1 else None, scores)
-
-    def _sample_chain(self, q: torch.Tensor, feature: torch.Tensor, depth_limit: int, shape) -> Proposal:
-        """Up to ``depth_limit`` tokens, each drawn from the head's distribution after the ones before, with those distributions.
-
-        It stops before a draw, never after (a draft kept or dropped for its own value would no longer be a draw from q):
-        once the chance of reaching the next token, the drawn tokens' probabilities times the next level's best, is
-        below ``min_score``. No scores: the engine's cut would weigh later nodes, which depend on earlier draws.
-        """
-        nodes: list[tuple[float, int, int]] = []  # (reach, kept-vocabulary token, parent), as _grow's
-        after = {-1: (q, feature)}  # node -> the head's distribution after it and its output feature, as _grow's
-        reach, rng = 1.0, rng_on(self.settings.seeds, q.device)
-        for depth in range(depth_limit):
-            q = after[depth - 1][0]
-            if reach * float(q.max()) < self.min_score:
-                break
-            token = int(draw(q[None], rng))
-            reach *= float(q[token])
-            nodes.append((reach, token, depth - 1))
-            if depth + 1 < depth_limit:
-                after |= self._expand([depth], nodes, after, shape)
-        if not nodes:
-            return Proposal.empty()
-        keep_ids = self.runner.keep_ids
-        probs = q.new_zeros(len(nodes), self.vocab_size)  # over the target's vocabulary: q is 0 outside the kept tokens
-        probs[:, keep_ids] = torch.stack([after[node - 1][0] for node in range(len(nodes))])
-        return Proposal(keep_ids[torch.tensor([t for _, t, _ in nodes], device=keep_ids.device)].cpu(), probs)
 
     def _expand(self, expand: list[int], nodes: list[tuple[float, int, int]], after: dict, shape) -> dict:
         """The head's distribution and output feature after each node of ``expand``.
