@@ -72,7 +72,7 @@ class Generator:
         self.backend = self.target.backend
         self._costs: CostCurve | None = None
         self._tree_overhead: CostCurve | None = None
-        self._tree_rates: dict[tuple[int, int, bool, bool], WayRates] = {}  # timed tree rows': by k, branches, greedy, batched
+        self._ways: dict[tuple[int, int, bool, bool], WayRates] = {}  # timed tree rows': by k, branches, greedy, batched
         self._measuring = threading.Lock()
         if drafter == "auto":
             drafter = auto_draft(self.target, self.costs)
@@ -157,7 +157,7 @@ class Generator:
         draft_cost = self.draft_cost if config.seed is not None else None
         ways = None
         if trees and config.seed is None:
-            ways = self._tree_rates.setdefault((config.k, config.branches, config.sampling.greedy, batched), WayRates())
+            ways = self._ways.setdefault((config.k, config.branches, config.sampling.greedy, batched), WayRates())
         return build_k_policy(config.k_policy, config.k, self.costs, draft_cost, self.tree_overhead if trees else None, ways)
 
     def acquire(self) -> tuple[Backend, Drafter]:

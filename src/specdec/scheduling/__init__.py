@@ -28,13 +28,13 @@ def build_k_policy(
     costs: Callable[[], CostCurve],
     draft_cost: Callable[[], float] | None = None,
     tree_overhead: Callable[[], CostCurve] | None = None,
-    tree_rates: WayRates | None = None,
+    ways: WayRates | None = None,
 ) -> KPolicy:
     """A fresh policy for one sequence; ``k`` is the fixed k or the adaptive policies' maximum.
 
     ``costs`` (and ``draft_cost``, seconds per draft token; ``tree_overhead``, a tree forward's seconds over a
     chain's, for sequences that may draft trees) are called only by policies that price forwards (they may measure
-    them). Without ``draft_cost`` the cost model learns the draft's cost from live timings; ``tree_rates``: tree and chain
+    them). Without ``draft_cost`` the cost model learns the draft's cost from live timings; ``ways``: tree and chain
     steps' rates shared with other rows, which a tree row's choice between them starts from (``CostModelK.use_tree``).
     """
     if name == "fixed":
@@ -51,7 +51,7 @@ def build_k_policy(
             costs(),
             draft_s_per_token=draft_cost() if draft_cost is not None else None,
             tree_overhead=tree_overhead() if tree_overhead is not None else None,
-            ways=tree_rates,
+            ways=ways,
         )
     raise ConfigError(f"unknown k policy '{name}': use one of {', '.join(K_POLICIES)}")
 
