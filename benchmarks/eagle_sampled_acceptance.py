@@ -15,32 +15,32 @@ against them (`lookup-then-eagle`, every default prompt, taking turns): 0.99x, a
 from __future__ import annotations
 
 import argparse
-import json
-from collections import defaultdict
-from pathlib import Path
+from collections import Counter, defaultdict
 
 import torch
 
 import specdec.drafters.eagle as eagle_module
 import specdec.engine.step as step_module
 from specdec import GenerationConfig, Generator, SamplingConfig
+from specdec.bench.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts
 from specdec.config import PrecisionPlan, RuntimeConfig
+from specdec.verification.shaping import to_probs
 
-PROMPTS = Path(__file__).parents[1] / "src" / "specdec" / "data" / "prompts" / "default.jsonl"
 
-
-def prompts(per_category: int | None) -> list[dict]:
-    """The default set's prompts in order, the first ``per_category`` of each category (None: all)."""
-    chosen, seen = [], defaultdict(int)
-    for row in map(json.loads, PROMPTS.read_text().splitlines()):
-        if per_category is None or seen[row["category"]] < per_category:
-            chosen.append(row)
-            seen[row["category"]] += 1
+def prompts(per_category: int) -> list[BenchPrompt]:
+    """The default set's first ``per_category`` prompts of each category, in the set's order."""
+    seen: Counter[str] = Counter()
+    chosen = []
+    for prompt in load_prompts(DEFAULT_PROMPTS):
+        seen[prompt.category] += 1
+        if seen[prompt.category] <= per_category:
+            chosen.append(prompt)
     return chosen
 
 
-def replay(gen: Generator, chosen: list[dict], new_tokens: int, temperature: float) -> None:
+def replay(gen: Generator, chosen: list[BenchPrompt], new_tokens: int, temperature: float) -> None:
     """First-draft acceptance of the head's top token and of a draw from its law, along the target's sampled text."""
+    sampling = SamplingConfig(temperature=temperature)
     step: dict = {}  # this step's category, and the head's logits over its kept tokens for the step's first draft
     stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     grow, verify = eagle_module.EagleDrafter._grow, step_module._verify
@@ -51,9 +51,9 @@ def replay(gen: Generator, chosen: list[dict], new_tokens: int, temperature: flo
 
     def recording_verify(rows, proposals, trees, logits):
         if "logits" in step and len(proposals[0]):
-            p = torch.softmax(logits[0, 0].float() / temperature, -1)
+            p = to_probs(logits[0, 0].float(), sampling)  # shaped as the engine shapes both
             q = torch.zeros_like(p)
-            q[step["keep"]] = torch.softmax(step.pop("logits") / temperature, -1)
+            q[step["keep"]] = to_probs(step.pop("logits"), sampling)
             s = stats[step["category"]]
             s["top"] += float(p[int(q.argmax())])
             s["drawn"] += float(torch.minimum(p, q).sum())
@@ -64,10 +64,9 @@ def replay(gen: Generator, chosen: list[dict], new_tokens: int, temperature: flo
     eagle_module.EagleDrafter._grow, step_module._verify = recording_grow, recording_verify
     try:
         for seed, row in enumerate(chosen):
-            step["category"] = row["category"]
-            sampling = SamplingConfig(temperature=temperature)
+            step["category"] = row.category
             gen.generate(
-                row["prompt"],
+                row.prompt,
                 GenerationConfig(max_new_tokens=new_tokens, k=1, k_policy="fixed", stop_on_eos=False, seed=seed, sampling=sampling),
             )
     finally:
