@@ -348,6 +348,36 @@ def test_eagle_arch_errors() -> None:
         DraftArch.parse("eagles")
 
 
+@pytest.mark.parametrize("runner", HEAD_RUNNERS)
+def test_a_seeded_run_prices_the_heads_draft_steps(runner: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head runs outside a Backend: its draft step is measured once, kept under its identity, and prices a seeded
+    run's steps by the head's runs (one per level drafted); a copy costs none, a merged tree the head's runs."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    head, model = head_runner("llama", runner)
+    tokenizer = models()[0]
+    both = FallbackDrafter(PromptLookupDrafter(), head)
+    for drafter in (head, both):
+        gen = Generator(loaded(model, tokenizer=tokenizer), drafter)
+        assert 0 < gen.draft_cost() < 1.0
+        assert gen.draft_cost() == Generator(gen.target, drafter).draft_cost()  # measured once, then read from the cache
+    assert len(list((tmp_path / "costs").iterdir())) == 1  # the fallback is priced by its head, under the head's identity
+    head.begin(DraftSettings())
+    head.observe_features(torch.zeros(7, model.config.hidden_size))
+    context = torch.tensor([5, 6, 7, 8, 5, 6, 7, 9])
+    chain = head.propose(context, 4)
+    assert chain.draft_steps == 4 == len(chain)  # the context's run drafts the first level, one run per further level
+    assert chain.cut(2).draft_steps == 4  # the drafting done stays when the engine verifies fewer
+    assert PromptLookupDrafter().propose(context, 4).draft_steps == 0
+    assert PromptLookupDrafter().propose(context, 4, branches=2).draft_steps == 0
+    tree = Proposal(torch.tensor([5, 9]), None, torch.tensor([-1, -1]), torch.tensor([0.9, 0.1]), steps=3)
+    assert merge_trees(Proposal(torch.tensor([5, 6]), steps=0), tree, k=4).draft_steps == 3
+    priced = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.002)
+    for steps, seconds in ((0, 0.020), (3, 0.026)):  # a copy's step costs its forward only; three head runs three steps more
+        tree = priced.use_tree()  # a tree step first, then a chain step: each way records its own price
+        priced.observe(StepOutcome(2, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, draft_steps=steps))
+        assert priced.ways.rates[tree] == pytest.approx((2, seconds))
+
+
 def test_tree_size_follows_the_costs_and_learns_the_scores_calibration() -> None:
     """Cheap verification keeps every useful node; expensive verification keeps only the likely ones; a drafter whose
     scores are too hopeful is trusted less afterwards; a tree's extra forward cost is charged once the nodes branch."""

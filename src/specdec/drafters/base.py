@@ -45,12 +45,20 @@ class Proposal:
     ``parents`` None is a chain (node i follows node i - 1). With ``scores``, the
     nodes are listed best first (a parent scores at least its children), so the
     engine may keep the best few (``cut``) when its costs say so.
+    ``steps``: forwards of a drafting model the proposal took, what a seeded run prices its drafting by; None: one per
+    level (its depth), as a draft model's chain; 0 for drafters that run no model.
     """
 
     tokens: torch.Tensor  # [n] long
     probs: torch.Tensor | None = None  # [n, V] float
     parents: torch.Tensor | None = None  # [n] long, each < its own index; None: a chain
     scores: torch.Tensor | None = None  # [n] float: the drafter's estimate that each node is accepted, nodes listed best first
+    steps: int | None = None  # forwards of a drafting model it took; None: its depth
+
+    @property
+    def draft_steps(self) -> int:
+        """Forwards of a drafting model this proposal took (``steps``, by default one per level)."""
+        return self.depth if self.steps is None else self.steps
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -71,18 +79,20 @@ class Proposal:
         return max(depths, default=0)
 
     def cut(self, length: int) -> Proposal:
-        """The first ``length`` nodes (for a tree: those nearest the root first, as listed)."""
+        """The first ``length`` nodes (for a tree: those nearest the root first, as listed); the drafting they took stays."""
         if length >= len(self):
             return self
-        return Proposal(*(None if t is None else t[:length] for t in (self.tokens, self.probs, self.parents, self.scores)))  # type: ignore[arg-type]
+        kept = (None if t is None else t[:length] for t in (self.tokens, self.probs, self.parents, self.scores))
+        return Proposal(*kept, self.draft_steps)  # type: ignore[arg-type]
 
     @staticmethod
     def empty() -> Proposal:
-        return Proposal(torch.zeros(0, dtype=torch.long))
+        return Proposal(torch.zeros(0, dtype=torch.long), steps=0)
 
     @staticmethod
-    def tree(branches: list[list[int]], budget: int) -> Proposal:
-        """A deterministic tree merging the token runs ``branches`` (best first; shared prefixes become one path), at most ``budget`` nodes.
+    def tree(branches: list[list[int]], budget: int, steps: int | None = None) -> Proposal:
+        """A deterministic tree merging the token runs ``branches`` (best first; shared prefixes become one path), at most
+        ``budget`` nodes, drafted in ``steps`` forwards of a model (None: one per level).
 
         Nodes are listed branch by branch, so the best branch comes whole before the others add their nodes.
         """
@@ -96,7 +106,7 @@ class Proposal:
                         break
                     node = trie.add(parent, token)
                 parent = node
-        return Proposal(torch.tensor(trie.tokens, dtype=torch.long), None, torch.tensor(trie.parents, dtype=torch.long))
+        return Proposal(torch.tensor(trie.tokens, dtype=torch.long), None, torch.tensor(trie.parents, dtype=torch.long), steps=steps)
 
 
 class TokenTrie:
@@ -126,11 +136,13 @@ class Drafter(Protocol):
 
     Optional: a drafter with ``wants_features = True`` also gets ``observe_features(features)`` after every step, the
     target's final hidden states [n, H] of the n positions its cache took in that step (drafters/eagle.py reads them).
+    A drafter that runs a model outside a ``backend`` (the eagle head) has ``measure_step()``, the seconds of one of
+    its draft steps on this machine, and ``identity``, what that measurement is kept under (Generator.draft_cost).
     """
 
     #: logits width for model drafters (checked against the target's); None for vocabulary-free drafters
     vocab_size: int | None
-    #: the model that drafts, None for model-free drafters; its measured one-token cost prices a draft token in seeded runs
+    #: the model that drafts, None for model-free drafters; its measured one-token cost prices a draft step in seeded runs
     backend: Backend | None
 
     def begin(self, settings: DraftSettings) -> None:

@@ -27,6 +27,8 @@ with ``arch.eagle`` set.
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,13 +40,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Pretrai
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels, native
-from specdec.models.backend import tree_mask, tree_positions
+from specdec.models.backend import model_identity, tree_mask, tree_positions
 from specdec.models.cpu_kernels import PackedInt8
 from specdec.models.native import KVCache, NativeModel
 from specdec.verification.shaping import to_probs
 
 MAX_DEPTH = 6  # levels of a tree: deeper nodes are rarely reached and each level costs a forward of the head
 MIN_SCORE = 0.02  # a node the head gives less than this chance of being reached is not worth verifying
+MEASURE_CONTEXT, MEASURE_LEVELS = 64, 4  # a step's cost is measured drafting chains this long after a context this long
 
 
 Embed = Callable[[torch.Tensor], torch.Tensor]  # the target's input embedding, scale included (Backend.token_embeddings)
@@ -114,6 +117,7 @@ class ModuleHead:
         self.keep_ids = module.keep_ids
         self.device = module.eagle_fc.weight.device
         self.max_position = module.config.max_position_embeddings
+        self.identity = f"eagle head|{model_identity(module)}"
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.module.config)
@@ -158,6 +162,7 @@ class NativeHead:
         self.keep_ids = module.keep_ids
         self.device = torch.device("cpu")
         self.max_position = self.model.shape.max_context
+        self.identity = f"eagle head|native int8|{model_identity(module)}"
 
     def new_cache(self) -> KVCache:
         return KVCache(self.model)
@@ -217,6 +222,28 @@ class EagleDrafter:
         self.features: list[torch.Tensor] = []  # the target's, one [n, H] piece per step, for the positions after ``read``
         self.known = 0  # context positions whose target features arrived
 
+    @property
+    def identity(self) -> str:
+        """The head and the runtime that runs it: what its measured step cost is cached under."""
+        return self.runner.identity
+
+    @torch.inference_mode()
+    def measure_step(self, repeats: int = 9) -> float:
+        """Median seconds of one draft step (one run of the head, with the distribution and top tokens read from it),
+        drafting chains of MEASURE_LEVELS after a MEASURE_CONTEXT-token context on a fork: what a seeded run prices a step at."""
+        probe = self.fork()
+        tokens = self.runner.keep_ids[: MEASURE_CONTEXT + repeats + 1].cpu()
+        width = self.runner.embed(tokens[:1].to(self.runner.device)).shape[-1]
+        probe.observe_features(torch.zeros(MEASURE_CONTEXT, width))
+        probe.propose(tokens[: MEASURE_CONTEXT + 1], 1)  # reads the context, warms up
+        times = []
+        for length in range(MEASURE_CONTEXT + 2, MEASURE_CONTEXT + repeats + 2):
+            probe.observe_features(torch.zeros(1, width))
+            start = time.perf_counter()
+            proposal = probe.propose(tokens[:length], MEASURE_LEVELS)
+            times.append((time.perf_counter() - start) / proposal.draft_steps)
+        return statistics.median(times)
+
     def observe_features(self, features: torch.Tensor) -> None:
         """The target's final hidden states of the next context positions (those it cached this step)."""
         self.features.append(features.to(self.runner.device))
@@ -249,6 +276,7 @@ class EagleDrafter:
         nodes: list[tuple[float, int, int]] = []  # (score, kept-vocabulary token, parent node), level by level
         after = {-1: (shape(logits), feature)}  # node -> the head's distribution after it and its output feature (-1: the context)
         frontier = [-1]
+        steps = 1  # runs of the head: the context's, then one per level expanded
         depth_limit = min(self.max_depth, k, self.runner.max_position - length)
         for depth in range(depth_limit):
             children = []
@@ -263,6 +291,7 @@ class EagleDrafter:
             frontier = sorted(range(start, len(nodes)), key=lambda i: -nodes[i][0])[:width]
             if depth + 1 < depth_limit:
                 after |= self._expand(frontier, nodes, after, shape)
+                steps += 1
         # The k best nodes, best first (ties: shallower first): a node's score is its parent's times a probability, so a
         # parent always precedes its children and the engine may keep any prefix of them (CostModelK.tree_size).
         order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], i))[:k]
@@ -271,7 +300,7 @@ class EagleDrafter:
         tokens = keep_ids[torch.tensor([nodes[i][1] for i in order], dtype=torch.long, device=keep_ids.device)].cpu()
         parents = torch.tensor([index[nodes[i][2]] if nodes[i][2] >= 0 else -1 for i in order], dtype=torch.long)
         scores = torch.tensor([nodes[i][0] for i in order])
-        return Proposal(tokens, None, parents if width > 1 else None, scores)
+        return Proposal(tokens, None, parents if width > 1 else None, scores, steps)
 
     def _expand(self, expand: list[int], nodes: list[tuple[float, int, int]], after: dict, shape) -> dict:
         """The head's distribution and output feature after each node of ``expand``.

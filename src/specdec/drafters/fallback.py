@@ -29,6 +29,8 @@ class FallbackDrafter:
         self.first, self.second = first, second
         self.vocab_size = second.vocab_size if second.vocab_size is not None else first.vocab_size
         self.backend = second.backend if second.backend is not None else first.backend  # the costlier one prices a draft token
+        if self.backend is None and (priced := next((d for d in (second, first) if hasattr(d, "measure_step")), None)):
+            self.identity, self.measure_step = priced.identity, priced.measure_step  # a model outside a Backend (the eagle head)
         self._readers = [d for d in (first, second) if getattr(d, "wants_features", False)]  # drafters of the target's hidden states
         self.wants_features = bool(self._readers)
         self.scored = getattr(second, "scored", False)  # its proposals may carry scores (the first's are cut to the policy's k)
@@ -94,7 +96,8 @@ def _first_run(proposal: Proposal) -> int:
 
 
 def merge_trees(first: Proposal, second: Proposal, k: int, first_score: float = FIRST_NODE_SCORE) -> Proposal:
-    """One deterministic tree of both proposals' nodes (the same token after the same path is one node), its k best.
+    """One deterministic tree of both proposals' nodes (the same token after the same path is one node), its k best,
+    with the drafting both took.
 
     Scores: the second's own, ``first_score ** depth`` for the first's nodes (first_score: the chance each is right), the higher where both propose a node. A
     parent scores at least as much as its children in both, so the nodes listed best first (shallower first among
@@ -126,4 +129,5 @@ def merge_trees(first: Proposal, second: Proposal, k: int, first_score: float = 
         None,
         torch.tensor([place[trie.parents[i]] if trie.parents[i] >= 0 else -1 for i in order], dtype=torch.long),
         torch.tensor([scores[i] for i in order]),
+        first.draft_steps + second.draft_steps,
     )

@@ -165,4 +165,4 @@ class NgramDrafter:
                 probs.append(dist)
             tokens.append(token)
             history = (history + [token])[-self.table.order :]
-        return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
+        return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None, steps=0)

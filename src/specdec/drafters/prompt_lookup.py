@@ -47,7 +47,7 @@ class PromptLookupDrafter:
             hits = (windows == context[length - n :]).all(dim=1).nonzero().squeeze(1)
             if branches == 1 and hits.numel():
                 start = int(hits[-1]) + n
-                return Proposal(context[start : start + k])
+                return Proposal(context[start : start + k], steps=0)
             for hit in reversed(hits.tolist()):
                 run = context[hit + n : hit + n + k].tolist()
                 if run not in runs:
@@ -57,5 +57,5 @@ class PromptLookupDrafter:
             if len(runs) == branches:
                 break
         if not runs:
-            return Proposal(context[:0])
-        return Proposal.tree(runs, k)
+            return Proposal(context[:0], steps=0)
+        return Proposal.tree(runs, k, steps=0)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from specdec.drafters.base import Drafter
 from specdec.models.backend import Backend, RowBackend
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.models.registry import cache_root
@@ -122,6 +123,12 @@ def machine_tree_overhead(rows: RowBackend) -> CostCurve:
     """What a tree costs beyond a chain on this runtime (``tree_overhead_curve``): measured once (about 20 s for a real model), then cached."""
     stored = _cached(f"{rows.identity}|tree overhead", lambda: {str(n): s for n, s in tree_overhead_curve(rows).items()})
     return CostCurve({int(n): s for n, s in stored.items()})
+
+
+def machine_draft_step(drafter: Drafter) -> float:
+    """Seconds of one draft step of a drafter that runs a model outside a Backend (``measure_step``, the eagle head):
+    measured once (well under a second), then cached under its ``identity``."""
+    return _cached(f"{drafter.identity}|draft step", lambda: {"1": drafter.measure_step()})["1"]  # type: ignore[attr-defined]
 
 
 def machine_batch_cost_curve(backend: BatchedTransformersBackend) -> BatchCostCurve:

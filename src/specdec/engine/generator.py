@@ -15,7 +15,7 @@ from typing import Literal
 
 from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig, with_overrides
 from specdec.drafters import Drafter, auto_draft, build_drafter
-from specdec.engine.costs import machine_batch_cost_curve, machine_cost_curve, machine_tree_overhead
+from specdec.engine.costs import machine_batch_cost_curve, machine_cost_curve, machine_draft_step, machine_tree_overhead
 from specdec.engine.decoder import Decoder
 from specdec.engine.stats import DecodeStats
 from specdec.engine.text import TextTracker
@@ -141,11 +141,15 @@ class Generator:
         return OneRow(backend)
 
     def draft_cost(self) -> float:
-        """Seconds per draft token from the cached cost curve of the draft model (its one-token forward; measured on first use), 0 for model-free drafters."""
+        """Seconds of one draft step (measured on first use, then cached): the draft model's one-token forward, the
+        drafter's own measure for a model outside a Backend (the eagle head), 0 for model-free drafters."""
         with self._measuring:
             if self._draft_cost is None:
                 backend = getattr(self.drafter, "backend", None)  # drafters written before the attribute existed count as free
-                self._draft_cost = machine_cost_curve(_quiet_copy(backend))(1) if backend is not None else 0.0
+                if backend is not None:
+                    self._draft_cost = machine_cost_curve(_quiet_copy(backend))(1)
+                else:
+                    self._draft_cost = machine_draft_step(self.drafter) if hasattr(self.drafter, "measure_step") else 0.0
         return self._draft_cost
 
     def k_policy(self, config: GenerationConfig, batched: bool = False) -> KPolicy:

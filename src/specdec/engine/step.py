@@ -114,7 +114,16 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
         read_prompt = len(feeds[i]) - lengths[i] > 1  # more than the pending token: the step's time is mostly the prompt's
         row.policy.observe(
             StepOutcome(
-                depth, accepted, d.seconds, row.length, scored, tokens, lengths[i], None if read_prompt else t2 - t1, trees[i] is not None
+                depth,
+                accepted,
+                d.seconds,
+                row.length,
+                scored,
+                tokens,
+                lengths[i],
+                None if read_prompt else t2 - t1,
+                trees[i] is not None,
+                d.proposal.draft_steps,
             )
         )
         row.acceptance.observe(depth, accepted)
@@ -147,7 +156,7 @@ def _draft(row: Row, window: int | None, max_context: int) -> Draft:
     proposal = row.drafter.propose(row.tokens, k, branches)
     if proposal.scores is not None and tree_size is not None:
         parents = proposal.parents if proposal.parents is not None else torch.arange(-1, len(proposal) - 1)
-        proposal = proposal.cut(tree_size(proposal.scores, parents, time.perf_counter() - start, proposal.depth))
+        proposal = proposal.cut(tree_size(proposal.scores, parents, time.perf_counter() - start, proposal.draft_steps))
     elif wanted != chosen:
         proposal = proposal.cut(chosen)
     if proposal.probs is None:  # a deterministic draft token that a guard blocks would only be rejected

@@ -32,6 +32,7 @@ class StepOutcome:
         None  # seconds of the step's target forward and verification (the whole batch's); None: not timed, or the step also read the prompt
     )
     branched: bool = False  # the draft was a tree (some node had two children): its forward cost a tree's, not a chain's
+    draft_steps: int | None = None  # forwards of a drafting model the draft took (Proposal.draft_steps); None: ``proposed``
 
     def token_nll(self) -> torch.Tensor:
         """Negative log-likelihood of each new token under the target (computed only when asked: it reads the full vocabulary)."""
@@ -280,16 +281,16 @@ class CostModelK:
     def acceptance(self) -> float:
         return self.estimate.value
 
-    def tree_size(self, scores: torch.Tensor, parents: torch.Tensor, draft_s: float, levels: int) -> int:
-        """How many of a scored proposal's best nodes (``parents``: its tree, ``levels`` deep) to verify (EAGLE-2's
-        reranking, priced by this machine's costs).
+    def tree_size(self, scores: torch.Tensor, parents: torch.Tensor, draft_s: float, steps: int) -> int:
+        """How many of a scored proposal's best nodes (``parents``: its tree, drafted in ``steps`` forwards of a model)
+        to verify (EAGLE-2's reranking, priced by this machine's costs).
 
         A node's score is the drafter's chance that it is accepted, so the best n nodes are expected to yield
         1 + calibration * (their summed scores) tokens for a forward over n + 1 positions (a tree's price once they
         branch, a chain's before) plus the drafting already done; the n with the most tokens per second wins.
         """
         if not self._learn_draft_cost:  # a seeded run: the priced draft cost, not the clock, so the cut repeats
-            draft_s = levels * self._draft_s_per_token
+            draft_s = steps * self._draft_s_per_token
         gains = torch.cat([torch.zeros(1), scores.float().cpu().cumsum(0)])[: self.max_k + 1]
         n = len(gains)
         chain = torch.cat([torch.ones(1, dtype=torch.bool), (parents.cpu()[: n - 1] == torch.arange(-1, n - 2)).cummin(0).values])
@@ -326,10 +327,12 @@ class CostModelK:
         tree = self._drafting_tree  # None: a chain row; False: a tree row's chain step
         self._drafting_tree = None
         if tree is not None:
-            # Timed, where the clock may be read; a seeded run prices both ways, so it repeats: a draft step per level
-            # (a drafter drafts a tree's level in one step, as a chain's token), a forward over the nodes (a tree's with its overhead).
+            # Timed, where the clock may be read; a seeded run prices both ways, so it repeats: the draft's steps (forwards
+            # of its model: one per level of a tree, as per token of a chain; none for a copy), a forward over the nodes
+            # (a tree's with its overhead).
             n = min(outcome.proposed if outcome.verified is None else outcome.verified, self.max_k)
-            draft_s = outcome.draft_s if self._learn_draft_cost else min(outcome.proposed, self.max_k) * self._draft_s_per_token
+            steps = outcome.proposed if outcome.draft_steps is None else outcome.draft_steps
+            draft_s = outcome.draft_s if self._learn_draft_cost else steps * self._draft_s_per_token
             priced = (self._tree_verify_s if outcome.branched else self._verify_s)[n]
             verify_s = outcome.verify_s if self._learn_draft_cost and outcome.verify_s is not None else priced
             self.ways.record(tree, outcome.accepted + 1, draft_s + verify_s)
