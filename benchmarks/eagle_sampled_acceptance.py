@@ -5,7 +5,8 @@ Usage: python benchmarks/eagle_sampled_acceptance.py [--temperature 0.7] [--per-
 A deterministic draft x is accepted with the target's p(x); a draft drawn from the head's tempered distribution q
 with min(1, p/q), so sum min(p, q) = 1 - TV(p, q) in expectation. Along the target's own sampled text (gemma-3-270m on
 the transformers `cpu` plan, the first prompts of each category, k = 1, seeded), each step records the head's q and
-the target's p at the draft's position and reports both rates, per category.
+the target's p at the draft's position and reports both rates, per category, and what a tree level of the head's
+b top tokens takes: the target's mass on them, since verification descends when the target's draw is one of them.
 
 The head drafts its top tokens: at commit 0bef240 this script's --engine switch timed drawn chains in the engine
 against them (`lookup-then-eagle`, every default prompt, taking turns): 0.99x, a wash, so they were not kept
@@ -25,6 +26,8 @@ from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts
 from specdec.config import PrecisionPlan, RuntimeConfig
 from specdec.verification.shaping import to_probs
+
+SIBLINGS = (2, 3, 4)  # tree levels of this many of the head's top tokens
 
 
 def prompts(per_category: int) -> list[BenchPrompt]:
@@ -57,6 +60,8 @@ def replay(gen: Generator, chosen: list[BenchPrompt], new_tokens: int, temperatu
             s = stats[step["category"]]
             s["top"] += float(p[int(q.argmax())])
             s["drawn"] += float(torch.minimum(p, q).sum())
+            for b in SIBLINGS:  # a tree level of the head's b top tokens takes the target's draw when it is one of them
+                s[f"top{b}"] += float(p[q.topk(b).indices].sum())
             s["steps"] += 1
         step.pop("logits", None)
         return verify(rows, proposals, trees, logits)
@@ -71,9 +76,14 @@ def replay(gen: Generator, chosen: list[BenchPrompt], new_tokens: int, temperatu
             )
     finally:
         eagle_module.EagleDrafter._grow, step_module._verify = grow, verify
-    print(f"temperature {temperature}: first draft accepted, the head's top token against a draw from its law")
+    print(
+        f"temperature {temperature}: first draft accepted, the head's top token against a draw from its law, and a level of its b top tokens"
+    )
     for category, s in stats.items():
-        print(f"{category}: {int(s['steps'])} steps, top token {s['top'] / s['steps']:.3f}, drawn {s['drawn'] / s['steps']:.3f}")
+        siblings = ", ".join(f"top {b} {s[f'top{b}'] / s['steps']:.3f}" for b in SIBLINGS)
+        print(
+            f"{category}: {int(s['steps'])} steps, top token {s['top'] / s['steps']:.3f}, drawn {s['drawn'] / s['steps']:.3f}, {siblings}"
+        )
 
 
 def main() -> None:

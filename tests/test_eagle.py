@@ -350,8 +350,9 @@ def test_eagle_arch_errors() -> None:
 
 @pytest.mark.parametrize("runner", HEAD_RUNNERS)
 def test_a_seeded_run_prices_the_heads_draft_steps(runner: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The head runs outside a Backend: its draft step is measured once, kept under its identity, and prices a seeded
-    run's steps by the head's runs (one per level drafted); a copy costs none, a merged tree the head's runs."""
+    """The head runs outside a Backend: its draft step (a chain's, and a tree level's apart) is measured once, kept under
+    its identity, and prices a seeded run's steps by the head's runs (one per level drafted); a copy costs none, a merged
+    tree the head's runs."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     head, model = head_runner("llama", runner)
     tokenizer = models()[0]
@@ -361,6 +362,7 @@ def test_a_seeded_run_prices_the_heads_draft_steps(runner: str, tmp_path: Path, 
         assert 0 < gen.draft_cost() < 1.0
         assert gen.draft_cost() == Generator(gen.target, drafter).draft_cost()  # measured once, then read from the cache
     assert len(list((tmp_path / "costs").iterdir())) == 1  # the fallback is priced by its head, under the head's identity
+    assert 0 < gen.draft_cost(3) < 1.0 and len(list((tmp_path / "costs").iterdir())) == 2  # a tree's level, measured apart
     head.begin(DraftSettings())
     head.observe_features(torch.zeros(7, model.config.hidden_size))
     context = torch.tensor([5, 6, 7, 8, 5, 6, 7, 9])
@@ -370,9 +372,9 @@ def test_a_seeded_run_prices_the_heads_draft_steps(runner: str, tmp_path: Path, 
     assert PromptLookupDrafter().propose(context, 4).draft_steps == 0
     assert PromptLookupDrafter().propose(context, 4, branches=2).draft_steps == 0
     tree = Proposal(torch.tensor([5, 9]), None, torch.tensor([-1, -1]), torch.tensor([0.9, 0.1]), steps=3)
-    assert merge_trees(Proposal(torch.tensor([5, 6]), steps=0), tree, k=4).draft_steps == 3
-    priced = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.002)
-    for steps, seconds in ((0, 0.020), (3, 0.026)):  # a copy's step costs its forward only; three head runs three steps more
+    assert merge_trees(Proposal(torch.tensor([5, 6]), steps=0), tree, k=4).draft_steps == 3  # a copy costs no step
+    priced = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.002, tree_draft_s_per_step=0.005)
+    for steps, seconds in ((2, 0.030), (3, 0.026)):  # two tree levels at the tree's price; three chain steps at a chain's
         tree = priced.use_tree()  # a tree step first, then a chain step: each way records its own price
         priced.observe(StepOutcome(2, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, draft_steps=steps))
         assert priced.ways.rates[tree] == pytest.approx((2, seconds))

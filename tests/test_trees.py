@@ -252,7 +252,8 @@ def test_tree_rows_that_draft_chains_while_chains_are_faster_keep_the_target_law
 
 
 def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
-    """Trees first, then a chain; then the faster of the two, the other one step in TREE_TRIAL_EVERY, until they swap."""
+    """Trees first, then a chain; then the faster of the two, the other on trial steps that grow rarer while it stays
+    slower (after 8, then 16, then 32 steps), until they swap."""
     policy = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}))
 
     def step(tree_accepts: int, chain_accepts: int) -> bool:
@@ -264,9 +265,10 @@ def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
         return tree
 
     assert [step(1, 3), step(1, 3)] == [True, False]
-    assert sum(step(1, 3) for _ in range(4 * TREE_TRIAL_EVERY)) == 4  # chains win: a tree only on the trial steps
-    later = [step(7, 0) for _ in range(6 * TREE_TRIAL_EVERY)]  # now trees win, once their trials have shown it
-    assert sum(later[-2 * TREE_TRIAL_EVERY :]) == 2 * TREE_TRIAL_EVERY - 2
+    chains_win = [step(1, 3) for _ in range(4 * TREE_TRIAL_EVERY)]  # steps 3 to 34
+    assert [i + 3 for i, tree in enumerate(chains_win) if tree] == [8, 16, 32]  # a tree only on the trial steps, ever rarer
+    later = [step(7, 0) for _ in range(6 * TREE_TRIAL_EVERY)]  # now trees win
+    assert sum(later[-2 * TREE_TRIAL_EVERY :]) == 2 * TREE_TRIAL_EVERY - 1  # a chain again after 8 steps: the ways swapped
     seeded = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.0)
     seeded.use_tree()
     seeded.observe(StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8))

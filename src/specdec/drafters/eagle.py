@@ -228,10 +228,11 @@ class EagleDrafter:
         return self.runner.identity
 
     @torch.inference_mode()
-    def measure_step(self, repeats: int = 9) -> float:
-        """Median seconds of one draft step (one run of the head, with the distribution and top tokens read from it),
-        drafting chains of MEASURE_LEVELS after a MEASURE_CONTEXT-token context on a fork: what a seeded run prices a step at."""
-        probe = self.fork()
+    def measure_step(self, branches: int = 1, repeats: int = 9) -> float:
+        """Median seconds of one draft step (one run of the head, with the distributions and top tokens read from it), drafting
+        MEASURE_LEVELS levels of ``branches`` nodes (1: a chain) after a MEASURE_CONTEXT-token context, as the engine's
+        proposals are drafted (the context's new pairs read, every level grown): what a seeded run prices a step at."""
+        probe = EagleDrafter(self.runner, self.runner.embed, self.vocab_size, self.max_depth, min_score=0.0)  # every level grows
         tokens = self.runner.keep_ids[: MEASURE_CONTEXT + repeats + 1].cpu()
         width = self.runner.embed(tokens[:1].to(self.runner.device)).shape[-1]
         probe.observe_features(torch.zeros(MEASURE_CONTEXT, width))
@@ -240,7 +241,7 @@ class EagleDrafter:
         for length in range(MEASURE_CONTEXT + 2, MEASURE_CONTEXT + repeats + 2):
             probe.observe_features(torch.zeros(1, width))
             start = time.perf_counter()
-            proposal = probe.propose(tokens[:length], MEASURE_LEVELS)
+            proposal = probe.propose(tokens[:length], MEASURE_LEVELS if branches == 1 else MEASURE_LEVELS * branches, branches)
             times.append((time.perf_counter() - start) / proposal.draft_steps)
         return statistics.median(times)
 

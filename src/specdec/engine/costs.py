@@ -125,10 +125,11 @@ def machine_tree_overhead(rows: RowBackend) -> CostCurve:
     return CostCurve({int(n): s for n, s in stored.items()})
 
 
-def machine_draft_step(drafter: Drafter) -> float:
-    """Seconds of one draft step of a drafter that runs a model outside a Backend (``measure_step``, the eagle head):
-    measured once (well under a second), then cached under its ``identity``."""
-    return _cached(f"{drafter.identity}|draft step", lambda: {"1": drafter.measure_step()})["1"]  # type: ignore[attr-defined]
+def machine_draft_step(drafter: Drafter, branches: int = 1) -> float:
+    """Seconds of one draft step (a level of ``branches`` nodes) of a drafter that runs a model outside a Backend
+    (``measure_step``, the eagle head): measured once (well under a second), then cached under its ``identity``."""
+    stored = _cached(f"{drafter.identity}|draft step|{branches}", lambda: {"1": drafter.measure_step(branches)})  # type: ignore[attr-defined]
+    return stored["1"]
 
 
 def machine_batch_cost_curve(backend: BatchedTransformersBackend) -> BatchCostCurve:

@@ -87,7 +87,7 @@ class Generator:
         self.eos_ids = self.target.eos_ids
         self._ignorable: frozenset[int] | None = None
         self._embedder: SentenceEmbedder | None = None
-        self._draft_cost: float | None = None
+        self._draft_cost: dict[int, float] = {}  # by branches
         self._busy = False  # a single-sequence run is decoding on self.backend and self.drafter
         self._lock = threading.Lock()  # completions may start on several threads
 
@@ -140,17 +140,20 @@ class Generator:
             return BatchedTransformersBackend(backend.model, cuda_graphs=self.batch.cuda_graphs)
         return OneRow(backend)
 
-    def draft_cost(self) -> float:
-        """Seconds of one draft step (measured on first use, then cached): the draft model's one-token forward, the
-        drafter's own measure for a model outside a Backend (the eagle head), 0 for model-free drafters."""
+    def draft_cost(self, branches: int = 1) -> float:
+        """Seconds of one draft step, drafting ``branches`` nodes a level (measured on first use, then cached): the draft
+        model's one-token forward, the drafter's own measure for a model outside a Backend (the eagle head, whose tree
+        levels cost more than a chain's), 0 for model-free drafters."""
         with self._measuring:
-            if self._draft_cost is None:
+            if branches not in self._draft_cost:
                 backend = getattr(self.drafter, "backend", None)  # drafters written before the attribute existed count as free
                 if backend is not None:
-                    self._draft_cost = machine_cost_curve(_quiet_copy(backend))(1)
+                    self._draft_cost[branches] = machine_cost_curve(_quiet_copy(backend))(1)
+                elif hasattr(self.drafter, "measure_step"):
+                    self._draft_cost[branches] = machine_draft_step(self.drafter, branches)
                 else:
-                    self._draft_cost = machine_draft_step(self.drafter) if hasattr(self.drafter, "measure_step") else 0.0
-        return self._draft_cost
+                    self._draft_cost[branches] = 0.0
+        return self._draft_cost[branches]
 
     def k_policy(self, config: GenerationConfig, batched: bool = False) -> KPolicy:
         """A fresh k policy for one sequence (a row of a batch decoder's, ``batched``). With a seed, the cost model prices
@@ -159,10 +162,13 @@ class Generator:
         timed with the batch, so apart from single runs'); a seeded row's choices must not depend on earlier requests."""
         trees = config.branches > 1
         draft_cost = self.draft_cost if config.seed is not None else None
+        tree_draft_cost = (lambda: self.draft_cost(config.branches)) if trees and config.seed is not None else None
         ways = None
         if trees and config.seed is None:
             ways = self._ways.setdefault((config.k, config.branches, config.sampling.greedy, batched), WayRates())
-        return build_k_policy(config.k_policy, config.k, self.costs, draft_cost, self.tree_overhead if trees else None, ways)
+        return build_k_policy(
+            config.k_policy, config.k, self.costs, draft_cost, self.tree_overhead if trees else None, ways, tree_draft_cost
+        )
 
     def acquire(self) -> tuple[Backend, Drafter]:
         """The target cache and drafter for a single-sequence run: this Generator's own, or forks of them while another run holds those."""

@@ -29,12 +29,14 @@ def build_k_policy(
     draft_cost: Callable[[], float] | None = None,
     tree_overhead: Callable[[], CostCurve] | None = None,
     ways: WayRates | None = None,
+    tree_draft_cost: Callable[[], float] | None = None,
 ) -> KPolicy:
     """A fresh policy for one sequence; ``k`` is the fixed k or the adaptive policies' maximum.
 
     ``costs`` (and ``draft_cost``, seconds per draft token; ``tree_overhead``, a tree forward's seconds over a
     chain's, for sequences that may draft trees) are called only by policies that price forwards (they may measure
-    them). Without ``draft_cost`` the cost model learns the draft's cost from live timings; ``ways``: tree and chain
+    them). Without ``draft_cost`` the cost model learns the draft's cost from live timings (``tree_draft_cost``: a step
+    of a tree's drafting, when it differs from a chain's); ``ways``: tree and chain
     steps' rates shared with other rows, which a tree row's choice between them starts from (``CostModelK.use_tree``).
     """
     if name == "fixed":
@@ -52,6 +54,7 @@ def build_k_policy(
             draft_s_per_token=draft_cost() if draft_cost is not None else None,
             tree_overhead=tree_overhead() if tree_overhead is not None else None,
             ways=ways,
+            tree_draft_s_per_step=tree_draft_cost() if tree_draft_cost is not None else None,
         )
     raise ConfigError(f"unknown k policy '{name}': use one of {', '.join(K_POLICIES)}")
 

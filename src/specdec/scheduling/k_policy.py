@@ -209,7 +209,8 @@ def expected_tokens(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-TREE_TRIAL_EVERY = 8  # a tree row's steps: one in this many drafts the way that has been slower, to keep its rate current
+TREE_TRIAL_EVERY = 8  # a tree row's steps: the way that has been slower is drafted again after this many steps at first,
+TREE_TRIAL_MOST = 32  # then after twice as many each time it stays slower, up to this many; after one as soon as the ways swap
 RATE_DECAY = 0.8  # weight of the past in the tree and chain steps' rates
 
 
@@ -219,19 +220,27 @@ class WayRates:
 
     def __init__(self) -> None:
         self.rates: dict[bool, tuple[float, float] | None] = {True: None, False: None}  # tree (True) and chain steps
-        self.steps = 0
+        self.steps = 0  # since the last trial of the slower way
+        self.interval = TREE_TRIAL_EVERY  # steps between trials
+        self._faster: bool | None = None  # the faster way at the last trial
         self._lock = threading.Lock()  # rows of concurrent runs share it
 
     def next_is_tree(self) -> bool:
         """Whether the next step drafts a tree: a tree, then a chain, until both ways have a rate; then the faster way, and
-        the slower one step in TREE_TRIAL_EVERY."""
+        the slower one after ``interval`` steps (a trial keeps its rate current; each that finds the same way faster doubles
+        the interval, up to TREE_TRIAL_MOST, so a way that keeps losing costs ever fewer steps)."""
         with self._lock:
             self.steps += 1
             tree, chain = self.rates[True], self.rates[False]
             if tree is None or chain is None:
                 return tree is None
             faster = tree[0] / tree[1] >= chain[0] / chain[1]
-            return faster != (self.steps % TREE_TRIAL_EVERY == 0)
+            if self.steps < self.interval:
+                return faster
+            same = faster == self._faster
+            self.steps, self._faster = 0, faster
+            self.interval = min(2 * self.interval, TREE_TRIAL_MOST) if same else TREE_TRIAL_EVERY
+            return not faster
 
     def record(self, tree: bool, tokens: int, seconds: float) -> None:
         with self._lock:
@@ -250,6 +259,7 @@ class CostModelK:
     A tree of drafts costs its forward's ``tree_overhead`` (seconds over a
     chain as long, by tokens; none when not given) on top of the chain's price.
     ``ways``: a tree row's rates of tree and chain steps, when shared with other rows (its own otherwise).
+    ``tree_draft_s_per_step``: a seeded run's price of a level of a tree's drafting (default: a chain step's).
     """
 
     def __init__(
@@ -262,6 +272,7 @@ class CostModelK:
         draft_s_per_token: float | None = None,
         tree_overhead: CostCurve | None = None,
         ways: WayRates | None = None,
+        tree_draft_s_per_step: float | None = None,
     ) -> None:
         self.max_k = max_k
         self._verify_s = [costs(k + 1) for k in range(max_k + 1)]  # the curve is fixed: price each k once
@@ -270,6 +281,7 @@ class CostModelK:
         self.estimate = AcceptanceEstimate(decay, prior, prior_weight)
         self._learn_draft_cost = draft_s_per_token is None
         self._draft_s_per_token = draft_s_per_token or 0.0
+        self._tree_draft_s_per_step = self._draft_s_per_token if tree_draft_s_per_step is None else tree_draft_s_per_step
         self._chosen = 0
         self.min_confidence = 0.0
         self.calibration = 1.0  # accepted nodes over the drafter's summed scores of the nodes verified: how far to trust its scores
@@ -290,7 +302,7 @@ class CostModelK:
         branch, a chain's before) plus the drafting already done; the n with the most tokens per second wins.
         """
         if not self._learn_draft_cost:  # a seeded run: the priced draft cost, not the clock, so the cut repeats
-            draft_s = steps * self._draft_s_per_token
+            draft_s = steps * self._step_price(bool(self._drafting_tree))
         gains = torch.cat([torch.zeros(1), scores.float().cpu().cumsum(0)])[: self.max_k + 1]
         n = len(gains)
         chain = torch.cat([torch.ones(1, dtype=torch.bool), (parents.cpu()[: n - 1] == torch.arange(-1, n - 2)).cummin(0).values])
@@ -300,15 +312,19 @@ class CostModelK:
         self._predicted = float(gains[best])
         return best
 
+    def _step_price(self, tree: bool) -> float:
+        """A seeded run's price of one draft step: a level of a tree's, or a chain's token."""
+        return self._tree_draft_s_per_step if tree else self._draft_s_per_token
+
     def use_tree(self) -> bool:
         """Whether this step of a row allowed trees drafts one (else a chain, drafted as a chain row would).
 
         A tree verifies more nodes for more accepted tokens and costs more to draft; whether that pays depends on the
         drafter, the text and the machine, so it is measured: each way's tokens per second (drafting and verification
-        timed; in a seeded run priced by this machine's cost curves, a tree's with its overhead), the faster way drafted, the other one step in
-        TREE_TRIAL_EVERY (WayRates). Rows without rates try a tree first, then a chain; a timed row starts from its
-        generator's earlier rows' rates (Generator.k_policy). So a tree row is at most one trial step in TREE_TRIAL_EVERY
-        slower than a chain row.
+        timed; in a seeded run priced by this machine's cost curves, a tree's with its overhead), the faster way drafted, the other
+        on trial steps, ever rarer while it stays slower (WayRates). Rows without rates try a tree first, then a chain; a timed
+        row starts from its generator's earlier rows' rates (Generator.k_policy). So a tree row is slower than a chain row
+        by its trial steps at most.
         """
         self._drafting_tree = self.ways.next_is_tree()
         return self._drafting_tree
@@ -332,7 +348,7 @@ class CostModelK:
             # (a tree's with its overhead).
             n = min(outcome.proposed if outcome.verified is None else outcome.verified, self.max_k)
             steps = outcome.proposed if outcome.draft_steps is None else outcome.draft_steps
-            draft_s = outcome.draft_s if self._learn_draft_cost else steps * self._draft_s_per_token
+            draft_s = outcome.draft_s if self._learn_draft_cost else steps * self._step_price(tree)
             priced = (self._tree_verify_s if outcome.branched else self._verify_s)[n]
             verify_s = outcome.verify_s if self._learn_draft_cost and outcome.verify_s is not None else priced
             self.ways.record(tree, outcome.accepted + 1, draft_s + verify_s)
