@@ -47,7 +47,7 @@ from specdec.verification.shaping import to_probs
 
 MAX_DEPTH = 6  # levels of a tree: deeper nodes are rarely reached and each level costs a forward of the head
 MIN_SCORE = 0.02  # a node the head gives less than this chance of being reached is not worth verifying
-MEASURE_CONTEXT, MEASURE_LEVELS = 64, 4  # a step's cost is measured drafting chains this long after a context this long
+MEASURE_CONTEXT, MEASURE_LEVELS = 64, 4  # a step's cost is measured after a context this long, on chains this long
 
 
 Embed = Callable[[torch.Tensor], torch.Tensor]  # the target's input embedding, scale included (Backend.token_embeddings)
@@ -229,9 +229,10 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def measure_step(self, branches: int = 1, repeats: int = 9) -> float:
-        """Median seconds of one draft step (one run of the head, with the distributions and top tokens read from it), drafting
-        MEASURE_LEVELS levels of ``branches`` nodes (1: a chain) after a MEASURE_CONTEXT-token context, as the engine's
-        proposals are drafted (the context's new pairs read, every level grown): what a seeded run prices a step at."""
+        """Median seconds of one draft step (one run of the head, with the distributions and top tokens read from it) after
+        a MEASURE_CONTEXT-token context, drafting as the engine asks (the context's new pairs read, every level grown): a
+        chain of MEASURE_LEVELS, or with ``branches`` a tree of that many nodes a level, as deep as the head grows trees
+        (``max_depth``). What a seeded run prices a step at."""
         probe = EagleDrafter(self.runner, self.runner.embed, self.vocab_size, self.max_depth, min_score=0.0)  # every level grows
         tokens = self.runner.keep_ids[: MEASURE_CONTEXT + repeats + 1].cpu()
         width = self.runner.embed(tokens[:1].to(self.runner.device)).shape[-1]

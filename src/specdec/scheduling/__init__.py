@@ -35,8 +35,8 @@ def build_k_policy(
 
     ``costs`` (and ``draft_cost``, seconds per draft token; ``tree_overhead``, a tree forward's seconds over a
     chain's, for sequences that may draft trees) are called only by policies that price forwards (they may measure
-    them). Without ``draft_cost`` the cost model learns the draft's cost from live timings (``tree_draft_cost``: a step
-    of a tree's drafting, when it differs from a chain's); ``ways``: tree and chain
+    them). Without ``draft_cost`` the cost model learns the draft's cost from live timings; with it,
+    ``tree_draft_cost`` prices a level of a tree's drafting (default: a chain step's). ``ways``: tree and chain
     steps' rates shared with other rows, which a tree row's choice between them starts from (``CostModelK.use_tree``).
     """
     if name == "fixed":
