@@ -369,8 +369,10 @@ def test_a_seeded_run_prices_the_heads_draft_steps(runner: str, tmp_path: Path, 
     chain = head.propose(context, 4)
     assert chain.draft_steps == 4 == len(chain)  # the context's run drafts the first level, one run per further level
     assert chain.cut(2).draft_steps == 4  # the drafting done stays when the engine verifies fewer
-    assert PromptLookupDrafter().propose(context, 4).draft_steps == 0
-    assert PromptLookupDrafter().propose(context, 4, branches=2).draft_steps == 0
+    copyable = torch.tensor([5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7])
+    for branches in (1, 2):  # a copy, and a tree of copies, run no model
+        copied = PromptLookupDrafter().propose(copyable, 4, branches=branches)
+        assert len(copied) > 0 and copied.draft_steps == 0
     tree = Proposal(torch.tensor([5, 9]), None, torch.tensor([-1, -1]), torch.tensor([0.9, 0.1]), steps=3)
     assert merge_trees(Proposal(torch.tensor([5, 6]), steps=0), tree, k=4).draft_steps == 3  # a copy costs no step
     priced = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.002, tree_draft_s_per_step=0.005)

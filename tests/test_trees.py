@@ -253,7 +253,7 @@ def test_tree_rows_that_draft_chains_while_chains_are_faster_keep_the_target_law
 
 def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
     """Trees first, then a chain; then the faster of the two, the other on trial steps that grow rarer while it stays
-    slower (after 8, then 16, then 32 steps), until they swap."""
+    slower (after 8 steps, then 16, then every 32), until they swap, when the other one is tried after 8 again."""
     policy = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}))
 
     def step(tree_accepts: int, chain_accepts: int) -> bool:
@@ -266,7 +266,7 @@ def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
 
     assert [step(1, 3), step(1, 3)] == [True, False]
     chains_win = [step(1, 3) for _ in range(4 * TREE_TRIAL_EVERY)]  # steps 3 to 34
-    assert [i + 3 for i, tree in enumerate(chains_win) if tree] == [8, 16, 32]  # a tree only on the trial steps, ever rarer
+    assert [i + 3 for i, tree in enumerate(chains_win) if tree] == [8, 24]  # a tree only on trial steps: after 8, then 16 more
     later = [step(7, 0) for _ in range(6 * TREE_TRIAL_EVERY)]  # now trees win
     assert sum(later[-2 * TREE_TRIAL_EVERY :]) == 2 * TREE_TRIAL_EVERY - 1  # a chain again after 8 steps: the ways swapped
     seeded = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.0)

@@ -196,7 +196,7 @@ def why_not_native(module: PreTrainedModel) -> str | None:
 class EagleDrafter:
     """Drafts trees (or chains) with a feature-conditioned head; the engine hands it the target's hidden states every step."""
 
-    backend = None  # the head is not a Backend: its cost is learned from measured drafting time
+    backend = None  # the head is not a Backend: timed runs learn its cost from drafting time, seeded runs price measure_step
     wants_features = True
     scored = True  # its proposals carry scores: the engine asks for the most nodes and keeps the ones worth verifying
 
@@ -243,7 +243,7 @@ class EagleDrafter:
             probe.observe_features(torch.zeros(1, width))
             start = time.perf_counter()
             proposal = probe.propose(tokens[:length], MEASURE_LEVELS if branches == 1 else MEASURE_LEVELS * branches, branches)
-            times.append((time.perf_counter() - start) / proposal.draft_steps)
+            times.append((time.perf_counter() - start) / proposal.draft_steps)  # its tokens reach the host: the work is done
         return statistics.median(times)
 
     def observe_features(self, features: torch.Tensor) -> None:

@@ -16,6 +16,8 @@ copy that keeps being right is kept whole.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from specdec.drafters.base import Drafter, DraftSettings, Proposal, TokenTrie
@@ -55,10 +57,13 @@ class FallbackDrafter:
             self._copy = (context.shape[0], proposal.tokens[: _first_run(proposal)].tolist())
         if not len(proposal) or (self.scored and branches > 1):
             theirs = self.second.propose(context, k, branches)
+            steps = proposal.draft_steps + theirs.draft_steps  # both drafted, whichever proposal is kept
             if not len(proposal):
-                proposal, self._proposed = theirs, [self.second]
+                proposal, self._proposed = replace(theirs, steps=steps), [self.second]
             elif proposal.probs is None and theirs.probs is None:  # deterministic trees merge; drawn ones keep their own law
                 proposal, self._proposed = merge_trees(proposal, theirs, k, self.first_rate.value), [self.first, self.second]
+            else:
+                proposal = replace(proposal, steps=steps)
         return proposal
 
     def _check_copy(self, context: torch.Tensor) -> None:

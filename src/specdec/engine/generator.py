@@ -144,12 +144,14 @@ class Generator:
         """Seconds of one draft step, drafting ``branches`` nodes a level (measured on first use, then cached): the draft
         model's one-token forward, the drafter's own measure for a model outside a Backend (the eagle head, whose tree
         levels cost more than a chain's), 0 for model-free drafters."""
+        measured = hasattr(self.drafter, "measure_step")
+        branches = branches if measured else 1  # a draft model's step is its one-token forward, however many nodes a level
         with self._measuring:
             if branches not in self._draft_cost:
                 backend = getattr(self.drafter, "backend", None)  # drafters written before the attribute existed count as free
                 if backend is not None:
                     self._draft_cost[branches] = machine_cost_curve(_quiet_copy(backend))(1)
-                elif hasattr(self.drafter, "measure_step"):
+                elif measured:
                     self._draft_cost[branches] = machine_draft_step(self.drafter, branches)
                 else:
                     self._draft_cost[branches] = 0.0

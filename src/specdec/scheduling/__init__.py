@@ -33,7 +33,7 @@ def build_k_policy(
 ) -> KPolicy:
     """A fresh policy for one sequence; ``k`` is the fixed k or the adaptive policies' maximum.
 
-    ``costs`` (and ``draft_cost``, seconds per draft token; ``tree_overhead``, a tree forward's seconds over a
+    ``costs`` (and ``draft_cost``, seconds per draft step; ``tree_overhead``, a tree forward's seconds over a
     chain's, for sequences that may draft trees) are called only by policies that price forwards (they may measure
     them). Without ``draft_cost`` the cost model learns the draft's cost from live timings; with it,
     ``tree_draft_cost`` prices a level of a tree's drafting (default: a chain step's). ``ways``: tree and chain

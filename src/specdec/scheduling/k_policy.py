@@ -209,8 +209,8 @@ def expected_tokens(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-TREE_TRIAL_EVERY = 8  # a tree row's steps: the way that has been slower is drafted again after this many steps at first,
-TREE_TRIAL_MOST = 32  # then after twice as many each time it stays slower, up to this many; after one as soon as the ways swap
+TREE_TRIAL_EVERY = 8  # a tree row's steps before the slower way is drafted again; twice as many after each trial it
+TREE_TRIAL_MOST = 32  # stays slower, up to this many; TREE_TRIAL_EVERY again as soon as the ways swap
 RATE_DECAY = 0.8  # weight of the past in the tree and chain steps' rates
 
 
@@ -220,26 +220,27 @@ class WayRates:
 
     def __init__(self) -> None:
         self.rates: dict[bool, tuple[float, float] | None] = {True: None, False: None}  # tree (True) and chain steps
-        self.steps = 0  # since the last trial of the slower way
+        self.steps = 0  # since the last trial of the slower way, or since the ways swapped
         self.interval = TREE_TRIAL_EVERY  # steps between trials
-        self._faster: bool | None = None  # the faster way at the last trial
+        self._faster: bool | None = None  # the faster way at the last step
         self._lock = threading.Lock()  # rows of concurrent runs share it
 
     def next_is_tree(self) -> bool:
         """Whether the next step drafts a tree: a tree, then a chain, until both ways have a rate; then the faster way, and
-        the slower one after ``interval`` steps (a trial keeps its rate current; each that finds the same way faster doubles
-        the interval, up to TREE_TRIAL_MOST, so a way that keeps losing costs ever fewer steps)."""
+        the slower one after ``interval`` steps (a trial keeps its rate current). Each trial doubles the interval, up to
+        TREE_TRIAL_MOST, so a way that keeps losing costs ever fewer steps; when the ways swap it is TREE_TRIAL_EVERY again."""
         with self._lock:
             self.steps += 1
             tree, chain = self.rates[True], self.rates[False]
             if tree is None or chain is None:
                 return tree is None
             faster = tree[0] / tree[1] >= chain[0] / chain[1]
+            if self._faster is not None and faster != self._faster:
+                self.steps, self.interval = 0, TREE_TRIAL_EVERY
+            self._faster = faster
             if self.steps < self.interval:
                 return faster
-            same = faster == self._faster
-            self.steps, self._faster = 0, faster
-            self.interval = min(2 * self.interval, TREE_TRIAL_MOST) if same else TREE_TRIAL_EVERY
+            self.steps, self.interval = 0, min(2 * self.interval, TREE_TRIAL_MOST)
             return not faster
 
     def record(self, tree: bool, tokens: int, seconds: float) -> None:
