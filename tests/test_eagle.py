@@ -377,9 +377,9 @@ def test_a_seeded_run_prices_the_heads_draft_steps(runner: str, tmp_path: Path, 
     assert merge_trees(Proposal(torch.tensor([5, 6]), steps=0), tree, k=4).draft_steps == 3  # a copy costs no step
     priced = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.002, tree_draft_s_per_step=0.005)
     for steps, seconds in ((2, 0.030), (3, 0.026)):  # two tree levels at the tree's price; three chain steps at a chain's
-        tree = priced.use_tree()  # a tree step first, then a chain step: each way records its own price
+        way = priced.use_tree()  # a tree step first, then a chain step: each way records its own price
         priced.observe(StepOutcome(2, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, draft_steps=steps))
-        assert priced.ways.rates[tree] == pytest.approx((2, seconds))
+        assert priced.ways.rates[way] == pytest.approx((2, seconds))
 
 
 def test_tree_size_follows_the_costs_and_learns_the_scores_calibration() -> None:
