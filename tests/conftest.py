@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import string
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,7 +135,6 @@ def ray_cluster() -> Iterator[str]:
     import os
     import shutil
     import socket
-    import subprocess
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -155,21 +151,8 @@ def ray_cluster() -> Iterator[str]:
     subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120)
 
 
-@functools.cache
 def why_llama_cpp_cannot_run() -> str | None:
-    """Why the llama.cpp tests cannot run here, or None: not installed, or its decode kills the process (seen with a
-    build from source on an Intel Xeon with AMX: a segmentation fault in llama_decode, specdec or not). Probed once,
-    in a subprocess, so a crash skips those tests instead of ending the whole run."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return 'llama-cpp-python is not installed (pip install -e ".[llamacpp]")'
-    probe = (
-        "import torch; from specdec.config import RuntimeConfig; from specdec.models import open_target; "
-        "open_target('gemma-3-270m', RuntimeConfig(backend='llama.cpp')).backend.forward(torch.tensor([[2, 3, 4]]), last=1)"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=600)
-    if done.returncode != 0:
-        return (
-            f"llama.cpp's decode fails on this machine (exit code {done.returncode}): rebuild llama-cpp-python without "
-            'native flags (README, "Tests")'
-        )
-    return None
+    """Why the llama.cpp tests cannot run here, or None: the product's own probe (run once in a subprocess, cached)."""
+    from specdec.models.llamacpp import llama_cpp_problem
+
+    return llama_cpp_problem()

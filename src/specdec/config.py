@@ -292,7 +292,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """Where and how models run: the target's runtime, weight dtype, threads, llama.cpp micro-batch."""
+    """Where and how models run: the target's runtime, weight dtype, threads, llama.cpp micro-batch.
+
+    ``auto`` runs the native backend where it runs the model, else transformers; a ``dtype`` other than float32 or a
+    ``precision`` plan asks for transformers' formats, so ``auto`` then means transformers.
+    """
 
     backend: str = "transformers"
     dtype: str = "float32"  # transformers weights
@@ -309,12 +313,12 @@ class RuntimeConfig:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if self.ubatch is not None and self.ubatch < 1:
             raise ConfigError(f"ubatch must be >= 1, got {self.ubatch}")
-        if self.precision is not None and self.backend != "transformers":
+        if self.precision is not None and self.backend not in ("transformers", "auto"):
             raise ConfigError(
                 "--precision plans apply to the transformers backend; llama.cpp's format is its GGUF file's quantization "
                 "type and the native backend's is fixed (int8 weights and activations): use --backend transformers"
             )
-        if self.dtype != "float32" and self.backend in ("native", "auto"):
+        if self.dtype != "float32" and self.backend == "native":
             raise ConfigError("--dtype applies to the transformers backend; the native backend's format is fixed: drop --dtype")
 
 

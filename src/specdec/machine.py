@@ -17,6 +17,16 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``avx512_vnni``, ``amx_int8``, ...) from /proc/cpuinfo; empty where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            line = next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
 def fingerprint() -> dict[str, str | int]:
     """The facts a tuned profile depends on: CPU, core count, accelerator."""
     return {

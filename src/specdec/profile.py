@@ -119,14 +119,12 @@ class Profile:
 
     def check_installed(self) -> None:
         """Refuse a profile whose backend or drafter is not available in this installation, with the fix."""
-        from specdec.models.llamacpp import INSTALL, llama_cpp_installed
+        from specdec.models.llamacpp import llama_cpp_problem
 
         kind, _, arg = self.drafter.partition(":")
-        if (self.runtime.backend == "llama.cpp" or kind == "gguf") and not llama_cpp_installed():
+        if (self.runtime.backend == "llama.cpp" or kind == "gguf") and (problem := llama_cpp_problem()):
             part = "backend" if self.runtime.backend == "llama.cpp" else f"drafter '{self.drafter}'"
-            raise ProfileError(
-                f"the profile's {part} runs on llama.cpp, and llama-cpp-python is not installed: run `{INSTALL}`, or rerun `specdec tune`"
-            )
+            raise ProfileError(f"the profile's {part} runs on llama.cpp, which cannot run here ({problem}), or rerun `specdec tune`")
         local = kind == "ngram" or arg.startswith(("/", ".", "~"))  # model:/gguf: may also name a hub id or an alias
         if arg and local and not Path(arg).expanduser().exists():
             raise ProfileError(

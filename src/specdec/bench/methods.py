@@ -17,7 +17,7 @@ from specdec.drafters.base import DraftSettings, Proposal
 from specdec.engine import Generator
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel, Target, load_model, resolve
-from specdec.models.llamacpp import INSTALL, end_of_generation_ids, llama_cpp_installed
+from specdec.models.llamacpp import end_of_generation_ids, llama_cpp_problem
 from specdec.models.precision import convert_draft
 from specdec.models.target import gguf_path
 
@@ -283,9 +283,8 @@ def check_method(spec: str, target: str) -> str | None:
     if kind in ("model", "gguf", "hf-assisted", "ngram", "layerskip") and model:
         return None
     if spec in ("llamacpp-greedy", "llamacpp-prompt-lookup"):
-        if not llama_cpp_installed():
-            return f"{spec} skipped: llama-cpp-python is not installed ({INSTALL})"
         if resolve(target).kind not in ("alias", "gguf"):
             return f"{spec} skipped: llama.cpp runs GGUF files, and the target '{target}' is not one"
-        return None
+        problem = llama_cpp_problem()
+        return None if problem is None else f"{spec} skipped: {problem}"
     raise ConfigError(f"unknown method '{spec}': use a drafter ({DRAFT_SPECS}), oracle[:ACCURACY], or a peer ({PEER_METHODS})")

@@ -8,9 +8,11 @@ predictions; perplexity is exp of the mean negative log-likelihood.
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -94,3 +96,28 @@ def perplexity(
     )
     nll = score(scored, tokens, window, progress, label)
     return PerplexityResult(label, math.exp(nll), math.exp(reference), len(tokens))
+
+
+NATIVE_CHECK_TOKENS = 1024  # of the shipped default prompt set: enough to tell a sound int8 model from a broken one
+
+
+def native_perplexity(target: str, progress: Progress = lambda *a: None) -> PerplexityResult:
+    """The native backend's perplexity against float32 on the shipped default prompts: measured once per model and
+    kernel version, then read from the cache (what `generate` and `demo` report when they run on native)."""
+    from specdec.bench.prompts import DEFAULT_PROMPTS, prompt_sets
+    from specdec.models.cpu_kernels import BUILD
+    from specdec.models.registry import cache_root, resolve
+
+    source = resolve(target)
+    key = hashlib.sha256(f"{source.kind}|{source.location}|{BUILD}|{NATIVE_CHECK_TOKENS}".encode()).hexdigest()[:16]
+    record = cache_root() / "perplexity" / f"native-{key}.json"
+    try:
+        return PerplexityResult(**json.loads(record.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    result = perplexity(
+        target, RuntimeConfig(backend="native"), str(prompt_sets()[DEFAULT_PROMPTS]), NATIVE_CHECK_TOKENS, 256, progress
+    )
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(asdict(result)))
+    return result

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from specdec.bench.batch import BatchBenchConfig
@@ -26,6 +25,7 @@ from specdec.cli.options import (
     Target,
     Threads,
     Ubatch,
+    console,
     default,
     err,
     fresh_output,
@@ -33,6 +33,7 @@ from specdec.cli.options import (
     name_list,
     progress,
     runtime_config,
+    say,
     user_errors,
     with_profile,
 )
@@ -143,11 +144,11 @@ def bench(
         try:
             results = run_benchmark(config, advance)
         except GreedyMismatchError as exc:
-            err.print(f"[red]strict:[/red] {exc}")
+            say("strict:", "red", str(exc))
             raise typer.Exit(1) from None
     write_report(results, out)
     for note in results["notes"]:
-        err.print(f"[yellow]note:[/yellow] {note}")
+        say("note:", "yellow", note)
     overall = {name: m["categories"]["overall"] for name, m in results["methods"].items()}
     greedy = temperature == 0
     table = Table("method", "tok/s", "vs none", "acceptance", "identical to none")
@@ -155,13 +156,15 @@ def bench(
         acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}"
         identical = f"{results['greedy_identical_share'][name]:.0%}" if greedy else "n/a"
         table.add_row(name, f"{row['tokens_per_s']:.2f}", f"{row['speedup_vs_none']:.2f}x", acc, identical)
-    Console().print(table)
+    console.print(table)
     if greedy and backend == "llama.cpp" and (ubatch or 0) != 1 and min(results["greedy_identical_share"].values()) < 1:
-        err.print(
-            "[yellow]note:[/yellow] llama.cpp's many-token forward rounds differently from its one-token forward at its "
+        say(
+            "note:",
+            "yellow",
+            "llama.cpp's many-token forward rounds differently from its one-token forward at its "
             "default micro-batch, so near-ties can flip: --ubatch 1 makes speculative output identical (slower)"
         )
-    Console().print(f"report: {out / 'report.md'}")
+    console.print(f"report: {out / 'report.md'}")
 
 
 @user_errors
@@ -217,8 +220,8 @@ def bench_batch(
                 f"{f['mean_latency_s']:.2f}",
                 f"{f['identical_share']:.0%}",
             )
-    Console().print(table)
-    Console().print(f"report: {out / 'report.md'}")
+    console.print(table)
+    console.print(f"report: {out / 'report.md'}")
 
 
 @user_errors
@@ -243,7 +246,7 @@ def bench_serve(
 
     fresh_output(out, overwrite)
     config = LoadConfig(prompts, target, draft, clients, duration, max_tokens, tuple(server_args.split()), keys)
-    report = run_load_benchmark(config, say=lambda line: err.print(f"[dim]{line}[/dim]"))
+    report = run_load_benchmark(config, say=lambda line: err.print(line, style="dim"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))
@@ -311,8 +314,8 @@ def quality(
             f"{f['drift_mean']:.3f}",
             str(f["contradictions"]),
         )
-    Console().print(table)
-    Console().print(f"report: {out / 'report.md'}")
+    console.print(table)
+    console.print(f"report: {out / 'report.md'}")
 
 
 @user_errors
@@ -362,7 +365,7 @@ def ppl(
             )
         )
         return
-    Console().print(
+    console.print(
         f"{target} [{result.plan}]: perplexity {result.perplexity:.3f} vs float32 {result.float32_perplexity:.3f} "
         f"(delta {result.delta:+.3f}) on {result.tokens:,} tokens of {data}"
     )

@@ -6,20 +6,23 @@ import json
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from specdec.cli.options import (
-    BackendOpt,
+    FAST_BACKEND,
     Branches,
     Draft,
     Dtype,
+    FastBackendOpt,
     KPolicyOpt,
     Precision,
     ProfileOpt,
     Target,
     Threads,
     Ubatch,
+    announce_runtime,
+    console,
     default,
     err,
     float_pair,
@@ -58,7 +61,7 @@ def generate(
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
-    backend: BackendOpt = default(RuntimeConfig, "backend"),
+    backend: FastBackendOpt = FAST_BACKEND,
     threads: Threads = default(RuntimeConfig, "threads"),
     ubatch: Ubatch = default(RuntimeConfig, "ubatch"),
     stream: Annotated[bool, typer.Option(help="Print text as it is accepted.")] = False,
@@ -114,11 +117,12 @@ def generate(
         typical_acceptance=TypicalAcceptance() if typical_acceptance else None,
     )
     if typical_acceptance:
-        err.print("[yellow]typical acceptance is LOSSY: the output is not exactly the target's own[/yellow]")
+        err.print("typical acceptance is LOSSY: the output is not exactly the target's own", style="yellow")
     if not prompt.strip():
         raise SpecDecError("the prompt is empty: pass some text to continue")
     with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
         generator = Generator(target, draft, config, runtime_config(backend, dtype, threads, ubatch, precision))
+    announce_runtime(generator.target)
     if stream and not as_json:
         run = generator.stream(prompt)
         for piece in run:
@@ -132,11 +136,12 @@ def generate(
     print(result.text)
     s = result.stats
     err.print(
-        f"[dim]{s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.1f} tok/s), {s.target_forwards} target forwards, "
-        f"acceptance {s.acceptance_rate:.0%}, finish: {result.finish_reason}[/dim]"
+        f"{s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.1f} tok/s), {s.target_forwards} target forwards, "
+        f"acceptance {s.acceptance_rate:.0%}, finish: {result.finish_reason}",
+        style="dim",
     )
     for event in s.events:
-        err.print(f"[dim]guard event: {event}[/dim]", highlight=False)
+        err.print(f"guard event: {event}", style="dim")
 
 
 DEMO_PROMPT = (
@@ -151,13 +156,15 @@ def demo(
     target: Target = DEFAULT_TARGET,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate in each run.")] = default(GenerationConfig, "max_new_tokens"),
     k: Annotated[int, typer.Option(help="Draft tokens per step.")] = default(GenerationConfig, "k"),
+    backend: FastBackendOpt = FAST_BACKEND,
 ) -> None:
     """Generate once without and once with speculation (the default drafter) and print the speed-up."""
     from specdec import Generator
-    from specdec.models import load_model
+    from specdec.models import open_target
 
     with err.status(f"loading {target} (the first run converts the GGUF file once, about a minute)"):
-        model = load_model(target)
+        model = open_target(target, RuntimeConfig(backend=backend))
+    announce_runtime(model)
     config = GenerationConfig(k=k, max_new_tokens=max_new_tokens)
     baseline = Generator(model, "none", config)
     drafted = Generator(baseline.target, DEFAULT_DRAFT, config)
@@ -167,14 +174,13 @@ def demo(
             generator.generate(DEMO_PROMPT, max_new_tokens=4)  # warm-up
             runs[generator.draft_name] = generator.generate(DEMO_PROMPT)
     base, spec_run = runs["none"], runs[drafted.draft_name]
-    err.print(f"[bold]prompt[/bold] ({target}):\n{DEMO_PROMPT}")
-    err.print(f"[bold]output[/bold]:\n{spec_run.text}\n")
+    err.print(Text.assemble(("prompt", "bold"), f" ({target}):\n{DEMO_PROMPT}"))
+    err.print(Text.assemble(("output", "bold"), f":\n{spec_run.text}\n"))
     table = Table("draft", "tokens", "tok/s", "target forwards", "acceptance")
     for spec, r in runs.items():
         s = r.stats
         table.add_row(spec, str(s.new_tokens), f"{s.tokens_per_s:.1f}", str(s.target_forwards), f"{s.acceptance_rate:.0%}")
-    Console().print(table)
+    console.print(table)
     same = "identical" if base.token_ids == spec_run.token_ids else "DIFFERENT"
-    Console().print(
-        f"speed-up: [bold]{spec_run.stats.tokens_per_s / base.stats.tokens_per_s:.2f}x[/bold]; output {same} to target-only greedy"
-    )
+    speedup = spec_run.stats.tokens_per_s / base.stats.tokens_per_s
+    console.print(Text.assemble("speed-up: ", (f"{speedup:.2f}x", "bold"), f"; output {same} to target-only greedy"))

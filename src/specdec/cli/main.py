@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import sys
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from specdec.cli import bench, generate, serve, train, tune
+from specdec.cli import bench, doctor, generate, serve, train, tune
+from specdec.cli.options import console
 from specdec.models import ALIASES
 
 app = typer.Typer(help="Lossless speculative decoding for LLM text generation.", no_args_is_help=True, add_completion=False)
@@ -23,6 +24,7 @@ app.command("bench-serve")(bench.bench_serve)
 app.command()(bench.ppl)
 app.command()(train.distill)
 app.command()(tune.tune)
+app.command()(doctor.doctor)
 ngram_app = typer.Typer(help="Corpus n-gram tables for --draft ngram:FILE.", no_args_is_help=True)
 ngram_app.command("build")(train.ngram_build)
 app.add_typer(ngram_app, name="ngram")
@@ -40,8 +42,8 @@ def models() -> None:
         cached = f"cached: {converted_path(source)}" if is_cached(source) else "not yet (converted on first use)"
         draft = "--draft lookup-then-draft" if bundled_draft(alias.name) else "-"
         table.add_row(alias.name, alias.description, "installed" if installed else f"missing: {alias.install}", cached, draft)
-    Console().print(table)
-    Console().print(f"cache folder: {cache_root()} (set SPECDEC_CACHE to move it)")
+    console.print(table)
+    console.print(f"cache folder: {cache_root()} (set SPECDEC_CACHE to move it)")
 
 
 @app.command()
@@ -56,8 +58,9 @@ def prompts() -> None:
         counts = Counter(p.category for p in load_prompts(path))
         label = f"{name} (the benchmarks' default)" if name == DEFAULT_PROMPTS else name
         table.add_row(label, str(sum(counts.values())), ", ".join(f"{c} {n}" for c, n in counts.items()), str(path))
-    Console().print(table)
+    console.print(table)
 
 
 def main() -> None:
+    faulthandler.enable()  # a crash in native code (torch, llama.cpp) prints where it happened
     app(sys.argv[1:])

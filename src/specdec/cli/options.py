@@ -8,18 +8,23 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import Progress, TimeElapsedColumn
+from rich.text import Text
 
 from specdec.config import DTYPES, FORMATS, K_POLICIES, PRESETS, RUNTIMES, PrecisionPlan, RuntimeConfig
 from specdec.drafters import DRAFT_SPECS
 from specdec.errors import SpecDecError
 
-err = Console(stderr=True)
+if TYPE_CHECKING:
+    from specdec.models.target import Target as ModelTarget
+
+# No markup anywhere: prompts, outputs, names and paths print exactly as written ("items[j]" stays "items[j]").
+err = Console(stderr=True, markup=False, highlight=False)
+console = Console(markup=False, highlight=False)
 DRAFT_HELP = f"Drafter: {DRAFT_SPECS}. The library's Generator drafts nothing (none) unless given a drafter."
 F = TypeVar("F", bound=Callable[..., None])
 
@@ -36,6 +41,11 @@ def default(config: type, name: str) -> Any:
     raise ValueError(f"{config.__name__} has no field {name}")
 
 
+def say(label: str, style: str, message: str, to: Console = err) -> None:
+    """One line: a styled label ("error:", "note:") and a message printed as written."""
+    to.print(Text.assemble((label, style), " ", message), soft_wrap=True)
+
+
 def user_errors(fn: F) -> F:
     """Turn a SpecDecError into one line on stderr and exit code 2, never a traceback."""
 
@@ -44,7 +54,7 @@ def user_errors(fn: F) -> F:
         try:
             fn(*args, **kwargs)
         except SpecDecError as exc:
-            err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)  # messages may hold [brackets]
+            say("error:", "red", str(exc))
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
@@ -120,6 +130,37 @@ def float_pair(option: str, value: str | None) -> tuple[float, float] | None:
     return start, end
 
 
+FAST_BACKEND = "auto"  # generate and demo: native where it runs (several times transformers' float32 speed on a CPU)
+FastBackendOpt = Annotated[
+    str,
+    typer.Option(
+        "--backend",
+        help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases). Deliberately auto: native "
+        "where it runs the model, else transformers, so a command starts on the fastest path (the library's default is "
+        "transformers, which runs every model and batches).",
+    ),
+]
+
+
+def announce_runtime(target: ModelTarget) -> None:
+    """One line on stderr: the runtime the target runs on, and for native its perplexity against float32 (measured once)."""
+    if target.runtime == "native":
+        from specdec.bench.perplexity import native_perplexity
+
+        with err.status("measuring the native backend's perplexity against float32 (once for this model; cached)"):
+            ppl = native_perplexity(target.name)
+        err.print(
+            f"runtime: native (int8 weights and activations; perplexity {ppl.perplexity:.3f} against float32 "
+            f"{ppl.float32_perplexity:.3f}, {ppl.delta / ppl.float32_perplexity:+.2%}, on {ppl.tokens:,} tokens)",
+            style="dim",
+            soft_wrap=True,
+        )
+    elif target.fallback:
+        err.print(f"runtime: {target.runtime} (native does not run here: {target.fallback})", style="dim", soft_wrap=True)
+    else:
+        err.print(f"runtime: {target.runtime}", style="dim")
+
+
 def runtime_config(backend: str, dtype: str, threads: int | None, ubatch: int | None, precision: str | None) -> RuntimeConfig:
     return RuntimeConfig(backend, dtype, threads, ubatch, PrecisionPlan.parse(precision) if precision else None)
 
@@ -137,7 +178,7 @@ def progress(total: int) -> Iterator[Callable[[str], None]]:
             bar.update(task, advance=1, description=name)
             if not err.is_terminal:
                 left = (time.perf_counter() - start) / done * (total - done)
-                err.print(f"{done}/{total} done: {name} (about {left:.0f} s left)", highlight=False, soft_wrap=True)
+                err.print(f"{done}/{total} done: {name} (about {left:.0f} s left)", soft_wrap=True)
 
         yield advance
 
@@ -196,5 +237,5 @@ def with_profile(ctx: typer.Context, path: Path | None, options: dict[str, Any],
         if not given.intersection(group):
             merged |= {name: settings[name] for name in group if name in options}
     for note in profile.differences(merged.get("target")):
-        err.print(f"[yellow]warning:[/yellow] {escape(note)}", highlight=False, soft_wrap=True)
+        say("warning:", "yellow", note)
     return merged

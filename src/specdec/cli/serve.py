@@ -17,6 +17,7 @@ from specdec.cli.options import (
     default,
     err,
     runtime_config,
+    say,
     user_errors,
     with_profile,
 )
@@ -163,7 +164,7 @@ def serve(
                 f"--host {host} serves beyond this machine without API keys: set --api-key (or SPECDEC_API_KEYS, --api-key-file), "
                 "or pass --insecure-no-auth to accept that anyone who can reach it can use it"
             )
-        err.print(f"[yellow]warning:[/yellow] serving on {host} without API keys (--insecure-no-auth): anyone who can reach it can use it")
+        say("warning:", "yellow", f"serving on {host} without API keys (--insecure-no-auth): anyone who can reach it can use it")
     serve_config = ServeConfig(
         host=host,
         port=port,

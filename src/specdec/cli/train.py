@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from specdec.cli.options import (
     Target,
+    console,
     default,
     err,
     user_errors,
@@ -109,7 +109,7 @@ def distill(
 
         record = run_distill(model, config, resume=resume, progress=report)
     last = record["evaluations"][-1]
-    Console().print(
+    console.print(
         f"draft saved to {out} (use --draft model:{out}): {record['steps']} steps, {record['tokens_trained']:,} tokens, "
         f"{record['train_s']:.0f} s training; held-out acceptance {last['acceptance_rate']:.0%}, "
         f"top-1 agreement {last['top1_agreement']:.0%} (at step 0: {record['evaluations'][0]['acceptance_rate']:.0%})"
@@ -158,7 +158,7 @@ def ngram_build(
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     table.save(out)
-    Console().print(
+    console.print(
         f"{table.meta['tokens']:,} tokens from {len(table.meta['sources'])} file(s) -> {len(table.keys):,} n-grams, "
         f"{out.stat().st_size / 2**20:.1f} MB: {out}  (use --draft ngram:{out})"
     )

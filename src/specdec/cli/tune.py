@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from specdec.cli.options import Overwrite, Prompts, Target, default, err, fresh_output, name_list, progress, user_errors
+from specdec.cli.options import Overwrite, Prompts, Target, console, default, fresh_output, name_list, progress, say, user_errors
 from specdec.errors import ConfigError
 from specdec.tuning.search import TuneConfig
 
@@ -69,14 +68,14 @@ def tune(
         profile, results = search(config, advance)
     write_tune_report(profile, results, out)
     for note in results["notes"]:
-        err.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+        say("note:", "yellow", note)
     table = Table("candidate", "predicted tok/s", "measured tok/s")
     for c in sorted(results["confirmed"], key=lambda c: -(c["measured_tokens_per_s"] or 0)):
         table.add_row(c["label"], f"{c['predicted_tokens_per_s']:.1f}", fmt(c["measured_tokens_per_s"], "{:.1f}"))
-    Console().print(table)
+    console.print(table)
     m = profile.measured
-    Console().print(
-        f"chosen: [bold]{results['chosen']}[/bold], {m['tokens_per_s']:.1f} tok/s, {m['speedup_vs_target_only']:.2f}x the fastest "
+    console.print(
+        f"chosen: {results['chosen']}, {m['tokens_per_s']:.1f} tok/s, {m['speedup_vs_target_only']:.2f}x the fastest "
         f"target-only ({results['elapsed_s']:.0f} s)\nprofile: {out / 'profile.json'} (use it: specdec generate --profile "
         f"{out / 'profile.json'} ...); report: {out / 'report.md'}, plot: {out / PLOT}"
     )

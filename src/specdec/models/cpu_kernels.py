@@ -12,7 +12,7 @@ more than one. Both kernels are built for that:
 - ``attention(...)``: causal (optionally sliding-window) attention of new positions over a float32 cache, each
   (position, head) pair computed alone over exactly its visible keys, in one order; ``rms_norm``, each row alone.
 
-Compiled on first use with torch's cpp_extension (g++ and ninja, about 40 s here, then cached). Where they
+Compiled on first use with torch's cpp_extension (g++ and ninja, about 40 s here, then cached in ``build_folder()``). Where they
 cannot be (no VNNI, no compiler), ``linear`` gives the same numbers from a float64 product of the same
 integers (exact, only slower) and ``attention`` and ``rms_norm`` are unavailable (the native backend says so).
 """
@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
+import time
 from pathlib import Path
 
 import torch
+
+from specdec.machine import cpu_flags
 
 log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
@@ -321,10 +325,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def vnni_available() -> bool:
     """Whether this CPU has AVX-512 VNNI (the kernels' instructions)."""
-    try:
-        return "avx512_vnni" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    return "avx512_vnni" in cpu_flags()
+
+
+BUILD_WAIT_S = 600  # longest wait for another process's build of the kernels
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels could not be built here; the message names the cause (the compiler's own error) and the fix."""
+
+
+def build_folder() -> Path:
+    """Where the kernels are compiled and cached: one folder per kernel version, torch and Python."""
+    from specdec.models.registry import cache_root
+
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return cache_root() / "kernels" / f"{BUILD}-torch{torch.__version__.split('+')[0]}-{python}"
+
+
+def is_built() -> bool:
+    return (build_folder() / f"{BUILD}.so").exists()
 
 
 @functools.cache
@@ -333,16 +353,71 @@ def compiled():
     if not vnni_available():
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(
-            BUILD,
-            cpp_sources=SOURCE,
-            functions=["int8_linear", "attention", "rms_norm"],
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-        )
-    except Exception as exc:  # noqa: BLE001 - no compiler or ninja: the same results, computed slower
-        reason = (str(exc).splitlines() or [repr(exc)])[0][:200]
-        log.warning("specdec's CPU kernels could not be built (%s): int8 layers use the exact float64 path", reason)
+        return build()
+    except KernelBuildError as exc:
+        log.warning("specdec's CPU kernels are not available, so int8 layers use the exact float64 path: %s", exc)
         return None
+
+
+def build(wait_s: float = BUILD_WAIT_S):
+    """Compile (first use: about a minute, said on stderr) or load the kernels; one process builds at a time.
+
+    torch marks a build in progress with a ``lock`` file and waits, without limit, while it exists; a build killed
+    midway leaves it behind. Builds here also hold an OS lock on ``specdec.lock``, which dies with its process: holding
+    it, any ``lock`` file left is stale and removed; a live build is waited for at most ``wait_s`` seconds.
+    """
+    from torch.utils.cpp_extension import load_inline
+
+    folder = build_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "specdec.lock", "w") as guard:
+        _hold(guard, folder, wait_s)
+        stale = folder / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a kernel build that was stopped midway", stale)
+            stale.unlink()
+        if not is_built():
+            log.warning("compiling specdec's CPU kernels for this machine, once (about a minute; cached in %s)", folder)
+        try:
+            return load_inline(
+                BUILD,
+                cpp_sources=SOURCE,
+                functions=["int8_linear", "attention", "rms_norm"],
+                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+            )
+        except (RuntimeError, OSError, ImportError) as exc:  # no compiler, no ninja, a compile error
+            raise KernelBuildError(compiler_error(str(exc))) from None
+
+
+def _hold(guard, folder: Path, wait_s: float) -> None:
+    """Take the build's OS lock, waiting at most ``wait_s`` seconds for another process that holds it."""
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks here: torch's own lock file alone
+        return
+    deadline = time.monotonic() + wait_s
+    waiting = False
+    while True:
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise KernelBuildError(
+                    f"another process has been building the kernels in {folder} for over {wait_s:.0f} s: if no specdec "
+                    f"process is running, delete that folder and retry"
+                ) from None
+            if not waiting:
+                log.warning("waiting for another process to finish building specdec's CPU kernels in %s", folder)
+                waiting = True
+            time.sleep(0.2)
+
+
+def compiler_error(message: str, lines: int = 12) -> str:
+    """The informative part of a failed build's output: the compiler's error lines (else its last lines), one string."""
+    text = [line.rstrip() for line in message.splitlines() if line.strip()]
+    errors = [line for line in text if "error" in line.lower() and not line.startswith("Error building extension")]
+    shown = (errors or text[-lines:])[:lines]
+    return " | ".join(shown) if shown else message

@@ -7,16 +7,36 @@ arrays for only the positions verification reads.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
+import json
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from specdec.errors import ConfigError, MissingPackageError
+from specdec.machine import cpu_flags, cpu_name
 from specdec.models.backend import TREES_UNSUPPORTED
 
 INSTALL = 'pip install -e ".[llamacpp]"  (builds llama.cpp from source: about 5-15 minutes on 2 cores)'
+REBUILD = (
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_FMA=ON '
+    '-DGGML_F16C=ON" pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-python'
+)
+PROBE_TIMEOUT_S = 300
+# Loads a GGUF file and decodes a many-token batch, then one token: the calls that crash a miscompiled build.
+PROBE = """
+import sys, llama_cpp
+llama = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_batch=16, verbose=False)
+llama.eval(llama.tokenize(b"def add(a, b):\\n    return a + b", add_bos=True)[:12])
+llama.eval([llama.token_eos()])
+"""
 
 
 def llama_cpp_installed() -> bool:
@@ -24,11 +44,71 @@ def llama_cpp_installed() -> bool:
 
 
 def require_llama_cpp():
+    """The llama_cpp module, once it is installed and known not to crash on this machine (else a one-line error)."""
     if not llama_cpp_installed():
         raise MissingPackageError(f"the llama.cpp backend needs llama-cpp-python: run `{INSTALL}`")
+    problem = llama_cpp_problem()
+    if problem is not None:
+        raise ConfigError(problem)
     import llama_cpp
 
     return llama_cpp
+
+
+def llama_cpp_problem() -> str | None:
+    """Why llama.cpp cannot be used here (a one-line message with the fix), or None if it runs.
+
+    A llama-cpp-python build can kill its process in native code (seen: a build with ``-march=native`` faults in ggml's
+    AMX kernel on an Intel Xeon with AMX). So before any process of specdec loads it, a subprocess decodes a few
+    tokens of the bundled GGUF; the verdict is cached on disk per machine and llama-cpp-python build.
+    """
+    if not llama_cpp_installed():
+        return f"llama-cpp-python is not installed: run `{INSTALL}`"
+    return _probe_verdict(_build_identity())
+
+
+def _build_identity() -> str:
+    """This machine's CPU and the installed llama-cpp-python's files (their names, sizes and times): a rebuild changes it."""
+    spec = importlib.util.find_spec("llama_cpp")
+    folders = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    files = sorted(f for folder in folders for f in folder.rglob("*") if f.is_file() and f.suffix in (".so", ".dylib", ".dll", ".py"))
+    parts = [cpu_name(), " ".join(sorted(cpu_flags())), *(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _probe_verdict(identity: str) -> str | None:
+    from specdec.models.registry import ALIASES, cache_root
+
+    record = cache_root() / "probes" / f"llama_cpp-{identity}.json"
+    try:
+        return json.loads(record.read_text())["problem"]
+    except (OSError, ValueError, KeyError):
+        pass
+    problem = _run_probe(str(ALIASES["gemma-3-270m"].locate_gguf()))
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"problem": problem}))
+    return problem
+
+
+def _run_probe(gguf: str) -> str | None:
+    try:
+        done = subprocess.run([sys.executable, "-c", PROBE, gguf], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"llama.cpp did not decode 12 tokens within {PROBE_TIMEOUT_S} s on this machine: rebuild llama-cpp-python with `{REBUILD}`"
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        try:
+            how = f"dies with {signal.Signals(-done.returncode).name}"
+        except ValueError:
+            how = f"dies with signal {-done.returncode}"
+        return (
+            f"this llama-cpp-python build crashes on this CPU ({cpu_name()}): its decode {how} (a build for this machine's "
+            f"native instructions, such as AMX, can fault in a VM); rebuild it without them: `{REBUILD}`"
+        )
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    return f"llama.cpp fails to decode on this machine ({lines[-1] if lines else f'exit code {done.returncode}'}): rebuild it with `{REBUILD}`"
 
 
 def end_of_generation_ids(llama) -> frozenset[int]:

@@ -27,6 +27,8 @@ class Target:
     backend: Backend
     tokenizer: Tokenizer | None
     eos_ids: frozenset[int]
+    runtime: str = "transformers"  # the runtime it runs on: transformers, native or llama.cpp
+    fallback: str | None = None  # why ``--backend auto`` did not choose native
 
 
 def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
@@ -37,19 +39,24 @@ def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig
 
         name = model.name if isinstance(model, LoadedModel) else model
         backend = LlamaCppBackend(gguf_path(name), threads=runtime.threads, ubatch=runtime.ubatch)
-        return Target(name, backend, backend.tokenizer, backend.eos_ids)
+        return Target(name, backend, backend.tokenizer, backend.eos_ids, runtime="llama.cpp")
     loaded = load_model(model, dtype="float32" if runtime.precision else runtime.dtype) if isinstance(model, str) else model
-    if runtime.backend in ("native", "auto"):
+    fallback = None
+    if runtime.backend == "native" or (runtime.backend == "auto" and runtime.dtype == "float32" and runtime.precision is None):
         from specdec.models import native
 
-        reason = native.unsupported(loaded.model)
-        if reason is None:
-            return Target(loaded.name, native.NativeBackend(native.NativeModel(loaded.model)), loaded.tokenizer, eos_ids(loaded))
+        fallback = native.unsupported(loaded.model)
+        if fallback is None:
+            try:
+                backend = native.NativeBackend(native.NativeModel(loaded.model))
+                return Target(loaded.name, backend, loaded.tokenizer, eos_ids(loaded), runtime="native")
+            except (ConfigError, ValueError) as exc:  # a shape the native formats cannot hold
+                fallback = f"the native backend cannot hold this model ({exc})"
         if runtime.backend == "native":
-            raise ConfigError(reason)
+            raise ConfigError(fallback)
     if runtime.precision is not None:
         apply_plan(loaded.model, runtime.precision)
-    return Target(loaded.name, TransformersBackend(loaded.model), loaded.tokenizer, eos_ids(loaded))
+    return Target(loaded.name, TransformersBackend(loaded.model), loaded.tokenizer, eos_ids(loaded), fallback=fallback)
 
 
 def gguf_path(name: str) -> str:
