@@ -18,13 +18,59 @@ NATIVE = RuntimeConfig(backend="native")
 PROMPTS = ["the cat sat on the mat. the cat sat on the", "abc abc abc abc", "Hello, world! Hello, world!"]
 
 
+FAMILIES = ["llama", "gemma3", "llama3-rope", "mistral", "qwen2", "qwen3"]
+
+
+def tiny_family(family: str, vocab: int) -> torch.nn.Module:
+    """A random model of ``family`` wide enough for the kernels (widths in multiples of 32, heads of 16), with what sets
+    the family apart: Llama 3's rotary scaling, Mistral's sliding window on every layer, Qwen2's QKV biases (and a
+    sliding window on its second layer), Qwen3's norms over each head's queries and keys; biases and norms randomized."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    if family == "llama3-rope":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=64)  # fmt: skip
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=rope))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=6))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, sliding_window=6, max_window_layers=1))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.3)
+            elif "norm" in name:
+                param.normal_(1, 0.2)
+    return model.eval()
+
+
 def models():
-    """A Llama and a Gemma-3 wide enough for the kernels (widths in multiples of 32, heads of 16), sliding window 6."""
+    """A model of every family the native backend runs (see tiny_family; Gemma-3's sliding window is 6)."""
     tokenizer = char_tokenizer()
     return tokenizer, {
         "llama": tiny_llama(3, vocab=len(tokenizer), hidden=64, context=1024),
         "gemma3": tiny_gemma3(3, vocab=len(tokenizer), hidden=64, head_dim=16, context=1024),
+        **{family: tiny_family(family, len(tokenizer)) for family in FAMILIES[2:]},
     }
+
+
+def test_the_tiny_families_differ_as_their_families_do() -> None:
+    built = models()[1]
+    assert built["llama3-rope"].config.rope_parameters["rope_type"] == "llama3"
+    assert NativeModel(built["mistral"]).shape.windows == (6, 6)
+    qwen2 = NativeModel(built["qwen2"])
+    assert qwen2.shape.windows == (0, 6) and set(qwen2.layers[0].biases) == {"qkv"}
+    assert NativeModel(built["qwen3"]).shape.qk_norm and not NativeModel(built["llama"]).shape.qk_norm
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -40,7 +86,27 @@ def test_native_logits_follow_transformers(family: str) -> None:
     assert (got.argmax(-1) == reference.argmax(-1)).float().mean() > 0.85
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES[2:])
+def test_the_other_families_follow_transformers(family: str) -> None:
+    """Rotary tables equal to transformers' own, bit for bit (Llama 3's scaling included); logits close (int8 noise on
+    random weights: one position in 40 may fall to a cosine of 0.93, where a wrong rotary, window, bias or norm gives
+    cosines near 0 from the first wrong position on) and greedy tokens mostly the same."""
+    tokenizer, model = char_tokenizer(), models()[1][family]
+    ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
+    native = NativeModel(model)
+    positions = torch.arange(ids.shape[1])
+    cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions[None])
+    got_cos, got_sin = native._cos_sin("", positions)
+    assert torch.equal(got_cos[:, 0], cos[0]) and torch.equal(got_sin[:, 0], sin[0])
+    with torch.inference_mode():
+        reference = model(ids).logits[0]
+    got = NativeBackend(native).forward(ids, last=ids.shape[1])[0]
+    cosines = torch.nn.functional.cosine_similarity(got, reference, dim=-1)
+    assert float(cosines.mean()) > 0.99 and float(cosines.min()) > 0.9, cosines
+    assert (got.argmax(-1) == reference.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_positions_logits_do_not_depend_on_how_many_are_scored(family: str) -> None:
     """Bit for bit: the whole sequence at once, one token at a time, and in chunks of 9 after a rollback; past the
     sliding window (6) and past the first cache allocation (the cache grows)."""
@@ -58,7 +124,7 @@ def test_a_positions_logits_do_not_depend_on_how_many_are_scored(family: str) ->
         backend.truncate(ids.shape[1] + 1)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_speculative_greedy_equals_native_target_only(family: str) -> None:
     tokenizer, model = char_tokenizer(), models()[1][family]
     target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=NATIVE)

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -28,8 +29,9 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The bin folder of a fresh venv holding only the built wheel; its dependencies come from this environment
-    (--system-site-packages: no second download of torch and the models), where specdec itself is shadowed."""
+    """The bin folder of a fresh venv holding only the built wheel; its dependencies come from the environment running
+    the tests (its site-packages on the path, after the venv's own: no second download of torch and the models), whether
+    that is a virtual environment or not. That folder's .pth files are not run, so an editable specdec there is not seen."""
     base = tmp_path_factory.mktemp("wheel")
     source = base / "source"  # a copy, so that building leaves no build/ or egg-info in the checkout
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "results", ".venv"))
@@ -39,7 +41,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     (wheel,) = (base / "dist").glob("specdec-*.whl")
     venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    ours = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
+    (Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"]) / "test-env.pth").write_text("\n".join(ours) + "\n")
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True)
     return venv / "bin"
 

@@ -347,16 +347,25 @@ def is_built() -> bool:
     return (build_folder() / f"{BUILD}.so").exists()
 
 
-@functools.cache
 def compiled():
     """The compiled kernels, or None (``linear`` then takes its exact float64 path) where this machine cannot run or build them."""
+    return _load()[0]
+
+
+def kernels_problem() -> str | None:
+    """Why the kernels are not available here (no AVX-512 VNNI, or the build's error), or None."""
+    return _load()[1]
+
+
+@functools.cache
+def _load():
     if not vnni_available():
-        return None
+        return None, "this CPU lacks AVX-512 VNNI"
     try:
-        return build()
+        return build(), None
     except KernelBuildError as exc:
         log.warning("specdec's CPU kernels are not available, so int8 layers use the exact float64 path: %s", exc)
-        return None
+        return None, f"the kernels' build failed: {exc}"
 
 
 def build(wait_s: float = BUILD_WAIT_S):

@@ -1,4 +1,4 @@
-"""specdec's own CPU runtime for Gemma-3 and Llama-family models: one file, a float32 KV cache, int8 kernels.
+"""specdec's own CPU runtime for Gemma-3, Llama, Mistral and Qwen2/Qwen3 models: one file, a float32 KV cache, int8 kernels.
 
 Why it exists (issue 23, BENCHMARKS.md): on a CPU, transformers verifies nine positions almost for the price
 of one but pays about 45 ms per step in framework and kernels made for other shapes; llama.cpp's step is
@@ -27,7 +27,8 @@ from specdec.models import cpu_kernels
 from specdec.models.backend import keep_branch, tree_mask, tree_positions
 from specdec.models.cpu_kernels import PackedInt8
 
-FAMILIES = ("gemma3_text", "llama")
+FAMILIES = ("gemma3_text", "llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # rotary tables fixed at load; dynamic and longrope vary with length
 FIRST_CAPACITY = 256  # cached positions allocated at first; doubled when full, up to the model's context
 
 
@@ -42,7 +43,8 @@ class Shape:
     eps: float
     scale: float  # attention scores' factor
     windows: tuple[int, ...]  # per layer: sliding window in positions, 0 = every earlier position
-    thetas: tuple[float, ...]  # per layer: rotary base
+    rotary: tuple[str, ...]  # per layer: which of the model's rotary tables (its layer type; "" for one table)
+    qk_norm: bool  # an RMS norm over each head's queries and keys (Gemma-3, Qwen3)
     embed_scale: float
     softcap: float | None  # final logits' tanh cap
     max_context: int
@@ -55,6 +57,7 @@ class Layer:
     gate_up: PackedInt8
     down: PackedInt8
     norms: dict[str, torch.Tensor]  # float32 weights, Gemma's already as 1 + w
+    biases: dict[str, torch.Tensor]  # float32, for the linear layers that have one (Qwen2's qkv)
 
 
 class NativeModel:
@@ -75,21 +78,27 @@ class NativeModel:
             names = ["input_layernorm", "post_attention_layernorm"]
             names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if gemma else []
             norms = {n: getattr(layer, n).weight.detach().float() + offset for n in names}
-            if gemma:
+            if self.shape.qk_norm:
                 norms |= {n: getattr(attn, n).weight.detach().float() + offset for n in ("q_norm", "k_norm")}
+            parts = {
+                "qkv": [attn.q_proj, attn.k_proj, attn.v_proj],
+                "out": [attn.o_proj],
+                "gate_up": [mlp.gate_proj, mlp.up_proj],
+                "down": [mlp.down_proj],
+            }
+            biases = {name: _bias(linears) for name, linears in parts.items()}
             self.layers.append(
                 Layer(
-                    qkv=PackedInt8(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
-                    out=PackedInt8(attn.o_proj.weight),
-                    gate_up=PackedInt8(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                    down=PackedInt8(mlp.down_proj.weight),
+                    **{name: PackedInt8(torch.cat([linear.weight for linear in linears])) for name, linears in parts.items()},
                     norms=norms,
+                    biases={name: bias for name, bias in biases.items() if bias is not None},
                 )
             )
         self.final_norm = model.model.norm.weight.detach().float() + offset
         self.head = PackedInt8(model.get_output_embeddings().weight)
         self.weights = sum(p.numel() for p in model.parameters())
-        self._rotary: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._inverse = _rotary_frequencies(config, self.shape)  # per table: inverse frequencies and the cos/sin scale
+        self._rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(
         self, tokens: torch.Tensor, cache: KVCache, last: int, visible: torch.Tensor | None = None, features: bool = False
@@ -106,32 +115,31 @@ class NativeModel:
         cache.reserve(start + n)
         x = self.embed(tokens) if tokens.dim() == 1 else tokens.float()
         positions = torch.arange(start, start + n) if visible is None else tree_positions(start, visible)
-        rotary = {theta: self._cos_sin(theta, positions) for theta in set(shape.thetas)}
+        rotary = {table: self._cos_sin(table, positions) for table in set(shape.rotary)}
         q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         for index, layer in enumerate(self.layers):
             norms = layer.norms
-            q, k, v = cpu_kernels.linear(cpu_kernels.rms_norm(x, norms["input_layernorm"], shape.eps), layer.qkv).split(
-                [q_width, kv_width, kv_width], dim=1
-            )
+            qkv = _linear(cpu_kernels.rms_norm(x, norms["input_layernorm"], shape.eps), layer.qkv, layer.biases.get("qkv"))
+            q, k, v = qkv.split([q_width, kv_width, kv_width], dim=1)
             q, k, v = q.view(n, shape.heads, -1), k.view(n, shape.kv_heads, -1), v.view(n, shape.kv_heads, -1)
             if "q_norm" in norms:
                 q, k = cpu_kernels.rms_norm(q, norms["q_norm"], shape.eps), cpu_kernels.rms_norm(k, norms["k_norm"], shape.eps)
-            cos, sin = rotary[shape.thetas[index]]
+            cos, sin = rotary[shape.rotary[index]]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = cache.keys[index], cache.values[index]
             keys[:, start : start + n] = k.transpose(0, 1)
             values[:, start : start + n] = v.transpose(0, 1)
             attended = cpu_kernels.attention(q, keys, values, start, shape.windows[index], shape.scale, visible, positions)
-            out = cpu_kernels.linear(attended.view(n, q_width), layer.out)
+            out = _linear(attended.view(n, q_width), layer.out, layer.biases.get("out"))
             if gemma:
                 x = x + cpu_kernels.rms_norm(out, norms["post_attention_layernorm"], shape.eps)
                 h = cpu_kernels.rms_norm(x, norms["pre_feedforward_layernorm"], shape.eps)
             else:
                 x = x + out
                 h = cpu_kernels.rms_norm(x, norms["post_attention_layernorm"], shape.eps)
-            gate, up = cpu_kernels.linear(h, layer.gate_up).chunk(2, dim=1)
+            gate, up = _linear(h, layer.gate_up, layer.biases.get("gate_up")).chunk(2, dim=1)
             act = F.gelu(gate, approximate="tanh") if gemma else F.silu(gate)
-            out = cpu_kernels.linear(act * up, layer.down)
+            out = _linear(act * up, layer.down, layer.biases.get("down"))
             if gemma:
                 out = cpu_kernels.rms_norm(out, norms["post_feedforward_layernorm"], shape.eps)
             x = x + out
@@ -146,16 +154,16 @@ class NativeModel:
         """The input embedding of ``tokens`` (float32, scaled as the model scales it)."""
         return self.embedding[tokens.cpu()].float() * self.shape.embed_scale
 
-    def _cos_sin(self, theta: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary cos and sin [n, 1, head_dim] for ``positions``, from a table grown as the cache grows."""
-        table = self._rotary.get(theta)
+    def _cos_sin(self, name: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary cos and sin [n, 1, head_dim] for ``positions``, from a table grown as the cache grows (as transformers
+        computes them: float32 angles, position times inverse frequency, then cos and sin times the type's scale)."""
+        table = self._rotary.get(name)
         if table is None or table[0].shape[0] <= int(positions.max()):
             size = max(FIRST_CAPACITY, 2 * (int(positions.max()) + 1))
-            dim = self.shape.head_dim
-            inverse = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            inverse, scale = self._inverse[name]
             angles = torch.arange(size, dtype=torch.float32)[:, None] * inverse[None]
             angles = torch.cat([angles, angles], dim=1)
-            table = self._rotary[theta] = (angles.cos(), angles.sin())
+            table = self._rotary[name] = (angles.cos() * scale, angles.sin() * scale)
         return table[0][positions, None], table[1][positions, None]
 
 
@@ -248,10 +256,10 @@ def unsupported(model: PreTrainedModel) -> str | None:
         _shape(model.config.get_text_config())
     except ConfigError as exc:
         return str(exc)
-    if cpu_kernels.compiled() is None:
+    if (problem := cpu_kernels.kernels_problem()) is not None:
         return (
-            "the native backend needs a CPU with AVX-512 VNNI and a C++ compiler (g++, ninja) for its kernels: "
-            "use --backend transformers --precision cpu"
+            f"the native backend needs a CPU with AVX-512 VNNI and a C++ compiler (g++) for its kernels, and {problem}: "
+            "use --backend transformers --precision cpu (`specdec doctor` says more)"
         )
     return None
 
@@ -259,26 +267,31 @@ def unsupported(model: PreTrainedModel) -> str | None:
 def _shape(config) -> Shape:
     family = config.model_type
     if family not in FAMILIES:
-        raise ConfigError(f"the native backend runs {' and '.join(FAMILIES)} models, not '{family}': use --backend transformers")
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        raise ConfigError("the native backend runs models without biases in attention and MLP: use --backend transformers")
+        raise ConfigError(f"the native backend runs {', '.join(FAMILIES)} models, not '{family}': use --backend transformers")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    rope = config.rope_parameters or {}
     layers = config.num_hidden_layers
-    if family == "gemma3_text":
-        types = config.layer_types
-        windows = tuple(config.sliding_window if t == "sliding_attention" else 0 for t in types)
-        ropes = [rope[t] for t in types]
+    gemma = family == "gemma3_text"
+    types = getattr(config, "layer_types", None)  # Mistral has none: its sliding window, if any, is every layer's
+    if types is None:
+        types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"] * layers
+    if unknown := set(types) - {"sliding_attention", "full_attention"}:
+        raise ConfigError(f"the native backend runs full and sliding-window attention, not {sorted(unknown)}: use --backend transformers")
+    windows = tuple(config.sliding_window if t == "sliding_attention" else 0 for t in types)
+    ropes = {t: config.rope_parameters[t] for t in set(types)} if gemma else {"": config.rope_parameters or {}}
+    for rope in ropes.values():
+        if rope.get("rope_type", "default") not in ROPE_TYPES or rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError(
+                f"the native backend's rotary embeddings are {', '.join(ROPE_TYPES)} over whole heads, not "
+                f"{rope.get('rope_type')!r}: use --backend transformers"
+            )
+    if gemma:
         scale, embed_scale, softcap = config.query_pre_attn_scalar**-0.5, config.hidden_size**0.5, config.final_logit_softcapping
         if config.attn_logit_softcapping is not None:
             raise ConfigError("the native backend does not cap attention logits: use --backend transformers")
     else:
-        if getattr(config, "sliding_window", None):
-            raise ConfigError("the native backend runs Llama models without a sliding window: use --backend transformers")
-        windows, ropes = (0,) * layers, [rope] * layers
+        if config.hidden_act != "silu":
+            raise ConfigError(f"the native backend's MLP is SwiGLU, not {config.hidden_act!r}: use --backend transformers")
         scale, embed_scale, softcap = head_dim**-0.5, 1.0, None
-    if any(r.get("rope_type", "default") != "default" for r in ropes):
-        raise ConfigError("the native backend supports the default rotary embedding only: use --backend transformers")
     if head_dim % 16:
         raise ConfigError(f"the native backend needs a head size that is a multiple of 16, not {head_dim}: use --backend transformers")
     return Shape(
@@ -289,11 +302,45 @@ def _shape(config) -> Shape:
         eps=config.rms_norm_eps,
         scale=scale,
         windows=windows,
-        thetas=tuple(float(r["rope_theta"]) for r in ropes),
+        rotary=tuple(types) if gemma else ("",) * layers,
+        qk_norm=family in ("gemma3_text", "qwen3"),
         embed_scale=embed_scale,
         softcap=softcap,
         max_context=getattr(config, "max_position_embeddings", None) or 2**31,
     )
+
+
+def _rotary_frequencies(config, shape: Shape) -> dict[str, tuple[torch.Tensor, float]]:
+    """Each rotary table's inverse frequencies and cos/sin scale, computed from the config as transformers computes them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    tables = {}
+    for name in set(shape.rotary):
+        rope = config.rope_parameters[name] if name else config.rope_parameters
+        kind = rope.get("rope_type", "default")
+        if kind == "default":
+            dim = shape.head_dim
+            inverse = 1.0 / (float(rope["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            tables[name] = (inverse, 1.0)
+        else:
+            inverse, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"), layer_type=name or None)
+            tables[name] = (inverse.float(), float(scale))
+    return tables
+
+
+def _bias(linears) -> torch.Tensor | None:
+    """The float32 biases of linear layers whose outputs are concatenated, or None if none has one."""
+    if all(linear.bias is None for linear in linears):
+        return None
+    return torch.cat([
+        linear.bias.detach().float() if linear.bias is not None else torch.zeros(linear.out_features) for linear in linears
+    ])  # fmt: skip
+
+
+def _linear(x: torch.Tensor, weights: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
+    """An int8 linear layer plus its bias if it has one (an add per element: exact in any grouping)."""
+    out = cpu_kernels.linear(x, weights)
+    return out if bias is None else out + bias
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
