@@ -199,3 +199,36 @@ def test_the_server_runs_native_one_request_at_a_time(tmp_path) -> None:
     finally:
         code, log = server.stop()
     assert code == 0, log
+
+
+def test_kernels_refuse_bad_input_as_the_reference_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN or inf activations: a ValueError from the kernel and from its float64 reference alike (the kernel's
+    quantizer used to turn NaN into 0); tensors off the CPU, empty weights and mismatched shapes: a ValueError, no crash."""
+    weights = cpu_kernels.PackedInt8(torch.randn(48, 64))
+    x = torch.randn(3, 64)
+    assert cpu_kernels.linear(torch.empty(0, 64), weights).shape == (0, 48)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        poisoned = x.clone()
+        poisoned[1, 7] = bad
+        with pytest.raises(ValueError, match="NaN or infinite activations"):
+            cpu_kernels.linear(poisoned, weights)
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_kernels, "compiled", lambda: None)  # the reference path
+            with pytest.raises(ValueError, match="NaN or infinite activations"):
+                cpu_kernels.linear(poisoned, weights)
+    assert torch.isfinite(cpu_kernels.linear(x, weights)).all()
+    with pytest.raises(ValueError, match="of 64 inputs got activations of width 32"):
+        cpu_kernels.linear(torch.randn(2, 32), weights)
+    for weight, words in ((torch.empty(0, 64), "non-empty matrix"), (torch.full((16, 64), float("nan")), "NaN or infinite")):
+        with pytest.raises(ValueError, match=words):
+            cpu_kernels.PackedInt8(weight)
+    meta = torch.empty(2, 4, 16, device="meta")
+    cache = torch.zeros(2, 8, 16)
+    with pytest.raises(ValueError, match="compute on the CPU"):
+        cpu_kernels.attention(meta, cache, cache, 0, 0, 0.25)
+    with pytest.raises(ValueError, match="compute on the CPU"):
+        cpu_kernels.rms_norm(torch.empty(2, 16, device="meta"), torch.ones(16), 1e-6)
+    with pytest.raises(ValueError, match="native kernel: attention shapes"):
+        cpu_kernels.attention(torch.randn(2, 3, 16), cache, cache, 0, 0, 0.25)  # 3 query heads over 2 kv heads
+    with pytest.raises(ValueError, match="native kernel: the norm's width"):
+        cpu_kernels.rms_norm(torch.randn(2, 16), torch.ones(0), 1e-6)

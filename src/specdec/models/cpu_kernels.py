@@ -33,7 +33,7 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = "specdec_cpu_kernels_v10"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+BUILD = "specdec_cpu_kernels_v11"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -43,17 +43,25 @@ SOURCE = r"""
 #include <cstring>
 #include <vector>
 
+static const char* NON_FINITE = "NaN or infinite activations";
+
 // Activations: per row and group, scale = max(|x|, 1e-8) / 127, q = clamp(round(x / scale), -127, 127), stored as
 // q + 128 (VNNI multiplies unsigned by signed bytes; the 128 * sum(w) this adds is taken off per group).
-static void quantize(const float* x, int64_t n, int64_t k, int64_t group, uint8_t* q, float* scales) {
+// Returns false if any x is NaN or infinite (no integer stands for it: the caller refuses the input).
+static bool quantize(const float* x, int64_t n, int64_t k, int64_t group, uint8_t* q, float* scales) {
     const int64_t groups = k / group;
-    const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f), inf = _mm512_set1_ps(INFINITY);
     const __m512i offset = _mm512_set1_epi32(128);
+    __mmask16 bad = 0;
     for (int64_t i = 0; i < n; ++i)
         for (int64_t g = 0; g < groups; ++g) {
             const float* src = x + i * k + g * group;
             __m512 top = _mm512_setzero_ps();
-            for (int64_t c = 0; c < group; c += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(src + c)));
+            for (int64_t c = 0; c < group; c += 16) {
+                const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(src + c));
+                bad |= _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ);  // NaN (unordered) or infinite
+                top = _mm512_max_ps(top, a);
+            }
             const float scale = std::max(_mm512_reduce_max_ps(top), 1e-8f) / 127.f;
             scales[i * groups + g] = scale;
             const __m512 divisor = _mm512_set1_ps(scale);
@@ -63,6 +71,7 @@ static void quantize(const float* x, int64_t n, int64_t k, int64_t group, uint8_
                 _mm_storeu_si128((__m128i*)(q + i * k + g * group + c), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), offset)));
             }
         }
+    return bad == 0;
 }
 
 // One block of 16 outputs for N rows: per group, int32 sums, then sum * the row's scale added to a float32 total; at the
@@ -113,7 +122,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
     auto q = torch::empty({n, k}, torch::kUInt8);
     auto qs = torch::empty({n, k / group}, torch::kFloat32);
     pybind11::gil_scoped_release no_gil;  // the server's event loop runs while a step computes
-    quantize(x.data_ptr<float>(), n, k, group, q.data_ptr<uint8_t>(), qs.data_ptr<float>());
+    TORCH_CHECK(quantize(x.data_ptr<float>(), n, k, group, q.data_ptr<uint8_t>(), qs.data_ptr<float>()), NON_FINITE);
     const uint8_t* qp = q.data_ptr<uint8_t>();
     const float* qsp = qs.data_ptr<float>();
     const int8_t* w = packed.data_ptr<int8_t>();
@@ -205,8 +214,9 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && w.scalar_type() == torch::kFloat32 && w.is_contiguous(),
                 "contiguous float32 tensors");
-    const int64_t dim = w.numel(), rows = x.numel() / dim;
-    TORCH_CHECK(dim % 16 == 0 && x.size(-1) == dim, "the norm's width must be a multiple of 16 and match x");
+    const int64_t dim = w.numel();
+    TORCH_CHECK(dim > 0 && dim % 16 == 0 && x.dim() >= 1 && x.size(-1) == dim, "the norm's width must be a multiple of 16 and match x");
+    const int64_t rows = x.numel() / dim;
     auto out = torch::empty_like(x);
     const float* xp = x.data_ptr<float>();
     const float* wp = w.data_ptr<float>();
@@ -232,6 +242,10 @@ class PackedInt8(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
+        if weight.dim() != 2 or 0 in weight.shape:
+            raise ValueError(f"an int8 layer's weight must be a non-empty matrix, not of shape {tuple(weight.shape)}")
+        if not bool(torch.isfinite(weight).all()):
+            raise ValueError("an int8 layer's weight holds NaN or infinite values: the model file is damaged")
         outs, width = weight.shape
         self.out_features, self.in_features = outs, width
         self.group = next((g for g in (GROUP, 64, 32) if width % g == 0), 0)
@@ -264,12 +278,17 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
 
 def linear(x: torch.Tensor, weights: PackedInt8) -> torch.Tensor:
     """``x @ W.T`` in float32 with int8 weights and activations (see the module's docstring), for x [..., in]."""
+    if x.shape[-1] != weights.in_features:
+        raise ValueError(f"an int8 layer of {weights.in_features} inputs got activations of width {x.shape[-1]}")
     rows = x.reshape(-1, weights.in_features).float().contiguous()
     kernel = compiled() if rows.device.type == "cpu" else None
     if kernel is not None:
-        out = kernel.int8_linear(rows, weights.packed, weights.scale, weights.group_sums, weights.group)
+        _on_cpu(weights.packed)
+        out = _call(kernel.int8_linear, rows, weights.packed, weights.scale, weights.group_sums, weights.group)
         out = out[:, : weights.out_features]
     else:
+        if not bool(torch.isfinite(rows).all()):
+            raise ValueError(NON_FINITE)
         out = _exact_linear(rows, weights)
     return out.reshape(*x.shape[:-1], weights.out_features)
 
@@ -309,10 +328,11 @@ def attention(
     kernel = compiled()
     if kernel is None:
         raise RuntimeError("the attention kernel is not built on this machine")
+    _on_cpu(q, k_cache, v_cache)
     chain = visible is None  # the kernel reads empty tensors as a chain
     mask = torch.empty(0, dtype=torch.uint8) if chain else visible.to(torch.uint8).contiguous()
     where = torch.empty(0, dtype=torch.long) if chain else positions.to(torch.long).contiguous()
-    return kernel.attention(q.contiguous(), k_cache, v_cache, start, window, scale, mask, where)
+    return _call(kernel.attention, q.contiguous(), k_cache, v_cache, start, window, scale, mask, where)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -320,7 +340,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     kernel = compiled()
     if kernel is None:
         raise RuntimeError("the norm kernel is not built on this machine")
-    return kernel.rms_norm(x.contiguous(), weight, eps)
+    _on_cpu(x, weight)
+    return _call(kernel.rms_norm, x.contiguous(), weight, eps)
+
+
+NON_FINITE = (
+    "an int8 layer got NaN or infinite activations (the model's numbers overflowed on this input, or its weights are "
+    "damaged): the native format cannot represent them; try --backend transformers"
+)
+
+
+def _on_cpu(*tensors: torch.Tensor) -> None:
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("the native kernels compute on the CPU: pass CPU tensors (on other devices use --backend transformers)")
+
+
+def _call(function, *args):
+    """A kernel call whose own checks (shapes, types, finite activations) fail as a ValueError naming the problem."""
+    try:
+        return function(*args)
+    except RuntimeError as exc:  # a failed TORCH_CHECK: its message is the first line
+        message = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        raise ValueError(NON_FINITE if "NaN or infinite activations" in message else f"native kernel: {message}") from None
 
 
 def vnni_available() -> bool:
