@@ -232,3 +232,50 @@ def test_kernels_refuse_bad_input_as_the_reference_does(monkeypatch: pytest.Monk
         cpu_kernels.attention(torch.randn(2, 3, 16), cache, cache, 0, 0, 0.25)  # 3 query heads over 2 kv heads
     with pytest.raises(ValueError, match="native kernel: the norm's width"):
         cpu_kernels.rms_norm(torch.randn(2, 16), torch.ones(0), 1e-6)
+
+
+@pytest.fixture
+def threads(request: pytest.FixtureRequest):
+    """torch's thread count for one test (more than this machine's cores is fine: the bits are what is checked)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+WIDE_FFN = 14336  # an 8B Llama's: torch splits an activation over so many values across threads, at slice ends differently
+
+
+@pytest.mark.parametrize("threads", [3, 4, 8], indirect=True)
+def test_the_activation_of_a_row_does_not_depend_on_its_neighbours_or_threads(threads: int) -> None:
+    gate_up = torch.randn(13, 2 * WIDE_FFN, generator=torch.Generator().manual_seed(threads))
+    gate, up = gate_up.chunk(2, dim=1)
+    for gelu in (False, True):
+        alone = torch.cat([cpu_kernels.gated(gate_up[i : i + 1], gelu) for i in range(13)])
+        for n in (5, 11, 13):
+            assert torch.equal(cpu_kernels.gated(gate_up[:n], gelu), alone[:n]), (gelu, n)
+        expected = (torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)) * up
+        torch.testing.assert_close(alone, expected, rtol=2e-6, atol=2e-6)  # torch's values to a few units in the last place
+    nan = gate_up[:1].clone()
+    nan[0, 3] = float("nan")
+    assert torch.isnan(cpu_kernels.gated(nan, False)[0, 3]) and torch.isfinite(cpu_kernels.gated(nan, False)[0, 4:]).all()
+
+
+@pytest.mark.parametrize("threads", [4, 8], indirect=True)
+def test_a_positions_logits_do_not_depend_on_threads_at_an_8b_ffn_width(threads: int) -> None:
+    """End to end on a Llama with an 8B model's FFN width: 5, 11 and 13 positions scored together give each position
+    the bits it gets scored alone (torch's SiLU, used before, broke this at 3 threads and more)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=WIDE_FFN, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = NativeModel(LlamaForCausalLM(config).eval())
+    ids = torch.randint(3, 96, (1, 13), generator=torch.Generator().manual_seed(1))
+    backend = NativeBackend(model)
+    alone = torch.cat([backend.forward(ids[:, i : i + 1], last=1)[0] for i in range(13)])
+    for n in (5, 11, 13):
+        backend.reset()
+        assert torch.equal(backend.forward(ids[:, :n], last=n)[0], alone[:n]), n

@@ -10,7 +10,9 @@ more than one. Both kernels are built for that:
   weights are packed 16 outputs x 4 inputs per 64-byte vector (the layout VNNI multiplies without horizontal
   sums), and each block of 16 outputs is read from memory once per call, whatever the number of positions.
 - ``attention(...)``: causal (optionally sliding-window) attention of new positions over a float32 cache, each
-  (position, head) pair computed alone over exactly its visible keys, in one order; ``rms_norm``, each row alone.
+  (position, head) pair computed alone over exactly its visible keys, in one order; ``rms_norm``, each row alone;
+  ``gated``, the MLP's activation times its up projection, every value by one vector code path (torch's activations
+  take other paths at the ends of the slices its threads share, so their bits depend on the row count and threads).
 
 Compiled on first use with torch's cpp_extension (g++ and ninja, about 40 s here, then cached in ``build_folder()``). Where they
 cannot be (no VNNI, no compiler), ``linear`` gives the same numbers from a float64 product of the same
@@ -33,7 +35,7 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = "specdec_cpu_kernels_v11"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+BUILD = "specdec_cpu_kernels_v12"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -210,6 +212,57 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
     return out;
 }
 
+// exp(x) by Cephes' method: x = m ln2 + r, exp(r) by a polynomial, times 2^m. NaN stays NaN (max and min return their
+// second operand when one is NaN); beyond +-88 the result is the bound's.
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), _mm512_max_ps(_mm512_set1_ps(-88.3762626647949f), x));
+    const __m512 m = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(m, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(m, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, m);
+}
+
+// act(gate) * up for rows [n, 2f] (gate: a row's first f values, up: its last f); act = SiLU (kind 0) or GELU's tanh form
+// (kind 1). Every value by the same vector code, a row's tail through a mask, so a value does not depend on how many
+// rows are computed together or on the threads that share them (torch's own activations take other paths at slice ends).
+torch::Tensor gated(torch::Tensor gate_up, int64_t kind) {
+    TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kFloat32 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+                "gate_up: contiguous float32 [n, 2f]");
+    TORCH_CHECK(kind == 0 || kind == 1, "the activation is SiLU (0) or GELU (1)");
+    const int64_t n = gate_up.size(0), f = gate_up.size(1) / 2;
+    auto out = torch::empty({n, f}, torch::kFloat32);
+    pybind11::gil_scoped_release no_gil;
+    const float* xp = gate_up.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f), two = _mm512_set1_ps(2.f);
+    const __m512 root = _mm512_set1_ps(0.7978845608028654f), cubic = _mm512_set1_ps(0.044715f);
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i)
+            for (int64_t c = 0; c < f; c += 16) {
+                const __mmask16 mask = f - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (f - c)) - 1);
+                const __m512 g = _mm512_maskz_loadu_ps(mask, xp + i * 2 * f + c);
+                const __m512 u = _mm512_maskz_loadu_ps(mask, xp + i * 2 * f + f + c);
+                __m512 a;
+                if (kind == 0) {
+                    a = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                } else {  // 0.5 g (1 + tanh(t)), tanh(t) = 1 - 2 / (exp(2t) + 1), t = sqrt(2/pi) (g + 0.044715 g^3)
+                    const __m512 t = _mm512_mul_ps(root, _mm512_add_ps(g, _mm512_mul_ps(cubic, _mm512_mul_ps(g, _mm512_mul_ps(g, g)))));
+                    const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(exp512(_mm512_mul_ps(two, t)), one)));
+                    a = _mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, th));
+                }
+                _mm512_mask_storeu_ps(op + i * f + c, mask, _mm512_mul_ps(a, u));
+            }
+    });
+    return out;
+}
+
 // x * rsqrt(mean(x^2) + eps) * w over the last dimension, each row alone in one order (float32).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && w.scalar_type() == torch::kFloat32 && w.is_contiguous(),
@@ -344,6 +397,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _call(kernel.rms_norm, x.contiguous(), weight, eps)
 
 
+def gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """``act(gate) * up`` for rows [n, 2f] (gate first): SiLU, or GELU's tanh form; each value alone, whatever the rows
+    or threads (a float32 approximation of its own, within a few units in the last place of torch's)."""
+    kernel = compiled()
+    if kernel is None:
+        raise RuntimeError("the activation kernel is not built on this machine")
+    _on_cpu(gate_up)
+    return _call(kernel.gated, gate_up.contiguous(), 1 if gelu else 0)
+
+
 NON_FINITE = (
     "an int8 layer got NaN or infinite activations (the model's numbers overflowed on this input, or its weights are "
     "damaged): the native format cannot represent them; try --backend transformers"
@@ -432,7 +495,7 @@ def build(wait_s: float = BUILD_WAIT_S):
             return load_inline(
                 BUILD,
                 cpp_sources=SOURCE,
-                functions=["int8_linear", "attention", "rms_norm"],
+                functions=["int8_linear", "attention", "rms_norm", "gated"],
                 extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as F
 from transformers import PreTrainedModel
 
 from specdec.errors import ConfigError
@@ -137,9 +136,8 @@ class NativeModel:
             else:
                 x = x + out
                 h = cpu_kernels.rms_norm(x, norms["post_attention_layernorm"], shape.eps)
-            gate, up = _linear(h, layer.gate_up, layer.biases.get("gate_up")).chunk(2, dim=1)
-            act = F.gelu(gate, approximate="tanh") if gemma else F.silu(gate)
-            out = _linear(act * up, layer.down, layer.biases.get("down"))
+            gated = cpu_kernels.gated(_linear(h, layer.gate_up, layer.biases.get("gate_up")), gelu=gemma)
+            out = _linear(gated, layer.down, layer.biases.get("down"))
             if gemma:
                 out = cpu_kernels.rms_norm(out, norms["post_feedforward_layernorm"], shape.eps)
             x = x + out
