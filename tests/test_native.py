@@ -10,7 +10,7 @@ from conftest import char_tokenizer, loaded, tiny_gemma3, tiny_llama
 from specdec import Generator
 from specdec.config import PRESETS, RuntimeConfig
 from specdec.errors import ConfigError
-from specdec.models import TransformersBackend, cpu_kernels, open_target
+from specdec.models import TransformersBackend, cpu_kernels, native, open_target
 from specdec.models.native import FIRST_CAPACITY, NativeBackend, NativeModel
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiled() is None, reason="the native backend needs AVX-512 VNNI and g++")
@@ -256,6 +256,12 @@ def test_the_activation_of_a_row_does_not_depend_on_its_neighbours_or_threads(th
             assert torch.equal(cpu_kernels.gated(gate_up[:n], gelu), alone[:n]), (gelu, n)
         expected = (torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)) * up
         torch.testing.assert_close(alone, expected, rtol=2e-6, atol=2e-6)  # torch's values to a few units in the last place
+    odd = torch.randn(3, 2 * 37)  # a width that ends in a partial vector: the masked tail
+    g, u = odd.chunk(2, dim=1)
+    torch.testing.assert_close(cpu_kernels.gated(odd, False), torch.nn.functional.silu(g) * u, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(
+        cpu_kernels.gated(odd, True), torch.nn.functional.gelu(g, approximate="tanh") * u, rtol=2e-6, atol=2e-6
+    )
     nan = gate_up[:1].clone()
     nan[0, 3] = float("nan")
     assert torch.isnan(cpu_kernels.gated(nan, False)[0, 3]) and torch.isfinite(cpu_kernels.gated(nan, False)[0, 4:]).all()
@@ -279,3 +285,15 @@ def test_a_positions_logits_do_not_depend_on_threads_at_an_8b_ffn_width(threads:
     for n in (5, 11, 13):
         backend.reset()
         assert torch.equal(backend.forward(ids[:, :n], last=n)[0], alone[:n]), n
+
+
+def test_rotary_embeddings_the_native_backend_does_not_compute_are_refused_by_name() -> None:
+    from transformers import LlamaConfig
+
+    base = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, intermediate_size=128)
+    dynamic = LlamaConfig(**base, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(ConfigError, match="not 'dynamic': use --backend transformers"):
+        native._shape(dynamic)
+    partial = LlamaConfig(**base, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    with pytest.raises(ConfigError, match="rotates whole heads, not a share of 0.5"):
+        native._shape(partial)

@@ -102,7 +102,7 @@ def test_a_profile_naming_what_is_not_installed_is_refused(monkeypatch: pytest.M
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
-    with pytest.raises(ProfileError, match=r"backend runs on llama.cpp, which cannot run here \(llama-cpp-python is not installed: run `pip install"):
+    with pytest.raises(ProfileError, match=r"backend runs on llama.cpp, which cannot run here: llama-cpp-python is not installed: run `pip install"):
         profile_of("x", runtime=RuntimeConfig(backend="llama.cpp")).check_installed()
     with pytest.raises(ProfileError, match="names '.*table.ngram', which does not exist here"):
         profile_of("x", drafter=f"ngram:{tmp_path / 'table.ngram'}").check_installed()

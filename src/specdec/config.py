@@ -284,8 +284,8 @@ PRESETS: dict[str, PrecisionPlan] = {
 }
 
 
-# native: specdec's own CPU runtime (Gemma-3 and Llama models, int8 kernels, models/native.py); auto: native where it
-# runs, else transformers (the fastest exact target-only and speculation measured on CPU, BENCHMARKS.md, issue 23).
+# native: specdec's own CPU runtime (Gemma-3, Llama, Mistral, Qwen2/3 models, int8 kernels, models/native.py);
+# auto: native where it runs, else transformers (the fastest exact target-only and speculation measured on CPU).
 RUNTIMES = ("transformers", "llama.cpp", "native", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 

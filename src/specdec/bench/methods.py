@@ -217,11 +217,10 @@ class LlamaCppMethod:
     k_policy = None
 
     def __init__(self, spec: str, gguf: str, config: GenerationConfig, runtime: RuntimeConfig) -> None:
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
         from specdec.models.llamacpp import require_llama_cpp
 
-        llama_cpp = require_llama_cpp()
+        llama_cpp = require_llama_cpp()  # probed before anything of llama.cpp loads in this process
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         self.config = config
         self.k = config.k if spec == "llamacpp-prompt-lookup" else None
         self.name = spec if self.k is None else f"{spec}@k{self.k}"

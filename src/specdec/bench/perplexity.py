@@ -99,17 +99,17 @@ def perplexity(
 
 
 NATIVE_CHECK_TOKENS = 1024  # of the shipped default prompt set: enough to tell a sound int8 model from a broken one
+NATIVE_CHECK_MAX_WEIGHTS = 2 * 10**9  # larger models are not measured unasked (float32 copies of tens of GB)
 
 
-def native_perplexity(target: str, progress: Progress = lambda *a: None) -> PerplexityResult:
-    """The native backend's perplexity against float32 on the shipped default prompts: measured once per model and
-    kernel version, then read from the cache (what `generate` and `demo` report when they run on native)."""
+def native_perplexity(target: str, identity: str, progress: Progress = lambda *a: None) -> PerplexityResult:
+    """The native backend's perplexity against float32 on the shipped default prompts: measured once per model (its
+    backend's ``identity``: name, weights, kernel version), then read from the cache (what `generate` and `demo` say
+    when they run on native)."""
     from specdec.bench.prompts import DEFAULT_PROMPTS, prompt_sets
-    from specdec.models.cpu_kernels import BUILD
-    from specdec.models.registry import cache_root, resolve
+    from specdec.models.registry import cache_root
 
-    source = resolve(target)
-    key = hashlib.sha256(f"{source.kind}|{source.location}|{BUILD}|{NATIVE_CHECK_TOKENS}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{identity}|{NATIVE_CHECK_TOKENS}".encode()).hexdigest()[:16]
     record = cache_root() / "perplexity" / f"native-{key}.json"
     try:
         return PerplexityResult(**json.loads(record.read_text()))

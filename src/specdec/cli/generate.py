@@ -27,6 +27,7 @@ from specdec.cli.options import (
     err,
     float_pair,
     runtime_config,
+    status,
     user_errors,
     with_profile,
 )
@@ -120,7 +121,7 @@ def generate(
         err.print("typical acceptance is LOSSY: the output is not exactly the target's own", style="yellow")
     if not prompt.strip():
         raise SpecDecError("the prompt is empty: pass some text to continue")
-    with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
+    with status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
         generator = Generator(target, draft, config, runtime_config(backend, dtype, threads, ubatch, precision))
     announce_runtime(generator.target)
     if stream and not as_json:
@@ -162,7 +163,7 @@ def demo(
     from specdec import Generator
     from specdec.models import open_target
 
-    with err.status(f"loading {target} (the first run converts the GGUF file once, about a minute)"):
+    with status(f"loading {target} (the first run converts the GGUF file once, about a minute)"):
         model = open_target(target, RuntimeConfig(backend=backend))
     announce_runtime(model)
     config = GenerationConfig(k=k, max_new_tokens=max_new_tokens)
@@ -170,7 +171,7 @@ def demo(
     drafted = Generator(baseline.target, DEFAULT_DRAFT, config)
     runs = {}
     for generator in (baseline, drafted):
-        with err.status(f"generating with draft={generator.draft_name}"):
+        with status(f"generating with draft={generator.draft_name}"):
             generator.generate(DEMO_PROMPT, max_new_tokens=4)  # warm-up
             runs[generator.draft_name] = generator.generate(DEMO_PROMPT)
     base, spec_run = runs["none"], runs[drafted.draft_name]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import faulthandler
-import importlib.util
 import sys
 
 import typer
@@ -37,7 +36,7 @@ def models() -> None:
 
     table = Table("alias", "description", "package", "converted copy", "bundled draft")
     for alias in ALIASES.values():
-        installed = importlib.util.find_spec(alias.package.replace("-", "_")) is not None
+        installed = alias.installed()
         source = resolve(alias.name)
         cached = f"cached: {converted_path(source)}" if is_cached(source) else "not yet (converted on first use)"
         draft = "--draft lookup-then-draft" if bundled_draft(alias.name) else "-"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
-from rich.progress import Progress, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
 from specdec.config import DTYPES, FORMATS, K_POLICIES, PRESETS, RUNTIMES, PrecisionPlan, RuntimeConfig
@@ -142,16 +142,33 @@ FastBackendOpt = Annotated[
 ]
 
 
-def announce_runtime(target: ModelTarget) -> None:
-    """One line on stderr: the runtime the target runs on, and for native its perplexity against float32 (measured once)."""
-    if target.runtime == "native":
-        from specdec.bench.perplexity import native_perplexity
+def status(message: str):
+    """A spinner on stderr with ``message`` as written (rich's status would read brackets in it as markup)."""
+    return err.status(Text(message))
 
-        with err.status("measuring the native backend's perplexity against float32 (once for this model; cached)"):
-            ppl = native_perplexity(target.name)
+
+def announce_runtime(target: ModelTarget) -> None:
+    """One line on stderr: the runtime the target runs on; for native, its perplexity against float32 (measured once
+    per model and cached where the model is small enough to measure in seconds, else the command that measures it)."""
+    from specdec.models.native import NativeBackend
+
+    if isinstance(target.backend, NativeBackend):
+        from specdec.bench.perplexity import NATIVE_CHECK_MAX_WEIGHTS, native_perplexity
+
+        fmt = "int8 weights and activations"
+        measure = f"`specdec ppl --backend native --target {target.name} --data FILE` measures its perplexity"
+        if target.backend.model.weights > NATIVE_CHECK_MAX_WEIGHTS:
+            err.print(f"runtime: native ({fmt}; {measure})", style="dim", soft_wrap=True)
+            return
+        try:
+            with status("measuring the native backend's perplexity against float32 (once for this model; cached)"):
+                ppl = native_perplexity(target.name, target.backend.identity)
+        except (SpecDecError, OSError) as exc:  # the figure is a courtesy: generation goes on without it
+            err.print(f"runtime: native ({fmt}; perplexity not measured: {exc})", style="dim", soft_wrap=True)
+            return
         err.print(
-            f"runtime: native (int8 weights and activations; perplexity {ppl.perplexity:.3f} against float32 "
-            f"{ppl.float32_perplexity:.3f}, {ppl.delta / ppl.float32_perplexity:+.2%}, on {ppl.tokens:,} tokens)",
+            f"runtime: native ({fmt}; perplexity {ppl.perplexity:.3f} against float32 {ppl.float32_perplexity:.3f}, "
+            f"{ppl.delta / ppl.float32_perplexity:+.2%}, on {ppl.tokens:,} tokens)",
             style="dim",
             soft_wrap=True,
         )
@@ -169,7 +186,8 @@ def runtime_config(backend: str, dtype: str, threads: int | None, ubatch: int | 
 def progress(total: int) -> Iterator[Callable[[str], None]]:
     """A callback to call as each unit of a long run ends, named: a live bar with ETA on a terminal, one line per unit with ETA in a log."""
     start, done = time.perf_counter(), 0
-    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=err, disable=not err.is_terminal) as bar:
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), TaskProgressColumn(), TimeRemainingColumn())
+    with Progress(*columns, TimeElapsedColumn(), console=err, disable=not err.is_terminal) as bar:
         task = bar.add_task("loading models", total=total)
 
         def advance(name: str) -> None:

@@ -18,6 +18,7 @@ from specdec.cli.options import (
     err,
     runtime_config,
     say,
+    status,
     user_errors,
     with_profile,
 )
@@ -204,7 +205,7 @@ def serve(
         err.print(f"starting {replicas} replica(s) of '{target}' with draft '{draft}' on Ray Serve")
         serve_on_ray(spec, ray_config, ready=lambda: err.print(f"serving on http://{host}:{port}/v1 (Ray Serve)"))
         return
-    with err.status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
+    with status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
         generator = Generator(target, draft, config, runtime, batch=BatchConfig(window=window))
         generator.batch_decoder()  # measures this machine's batch costs now (cached), not on the first request
     shown = draft if draft == generator.draft_name else f"{draft} ({generator.draft_name})"

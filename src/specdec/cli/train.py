@@ -12,6 +12,7 @@ from specdec.cli.options import (
     console,
     default,
     err,
+    status,
     user_errors,
 )
 from specdec.errors import SpecDecError
@@ -89,7 +90,7 @@ def distill(
         checkpoint_every=checkpoint_every,
         init_from=str(init_from) if init_from else None,
     )
-    with err.status(f"loading {target}"):
+    with status(f"loading {target}"):
         model = load_model(target)
     columns = (
         TextColumn("{task.description}"),
@@ -140,7 +141,7 @@ def ngram_build(
     config = NgramBuildConfig(order=order, max_mb=max_mb)
     if out.exists() and not overwrite:
         raise SpecDecError(f"'{out}' exists: pass --overwrite or choose another --out")
-    with err.status(f"loading the tokenizer of {target}"):
+    with status(f"loading the tokenizer of {target}"):
         model = load_model(target)
     if model.tokenizer is None:
         raise SpecDecError(f"model '{target}' has no tokenizer to tokenize the corpus with")

@@ -14,15 +14,16 @@ more than one. Both kernels are built for that:
   ``gated``, the MLP's activation times its up projection, every value by one vector code path (torch's activations
   take other paths at the ends of the slices its threads share, so their bits depend on the row count and threads).
 
-Compiled on first use with torch's cpp_extension (g++ and ninja, about 40 s here, then cached in ``build_folder()``). Where they
-cannot be (no VNNI, no compiler), ``linear`` gives the same numbers from a float64 product of the same
-integers (exact, only slower) and ``attention`` and ``rms_norm`` are unavailable (the native backend says so).
+Compiled on first use with torch's cpp_extension (g++ and ninja, under a minute here, then cached in
+``build_folder()``). Where they cannot be (no VNNI, no compiler), ``linear`` gives the same numbers from a float64
+product of the same integers (exact, only slower) and the other kernels are unavailable (the native backend says so).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -467,13 +468,13 @@ def _load():
         return None, "this CPU lacks AVX-512 VNNI"
     try:
         return build(), None
-    except KernelBuildError as exc:
+    except KernelBuildError as exc:  # unwritable cache, no compiler, a compile error: the exact slow path
         log.warning("specdec's CPU kernels are not available, so int8 layers use the exact float64 path: %s", exc)
         return None, f"the kernels' build failed: {exc}"
 
 
 def build(wait_s: float = BUILD_WAIT_S):
-    """Compile (first use: about a minute, said on stderr) or load the kernels; one process builds at a time.
+    """Compile (first use: under a minute, said on stderr) or load the kernels; one process builds at a time.
 
     torch marks a build in progress with a ``lock`` file and waits, without limit, while it exists; a build killed
     midway leaves it behind. Builds here also hold an OS lock on ``specdec.lock``, which dies with its process: holding
@@ -482,15 +483,19 @@ def build(wait_s: float = BUILD_WAIT_S):
     from torch.utils.cpp_extension import load_inline
 
     folder = build_folder()
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "specdec.lock", "w") as guard:
-        _hold(guard, folder, wait_s)
-        stale = folder / "lock"
-        if stale.exists():
-            log.warning("removing %s, left by a kernel build that was stopped midway", stale)
-            stale.unlink()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        guard = open(folder / "specdec.lock", "a+")
+    except OSError as exc:
+        raise KernelBuildError(f"the kernels' build folder {folder} is not writable ({exc}): set SPECDEC_CACHE") from None
+    with guard:
+        if _hold(guard, folder, wait_s):
+            stale = folder / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a kernel build that was stopped midway", stale)
+                stale.unlink()
         if not is_built():
-            log.warning("compiling specdec's CPU kernels for this machine, once (about a minute; cached in %s)", folder)
+            log.warning("compiling specdec's CPU kernels for this machine, once (under a minute; cached in %s)", folder)
         try:
             return load_inline(
                 BUILD,
@@ -504,23 +509,30 @@ def build(wait_s: float = BUILD_WAIT_S):
             raise KernelBuildError(compiler_error(str(exc))) from None
 
 
-def _hold(guard, folder: Path, wait_s: float) -> None:
-    """Take the build's OS lock, waiting at most ``wait_s`` seconds for another process that holds it."""
+def _hold(guard, folder: Path, wait_s: float) -> bool:
+    """Take the build's OS lock (and write this process's id in its file), waiting at most ``wait_s`` seconds for the
+    process that holds it; False where this system has no such locks (torch's own lock file is then all there is)."""
     try:
         import fcntl
-    except ImportError:  # no POSIX locks here: torch's own lock file alone
-        return
+    except ImportError:
+        return False
     deadline = time.monotonic() + wait_s
     waiting = False
     while True:
         try:
             fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            guard.seek(0)
+            guard.truncate()
+            guard.write(str(os.getpid()))
+            guard.flush()
+            return True
         except BlockingIOError:
             if time.monotonic() >= deadline:
+                guard.seek(0)
+                holder = guard.read().strip() or "another process"
                 raise KernelBuildError(
-                    f"another process has been building the kernels in {folder} for over {wait_s:.0f} s: if no specdec "
-                    f"process is running, delete that folder and retry"
+                    f"process {holder} has been building the kernels in {folder} for over {wait_s:.0f} s: wait for it, "
+                    f"or stop it and run again"
                 ) from None
             if not waiting:
                 log.warning("waiting for another process to finish building specdec's CPU kernels in %s", folder)

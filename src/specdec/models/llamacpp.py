@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -25,15 +26,18 @@ from specdec.machine import cpu_flags, cpu_name
 from specdec.models.backend import TREES_UNSUPPORTED
 
 INSTALL = 'pip install -e ".[llamacpp]"  (builds llama.cpp from source: about 5-15 minutes on 2 cores)'
-REBUILD = (
-    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_FMA=ON '
-    '-DGGML_F16C=ON" pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-python'
+PORTABLE_FLAGS = (  # llama.cpp built for AVX-512 without -march=native: no AMX, which faults in some VMs
+    "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 )
 PROBE_TIMEOUT_S = 300
-# Loads a GGUF file and decodes a many-token batch, then one token: the calls that crash a miscompiled build.
+CRASHES = ("SIGSEGV", "SIGILL", "SIGBUS", "SIGABRT", "SIGFPE")  # a build's own faults; SIGKILL or SIGTERM came from outside
+# Loads a GGUF file as the backend does (every core, swa_full) and decodes a many-token batch, then one token: the calls
+# that crash a miscompiled build.
 PROBE = """
-import sys, llama_cpp
-llama = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_batch=16, verbose=False)
+import os, sys, llama_cpp
+cores = os.cpu_count() or 1
+llama = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_batch=512, n_ubatch=512, n_threads=cores,
+                        n_threads_batch=cores, swa_full=True, verbose=False)
 llama.eval(llama.tokenize(b"def add(a, b):\\n    return a + b", add_bos=True)[:12])
 llama.eval([llama.token_eos()])
 """
@@ -58,22 +62,33 @@ def require_llama_cpp():
 def llama_cpp_problem() -> str | None:
     """Why llama.cpp cannot be used here (a one-line message with the fix), or None if it runs.
 
-    A llama-cpp-python build can kill its process in native code (seen: a build with ``-march=native`` faults in ggml's
-    AMX kernel on an Intel Xeon with AMX). So before any process of specdec loads it, a subprocess decodes a few
-    tokens of the bundled GGUF; the verdict is cached on disk per machine and llama-cpp-python build.
+    A llama-cpp-python build can kill its process in native code (seen: a build with ``-march=native`` faults in
+    ggml's AMX kernel on an Intel Xeon with AMX). So before any process of specdec loads it, a subprocess decodes a
+    few tokens of the bundled GGUF; a verdict of "runs" or "crashes" is cached on disk per machine and build.
     """
     if not llama_cpp_installed():
         return f"llama-cpp-python is not installed: run `{INSTALL}`"
-    return _probe_verdict(_build_identity())
+    return _probe_verdict(build_identity())
 
 
-def _build_identity() -> str:
-    """This machine's CPU and the installed llama-cpp-python's files (their names, sizes and times): a rebuild changes it."""
+def rebuild_command() -> str:
+    """The command that rebuilds the installed llama-cpp-python without this machine's native instructions."""
+    try:
+        version = "==" + importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        version = ""
+    return f'CMAKE_ARGS="{PORTABLE_FLAGS}" pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-python{version}'
+
+
+@functools.cache
+def build_identity() -> str:
+    """This machine's CPU and the installed llama-cpp-python's files (names, sizes, times): a rebuild changes it."""
     spec = importlib.util.find_spec("llama_cpp")
     folders = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
-    files = sorted(f for folder in folders for f in folder.rglob("*") if f.is_file() and f.suffix in (".so", ".dylib", ".dll", ".py"))
-    parts = [cpu_name(), " ".join(sorted(cpu_flags())), *(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    kinds = (".so", ".dylib", ".dll", ".py")
+    files = sorted(f for folder in folders for f in folder.rglob("*") if f.is_file() and f.suffix in kinds)
+    stamps = (f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    return hashlib.sha256("\n".join([cpu_name(), " ".join(sorted(cpu_flags())), *stamps]).encode()).hexdigest()[:16]
 
 
 @functools.cache
@@ -85,30 +100,42 @@ def _probe_verdict(identity: str) -> str | None:
         return json.loads(record.read_text())["problem"]
     except (OSError, ValueError, KeyError):
         pass
-    problem = _run_probe(str(ALIASES["gemma-3-270m"].locate_gguf()))
-    record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({"problem": problem}))
+    problem, lasting = _run_probe(str(ALIASES["gemma-3-270m"].locate_gguf()))
+    if lasting:  # a crash or a clean run; an error, a time-out or a kill may pass, so the next process probes again
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            partial = record.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps({"problem": problem}))
+            os.replace(partial, record)  # whole or absent, whatever other processes probe at the same time
+        except OSError:
+            pass  # an unwritable cache: the next process probes again
     return problem
 
 
-def _run_probe(gguf: str) -> str | None:
+def _run_probe(gguf: str) -> tuple[str | None, bool]:
+    """The probe's verdict (None: llama.cpp runs) and whether it lasts as long as this build and machine."""
+    command = [sys.executable, "-P", "-c", PROBE, gguf]  # -P: not a llama_cpp folder in the working directory
     try:
-        done = subprocess.run([sys.executable, "-c", PROBE, gguf], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return f"llama.cpp did not decode 12 tokens within {PROBE_TIMEOUT_S} s on this machine: rebuild llama-cpp-python with `{REBUILD}`"
+        return f"llama.cpp did not decode 12 tokens within {PROBE_TIMEOUT_S} s here: try `{rebuild_command()}`", False
     if done.returncode == 0:
-        return None
+        return None, True
     if done.returncode < 0:
         try:
-            how = f"dies with {signal.Signals(-done.returncode).name}"
+            how = signal.Signals(-done.returncode).name
         except ValueError:
-            how = f"dies with signal {-done.returncode}"
+            how = f"signal {-done.returncode}"
+        if how not in CRASHES:
+            return f"llama.cpp's probe was stopped by {how} (from outside, such as the out-of-memory killer)", False
         return (
-            f"this llama-cpp-python build crashes on this CPU ({cpu_name()}): its decode {how} (a build for this machine's "
-            f"native instructions, such as AMX, can fault in a VM); rebuild it without them: `{REBUILD}`"
-        )
+            f"this llama-cpp-python build crashes on this CPU ({cpu_name()}): its decode dies with {how} (a build for "
+            f"this machine's native instructions, such as AMX, can fault in a VM); rebuild it without them: "
+            f"`{rebuild_command()}`"
+        ), True
     lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-    return f"llama.cpp fails to decode on this machine ({lines[-1] if lines else f'exit code {done.returncode}'}): rebuild it with `{REBUILD}`"
+    reason = lines[-1] if lines else f"exit code {done.returncode}"
+    return f"llama.cpp fails to decode on this machine ({reason}): try `{rebuild_command()}`", False
 
 
 def end_of_generation_ids(llama) -> frozenset[int]:

@@ -277,11 +277,10 @@ def _shape(config) -> Shape:
     windows = tuple(config.sliding_window if t == "sliding_attention" else 0 for t in types)
     ropes = {t: config.rope_parameters[t] for t in set(types)} if gemma else {"": config.rope_parameters or {}}
     for rope in ropes.values():
-        if rope.get("rope_type", "default") not in ROPE_TYPES or rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ConfigError(
-                f"the native backend's rotary embeddings are {', '.join(ROPE_TYPES)} over whole heads, not "
-                f"{rope.get('rope_type')!r}: use --backend transformers"
-            )
+        if (kind := rope.get("rope_type", "default")) not in ROPE_TYPES:
+            raise ConfigError(f"the native backend's rotary embeddings are {', '.join(ROPE_TYPES)}, not {kind!r}: use --backend transformers")
+        if (part := rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ConfigError(f"the native backend rotates whole heads, not a share of {part}: use --backend transformers")
     if gemma:
         scale, embed_scale, softcap = config.query_pre_attn_scalar**-0.5, config.hidden_size**0.5, config.final_logit_softcapping
         if config.attn_logit_softcapping is not None:

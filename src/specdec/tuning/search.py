@@ -31,7 +31,7 @@ from specdec.errors import ConfigError, PromptError, SpecDecError
 from specdec.machine import fingerprint
 from specdec.models import DEFAULT_TARGET, Target, open_target, resolve
 from specdec.models.cpu_kernels import vnni_available
-from specdec.models.llamacpp import llama_cpp_problem
+from specdec.models.llamacpp import llama_cpp_installed
 from specdec.models.registry import bundled_draft
 from specdec.profile import Profile, runtime_dict
 from specdec.scheduling import CostCurve
@@ -136,7 +136,7 @@ def runtime_candidates(target: str) -> dict[str, RuntimeConfig]:
     cuda, vnni = torch.cuda.is_available(), vnni_available()
     if not cuda and vnni:
         found["native"] = RuntimeConfig(backend="native")
-    if llama_cpp_problem() is None and resolve(target).kind in ("alias", "gguf"):
+    if llama_cpp_installed() and resolve(target).kind in ("alias", "gguf"):
         found["llama.cpp"] = RuntimeConfig(backend="llama.cpp")
     if cuda:
         found["transformers/bf16"] = RuntimeConfig(precision=PRESETS["bf16"])
