@@ -35,6 +35,7 @@ def test_a_draft_with_another_tokenizer_is_re_tokenized(gemma_with_smollm) -> No
     assert isinstance(gemma_with_smollm.drafter, CrossTokenizerDrafter)
 
 
+@pytest.mark.slow
 def test_gemma_with_smollm_draft_is_identical_to_greedy(gemma, gemma_with_smollm) -> None:
     baseline = Generator(gemma, "none")
     accepted = 0

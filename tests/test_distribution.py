@@ -92,7 +92,7 @@ def _check(samples, stats, law: TargetLaw, cases: tuple[str, ...] = STEP_CASES) 
     return pvalue
 
 
-@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("sampling", ["plain", pytest.param("shaped", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("driver", list(RUN))
 def test_sampled_output_follows_the_target_law(driver: str, sampling: str) -> None:
     """A draft that agrees often enough that every case (rejection at each position, bonus after 2+ drafts) occurs."""
@@ -102,7 +102,14 @@ def test_sampled_output_follows_the_target_law(driver: str, sampling: str) -> No
     assert _check(samples, stats, TargetLaw(target, PROMPT, SAMPLINGS[sampling])) > MIN_PVALUE
 
 
-@pytest.mark.parametrize(("drafter", "driver"), [("other model", "batched"), ("reduced vocabulary", "batched"), ("ngram", "single")])
+@pytest.mark.parametrize(
+    ("drafter", "driver"),
+    [
+        pytest.param("other model", "batched", marks=pytest.mark.slow),
+        ("reduced vocabulary", "batched"),
+        pytest.param("ngram", "single", marks=pytest.mark.slow),
+    ],
+)
 def test_poor_and_partial_drafts_keep_the_target_law(drafter: str, driver: str) -> None:
     """Drafts that are mostly rejected, that cover part of the vocabulary, or that come from a table, under shaping."""
     target = _target()

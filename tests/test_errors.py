@@ -108,6 +108,7 @@ def test_folder_without_config(tmp_path: Path) -> None:
     assert "config.json" in _one_line(exc)
 
 
+@pytest.mark.slow
 def test_hub_id_dispatches_to_from_pretrained_and_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert resolve("someorg/some-model").kind == "hub"

@@ -12,6 +12,7 @@ import pytest
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_gpu_check_smoke_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "check.json"

@@ -30,6 +30,7 @@ def _wait_for(replicas: int, seconds: float) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(folder: Path, ray_cluster: str, driver: None) -> None:  # noqa: F811
     server = Server(str(folder), "--ray", "--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "1", "--upscale-delay", "1", "--downscale-delay", "3", "--ray-address", ray_cluster, "--draft", "prompt-lookup", "--max-batch", "8")  # fmt: skip
     body = {"prompt": "abc", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
@@ -59,6 +60,7 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(folder: Path
     assert len(served_by) == 2, "the added replica served requests"
 
 
+@pytest.mark.slow
 def test_replicas_that_cannot_start_are_a_one_line_error(ray_cluster: str) -> None:
     command = [shutil.which("specdec"), "serve", "--ray", "--replicas", "1", "--ray-address", ray_cluster, "--target", "/no/such/model", "--port", str(_free_port())]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -67,6 +69,7 @@ def test_replicas_that_cannot_start_are_a_one_line_error(ray_cluster: str) -> No
     assert last.startswith("error: the replicas failed to start: unknown model '/no/such/model'"), last
 
 
+@pytest.mark.slow
 def test_the_serve_config_file_runs_with_serve_run(folder: Path, ray_cluster: str, tmp_path: Path) -> None:  # noqa: F811
     """deploy/specdec-serve.yaml as users run it (`serve run`), with this test's model, port and one small replica."""
     import yaml
@@ -97,6 +100,7 @@ def test_the_serve_config_file_runs_with_serve_run(folder: Path, ray_cluster: st
         process.wait(120)
 
 
+@pytest.mark.slow
 def test_a_full_deployment_answers_429_like_a_full_server(folder: Path, ray_cluster: str) -> None:  # noqa: F811
     server = Server(str(folder), "--ray", "--replicas", "1", "--ray-address", ray_cluster, "--draft", "prompt-lookup", "--max-batch", "1", "--max-queue", "1")  # fmt: skip
     body = {"prompt": "abc", "max_tokens": 200, "temperature": 0, "ignore_eos": True}

@@ -84,6 +84,7 @@ def test_metrics_cover_every_replica(ray_server: Server, driver: None) -> None:
     assert ray_server.metric("specdec_generated_tokens_total") - before == 16 * 16, "summed over replicas: every token generated"
 
 
+@pytest.mark.slow
 def test_a_killed_replica_loses_no_request_silently_and_the_cluster_recovers(ray_server: Server, driver: None) -> None:
     """SIGKILL one replica's process under 12 requests (streamed and not): each completes or fails visibly, and is counted."""
     counted_before = {o: ray_server.metric("specdec_replica_failures_total", outcome=o) for o in ("retried", "failed")}

@@ -28,12 +28,14 @@ def test_gemma_prompt_lookup_greedy_is_identical(gemma) -> None:
     assert accepted > 0, "prompt lookup should find something to copy in these prompts"
 
 
+@pytest.mark.slow
 def test_gemma_cost_model_k_is_identical(gemma, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # measure this machine's cost curve afresh
     accepted = assert_lookup_matches_greedy(gemma, PROMPTS, max_new_tokens=32, k=8, k_policy="cost-model")
     assert accepted > 0, "in float32 verifying 5-17 tokens costs twice one token here: long copies pay"
 
 
+@pytest.mark.slow
 def test_gemma_layer_skip_and_ngram_drafts_are_identical(gemma, tmp_path: Path) -> None:
     from specdec.training.ngram import NgramBuildConfig, build_ngram_table
 
@@ -54,6 +56,7 @@ def test_gemma_layer_skip_and_ngram_drafts_are_identical(gemma, tmp_path: Path) 
         assert accepted > 0, spec
 
 
+@pytest.mark.slow
 def test_gguf_conversion_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     start = time.perf_counter()
@@ -74,7 +77,7 @@ def test_demo_runs_on_the_default_model(gemma) -> None:
     assert "speed-up" in out.stdout and "identical" in out.stdout
 
 
-@pytest.mark.parametrize("preset", ["bf16", "cpu", "cpu-vnni"])
+@pytest.mark.parametrize("preset", [pytest.param("bf16", marks=pytest.mark.slow), "cpu", pytest.param("cpu-vnni", marks=pytest.mark.slow)])
 def test_gemma_low_precision_speculation_equals_target_only_of_the_same_plan(preset: str) -> None:
     from specdec.config import PRESETS, RuntimeConfig
 

@@ -360,6 +360,7 @@ def test_gemma_is_served_with_its_eagle_head_by_default() -> None:
     assert "draft 'auto (lookup-then-eagle)'" in log
 
 
+@pytest.mark.slow
 def test_load_benchmark_reports_both_configurations(folder: Path, tmp_path: Path) -> None:
     from specdec.bench.serve_load import LoadConfig, markdown, run_load_benchmark
 

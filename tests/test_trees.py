@@ -221,7 +221,7 @@ SHAPES = {"wide": (4, 1), "binary": (2, 2, 2), "deep": (2, 1, 1, 2)}
     [
         ("wide", False, "shaped", True),
         ("binary", True, "plain", True),
-        ("deep", True, "shaped", False),
+        pytest.param("deep", True, "shaped", False, marks=pytest.mark.slow),
         ("binary", False, "plain", True),
     ],
 )
@@ -238,6 +238,7 @@ def test_sampled_trees_keep_the_target_law(
     assert pvalue > MIN_PVALUE
 
 
+@pytest.mark.slow
 def test_tree_rows_that_draft_chains_while_chains_are_faster_keep_the_target_law() -> None:
     """Under the cost model a tree row drafts a tree or, where chains have been faster, a chain (a tree first, then a
     chain, then the faster way): sampled siblings, both kinds of step, the target's law."""

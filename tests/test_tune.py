@@ -296,7 +296,10 @@ def test_tune_on_the_real_gemma_picks_a_configuration_at_least_as_fast_as_target
     assert generator.generate("def add(a, b):", max_new_tokens=8, seed=1).stats.new_tokens == 8
 
 
-def test_serve_takes_its_runtime_from_a_profile(tmp_path: Path) -> None:
+def test_serve_takes_its_runtime_from_a_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from specdec.models import llamacpp
+
+    monkeypatch.setattr(llamacpp, "llama_cpp_problem", lambda: None)  # as where llama.cpp runs: serve's own refusal
     profile = tmp_path / "p.json"
     profile_of("gemma-3-270m", runtime=RuntimeConfig(backend="llama.cpp")).save(profile)
     result = CliRunner().invoke(app, ["serve", "--profile", str(profile)])

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.real_model  # generate, bench and serve run the bundled Gemma-3-270M
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]  # generate, bench and serve run the bundled Gemma-3-270M
 
 
 def _free_port() -> int:

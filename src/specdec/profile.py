@@ -124,7 +124,9 @@ class Profile:
         kind, _, arg = self.drafter.partition(":")
         if (self.runtime.backend == "llama.cpp" or kind == "gguf") and (problem := llama_cpp_problem()):
             part = "backend" if self.runtime.backend == "llama.cpp" else f"drafter '{self.drafter}'"
-            raise ProfileError(f"the profile's {part} runs on llama.cpp, which cannot run here: {problem}; or rerun `specdec tune`")
+            raise ProfileError(
+                f"the profile's {part} runs on llama.cpp, which cannot run here: {problem}; or rerun `specdec tune`"
+            )
         local = kind == "ngram" or arg.startswith(("/", ".", "~"))  # model:/gguf: may also name a hub id or an alias
         if arg and local and not Path(arg).expanduser().exists():
             raise ProfileError(

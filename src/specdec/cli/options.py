@@ -135,9 +135,9 @@ FastBackendOpt = Annotated[
     str,
     typer.Option(
         "--backend",
-        help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases). Deliberately auto: native "
-        "where it runs the model, else transformers, so a command starts on the fastest path (the library's default is "
-        "transformers, which runs every model and batches).",
+        help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases). Deliberately auto: "
+        "native where it runs the model, else transformers, so a command starts on the fastest path (the library's "
+        "default is transformers, which runs every model and batches).",
     ),
 ]
 
@@ -173,7 +173,8 @@ def announce_runtime(target: ModelTarget) -> None:
             soft_wrap=True,
         )
     elif target.fallback:
-        err.print(f"runtime: {target.runtime} (native does not run here: {target.fallback})", style="dim", soft_wrap=True)
+        note = f"runtime: {target.runtime} (native does not run here: {target.fallback})"
+        err.print(note, style="dim", soft_wrap=True)
     else:
         err.print(f"runtime: {target.runtime}", style="dim")
 

@@ -416,7 +416,7 @@ NON_FINITE = (
 
 def _on_cpu(*tensors: torch.Tensor) -> None:
     if any(t.device.type != "cpu" for t in tensors):
-        raise ValueError("the native kernels compute on the CPU: pass CPU tensors (on other devices use --backend transformers)")
+        raise ValueError("the native kernels compute on the CPU: pass CPU tensors (elsewhere use --backend transformers)")
 
 
 def _call(function, *args):
@@ -425,7 +425,7 @@ def _call(function, *args):
         return function(*args)
     except RuntimeError as exc:  # a failed TORCH_CHECK: its message is the first line
         message = str(exc).splitlines()[0] if str(exc) else repr(exc)
-        raise ValueError(NON_FINITE if "NaN or infinite activations" in message else f"native kernel: {message}") from None
+        raise ValueError(NON_FINITE if "NaN or infinite" in message else f"native kernel: {message}") from None
 
 
 def vnni_available() -> bool:
@@ -487,7 +487,7 @@ def build(wait_s: float = BUILD_WAIT_S):
         folder.mkdir(parents=True, exist_ok=True)
         guard = open(folder / "specdec.lock", "a+")
     except OSError as exc:
-        raise KernelBuildError(f"the kernels' build folder {folder} is not writable ({exc}): set SPECDEC_CACHE") from None
+        raise KernelBuildError(f"the kernels' folder {folder} is not writable ({exc}): set SPECDEC_CACHE") from None
     with guard:
         if _hold(guard, folder, wait_s):
             stale = folder / "lock"

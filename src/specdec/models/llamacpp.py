@@ -27,10 +27,11 @@ from specdec.models.backend import TREES_UNSUPPORTED
 
 INSTALL = 'pip install -e ".[llamacpp]"  (builds llama.cpp from source: about 5-15 minutes on 2 cores)'
 PORTABLE_FLAGS = (  # llama.cpp built for AVX-512 without -march=native: no AMX, which faults in some VMs
-    "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+    "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
+    "-DGGML_FMA=ON -DGGML_F16C=ON"
 )
 PROBE_TIMEOUT_S = 300
-CRASHES = ("SIGSEGV", "SIGILL", "SIGBUS", "SIGABRT", "SIGFPE")  # a build's own faults; SIGKILL or SIGTERM came from outside
+CRASHES = ("SIGSEGV", "SIGILL", "SIGBUS", "SIGABRT", "SIGFPE")  # a build's own faults (SIGKILL, SIGTERM: from outside)
 # Loads a GGUF file as the backend does (every core, swa_full) and decodes a many-token batch, then one token: the calls
 # that crash a miscompiled build.
 PROBE = """
@@ -77,7 +78,8 @@ def rebuild_command() -> str:
         version = "==" + importlib.metadata.version("llama-cpp-python")
     except importlib.metadata.PackageNotFoundError:
         version = ""
-    return f'CMAKE_ARGS="{PORTABLE_FLAGS}" pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-python{version}'
+    pip = "pip install --force-reinstall --no-cache-dir --no-deps"
+    return f'CMAKE_ARGS="{PORTABLE_FLAGS}" {pip} llama-cpp-python{version}'
 
 
 @functools.cache

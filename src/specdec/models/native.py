@@ -1,4 +1,4 @@
-"""specdec's own CPU runtime for Gemma-3, Llama, Mistral and Qwen2/Qwen3 models: one file, a float32 KV cache, int8 kernels.
+"""specdec's own CPU runtime for Gemma-3, Llama, Mistral and Qwen2/3 models: one file, a float32 KV cache, int8 kernels.
 
 Why it exists (issue 23, BENCHMARKS.md): on a CPU, transformers verifies nine positions almost for the price
 of one but pays about 45 ms per step in framework and kernels made for other shapes; llama.cpp's step is
@@ -27,7 +27,7 @@ from specdec.models.backend import keep_branch, tree_mask, tree_positions
 from specdec.models.cpu_kernels import PackedInt8
 
 FAMILIES = ("gemma3_text", "llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # rotary tables fixed at load; dynamic and longrope vary with length
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # tables fixed at load (dynamic and longrope vary with length)
 FIRST_CAPACITY = 256  # cached positions allocated at first; doubled when full, up to the model's context
 
 
@@ -88,7 +88,7 @@ class NativeModel:
             biases = {name: _bias(linears) for name, linears in parts.items()}
             self.layers.append(
                 Layer(
-                    **{name: PackedInt8(torch.cat([linear.weight for linear in linears])) for name, linears in parts.items()},
+                    **{name: PackedInt8(torch.cat([lin.weight for lin in linears])) for name, linears in parts.items()},
                     norms=norms,
                     biases={name: bias for name, bias in biases.items() if bias is not None},
                 )
@@ -118,7 +118,8 @@ class NativeModel:
         q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         for index, layer in enumerate(self.layers):
             norms = layer.norms
-            qkv = _linear(cpu_kernels.rms_norm(x, norms["input_layernorm"], shape.eps), layer.qkv, layer.biases.get("qkv"))
+            normed = cpu_kernels.rms_norm(x, norms["input_layernorm"], shape.eps)
+            qkv = _linear(normed, layer.qkv, layer.biases.get("qkv"))
             q, k, v = qkv.split([q_width, kv_width, kv_width], dim=1)
             q, k, v = q.view(n, shape.heads, -1), k.view(n, shape.kv_heads, -1), v.view(n, shape.kv_heads, -1)
             if "q_norm" in norms:
@@ -256,8 +257,8 @@ def unsupported(model: PreTrainedModel) -> str | None:
         return str(exc)
     if (problem := cpu_kernels.kernels_problem()) is not None:
         return (
-            f"the native backend needs a CPU with AVX-512 VNNI and a C++ compiler (g++) for its kernels, and {problem}: "
-            "use --backend transformers --precision cpu (`specdec doctor` says more)"
+            f"the native backend needs a CPU with AVX-512 VNNI and a C++ compiler (g++) for its kernels, and "
+            f"{problem}: use --backend transformers --precision cpu (`specdec doctor` says more)"
         )
     return None
 
@@ -265,7 +266,8 @@ def unsupported(model: PreTrainedModel) -> str | None:
 def _shape(config) -> Shape:
     family = config.model_type
     if family not in FAMILIES:
-        raise ConfigError(f"the native backend runs {', '.join(FAMILIES)} models, not '{family}': use --backend transformers")
+        runs = ", ".join(FAMILIES)
+        raise ConfigError(f"the native backend runs {runs} models, not '{family}': use --backend transformers")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layers = config.num_hidden_layers
     gemma = family == "gemma3_text"
@@ -273,12 +275,15 @@ def _shape(config) -> Shape:
     if types is None:
         types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"] * layers
     if unknown := set(types) - {"sliding_attention", "full_attention"}:
-        raise ConfigError(f"the native backend runs full and sliding-window attention, not {sorted(unknown)}: use --backend transformers")
+        raise ConfigError(
+            f"the native backend runs full and sliding-window attention, not {sorted(unknown)}: use --backend transformers"
+        )
     windows = tuple(config.sliding_window if t == "sliding_attention" else 0 for t in types)
     ropes = {t: config.rope_parameters[t] for t in set(types)} if gemma else {"": config.rope_parameters or {}}
     for rope in ropes.values():
         if (kind := rope.get("rope_type", "default")) not in ROPE_TYPES:
-            raise ConfigError(f"the native backend's rotary embeddings are {', '.join(ROPE_TYPES)}, not {kind!r}: use --backend transformers")
+            kinds = ", ".join(ROPE_TYPES)
+            raise ConfigError(f"the native backend's rotary embeddings are {kinds}, not {kind!r}: use --backend transformers")
         if (part := rope.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ConfigError(f"the native backend rotates whole heads, not a share of {part}: use --backend transformers")
     if gemma:
@@ -287,7 +292,8 @@ def _shape(config) -> Shape:
             raise ConfigError("the native backend does not cap attention logits: use --backend transformers")
     else:
         if config.hidden_act != "silu":
-            raise ConfigError(f"the native backend's MLP is SwiGLU, not {config.hidden_act!r}: use --backend transformers")
+            act = config.hidden_act
+            raise ConfigError(f"the native backend's MLP is SwiGLU, not {act!r}: use --backend transformers")
         scale, embed_scale, softcap = head_dim**-0.5, 1.0, None
     if head_dim % 16:
         raise ConfigError(f"the native backend needs a head size that is a multiple of 16, not {head_dim}: use --backend transformers")
@@ -308,7 +314,7 @@ def _shape(config) -> Shape:
 
 
 def _rotary_frequencies(config, shape: Shape) -> dict[str, tuple[torch.Tensor, float]]:
-    """Each rotary table's inverse frequencies and cos/sin scale, computed from the config as transformers computes them."""
+    """Each rotary table's inverse frequencies and cos/sin scale, from the config as transformers computes them."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     tables = {}
@@ -329,9 +335,7 @@ def _bias(linears) -> torch.Tensor | None:
     """The float32 biases of linear layers whose outputs are concatenated, or None if none has one."""
     if all(linear.bias is None for linear in linears):
         return None
-    return torch.cat([
-        linear.bias.detach().float() if linear.bias is not None else torch.zeros(linear.out_features) for linear in linears
-    ])  # fmt: skip
+    return torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears])
 
 
 def _linear(x: torch.Tensor, weights: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:

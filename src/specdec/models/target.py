@@ -33,7 +33,8 @@ class Target:
 
 def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
     """Open a model on a runtime: transformers (any causal LM), llama.cpp (GGUF files and bundled aliases), native
-    (Gemma-3, Llama, Mistral and Qwen2/3 models on a CPU with AVX-512 VNNI) or auto (native where it runs, else transformers)."""
+    (Gemma-3, Llama, Mistral and Qwen2/3 models on a CPU with AVX-512 VNNI) or auto (native where it runs, else
+    transformers)."""
     if runtime.backend == "llama.cpp":
         from specdec.models.llamacpp import LlamaCppBackend
 
@@ -42,7 +43,8 @@ def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig
         return Target(name, backend, backend.tokenizer, backend.eos_ids, runtime="llama.cpp")
     loaded = load_model(model, dtype="float32" if runtime.precision else runtime.dtype) if isinstance(model, str) else model
     fallback = None
-    if runtime.backend == "native" or (runtime.backend == "auto" and runtime.dtype == "float32" and runtime.precision is None):
+    transformers_format = runtime.dtype != "float32" or runtime.precision is not None  # auto means transformers then
+    if runtime.backend == "native" or (runtime.backend == "auto" and not transformers_format):
         from specdec.models import native
 
         fallback = native.unsupported(loaded.model)
