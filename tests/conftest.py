@@ -149,10 +149,3 @@ def ray_cluster() -> Iterator[str]:
     )  # fmt: skip
     yield f"127.0.0.1:{port}"
     subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120)
-
-
-def why_llama_cpp_cannot_run() -> str | None:
-    """Why the llama.cpp tests cannot run here, or None: the product's own probe (run once in a subprocess, cached)."""
-    from specdec.models.llamacpp import llama_cpp_problem
-
-    return llama_cpp_problem()

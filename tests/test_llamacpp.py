@@ -6,15 +6,16 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import assert_lookup_matches_greedy, why_llama_cpp_cannot_run
+from conftest import assert_lookup_matches_greedy
 from typer.testing import CliRunner
 
 from specdec import Generator, RuntimeConfig
 from specdec.cli.main import app
 from specdec.errors import ConfigError, MissingPackageError
 from specdec.models import open_target
+from specdec.models.llamacpp import llama_cpp_problem
 
-CANNOT_RUN = why_llama_cpp_cannot_run()
+CANNOT_RUN = llama_cpp_problem()
 needs_llama_cpp = pytest.mark.skipif(CANNOT_RUN is not None, reason=CANNOT_RUN or "")
 
 PROMPTS = [

@@ -6,12 +6,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_lookup_matches_greedy, why_llama_cpp_cannot_run
+from conftest import assert_lookup_matches_greedy
 from typer.testing import CliRunner
 
 from specdec import Generator
 from specdec.cli.main import app
 from specdec.models import load_model
+from specdec.models.llamacpp import llama_cpp_problem
 
 pytestmark = pytest.mark.real_model
 
@@ -126,7 +127,7 @@ def test_gemma_eagle_head_is_identical_as_chain_and_tree(backend: str, branches:
 
     if backend == "native" and cpu_kernels.compiled() is None:
         pytest.skip("the native backend needs AVX-512 VNNI and g++")
-    if backend == "llama.cpp" and (why := why_llama_cpp_cannot_run()):
+    if backend == "llama.cpp" and (why := llama_cpp_problem()):
         pytest.skip(why)
     runtime = RuntimeConfig(backend=backend)
     baseline = Generator("gemma-3-270m", "none", runtime=runtime)
