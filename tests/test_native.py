@@ -67,10 +67,10 @@ def models():
 def test_the_tiny_families_differ_as_their_families_do() -> None:
     built = models()[1]
     assert built["llama3-rope"].config.rope_parameters["rope_type"] == "llama3"
-    assert NativeModel(built["mistral"]).shape.windows == (6, 6)
-    qwen2 = NativeModel(built["qwen2"])
+    assert NativeModel.from_module(built["mistral"]).shape.windows == (6, 6)
+    qwen2 = NativeModel.from_module(built["qwen2"])
     assert qwen2.shape.windows == (0, 6) and set(qwen2.layers[0].biases) == {"qkv"}
-    assert NativeModel(built["qwen3"]).shape.qk_norm and not NativeModel(built["llama"]).shape.qk_norm
+    assert NativeModel.from_module(built["qwen3"]).shape.qk_norm and not NativeModel.from_module(built["llama"]).shape.qk_norm
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -79,7 +79,7 @@ def test_native_logits_follow_transformers(family: str) -> None:
     ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
     with torch.inference_mode():
         reference = model(ids).logits[0]
-    got = NativeBackend(NativeModel(model)).forward(ids, last=ids.shape[1])[0]
+    got = NativeBackend(NativeModel.from_module(model)).forward(ids, last=ids.shape[1])[0]
     assert got.shape == reference.shape
     # int8 weights and activations on random weights: close, not equal (a wrong rotary or norm gives cosines near 0)
     assert float(torch.nn.functional.cosine_similarity(got, reference, dim=-1).min()) > 0.97
@@ -93,7 +93,7 @@ def test_the_other_families_follow_transformers(family: str) -> None:
     cosines near 0 from the first wrong position on) and greedy tokens mostly the same."""
     tokenizer, model = char_tokenizer(), models()[1][family]
     ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
-    native = NativeModel(model)
+    native = NativeModel.from_module(model)
     positions = torch.arange(ids.shape[1])
     cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions[None])
     got_cos, got_sin = native._cos_sin("", positions)
@@ -110,7 +110,7 @@ def test_the_other_families_follow_transformers(family: str) -> None:
 def test_a_positions_logits_do_not_depend_on_how_many_are_scored(family: str) -> None:
     """Bit for bit: the whole sequence at once, one token at a time, and in chunks of 9 after a rollback; past the
     sliding window (6) and past the first cache allocation (the cache grows)."""
-    model = NativeModel(models()[1][family])
+    model = NativeModel.from_module(models()[1][family])
     ids = torch.randint(3, model.vocab_size, (1, FIRST_CAPACITY + 40), generator=torch.Generator().manual_seed(0))
     backend = NativeBackend(model)
     whole = backend.forward(ids, last=ids.shape[1])[0]
@@ -278,7 +278,7 @@ def test_a_positions_logits_do_not_depend_on_threads_at_an_8b_ffn_width(threads:
         vocab_size=96, hidden_size=64, intermediate_size=WIDE_FFN, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3, tie_word_embeddings=False,
     )  # fmt: skip
-    model = NativeModel(LlamaForCausalLM(config).eval())
+    model = NativeModel.from_module(LlamaForCausalLM(config).eval())
     ids = torch.randint(3, 96, (1, 13), generator=torch.Generator().manual_seed(1))
     backend = NativeBackend(model)
     alone = torch.cat([backend.forward(ids[:, i : i + 1], last=1)[0] for i in range(13)])

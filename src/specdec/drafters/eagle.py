@@ -156,7 +156,7 @@ class NativeHead:
     """
 
     def __init__(self, module: PreTrainedModel, embed: Embed) -> None:
-        self.model = NativeModel(module)
+        self.model = NativeModel.from_module(module)
         self.fc = PackedInt8(module.eagle_fc.weight.float())
         self.embed = embed
         self.keep_ids = module.keep_ids

@@ -21,6 +21,7 @@ product of the same integers (exact, only slower) and the other kernels are unav
 
 from __future__ import annotations
 
+import abc
 import functools
 import logging
 import os
@@ -36,7 +37,7 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = "specdec_cpu_kernels_v12"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+BUILD = "specdec_cpu_kernels_v13"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -141,6 +142,109 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
                 switch (std::min<int64_t>(12, n - r)) {
 #define CASE(N) case N: std::apply(tile<N>, args); break;
                     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+#undef CASE
+                }
+            }
+        }
+    });
+    return y;
+}
+
+// Activations for int4 layers: per row and group of 32, scale = max(|x|, 1e-8) / 127, q = clamp(round(x / scale), -127,
+// 127) as signed bytes, and the group's sum of q (the weights are stored as w + 8, so dot(q, w) = dot(q, w + 8) - 8 sum(q)).
+static bool quantize_signed(const float* x, int64_t n, int64_t k, int8_t* q, float* scales, int32_t* sums) {
+    const int64_t groups = k / 32;
+    const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f), inf = _mm512_set1_ps(INFINITY);
+    __mmask16 bad = 0;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < groups; ++g) {
+            const float* src = x + i * k + g * 32;
+            const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+            bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(a), inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(_mm512_abs_ps(b), inf, _CMP_NLT_UQ);
+            const float scale = std::max(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))), 1e-8f) / 127.f;
+            scales[i * groups + g] = scale;
+            const __m512 divisor = _mm512_set1_ps(scale);
+            const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            const __m512i qa = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(a, divisor), round))));
+            const __m512i qb = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(b, divisor), round))));
+            _mm_storeu_si128((__m128i*)(q + i * k + g * 32), _mm512_cvtepi32_epi8(qa));
+            _mm_storeu_si128((__m128i*)(q + i * k + g * 32 + 16), _mm512_cvtepi32_epi8(qb));
+            sums[i * groups + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        }
+    return bad == 0;
+}
+
+// One block of 16 outputs of an int4 layer for N rows. Per group of 32 inputs: 256 bytes of weights (4 vectors; in each,
+// 16 outputs x 4 inputs of one quad in the low nibbles and of the next quad in the high ones), an int32 sum per row,
+// corrected for the stored +8 and converted, times the row's scale, times the 16 outputs' scales (float16), added to a
+// float32 total. Each row's steps are the same whatever N is.
+template <int N>
+static void tile4(const int8_t* q, const float* qs, const int32_t* qsum, const uint8_t* wb, const uint16_t* ws, float* out,
+                  int64_t k, int64_t outs) {
+    const int64_t groups = k / 32;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 total[N];
+#pragma GCC unroll 16
+    for (int i = 0; i < N; ++i) total[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512i acc[N];
+#pragma GCC unroll 16
+        for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_si512();
+        const uint8_t* wg = wb + g * 256;
+        const int8_t* qg = q + g * 32;
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+            const __m512i v = _mm512_loadu_si512((const void*)(wg + t * 64));
+            const __m512i w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 16
+            for (int i = 0; i < N; ++i) {
+                int32_t a0, a1;
+                std::memcpy(&a0, qg + i * k + t * 8, 4);
+                std::memcpy(&a1, qg + i * k + t * 8 + 4, 4);
+                acc[i] = _mm512_dpbusd_epi32(acc[i], w0, _mm512_set1_epi32(a0));
+                acc[i] = _mm512_dpbusd_epi32(acc[i], w1, _mm512_set1_epi32(a1));
+            }
+        }
+        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + g * 16)));
+#pragma GCC unroll 16
+        for (int i = 0; i < N; ++i) {
+            const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], _mm512_set1_epi32(8 * qsum[i * groups + g])));
+            total[i] = _mm512_add_ps(total[i], _mm512_mul_ps(_mm512_mul_ps(sum, _mm512_set1_ps(qs[i * groups + g])), scale));
+        }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < N; ++i) _mm512_storeu_ps(out + i * outs, total[i]);
+}
+
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [n, k]");
+    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.size(2) == 256,
+                "packed int4 weights [blocks, groups, 256]");
+    const int64_t n = x.size(0), k = x.size(1), blocks = packed.size(0), groups = packed.size(1), outs = blocks * 16;
+    TORCH_CHECK(k == groups * 32, "weights packed for another width");
+    TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() && scales.numel() == outs * groups,
+                "one float16 scale per output and group");
+    auto y = torch::empty({n, outs}, torch::kFloat32);
+    auto q = torch::empty({n, k}, torch::kInt8);
+    auto qs = torch::empty({n, groups}, torch::kFloat32);
+    auto qsum = torch::empty({n, groups}, torch::kInt32);
+    pybind11::gil_scoped_release no_gil;
+    TORCH_CHECK(quantize_signed(x.data_ptr<float>(), n, k, q.data_ptr<int8_t>(), qs.data_ptr<float>(), qsum.data_ptr<int32_t>()),
+                NON_FINITE);
+    const int8_t* qp = q.data_ptr<int8_t>();
+    const float* qsp = qs.data_ptr<float>();
+    const int32_t* qsump = qsum.data_ptr<int32_t>();
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    const uint16_t* ws = (const uint16_t*)scales.data_ptr<at::Half>();
+    float* out = y.data_ptr<float>();
+    at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+            for (int64_t r = 0; r < n; r += 8) {
+                auto args = std::make_tuple(qp + r * k, qsp + r * groups, qsump + r * groups, w + b * groups * 256,
+                                            ws + b * groups * 16, out + r * outs + b * 16, k, outs);
+                switch (std::min<int64_t>(8, n - r)) {
+#define CASE(N) case N: std::apply(tile4<N>, args); break;
+                    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
                 }
             }
@@ -291,34 +395,194 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 """
 
 
-class PackedInt8(torch.nn.Module):
-    """A linear layer's weights for ``linear``: int8 in VNNI blocks, a scale per output, int32 sums per group."""
+class Packed(torch.nn.Module, abc.ABC):
+    """A linear layer's weights in one of the native formats, for ``linear``."""
+
+    format: str  # "int8" or "int4"
+    in_features: int
+    out_features: int
+
+    @abc.abstractmethod
+    def product(self, kernel, rows: torch.Tensor) -> torch.Tensor:
+        """``rows @ W.T`` [n, outputs padded to a block] by the compiled kernels."""
+
+    @abc.abstractmethod
+    def reference(self, rows: torch.Tensor) -> torch.Tensor:
+        """The kernel's numbers [n, out_features] from float64 products of the same integers (a test oracle; slow)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one product reads from memory (every buffer)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def state(self) -> dict:
+        """The packed buffers and sizes (``restore`` rebuilds the layer from them without quantizing again)."""
+        return {"format": self.format, "in": self.in_features, "out": self.out_features} | dict(self.named_buffers())
+
+    @staticmethod
+    def restore(state: dict) -> Packed:
+        layer = FORMATS[state["format"]].__new__(FORMATS[state["format"]])
+        torch.nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = state["in"], state["out"]
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                layer.register_buffer(name, value)
+        layer.restored()
+        return layer
+
+    def restored(self) -> None:
+        """Set what the buffers imply (after ``restore``)."""
+
+
+CHUNK = 4096  # weight rows quantized at a time (a multiple of BLOCK): a layer's temporaries stay small, whatever its size
+
+
+class _Packer(Packed):
+    """Packs a weight matrix in chunks of outputs into block-major buffers allocated once (memory: the result, plus
+    one chunk's float32 temporaries)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         if weight.dim() != 2 or 0 in weight.shape:
-            raise ValueError(f"an int8 layer's weight must be a non-empty matrix, not of shape {tuple(weight.shape)}")
-        if not bool(torch.isfinite(weight).all()):
-            raise ValueError("an int8 layer's weight holds NaN or infinite values: the model file is damaged")
-        outs, width = weight.shape
-        self.out_features, self.in_features = outs, width
-        self.group = next((g for g in (GROUP, 64, 32) if width % g == 0), 0)
-        if not self.group:
+            raise ValueError(f"an {self.format} layer's weight must be a non-empty matrix, not of shape {tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        self.check_width(self.in_features)
+        blocks = -(-self.out_features // BLOCK)
+        buffers: dict[str, torch.Tensor] = {}
+        for start in range(0, self.out_features, CHUNK):
+            chunk = weight[start : start + CHUNK].detach().float()
+            if not bool(torch.isfinite(chunk).all()):
+                raise ValueError(f"an {self.format} layer's weight holds NaN or infinite values: the model file is damaged")
+            pad = -len(chunk) % BLOCK  # zero outputs up to a whole block, cut off again by linear()
+            for name, part in self.pack(torch.nn.functional.pad(chunk, (0, 0, 0, pad))).items():
+                if name not in buffers:
+                    buffers[name] = torch.empty((blocks, *part.shape[1:]), dtype=part.dtype)
+                buffers[name][start // BLOCK : start // BLOCK + len(part)] = part
+        for name, buffer in buffers.items():
+            self.register_buffer(name, buffer)
+        self.restored()
+
+    @abc.abstractmethod
+    def check_width(self, width: int) -> None:
+        """Raise a ValueError if the format cannot hold layers of ``width`` inputs."""
+
+    @abc.abstractmethod
+    def pack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The buffers [blocks, ...] of float32 weight rows (a whole number of blocks)."""
+
+
+class PackedInt8(_Packer):
+    """int8 weights in VNNI blocks, a scale per output, int32 sums per group (activations: int8 per 128 inputs)."""
+
+    format = "int8"
+
+    def check_width(self, width: int) -> None:
+        if not any(width % g == 0 for g in (GROUP, 64, 32)):
             raise ValueError(f"int8 layers need an input width that is a multiple of 32, not {width}")
-        w8, scale = quantize_rows(weight.detach().float())
-        pad = -outs % BLOCK  # zero outputs up to a whole block, cut off again by linear()
-        w8, scale = torch.nn.functional.pad(w8, (0, 0, 0, pad)), torch.nn.functional.pad(scale, (0, pad), value=1.0)
-        blocks = w8.shape[0] // BLOCK
-        self.register_buffer("packed", w8.reshape(blocks, BLOCK, width // 4, 4).transpose(1, 2).contiguous())
-        self.register_buffer("scale", scale.contiguous())
-        sums = w8.reshape(blocks, BLOCK, width // self.group, self.group).sum(dim=3, dtype=torch.int32)
-        self.register_buffer("group_sums", sums.transpose(1, 2).contiguous())
+
+    def pack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        width, group = rows.shape[1], next(g for g in (GROUP, 64, 32) if rows.shape[1] % g == 0)
+        w8, scale = quantize_rows(rows)
+        scale = torch.where(rows.abs().amax(dim=1) == 0, torch.ones_like(scale), scale)  # padding rows: scale 1
+        blocks = len(rows) // BLOCK
+        sums = w8.reshape(blocks, BLOCK, width // group, group).sum(dim=3, dtype=torch.int32)
+        return {
+            "packed": w8.reshape(blocks, BLOCK, width // 4, 4).transpose(1, 2),
+            "scale": scale.reshape(blocks, BLOCK),
+            "group_sums": sums.transpose(1, 2),
+        }
+
+    def restored(self) -> None:
+        self.group = self.in_features // self.group_sums.shape[1]
 
     def unpacked(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """int8 weight rows [start, stop) as [rows, in_features] (for the path without the kernel)."""
+        """int8 weight rows [start, stop) as [rows, in_features]."""
         blocks = self.packed[start // BLOCK : -(-(stop or self.packed.shape[0] * BLOCK) // BLOCK)]
         rows = blocks.transpose(1, 2).reshape(-1, self.in_features)
         return rows[start % BLOCK : start % BLOCK + (stop or rows.shape[0]) - start]
+
+    def product(self, kernel, rows: torch.Tensor) -> torch.Tensor:
+        return kernel.int8_linear(rows, self.packed, self.scale, self.group_sums, self.group)
+
+    def reference(self, rows: torch.Tensor) -> torch.Tensor:
+        q, q_scale = quantize_rows(rows, self.group)
+        sums = _group_sums(q, self.unpacked(0, self.out_features), self.group)  # [groups, n, out]
+        acc = torch.zeros(len(rows), self.out_features)
+        for g in range(len(sums)):
+            acc = acc + sums[g] * q_scale[:, g : g + 1]
+        return acc * self.scale.reshape(-1)[None, : self.out_features]
+
+
+INT4_GROUP = 32  # weights per scale in the int4 format (and activations per scale with it)
+
+
+class PackedInt4(_Packer):
+    """4-bit weights (as llama.cpp's Q4_0: per 32 inputs of an output, a float16 scale d and integers q in [-8, 7] with
+    the largest magnitude at -8), multiplied with int8 activations (one scale per 32 inputs) by integer dot products."""
+
+    format = "int4"
+
+    def check_width(self, width: int) -> None:
+        if width % INT4_GROUP:
+            raise ValueError(f"int4 layers need an input width that is a multiple of {INT4_GROUP}, not {width}")
+
+    def pack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scale = quantize_int4(rows)
+        blocks, groups = len(rows) // BLOCK, rows.shape[1] // INT4_GROUP
+        # stored as q + 8 in [0, 15]; [block, output, group, vector t, nibble (low: quad 2t, high: 2t + 1), input]
+        u = (q + 8).to(torch.uint8).reshape(blocks, BLOCK, groups, 4, 2, 4)
+        nibbles = u[:, :, :, :, 0] | (u[:, :, :, :, 1] << 4)  # [block, output, group, t, input]
+        return {
+            "packed": nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256),
+            "scales": scale.to(torch.float16).reshape(blocks, BLOCK, groups).transpose(1, 2),
+        }
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The integers q [out, in] (int8) and the scales [out, in / 32] (float32)."""
+        blocks, groups = self.packed.shape[:2]
+        v = self.packed.reshape(blocks, groups, 4, BLOCK, 4).permute(0, 3, 1, 2, 4)  # [block, output, group, t, input]
+        u = torch.stack([v & 0x0F, v >> 4], dim=4).reshape(blocks * BLOCK, self.in_features)
+        q = u.to(torch.int8) - 8
+        scales = self.scales.transpose(1, 2).reshape(blocks * BLOCK, groups).float()
+        return q[: self.out_features], scales[: self.out_features]
+
+    def product(self, kernel, rows: torch.Tensor) -> torch.Tensor:
+        return kernel.int4_linear(rows, self.packed, self.scales)
+
+    def reference(self, rows: torch.Tensor) -> torch.Tensor:
+        q, q_scale = quantize_rows(rows, INT4_GROUP)
+        w, w_scale = self.unpacked()
+        sums = _group_sums(q, w, INT4_GROUP)  # [groups, n, out]
+        acc = torch.zeros(len(rows), self.out_features)
+        for g in range(len(sums)):
+            acc = acc + (sums[g] * q_scale[:, g : g + 1]) * w_scale[None, :, g]
+        return acc
+
+
+FORMATS: dict[str, type[Packed]] = {"int8": PackedInt8, "int4": PackedInt4}
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integers in [-8, 7] (int8 [out, in]) and float32 scales [out, in / 32] rounded to float16, as llama.cpp's Q4_0:
+    per group, d = m / -8 for the value m of largest magnitude, q = clamp(round(w / d), -8, 7)."""
+    groups = weight.float().reshape(weight.shape[0], -1, INT4_GROUP)
+    top = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True))[:, :, 0]
+    scale = (top / -8).to(torch.float16).float()
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError("an int4 layer's weights exceed float16's range (65504 * 8): use --native-format int8")
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(groups / safe[:, :, None]).clamp(-8, 7).to(torch.int8).reshape(weight.shape)
+    return q, scale
+
+
+def _group_sums(q: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
+    """Exact integer sums per group, [groups, n, out], from float64 products of int8 activations and weights."""
+    q64 = q.double().reshape(len(q), -1, group)
+    pieces = []
+    for start in range(0, len(w), FALLBACK_ROWS):  # a slice of the weights at a time, not a float64 copy of all
+        w64 = w[start : start + FALLBACK_ROWS].double().reshape(-1, q64.shape[1], group)
+        pieces.append(torch.einsum("ngc,ogc->gno", q64, w64).float())
+    return torch.cat(pieces, dim=2)
 
 
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,38 +594,20 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     return q, scale if group else scale[:, 0]
 
 
-def linear(x: torch.Tensor, weights: PackedInt8) -> torch.Tensor:
-    """``x @ W.T`` in float32 with int8 weights and activations (see the module's docstring), for x [..., in]."""
+def linear(x: torch.Tensor, weights: Packed) -> torch.Tensor:
+    """``x @ W.T`` in float32 with packed weights and int8 activations (see the module's docstring), for x [..., in]."""
     if x.shape[-1] != weights.in_features:
-        raise ValueError(f"an int8 layer of {weights.in_features} inputs got activations of width {x.shape[-1]}")
+        raise ValueError(f"an {weights.format} layer of {weights.in_features} inputs got activations of width {x.shape[-1]}")
     rows = x.reshape(-1, weights.in_features).float().contiguous()
     kernel = compiled() if rows.device.type == "cpu" else None
     if kernel is not None:
-        _on_cpu(weights.packed)
-        out = _call(kernel.int8_linear, rows, weights.packed, weights.scale, weights.group_sums, weights.group)
-        out = out[:, : weights.out_features]
+        _on_cpu(*weights.buffers())
+        out = _call(weights.product, kernel, rows)[:, : weights.out_features]
     else:
         if not bool(torch.isfinite(rows).all()):
             raise ValueError(NON_FINITE)
-        out = _exact_linear(rows, weights)
+        out = weights.reference(rows.cpu()).to(rows.device)
     return out.reshape(*x.shape[:-1], weights.out_features)
-
-
-def _exact_linear(rows: torch.Tensor, weights: PackedInt8) -> torch.Tensor:
-    """The kernel's numbers without it: float64 products of the same integers (exact), then the same float32 steps."""
-    q, q_scale = quantize_rows(rows, weights.group)
-    groups = weights.in_features // weights.group
-    q64 = q.double().reshape(len(rows), groups, weights.group)
-    pieces = []
-    for start in range(0, weights.out_features, FALLBACK_ROWS):  # a slice of the weights at a time, not a float64 copy of all
-        stop = min(start + FALLBACK_ROWS, weights.out_features)
-        w64 = weights.unpacked(start, stop).double().reshape(stop - start, groups, weights.group)
-        sums = torch.einsum("ngc,ogc->gno", q64, w64).float()  # integer sums per group: exact
-        acc = torch.zeros(len(rows), stop - start)
-        for g in range(groups):
-            acc = acc + sums[g] * q_scale[:, g : g + 1]
-        pieces.append(acc * weights.scale[None, start:stop])
-    return torch.cat(pieces, dim=1).to(rows.device)
 
 
 def attention(
@@ -500,8 +746,8 @@ def build(wait_s: float = BUILD_WAIT_S):
             return load_inline(
                 BUILD,
                 cpp_sources=SOURCE,
-                functions=["int8_linear", "attention", "rms_norm", "gated"],
-                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp"],
+                functions=["int8_linear", "int4_linear", "attention", "rms_norm", "gated"],
+                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),
             )

@@ -16,7 +16,9 @@ to its own one-token decoding. Its numbers are not transformers' float32 ones: i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -24,7 +26,7 @@ from transformers import PreTrainedModel
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels
 from specdec.models.backend import keep_branch, tree_mask, tree_positions
-from specdec.models.cpu_kernels import PackedInt8
+from specdec.models.cpu_kernels import FORMATS, Packed
 
 FAMILIES = ("gemma3_text", "llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # tables fixed at load (dynamic and longrope vary with length)
@@ -51,53 +53,127 @@ class Shape:
 
 @dataclass
 class Layer:
-    qkv: PackedInt8
-    out: PackedInt8
-    gate_up: PackedInt8
-    down: PackedInt8
+    qkv: Packed
+    out: Packed
+    gate_up: Packed
+    down: Packed
     norms: dict[str, torch.Tensor]  # float32 weights, Gemma's already as 1 + w
     biases: dict[str, torch.Tensor]  # float32, for the linear layers that have one (Qwen2's qkv)
 
 
-class NativeModel:
-    """The weights of one model in the native runtime's formats; shared by every backend (cache) over it."""
+LINEARS = {"qkv": ("q_proj", "k_proj", "v_proj"), "out": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+Tensors = Callable[[str], "torch.Tensor | None"]  # a checkpoint's tensor by its transformers name, None if it has none
 
-    def __init__(self, model: PreTrainedModel) -> None:
-        config = model.config.get_text_config()
-        self.shape = _shape(config)
-        self.name = f"{config.name_or_path or config.model_type}"
-        self.vocab_size = model.get_output_embeddings().out_features
-        gemma = self.shape.family == "gemma3_text"
+
+class NativeModel:
+    """The weights of one model in the native runtime's formats; shared by every backend (cache) over it.
+
+    Built by :meth:`convert` from a checkpoint's tensors, one at a time (so memory stays near the converted model's
+    size), or restored by :meth:`restore` from :meth:`state` (whose tensors may be memory-mapped from a file).
+    """
+
+    def __init__(
+        self,
+        shape: Shape,
+        name: str,
+        embedding: torch.Tensor | None,
+        layers: list[Layer],
+        final_norm: torch.Tensor,
+        head: Packed,
+        weights: int,
+        inverse: dict[str, tuple[torch.Tensor, float]],
+    ) -> None:
+        self.shape, self.name, self.embedding, self.layers = shape, name, embedding, layers
+        self.final_norm, self.head, self.weights = final_norm, head, weights
+        self.vocab_size = head.out_features
+        self.format = head.format
+        self._inverse = inverse  # per rotary table: inverse frequencies and the cos/sin scale
+        self._rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def convert(cls, config, tensors: Tensors, format: str = "int8", progress: Callable[[int, int], None] | None = None):
+        """Pack a checkpoint's weights (``tensors``, fetched one at a time) into ``format`` (int8 or int4)."""
+        if format not in FORMATS:
+            raise ConfigError(f"unknown native format {format!r}: use one of {', '.join(FORMATS)}")
+        pack = FORMATS[format]
+        shape = _shape(config)
+        gemma = shape.family == "gemma3_text"
         offset = 1.0 if gemma else 0.0  # Gemma's norms multiply by (1 + w)
-        weight = getattr(model.get_input_embeddings(), "weight", None)  # an eagle head has none: it is fed vectors, not tokens
-        self.embedding = None if weight is None else weight.detach().to(torch.bfloat16)
-        self.layers = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+        counted = [0]
+
+        def fetch(name: str, required: bool = True) -> torch.Tensor | None:
+            tensor = tensors(name)
+            if tensor is None and required:
+                raise ConfigError(f"the checkpoint has no tensor {name!r}: use --backend transformers")
+            counted[0] += 0 if tensor is None else tensor.numel()
+            return tensor
+
+        embedding = fetch("model.embed_tokens.weight", required=False)  # an eagle head has none: it is fed vectors
+        embedding = None if embedding is None else embedding.to(torch.bfloat16)
+        layers = []
+        for index in range(config.num_hidden_layers):
+            prefix = f"model.layers.{index}."
             names = ["input_layernorm", "post_attention_layernorm"]
             names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if gemma else []
-            norms = {n: getattr(layer, n).weight.detach().float() + offset for n in names}
-            if self.shape.qk_norm:
-                norms |= {n: getattr(attn, n).weight.detach().float() + offset for n in ("q_norm", "k_norm")}
-            parts = {
-                "qkv": [attn.q_proj, attn.k_proj, attn.v_proj],
-                "out": [attn.o_proj],
-                "gate_up": [mlp.gate_proj, mlp.up_proj],
-                "down": [mlp.down_proj],
-            }
-            biases = {name: _bias(linears) for name, linears in parts.items()}
-            self.layers.append(
-                Layer(
-                    **{name: PackedInt8(torch.cat([lin.weight for lin in linears])) for name, linears in parts.items()},
-                    norms=norms,
-                    biases={name: bias for name, bias in biases.items() if bias is not None},
-                )
-            )
-        self.final_norm = model.model.norm.weight.detach().float() + offset
-        self.head = PackedInt8(model.get_output_embeddings().weight)
-        self.weights = sum(p.numel() for p in model.parameters())
-        self._inverse = _rotary_frequencies(config, self.shape)  # per table: inverse frequencies and the cos/sin scale
-        self._rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            names += ["self_attn.q_norm", "self_attn.k_norm"] if shape.qk_norm else []
+            norms = {n.split(".")[-1]: fetch(f"{prefix}{n}.weight").float() + offset for n in names}
+            packed, biases = {}, {}
+            for part, linears in LINEARS.items():
+                where = "mlp" if part in ("gate_up", "down") else "self_attn"
+                weights = [fetch(f"{prefix}{where}.{lin}.weight") for lin in linears]
+                packed[part] = pack(torch.cat(weights) if len(weights) > 1 else weights[0])
+                bias = [fetch(f"{prefix}{where}.{lin}.bias", required=False) for lin in linears]
+                if any(b is not None for b in bias):
+                    zeros = [torch.zeros(len(w)) for w in weights]
+                    biases[part] = torch.cat([z if b is None else b.float() for b, z in zip(bias, zeros, strict=True)])
+                del weights
+            layers.append(Layer(**packed, norms=norms, biases=biases))
+            if progress is not None:
+                progress(index + 1, config.num_hidden_layers)
+        final_norm = fetch("model.norm.weight").float() + offset
+        head = fetch("lm_head.weight", required=False)
+        if head is None:  # tied: the output head is the input embedding
+            if embedding is None:
+                raise ConfigError("the checkpoint has neither an output head nor an input embedding: use --backend transformers")
+            head = tensors("model.embed_tokens.weight")
+        name = f"{config.name_or_path or config.model_type}"
+        return cls(shape, name, embedding, layers, final_norm, pack(head), counted[0], _rotary_frequencies(config, shape))
+
+    @classmethod
+    def from_module(cls, model: PreTrainedModel, format: str = "int8") -> NativeModel:
+        """Convert a transformers model already in memory."""
+        state = model.state_dict()
+        model_native = cls.convert(model.config.get_text_config(), lambda name: state.get(name), format)
+        model_native.weights = sum(p.numel() for p in model.parameters())
+        return model_native
+
+    def state(self) -> dict:
+        """Every tensor and setting, in plain containers (``torch.save`` writes it; :meth:`restore` reads it back)."""
+        layers = [
+            {"norms": layer.norms, "biases": layer.biases} | {part: getattr(layer, part).state() for part in LINEARS}
+            for layer in self.layers
+        ]
+        return {
+            "shape": json.dumps(asdict(self.shape)),
+            "name": self.name,
+            "embedding": self.embedding,
+            "layers": layers,
+            "final_norm": self.final_norm,
+            "head": self.head.state(),
+            "weights": self.weights,
+            "inverse": {name: [inverse, scale] for name, (inverse, scale) in self._inverse.items()},
+        }
+
+    @classmethod
+    def restore(cls, state: dict) -> NativeModel:
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(state["shape"]).items()}
+        layers = [
+            Layer(**{part: Packed.restore(layer[part]) for part in LINEARS}, norms=layer["norms"], biases=layer["biases"])
+            for layer in state["layers"]
+        ]
+        inverse = {name: (inverse, scale) for name, (inverse, scale) in state["inverse"].items()}
+        head = Packed.restore(state["head"])
+        return cls(Shape(**fields), state["name"], state["embedding"], layers, state["final_norm"], head, state["weights"], inverse)
 
     def forward(
         self, tokens: torch.Tensor, cache: KVCache, last: int, visible: torch.Tensor | None = None, features: bool = False
@@ -331,15 +407,8 @@ def _rotary_frequencies(config, shape: Shape) -> dict[str, tuple[torch.Tensor, f
     return tables
 
 
-def _bias(linears) -> torch.Tensor | None:
-    """The float32 biases of linear layers whose outputs are concatenated, or None if none has one."""
-    if all(linear.bias is None for linear in linears):
-        return None
-    return torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears])
-
-
-def _linear(x: torch.Tensor, weights: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
-    """An int8 linear layer plus its bias if it has one (an add per element: exact in any grouping)."""
+def _linear(x: torch.Tensor, weights: Packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """A packed linear layer plus its bias if it has one (an add per element: exact in any grouping)."""
     out = cpu_kernels.linear(x, weights)
     return out if bias is None else out + bias
 

@@ -260,7 +260,7 @@ class QuantizedLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The dequantised weight (a bfloat16 copy: for inspection and slicing rows, not for the forward pass)."""
         if self.format == "int8a8":
-            return (self.packed.unpacked().float() * self.packed.scale[: self.out_features, None]).to(torch.bfloat16)
+            return (self.packed.unpacked().float() * self.packed.scale.reshape(-1)[: self.out_features, None]).to(torch.bfloat16)
         return (self.weight_q.to(torch.bfloat16) * self.scale[:, None]).to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig
         fallback = native.unsupported(loaded.model)
         if fallback is None:
             try:
-                backend = native.NativeBackend(native.NativeModel(loaded.model))
+                backend = native.NativeBackend(native.NativeModel.from_module(loaded.model))
                 return Target(loaded.name, backend, loaded.tokenizer, eos_ids(loaded), runtime="native")
             except (ConfigError, ValueError) as exc:  # a shape the native formats cannot hold
                 fallback = f"the native backend cannot hold this model ({exc})"
