@@ -288,6 +288,7 @@ PRESETS: dict[str, PrecisionPlan] = {
 # auto: native where it runs, else transformers (the fastest exact target-only and speculation measured on CPU).
 RUNTIMES = ("transformers", "llama.cpp", "native", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
+NATIVE_FORMATS = ("auto", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -303,6 +304,7 @@ class RuntimeConfig:
     threads: int | None = None  # llama.cpp threads; None = every core
     ubatch: int | None = None  # llama.cpp micro-batch; 1 = verification bit-identical to one-token decoding
     precision: PrecisionPlan | None = None  # per-component formats (transformers); replaces dtype when set
+    native_format: str = "auto"  # native weights: int8, int4, or auto (the faster here, measured)
 
     def __post_init__(self) -> None:
         if self.backend not in RUNTIMES:
@@ -316,8 +318,12 @@ class RuntimeConfig:
         if self.precision is not None and self.backend not in ("transformers", "auto"):
             raise ConfigError(
                 "--precision plans apply to the transformers backend; llama.cpp's format is its GGUF file's quantization "
-                "type and the native backend's is fixed (int8 weights and activations): use --backend transformers"
+                "type and the native backend's is --native-format: use --backend transformers"
             )
+        if self.native_format not in NATIVE_FORMATS:
+            raise ConfigError(f"unknown native format '{self.native_format}': use one of {', '.join(NATIVE_FORMATS)}")
+        if self.native_format != "auto" and self.backend not in ("native", "auto"):
+            raise ConfigError("--native-format applies to the native backend: use --backend native or auto, or drop it")
         if self.dtype != "float32" and self.backend == "native":
             raise ConfigError("--dtype applies to the transformers backend; the native backend's format is fixed: drop --dtype")
 

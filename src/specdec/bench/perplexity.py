@@ -102,9 +102,9 @@ NATIVE_CHECK_TOKENS = 1024  # of the shipped default prompt set: enough to tell 
 NATIVE_CHECK_MAX_WEIGHTS = 2 * 10**9  # larger models are not measured unasked (float32 copies of tens of GB)
 
 
-def native_perplexity(target: str, identity: str, progress: Progress = lambda *a: None) -> PerplexityResult:
+def native_perplexity(target: str, identity: str, format: str, progress: Progress = lambda *a: None) -> PerplexityResult:
     """The native backend's perplexity against float32 on the shipped default prompts: measured once per model (its
-    backend's ``identity``: name, weights, kernel version), then read from the cache (what `generate` and `demo` say
+    backend's ``identity``: name, weights, format, kernel version), then read from the cache (what `generate` and `demo` say
     when they run on native)."""
     from specdec.bench.prompts import DEFAULT_PROMPTS, prompt_sets
     from specdec.models.registry import cache_root
@@ -116,7 +116,7 @@ def native_perplexity(target: str, identity: str, progress: Progress = lambda *a
     except (OSError, ValueError, TypeError):
         pass
     result = perplexity(
-        target, RuntimeConfig(backend="native"), str(prompt_sets()[DEFAULT_PROMPTS]), NATIVE_CHECK_TOKENS, 256, progress
+        target, RuntimeConfig(backend="native", native_format=format), str(prompt_sets()[DEFAULT_PROMPTS]), NATIVE_CHECK_TOKENS, 256, progress
     )
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(asdict(result)))

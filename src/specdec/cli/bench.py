@@ -19,6 +19,7 @@ from specdec.cli.options import (
     Draft,
     Dtype,
     KPolicyOpt,
+    NativeFormatOpt,
     Overwrite,
     Precision,
     Prompts,
@@ -92,6 +93,7 @@ def bench(
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
     backend: BackendOpt = default(RuntimeConfig, "backend"),
+    native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     threads: Threads = default(RuntimeConfig, "threads"),
     ubatch: Ubatch = default(RuntimeConfig, "ubatch"),
     out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and plots.")] = Path("bench-out"),
@@ -115,13 +117,16 @@ def bench(
 
     fresh_output(out, overwrite)
     options = dict(target=target, k=k, k_policy=k_policy, backend=backend, dtype=dtype, precision=precision, threads=threads, ubatch=ubatch)
+    options["native_format"] = native_format
     methods_given = ctx.get_parameter_source("methods").name == "COMMANDLINE"
     options = with_profile(ctx, profile, options | dict(temperature=temperature), frozenset({"draft"} if methods_given else ()))
     if profile is not None and not methods_given:
         tuned = Profile.load(profile)
         methods = f"none,{tuned.drafter}{TREE_SUFFIX if tuned.generation.branches > 1 else ''}"
     target, k, k_policy, temperature = options["target"], str(options["k"]), options["k_policy"], options["temperature"]
-    backend, dtype, precision, threads, ubatch = (options[n] for n in ("backend", "dtype", "precision", "threads", "ubatch"))
+    backend, dtype, precision, threads, ubatch, native_format = (
+        options[n] for n in ("backend", "dtype", "precision", "threads", "ubatch", "native_format")
+    )
     ks = int_list("--k", k)
     config = BenchConfig(
         prompts=prompts,
@@ -133,7 +138,7 @@ def bench(
         temperature=temperature,
         repeats=repeats,
         seed=seed,
-        runtime=runtime_config(backend, dtype, threads, ubatch, precision),
+        runtime=runtime_config(backend, dtype, threads, ubatch, precision, native_format),
         strict=strict,
         quick=quick,
     )
@@ -329,8 +334,9 @@ def ppl(
         ),
     ] = "bf16",
     backend: Annotated[
-        str, typer.Option("--backend", help="transformers (under --precision) or native (its own fixed format; --precision is ignored).")
+        str, typer.Option("--backend", help="transformers (under --precision) or native (under --native-format; --precision is ignored).")
     ] = default(RuntimeConfig, "backend"),
+    native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     max_tokens: Annotated[int, typer.Option(help="Tokens of the file to score.")] = 8192,
     window: Annotated[int, typer.Option(help="Tokens per scored window (each scored from its own start).")] = 512,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -341,7 +347,7 @@ def ppl(
     from specdec.bench.perplexity import perplexity
 
     runtime = (
-        RuntimeConfig(backend="native") if backend == "native" else RuntimeConfig(backend=backend, precision=PrecisionPlan.parse(precision))
+        RuntimeConfig(backend="native", native_format=native_format) if backend == "native" else RuntimeConfig(backend=backend, precision=PrecisionPlan.parse(precision))
     )
     with Progress(console=err, transient=True) as bar:
         tasks: dict[str, object] = {}

@@ -16,6 +16,7 @@ from specdec.cli.options import (
     Dtype,
     FastBackendOpt,
     KPolicyOpt,
+    NativeFormatOpt,
     Precision,
     ProfileOpt,
     Target,
@@ -63,6 +64,7 @@ def generate(
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
     backend: FastBackendOpt = FAST_BACKEND,
+    native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     threads: Threads = default(RuntimeConfig, "threads"),
     ubatch: Ubatch = default(RuntimeConfig, "ubatch"),
     stream: Annotated[bool, typer.Option(help="Print text as it is accepted.")] = False,
@@ -122,7 +124,7 @@ def generate(
     if not prompt.strip():
         raise SpecDecError("the prompt is empty: pass some text to continue")
     with status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
-        generator = Generator(target, draft, config, runtime_config(backend, dtype, threads, ubatch, precision))
+        generator = Generator(target, draft, config, runtime_config(backend, dtype, threads, ubatch, precision, native_format))
     announce_runtime(generator.target)
     if stream and not as_json:
         run = generator.stream(prompt)
@@ -158,13 +160,14 @@ def demo(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate in each run.")] = default(GenerationConfig, "max_new_tokens"),
     k: Annotated[int, typer.Option(help="Draft tokens per step.")] = default(GenerationConfig, "k"),
     backend: FastBackendOpt = FAST_BACKEND,
+    native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
 ) -> None:
     """Generate once without and once with speculation (the default drafter) and print the speed-up."""
     from specdec import Generator
     from specdec.models import open_target
 
     with status(f"loading {target} (the first run converts the GGUF file once, about a minute)"):
-        model = open_target(target, RuntimeConfig(backend=backend))
+        model = open_target(target, RuntimeConfig(backend=backend, native_format=native_format))
     announce_runtime(model)
     config = GenerationConfig(k=k, max_new_tokens=max_new_tokens)
     baseline = Generator(model, "none", config)

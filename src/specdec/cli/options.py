@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-from specdec.config import DTYPES, FORMATS, K_POLICIES, PRESETS, RUNTIMES, PrecisionPlan, RuntimeConfig
+from specdec.config import DTYPES, FORMATS, K_POLICIES, NATIVE_FORMATS, PRESETS, RUNTIMES, PrecisionPlan, RuntimeConfig
 from specdec.drafters import DRAFT_SPECS
 from specdec.errors import SpecDecError
 
@@ -79,6 +79,14 @@ Prompts = Annotated[
 Dtype = Annotated[str, typer.Option(help=f"Weights dtype (transformers backend): {', '.join(DTYPES)}.")]
 BackendOpt = Annotated[
     str, typer.Option("--backend", help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases).")
+]
+NativeFormatOpt = Annotated[
+    str,
+    typer.Option(
+        "--native-format",
+        help=f"Native runtime's weights: {', '.join(NATIVE_FORMATS)} (int4: 4-bit groups of 32 as llama.cpp's Q4_0, about "
+        "half int8's bytes; auto: the faster on this machine, measured once and said).",
+    ),
 ]
 Threads = Annotated[int | None, typer.Option(help="CPU threads for llama.cpp (default: all cores).")]
 KPolicyOpt = Annotated[
@@ -155,14 +163,16 @@ def announce_runtime(target: ModelTarget) -> None:
     if isinstance(target.backend, NativeBackend):
         from specdec.bench.perplexity import NATIVE_CHECK_MAX_WEIGHTS, native_perplexity
 
-        fmt = "int8 weights and activations"
+        fmt = f"{target.backend.model.format} weights, int8 activations"
+        if target.chosen:
+            err.print(target.chosen, style="dim", soft_wrap=True)
         measure = f"`specdec ppl --backend native --target {target.name} --data FILE` measures its perplexity"
         if target.backend.model.weights > NATIVE_CHECK_MAX_WEIGHTS:
             err.print(f"runtime: native ({fmt}; {measure})", style="dim", soft_wrap=True)
             return
         try:
             with status("measuring the native backend's perplexity against float32 (once for this model; cached)"):
-                ppl = native_perplexity(target.name, target.backend.identity)
+                ppl = native_perplexity(target.name, target.backend.identity, target.backend.model.format)
         except (SpecDecError, OSError) as exc:  # the figure is a courtesy: generation goes on without it
             err.print(f"runtime: native ({fmt}; perplexity not measured: {exc})", style="dim", soft_wrap=True)
             return
@@ -179,8 +189,10 @@ def announce_runtime(target: ModelTarget) -> None:
         err.print(f"runtime: {target.runtime}", style="dim")
 
 
-def runtime_config(backend: str, dtype: str, threads: int | None, ubatch: int | None, precision: str | None) -> RuntimeConfig:
-    return RuntimeConfig(backend, dtype, threads, ubatch, PrecisionPlan.parse(precision) if precision else None)
+def runtime_config(
+    backend: str, dtype: str, threads: int | None, ubatch: int | None, precision: str | None, native_format: str = "auto"
+) -> RuntimeConfig:
+    return RuntimeConfig(backend, dtype, threads, ubatch, PrecisionPlan.parse(precision) if precision else None, native_format)
 
 
 @contextmanager
@@ -214,7 +226,7 @@ ProfileOpt = Annotated[
 
 PROFILE_GROUPS = (
     ("target",),
-    ("backend", "dtype", "precision", "threads", "ubatch"),  # one runtime: a plan tuned for transformers means nothing on llama.cpp
+    ("backend", "dtype", "precision", "threads", "ubatch", "native_format"),  # one runtime: a plan tuned for transformers means nothing on llama.cpp
     ("draft", "branches", "k", "k_policy"),  # k settings tuned for one drafter
     ("temperature",),
     ("window",),
@@ -246,6 +258,7 @@ def with_profile(ctx: typer.Context, path: Path | None, options: dict[str, Any],
         "precision": runtime.precision.describe() if runtime.precision else None,
         "threads": runtime.threads,
         "ubatch": runtime.ubatch,
+        "native_format": runtime.native_format,
         "window": profile.batch.window,
     }
     sources = {name: ctx.get_parameter_source(name) for name in options}  # compared by name: typer may bring its own click

@@ -13,6 +13,7 @@ from specdec.cli.options import (
     Branches,
     Dtype,
     KPolicyOpt,
+    NativeFormatOpt,
     ProfileOpt,
     default,
     err,
@@ -113,6 +114,7 @@ def serve(
             "the rest queue) or auto (native where it runs).",
         ),
     ] = default(RuntimeConfig, "backend"),
+    native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Annotated[
         str | None, typer.Option(envvar="SPECDEC_PRECISION", help="Precision plan: a preset or parts (see `specdec generate --help`).")
@@ -153,9 +155,9 @@ def serve(
     from specdec.serving import serve as run_server
 
     options = dict(target=target, draft=draft, k=k, k_policy=k_policy, branches=branches, window=window)
-    options = with_profile(context, profile, options | dict(backend=backend, dtype=dtype, precision=precision))
+    options = with_profile(context, profile, options | dict(backend=backend, dtype=dtype, precision=precision, native_format=native_format))
     target, draft, k, k_policy, branches, window = (options[n] for n in ("target", "draft", "k", "k_policy", "branches", "window"))
-    backend, dtype, precision = options["backend"], options["dtype"], options["precision"]
+    backend, dtype, precision, native_format = (options[n] for n in ("backend", "dtype", "precision", "native_format"))
 
     _refuse_options_of_the_other_mode(context, ray)
     keys = api_keys(api_key or [], api_key_file)
@@ -184,7 +186,7 @@ def serve(
     config = GenerationConfig(k=k, k_policy=k_policy, branches=branches)
     if backend == "llama.cpp":
         raise ConfigError("the server runs transformers or native targets (--backend transformers|native|auto), not llama.cpp")
-    runtime = runtime_config(backend, dtype, None, None, precision)
+    runtime = runtime_config(backend, dtype, None, None, precision, native_format)
     if ray:
         from specdec.config import RayConfig
         from specdec.serving.ray_serve import ReplicaSpec, require_ray, serve_on_ray

@@ -188,7 +188,9 @@ def why_not_native(module: PreTrainedModel) -> str | None:
     widths the int8 kernel takes), or None when it can."""
     config = module.config
     widths = (config.hidden_size, config.intermediate_size, config.num_attention_heads * module.model.layers[0].self_attn.head_dim)
-    if reason := native.unsupported(module):
+    if module.eagle_fc.weight.device.type != "cpu":
+        return "the native runtime runs on the CPU"
+    if reason := native.unsupported(config.get_text_config()):
         return reason
     return None if all(w % 32 == 0 for w in widths) else f"the int8 kernels need widths in multiples of 32, not {widths}"
 

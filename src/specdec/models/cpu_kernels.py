@@ -37,7 +37,7 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = "specdec_cpu_kernels_v13"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+BUILD = "specdec_cpu_kernels_v14"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -151,8 +151,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
 }
 
 // Activations for int4 layers: per row and group of 32, scale = max(|x|, 1e-8) / 127, q = clamp(round(x / scale), -127,
-// 127) as signed bytes, and the group's sum of q (the weights are stored as w + 8, so dot(q, w) = dot(q, w + 8) - 8 sum(q)).
-static bool quantize_signed(const float* x, int64_t n, int64_t k, int8_t* q, float* scales, int32_t* sums) {
+// 127) as signed bytes, and the group's sum of q as a float (exact; a weight is d u + m, so dot(q, w) = d dot(q, u) + m sum(q)).
+static bool quantize_signed(const float* x, int64_t n, int64_t k, int8_t* q, float* scales, float* sums) {
     const int64_t groups = k / 32;
     const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f), inf = _mm512_set1_ps(INFINITY);
     __mmask16 bad = 0;
@@ -169,18 +169,18 @@ static bool quantize_signed(const float* x, int64_t n, int64_t k, int8_t* q, flo
             const __m512i qb = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(b, divisor), round))));
             _mm_storeu_si128((__m128i*)(q + i * k + g * 32), _mm512_cvtepi32_epi8(qa));
             _mm_storeu_si128((__m128i*)(q + i * k + g * 32 + 16), _mm512_cvtepi32_epi8(qb));
-            sums[i * groups + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+            sums[i * groups + g] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
         }
     return bad == 0;
 }
 
-// One block of 16 outputs of an int4 layer for N rows. Per group of 32 inputs: 256 bytes of weights (4 vectors; in each,
-// 16 outputs x 4 inputs of one quad in the low nibbles and of the next quad in the high ones), an int32 sum per row,
-// corrected for the stored +8 and converted, times the row's scale, times the 16 outputs' scales (float16), added to a
-// float32 total. Each row's steps are the same whatever N is.
+// One block of 16 outputs of an int4 layer for N rows. Per group of 32 inputs: 256 bytes of weights u in [0, 15] (4
+// vectors; in each, 16 outputs x 4 inputs of one quad in the low nibbles and of the next quad in the high ones), an int32
+// sum of q u per row; then (sum * d + m * sum(q)) * the row's scale (d, m: the 16 outputs' float16 step and minimum),
+// added to a float32 total. Each row's steps are the same whatever N is.
 template <int N>
-static void tile4(const int8_t* q, const float* qs, const int32_t* qsum, const uint8_t* wb, const uint16_t* ws, float* out,
-                  int64_t k, int64_t outs) {
+static void tile4(const int8_t* q, const float* qs, const float* qsum, const uint8_t* wb, const uint16_t* ws, const uint16_t* wm,
+                  float* out, int64_t k, int64_t outs) {
     const int64_t groups = k / 32;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 total[N];
@@ -205,18 +205,20 @@ static void tile4(const int8_t* q, const float* qs, const int32_t* qsum, const u
                 acc[i] = _mm512_dpbusd_epi32(acc[i], w1, _mm512_set1_epi32(a1));
             }
         }
-        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + g * 16)));
+        const __m512 step = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + g * 16)));
+        const __m512 least = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wm + g * 16)));
 #pragma GCC unroll 16
         for (int i = 0; i < N; ++i) {
-            const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], _mm512_set1_epi32(8 * qsum[i * groups + g])));
-            total[i] = _mm512_add_ps(total[i], _mm512_mul_ps(_mm512_mul_ps(sum, _mm512_set1_ps(qs[i * groups + g])), scale));
+            const __m512 dot = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[i]), step),
+                                             _mm512_mul_ps(least, _mm512_set1_ps(qsum[i * groups + g])));
+            total[i] = _mm512_add_ps(total[i], _mm512_mul_ps(dot, _mm512_set1_ps(qs[i * groups + g])));
         }
     }
 #pragma GCC unroll 16
     for (int i = 0; i < N; ++i) _mm512_storeu_ps(out + i * outs, total[i]);
 }
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minima) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [n, k]");
     TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.size(2) == 256,
                 "packed int4 weights [blocks, groups, 256]");
@@ -224,24 +226,27 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     TORCH_CHECK(k == groups * 32, "weights packed for another width");
     TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() && scales.numel() == outs * groups,
                 "one float16 scale per output and group");
+    TORCH_CHECK(minima.scalar_type() == torch::kFloat16 && minima.is_contiguous() && minima.numel() == outs * groups,
+                "one float16 minimum per output and group");
     auto y = torch::empty({n, outs}, torch::kFloat32);
     auto q = torch::empty({n, k}, torch::kInt8);
     auto qs = torch::empty({n, groups}, torch::kFloat32);
-    auto qsum = torch::empty({n, groups}, torch::kInt32);
+    auto qsum = torch::empty({n, groups}, torch::kFloat32);
     pybind11::gil_scoped_release no_gil;
-    TORCH_CHECK(quantize_signed(x.data_ptr<float>(), n, k, q.data_ptr<int8_t>(), qs.data_ptr<float>(), qsum.data_ptr<int32_t>()),
+    TORCH_CHECK(quantize_signed(x.data_ptr<float>(), n, k, q.data_ptr<int8_t>(), qs.data_ptr<float>(), qsum.data_ptr<float>()),
                 NON_FINITE);
     const int8_t* qp = q.data_ptr<int8_t>();
     const float* qsp = qs.data_ptr<float>();
-    const int32_t* qsump = qsum.data_ptr<int32_t>();
+    const float* qsump = qsum.data_ptr<float>();
     const uint8_t* w = packed.data_ptr<uint8_t>();
     const uint16_t* ws = (const uint16_t*)scales.data_ptr<at::Half>();
+    const uint16_t* wm = (const uint16_t*)minima.data_ptr<at::Half>();
     float* out = y.data_ptr<float>();
     at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
             for (int64_t r = 0; r < n; r += 8) {
                 auto args = std::make_tuple(qp + r * k, qsp + r * groups, qsump + r * groups, w + b * groups * 256,
-                                            ws + b * groups * 16, out + r * outs + b * 16, k, outs);
+                                            ws + b * groups * 16, wm + b * groups * 16, out + r * outs + b * 16, k, outs);
                 switch (std::min<int64_t>(8, n - r)) {
 #define CASE(N) case N: std::apply(tile4<N>, args); break;
                     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
@@ -517,8 +522,9 @@ INT4_GROUP = 32  # weights per scale in the int4 format (and activations per sca
 
 
 class PackedInt4(_Packer):
-    """4-bit weights (as llama.cpp's Q4_0: per 32 inputs of an output, a float16 scale d and integers q in [-8, 7] with
-    the largest magnitude at -8), multiplied with int8 activations (one scale per 32 inputs) by integer dot products."""
+    """4-bit weights (as llama.cpp's Q4_1: per 32 inputs of an output, a float16 step d and minimum m, w = d u + m with u
+    in [0, 15]), multiplied with int8 activations (one scale per 32 inputs) by integer dot products. The minimum makes
+    a group's grid fit its range; weights dequantized from a 4-bit GGUF (Q4_K's steps and minima) fit it closely."""
 
     format = "int4"
 
@@ -527,52 +533,59 @@ class PackedInt4(_Packer):
             raise ValueError(f"int4 layers need an input width that is a multiple of {INT4_GROUP}, not {width}")
 
     def pack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        q, scale = quantize_int4(rows)
+        u, step, least = quantize_int4(rows)
         blocks, groups = len(rows) // BLOCK, rows.shape[1] // INT4_GROUP
-        # stored as q + 8 in [0, 15]; [block, output, group, vector t, nibble (low: quad 2t, high: 2t + 1), input]
-        u = (q + 8).to(torch.uint8).reshape(blocks, BLOCK, groups, 4, 2, 4)
+        # [block, output, group, vector t, nibble (low: quad 2t, high: 2t + 1), input]
+        u = u.reshape(blocks, BLOCK, groups, 4, 2, 4)
         nibbles = u[:, :, :, :, 0] | (u[:, :, :, :, 1] << 4)  # [block, output, group, t, input]
-        return {
-            "packed": nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256),
-            "scales": scale.to(torch.float16).reshape(blocks, BLOCK, groups).transpose(1, 2),
-        }
 
-    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The integers q [out, in] (int8) and the scales [out, in / 32] (float32)."""
+        def per_block(values: torch.Tensor) -> torch.Tensor:
+            return values.to(torch.float16).reshape(blocks, BLOCK, groups).transpose(1, 2)
+
+        return {"packed": nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256), "steps": per_block(step),
+                "minima": per_block(least)}
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The integers u [out, in] (uint8) and the steps and minima [out, in / 32] (float32)."""
         blocks, groups = self.packed.shape[:2]
         v = self.packed.reshape(blocks, groups, 4, BLOCK, 4).permute(0, 3, 1, 2, 4)  # [block, output, group, t, input]
         u = torch.stack([v & 0x0F, v >> 4], dim=4).reshape(blocks * BLOCK, self.in_features)
-        q = u.to(torch.int8) - 8
-        scales = self.scales.transpose(1, 2).reshape(blocks * BLOCK, groups).float()
-        return q[: self.out_features], scales[: self.out_features]
+
+        def per_output(values: torch.Tensor) -> torch.Tensor:
+            return values.transpose(1, 2).reshape(blocks * BLOCK, groups).float()[: self.out_features]
+
+        return u[: self.out_features], per_output(self.steps), per_output(self.minima)
 
     def product(self, kernel, rows: torch.Tensor) -> torch.Tensor:
-        return kernel.int4_linear(rows, self.packed, self.scales)
+        return kernel.int4_linear(rows, self.packed, self.steps, self.minima)
 
     def reference(self, rows: torch.Tensor) -> torch.Tensor:
         q, q_scale = quantize_rows(rows, INT4_GROUP)
-        w, w_scale = self.unpacked()
-        sums = _group_sums(q, w, INT4_GROUP)  # [groups, n, out]
+        q_sum = q.reshape(len(rows), -1, INT4_GROUP).sum(dim=2, dtype=torch.int32).float()
+        u, step, least = self.unpacked()
+        sums = _group_sums(q, u, INT4_GROUP)  # [groups, n, out]
         acc = torch.zeros(len(rows), self.out_features)
         for g in range(len(sums)):
-            acc = acc + (sums[g] * q_scale[:, g : g + 1]) * w_scale[None, :, g]
+            dot = sums[g] * step[None, :, g] + least[None, :, g] * q_sum[:, g : g + 1]
+            acc = acc + dot * q_scale[:, g : g + 1]
         return acc
 
 
 FORMATS: dict[str, type[Packed]] = {"int8": PackedInt8, "int4": PackedInt4}
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Integers in [-8, 7] (int8 [out, in]) and float32 scales [out, in / 32] rounded to float16, as llama.cpp's Q4_0:
-    per group, d = m / -8 for the value m of largest magnitude, q = clamp(round(w / d), -8, 7)."""
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per group of 32 inputs of an output: integers u in [0, 15] (uint8 [out, in]) and the step d and minimum m
+    (float32 [out, in / 32], rounded to float16) of w = d u + m: m the group's least value, d its range / 15."""
     groups = weight.float().reshape(weight.shape[0], -1, INT4_GROUP)
-    top = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True))[:, :, 0]
-    scale = (top / -8).to(torch.float16).float()
-    if not bool(torch.isfinite(scale).all()):
-        raise ValueError("an int4 layer's weights exceed float16's range (65504 * 8): use --native-format int8")
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round(groups / safe[:, :, None]).clamp(-8, 7).to(torch.int8).reshape(weight.shape)
-    return q, scale
+    least, top = groups.amin(dim=2), groups.amax(dim=2)
+    least16, step16 = least.to(torch.float16), ((top - least) / 15).to(torch.float16)
+    if not bool(torch.isfinite(least16).all() and torch.isfinite(step16).all()):
+        raise ValueError("an int4 layer's weights exceed float16's range (65504): use --native-format int8")
+    least, step = least16.float(), step16.float()
+    safe = torch.where(step == 0, torch.ones_like(step), step)
+    u = torch.round((groups - least[:, :, None]) / safe[:, :, None]).clamp(0, 15).to(torch.uint8).reshape(weight.shape)
+    return u, step, least
 
 
 def _group_sums(q: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:

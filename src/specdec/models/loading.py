@@ -60,7 +60,7 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "c
     """Load a model by name (alias, folder, .gguf file or hub id) in eval mode."""
     torch_dtype = parse_dtype(dtype)
     source = resolve(name)
-    folder = _materialize(source)
+    folder = materialize(source)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
     except OSError as exc:
@@ -78,7 +78,7 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "c
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, source=source)
 
 
-def _materialize(source: ModelSource) -> str:
+def materialize(source: ModelSource) -> str:
     """A folder or hub id that ``from_pretrained`` can read, converting GGUF sources on first use."""
     if source.kind in ("folder", "hub"):
         return source.location

@@ -17,6 +17,7 @@ to its own one-token decoding. Its numbers are not transformers' float32 ones: i
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -26,8 +27,9 @@ from transformers import PreTrainedModel
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels
 from specdec.models.backend import keep_branch, tree_mask, tree_positions
-from specdec.models.cpu_kernels import FORMATS, Packed
+from specdec.models.cpu_kernels import FORMATS, Packed, PackedInt8
 
+log = logging.getLogger("specdec")
 FAMILIES = ("gemma3_text", "llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # tables fixed at load (dynamic and longrope vary with length)
 FIRST_CAPACITY = 256  # cached positions allocated at first; doubled when full, up to the model's context
@@ -82,17 +84,19 @@ class NativeModel:
         head: Packed,
         weights: int,
         inverse: dict[str, tuple[torch.Tensor, float]],
+        format: str,
     ) -> None:
         self.shape, self.name, self.embedding, self.layers = shape, name, embedding, layers
         self.final_norm, self.head, self.weights = final_norm, head, weights
         self.vocab_size = head.out_features
-        self.format = head.format
+        self.format = format  # of the layers' weights; the output head is always int8
         self._inverse = inverse  # per rotary table: inverse frequencies and the cos/sin scale
         self._rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def convert(cls, config, tensors: Tensors, format: str = "int8", progress: Callable[[int, int], None] | None = None):
-        """Pack a checkpoint's weights (``tensors``, fetched one at a time) into ``format`` (int8 or int4)."""
+        """Pack a checkpoint's weights (``tensors``, fetched one at a time) into ``format`` (int8 or int4). The output
+        head stays int8 in either (as llama.cpp's 4-bit mixes keep theirs at 6-8 bits): 4-bit logits cost too much."""
         if format not in FORMATS:
             raise ConfigError(f"unknown native format {format!r}: use one of {', '.join(FORMATS)}")
         pack = FORMATS[format]
@@ -137,7 +141,8 @@ class NativeModel:
                 raise ConfigError("the checkpoint has neither an output head nor an input embedding: use --backend transformers")
             head = tensors("model.embed_tokens.weight")
         name = f"{config.name_or_path or config.model_type}"
-        return cls(shape, name, embedding, layers, final_norm, pack(head), counted[0], _rotary_frequencies(config, shape))
+        head = PackedInt8(head)
+        return cls(shape, name, embedding, layers, final_norm, head, counted[0], _rotary_frequencies(config, shape), format)
 
     @classmethod
     def from_module(cls, model: PreTrainedModel, format: str = "int8") -> NativeModel:
@@ -161,6 +166,7 @@ class NativeModel:
             "final_norm": self.final_norm,
             "head": self.head.state(),
             "weights": self.weights,
+            "format": self.format,
             "inverse": {name: [inverse, scale] for name, (inverse, scale) in self._inverse.items()},
         }
 
@@ -173,7 +179,10 @@ class NativeModel:
         ]
         inverse = {name: (inverse, scale) for name, (inverse, scale) in state["inverse"].items()}
         head = Packed.restore(state["head"])
-        return cls(Shape(**fields), state["name"], state["embedding"], layers, state["final_norm"], head, state["weights"], inverse)
+        return cls(
+            Shape(**fields), state["name"], state["embedding"], layers, state["final_norm"], head, state["weights"], inverse,
+            state["format"],
+        )
 
     def forward(
         self, tokens: torch.Tensor, cache: KVCache, last: int, visible: torch.Tensor | None = None, features: bool = False
@@ -284,7 +293,8 @@ class NativeBackend:
 
     @property
     def identity(self) -> str:
-        return f"native|{self.model.name}|{self.model.weights}|{cpu_kernels.BUILD}|cpu|threads={torch.get_num_threads()}"
+        model = self.model
+        return f"native|{model.name}|{model.weights}|{model.format}|{cpu_kernels.BUILD}|cpu|threads={torch.get_num_threads()}"
 
     @property
     def cached_length(self) -> int:
@@ -323,12 +333,10 @@ class NativeBackend:
         self.cache.length = length
 
 
-def unsupported(model: PreTrainedModel) -> str | None:
-    """Why the native backend cannot run ``model`` on this machine (a message naming the fix), or None if it can."""
-    if next(model.parameters()).device.type != "cpu":
-        return "the native backend runs on the CPU: use --backend transformers on other devices"
+def unsupported(config) -> str | None:
+    """Why the native backend cannot run a model of this (text) config on this machine (naming the fix), or None."""
     try:
-        _shape(model.config.get_text_config())
+        _shape(config)
     except ConfigError as exc:
         return str(exc)
     if (problem := cpu_kernels.kernels_problem()) is not None:
@@ -337,6 +345,16 @@ def unsupported(model: PreTrainedModel) -> str | None:
             f"{problem}: use --backend transformers --precision cpu (`specdec doctor` says more)"
         )
     return None
+
+
+def choose_format(config, format: str) -> tuple[str, str | None]:
+    """``format`` itself, or for ``auto`` the faster format on this machine for the model's shape and why."""
+    if format != "auto":
+        return format, None
+    from specdec.models.native_store import measured_format
+
+    chosen, why = measured_format(config)
+    return chosen, f"--native-format auto chose {chosen}, measured on {why}"
 
 
 def _shape(config) -> Shape:

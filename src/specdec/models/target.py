@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
+
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from specdec.config import RuntimeConfig
 from specdec.errors import ConfigError
 from specdec.models.backend import Backend, TransformersBackend
-from specdec.models.loading import LoadedModel, load_model
+from specdec.models.loading import LoadedModel, load_model, materialize
 from specdec.models.precision import apply_plan
 from specdec.models.registry import ALIASES, resolve
 
@@ -29,6 +32,7 @@ class Target:
     eos_ids: frozenset[int]
     runtime: str = "transformers"  # the runtime it runs on: transformers, native or llama.cpp
     fallback: str | None = None  # why ``--backend auto`` did not choose native
+    chosen: str | None = None  # how ``--native-format auto`` chose the native format
 
 
 def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
@@ -41,24 +45,77 @@ def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig
         name = model.name if isinstance(model, LoadedModel) else model
         backend = LlamaCppBackend(gguf_path(name), threads=runtime.threads, ubatch=runtime.ubatch)
         return Target(name, backend, backend.tokenizer, backend.eos_ids, runtime="llama.cpp")
-    loaded = load_model(model, dtype="float32" if runtime.precision else runtime.dtype) if isinstance(model, str) else model
-    fallback = None
     transformers_format = runtime.dtype != "float32" or runtime.precision is not None  # auto means transformers then
+    fallback = None
     if runtime.backend == "native" or (runtime.backend == "auto" and not transformers_format):
-        from specdec.models import native
-
-        fallback = native.unsupported(loaded.model)
-        if fallback is None:
-            try:
-                backend = native.NativeBackend(native.NativeModel.from_module(loaded.model))
-                return Target(loaded.name, backend, loaded.tokenizer, eos_ids(loaded), runtime="native")
-            except (ConfigError, ValueError) as exc:  # a shape the native formats cannot hold
-                fallback = f"the native backend cannot hold this model ({exc})"
+        opened = _open_native(model, runtime.native_format)
+        if isinstance(opened, Target):
+            return opened
+        fallback = opened
         if runtime.backend == "native":
             raise ConfigError(fallback)
+    loaded = load_model(model, dtype="float32" if runtime.precision else runtime.dtype) if isinstance(model, str) else model
     if runtime.precision is not None:
         apply_plan(loaded.model, runtime.precision)
     return Target(loaded.name, TransformersBackend(loaded.model), loaded.tokenizer, eos_ids(loaded), fallback=fallback)
+
+
+def _open_native(model: str | LoadedModel, format: str) -> Target | str:
+    """The target on the native runtime, or why it cannot run there. A name with a local checkpoint is loaded (or
+    memory-mapped from the converted cache) one tensor at a time, without building the transformers model."""
+    from specdec.models import native, native_store
+
+    folder = local_checkpoint(model) if isinstance(model, str) else None
+    if folder is not None:
+        config = AutoConfig.from_pretrained(folder)
+        problem = native.unsupported(config.get_text_config())
+        if problem is not None:
+            return problem
+        text = config.get_text_config()
+        format, chosen = native.choose_format(text, format)
+        try:
+            weights = native_store.load(folder, text, format)
+        except (ConfigError, ValueError) as exc:  # a shape the native formats cannot hold, a damaged file
+            return f"the native backend cannot hold this model ({exc})"
+        tokenizer = _tokenizer(folder)
+        ids = _eos_from(config, _generation_config(folder), tokenizer)
+        return Target(model, native.NativeBackend(weights), tokenizer, ids, runtime="native", chosen=chosen)
+    loaded = load_model(model) if isinstance(model, str) else model
+    if next(loaded.model.parameters()).device.type != "cpu":
+        return "the native backend runs on the CPU: use --backend transformers on other devices"
+    text = loaded.model.config.get_text_config()
+    if (problem := native.unsupported(text)) is not None:
+        return problem
+    format, chosen = native.choose_format(text, format)
+    try:
+        weights = native.NativeModel.from_module(loaded.model, format)
+    except (ConfigError, ValueError) as exc:
+        return f"the native backend cannot hold this model ({exc})"
+    ids = eos_ids(loaded)
+    return Target(loaded.name, native.NativeBackend(weights), loaded.tokenizer, ids, runtime="native", chosen=chosen)
+
+
+def local_checkpoint(name: str) -> Path | None:
+    """The local safetensors folder behind a model name (GGUF files and aliases once converted), or None (a hub id)."""
+    source = resolve(name)
+    if source.kind == "hub":
+        return None
+    folder = Path(materialize(source))
+    return folder if any(folder.glob("*.safetensors")) and (folder / "config.json").exists() else None
+
+
+def _tokenizer(folder: Path):
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError):
+        return None  # a weights-only folder still works with token ids
+
+
+def _generation_config(folder: Path):
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except (OSError, ValueError):
+        return None
 
 
 def gguf_path(name: str) -> str:
@@ -72,10 +129,14 @@ def gguf_path(name: str) -> str:
 
 
 def eos_ids(model: LoadedModel) -> frozenset[int]:
+    return _eos_from(model.model.config, model.model.generation_config, model.tokenizer)
+
+
+def _eos_from(config, generation_config, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
-    for source in (model.model.generation_config, model.model.config):
+    for source in (generation_config, config):
         eos = getattr(source, "eos_token_id", None)
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
-        ids.add(model.tokenizer.eos_token_id)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
     return frozenset(ids)

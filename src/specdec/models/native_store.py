@@ -1,0 +1,167 @@
+"""The native runtime's models on disk: converted from a checkpoint one tensor at a time, cached, memory-mapped.
+
+A safetensors checkpoint (float32, float16 or bfloat16) is read tensor by tensor with plain file reads (no mapping
+of the whole file stays resident), each tensor packed into the native format and dropped, so memory while loading
+stays near the packed model's size. The packed model is then written under ``cache_root()/native`` and later starts
+memory-map it: a second start reads no checkpoint and quantizes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from specdec.errors import ConfigError
+from specdec.models import cpu_kernels
+from specdec.models.native import NativeModel, Tensors
+
+log = logging.getLogger("specdec")
+STORE_VERSION = 2  # the cached files' layout: change it with NativeModel.state or the packed buffers
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def safetensors_reader(folder: Path) -> Tensors:
+    """A function reading one tensor of the folder's safetensors files by name (None if no file has it)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{folder} has no .safetensors files: the native runtime loads safetensors checkpoints")
+    where: dict[str, tuple[Path, int, dict]] = {}
+    for file in files:
+        with open(file, "rb") as handle:
+            try:
+                (size,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(size))
+            except (struct.error, ValueError, UnicodeDecodeError):
+                raise ConfigError(f"{file} is not a safetensors file (its header is damaged): download it again") from None
+        for name, entry in header.items():
+            if name != "__metadata__":
+                where[name] = (file, 8 + size, entry)
+
+    def read(name: str) -> torch.Tensor | None:
+        if name not in where:
+            return None
+        file, base, entry = where[name]
+        if entry["dtype"] not in DTYPES:
+            raise ConfigError(f"tensor {name} is {entry['dtype']}: the native runtime reads F32, F16 and BF16 checkpoints")
+        begin, end = entry["data_offsets"]
+        data = torch.empty(end - begin, dtype=torch.uint8)
+        with open(file, "rb") as handle:
+            handle.seek(base + begin)
+            if handle.readinto(data.numpy()) != end - begin:
+                raise ConfigError(f"{file} ends before tensor {name}: the file is truncated, download it again")
+        return data.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+    return read
+
+
+def cached_path(folder: Path, format: str) -> Path:
+    """Where the packed model of ``folder``'s checkpoint in ``format`` is cached (keyed by the checkpoint's files)."""
+    from specdec.models.registry import cache_root
+
+    stamp = hashlib.sha256()
+    for file in sorted(folder.glob("*.safetensors")) + [folder / "config.json"]:
+        info = file.stat()
+        stamp.update(f"{file.resolve()}|{info.st_size}|{info.st_mtime_ns}".encode())
+    stamp.update(f"{format}|{STORE_VERSION}|{cpu_kernels.BUILD}".encode())
+    return cache_root() / "native" / f"{folder.resolve().name}-{format}-{stamp.hexdigest()[:16]}.pt"
+
+
+def load(folder: Path, config, format: str, say: Callable[[str], None] = log.warning) -> NativeModel:
+    """The native model of a safetensors folder in ``format`` (int8 or int4): memory-mapped from the cache, or
+    converted one tensor at a time (said through ``say``, with progress) and cached."""
+    path = cached_path(folder, format)
+    if path.exists():
+        try:
+            return NativeModel.restore(torch.load(path, mmap=True, weights_only=True))
+        except Exception as exc:  # a damaged or foreign file: convert again rather than fail
+            log.warning("the cached native model %s could not be read (%s): converting again", path, exc)
+    started = time.monotonic()
+    say(f"converting {folder.name} to the native {format} format, once (cached in {path.parent})")
+
+    def progress(done: int, total: int) -> None:
+        if done == total or done % max(1, total // 4) == 0:
+            say(f"  {done}/{total} layers packed ({time.monotonic() - started:.0f} s)")
+
+    model = NativeModel.convert(config, safetensors_reader(folder), format, progress)
+    save(model, path)
+    return model
+
+
+def save(model: NativeModel, path: Path) -> None:
+    """Write the packed model atomically (a reader never sees half a file); an unwritable cache is only a warning."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, staging = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+        os.close(handle)
+        try:
+            torch.save(model.state(), staging)
+            os.replace(staging, path)
+        finally:
+            if os.path.exists(staging):
+                os.unlink(staging)
+    except OSError as exc:
+        log.warning("the native model could not be cached in %s (%s): the next start converts it again", path.parent, exc)
+
+
+MEASURE_BYTES = 2**30  # most int8 weight bytes the format measurement cycles through (beyond the caches here)
+
+
+def measured_format(config) -> tuple[str, str]:
+    """The faster native format on this machine for a model of this (text) config, and the figures that chose it.
+
+    Copies of its MLP's [2 x FFN, width] matrix, as many as its layers' int8 bytes (at most ``MEASURE_BYTES``, so
+    the caches hold what they would hold of the model), are multiplied at 1 and 9 positions (a step's cost and a
+    verification's) in each format; int4 is chosen where it saves at least a tenth. Cached per machine and shape.
+    """
+    from specdec.machine import fingerprint
+    from specdec.models.registry import cache_root
+
+    width, outputs = config.hidden_size, 2 * config.intermediate_size
+    layer_bytes = config.num_hidden_layers * (3 * config.intermediate_size + 4 * config.hidden_size) * config.hidden_size
+    copies = max(1, min(layer_bytes, MEASURE_BYTES) // (width * outputs))
+    key = json.dumps([fingerprint(), torch.get_num_threads(), cpu_kernels.BUILD, width, outputs, copies], sort_keys=True)
+    record = cache_root() / "formats" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        found = json.loads(record.read_text())
+        return found["format"], found["why"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    costs = {format: _pass_times(cpu_kernels.FORMATS[format](torch.randn(outputs, width)), copies) for format in ("int8", "int4")}
+    chosen = "int4" if sum(costs["int4"]) < 0.9 * sum(costs["int8"]) else "int8"
+    detail = ", ".join(f"{f} {a:.1f}/{b:.1f} ms" for f, (a, b) in costs.items())
+    why = f"{copies} [{outputs} x {width}] matrices at 1/9 positions: {detail}"
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({"format": chosen, "why": why}))
+    except OSError:
+        pass  # measured again next time
+    return chosen, why
+
+
+def _pass_times(packed: cpu_kernels.Packed, copies: int) -> list[float]:
+    """Milliseconds for one product with each of ``copies`` copies of ``packed``, at 1 and at 9 positions (best of 3)."""
+    state = packed.state()
+    layers = [packed] + [
+        cpu_kernels.Packed.restore({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+        for _ in range(copies - 1)
+    ]
+    times = []
+    for n in (1, 9):
+        x = torch.randn(n, packed.in_features)
+        best = float("inf")
+        for _ in range(3):
+            begin = time.perf_counter()
+            for layer in layers:
+                cpu_kernels.linear(x, layer)
+            best = min(best, time.perf_counter() - begin)
+        times.append(best * 1e3)
+    return times
