@@ -556,6 +556,12 @@ class PackedInt4(_Packer):
 
         return u[: self.out_features], per_output(self.steps), per_output(self.minima)
 
+    def dequantized(self) -> torch.Tensor:
+        """The weights the layer multiplies by, d u + m, float32 [out, in]."""
+        u, step, least = self.unpacked()
+        groups = u.reshape(self.out_features, -1, INT4_GROUP).float()
+        return (groups * step[:, :, None] + least[:, :, None]).reshape(self.out_features, self.in_features)
+
     def product(self, kernel, rows: torch.Tensor) -> torch.Tensor:
         return kernel.int4_linear(rows, self.packed, self.steps, self.minima)
 

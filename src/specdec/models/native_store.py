@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import tempfile
@@ -36,15 +37,21 @@ def safetensors_reader(folder: Path) -> Tensors:
         raise ConfigError(f"{folder} has no .safetensors files: the native runtime loads safetensors checkpoints")
     where: dict[str, tuple[Path, int, dict]] = {}
     for file in files:
+        damaged = ConfigError(f"{file} is not a safetensors file (its header is damaged): download it again")
         with open(file, "rb") as handle:
             try:
                 (size,) = struct.unpack("<Q", handle.read(8))
+                if size > file.stat().st_size - 8:
+                    raise damaged
                 header = json.loads(handle.read(size))
-            except (struct.error, ValueError, UnicodeDecodeError):
-                raise ConfigError(f"{file} is not a safetensors file (its header is damaged): download it again") from None
-        for name, entry in header.items():
-            if name != "__metadata__":
-                where[name] = (file, 8 + size, entry)
+                entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
+                for entry in entries.values():
+                    begin, end = entry["data_offsets"]
+                    if not (0 <= begin <= end and all(isinstance(d, int) and d >= 0 for d in entry["shape"])):
+                        raise damaged
+            except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+                raise damaged from None
+        where |= {name: (file, 8 + size, entry) for name, entry in entries.items()}
 
     def read(name: str) -> torch.Tensor | None:
         if name not in where:
@@ -53,12 +60,15 @@ def safetensors_reader(folder: Path) -> Tensors:
         if entry["dtype"] not in DTYPES:
             raise ConfigError(f"tensor {name} is {entry['dtype']}: the native runtime reads F32, F16 and BF16 checkpoints")
         begin, end = entry["data_offsets"]
+        dtype, shape = DTYPES[entry["dtype"]], entry["shape"]
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise ConfigError(f"tensor {name} of {file} has {end - begin} bytes for its shape {shape}: the file is damaged")
         data = torch.empty(end - begin, dtype=torch.uint8)
         with open(file, "rb") as handle:
             handle.seek(base + begin)
             if handle.readinto(data.numpy()) != end - begin:
                 raise ConfigError(f"{file} ends before tensor {name}: the file is truncated, download it again")
-        return data.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        return data.view(dtype).reshape(shape)
 
     return read
 

@@ -1,0 +1,174 @@
+"""The native runtime's weight formats and its loading: int4 products exact against their float64 reference and
+independent of the rows beside them at any thread count; every family on int4; conversion from safetensors one tensor
+at a time, cached and memory-mapped; clear refusals of bad files, shapes and options."""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+
+import pytest
+import torch
+from conftest import char_tokenizer, loaded
+from test_native import FAMILIES, PROMPTS, models
+
+from specdec import Generator
+from specdec.config import RuntimeConfig
+from specdec.errors import ConfigError
+from specdec.models import cpu_kernels, native_store, open_target
+from specdec.models.native import NativeBackend, NativeModel
+
+pytestmark = pytest.mark.skipif(cpu_kernels.compiled() is None, reason="the native backend needs AVX-512 VNNI and g++")
+INT4 = RuntimeConfig(backend="native", native_format="int4")
+
+
+@pytest.fixture
+def threads(request: pytest.FixtureRequest):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 4, 8], indirect=True)
+def test_int4_products_equal_their_reference_and_a_rows_bits_do_not_depend_on_its_neighbours(threads: int) -> None:
+    generator = torch.Generator().manual_seed(threads)
+    weights = cpu_kernels.PackedInt4(torch.randn(600, 1024, generator=generator))  # 600: a partial last block
+    x = torch.randn(13, 1024, generator=generator)
+    alone = torch.cat([cpu_kernels.linear(x[i : i + 1], weights) for i in range(13)])
+    for n in (5, 11, 13):
+        assert torch.equal(cpu_kernels.linear(x[:n], weights), alone[:n]), n
+    assert torch.equal(alone, weights.reference(x))
+    exact = x @ weights.dequantized().T
+    assert float((alone - exact).norm() / exact.norm()) < 0.02  # what int8 activations add to the 4-bit weights
+
+
+def test_weights_on_a_4bit_grid_are_packed_without_loss() -> None:
+    """A group already on a grid d u + m (float16 d and m, u in 0..15 spanning 0 and 15), as a Q4_1 GGUF's weights
+    are, comes back bit for bit: such a checkpoint loses nothing more in int4."""
+    generator = torch.Generator().manual_seed(0)
+    step = (torch.rand(64, 8, generator=generator) * 0.05 + 0.001).half().float()
+    least = (torch.randn(64, 8, generator=generator) * 0.1).half().float()
+    u = torch.randint(0, 16, (64, 8, 32), generator=generator)
+    u[:, :, 0], u[:, :, 1] = 0, 15
+    weight = (u * step[:, :, None] + least[:, :, None]).reshape(64, 256)
+    assert torch.equal(cpu_kernels.PackedInt4(weight).dequantized(), weight)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_runs_on_int4_exactly_as_its_own_target_only(family: str) -> None:
+    """Logits near transformers' on the same 4-bit weights (the difference is int8 activations and head; a wrong
+    layout or grid gives cosines near 0); position results independent of chunking; speculation identical."""
+    tokenizer, model = char_tokenizer(), models()[1][family]
+    ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
+    native = NativeModel.from_module(model, "int4")
+    assert native.format == "int4" and native.layers[0].gate_up.format == "int4" and native.head.format == "int8"
+    on_grid = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, module in on_grid.model.layers.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(cpu_kernels.PackedInt4(module.weight).dequantized())
+        reference = on_grid(ids).logits[0]
+    backend = NativeBackend(native)
+    whole = backend.forward(ids, last=ids.shape[1])[0]
+    cosines = torch.nn.functional.cosine_similarity(whole, reference, dim=-1)
+    assert float(cosines.mean()) > 0.99 and float(cosines.min()) > 0.9, cosines
+    backend.reset()
+    assert torch.equal(torch.cat([backend.forward(ids[:, i : i + 1], last=1)[0] for i in range(ids.shape[1])]), whole)
+    target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=INT4)
+    drafted = Generator(target.target, "prompt-lookup", runtime=INT4)
+    for prompt in PROMPTS:
+        expected = target.generate(prompt, max_new_tokens=24, stop_on_eos=False)
+        assert drafted.generate(prompt, max_new_tokens=24, k=6, stop_on_eos=False).token_ids == expected.token_ids
+
+
+def test_int4_refuses_what_it_cannot_hold_in_one_line() -> None:
+    with pytest.raises(ValueError, match="multiple of 32, not 48"):
+        cpu_kernels.PackedInt4(torch.randn(16, 48))
+    with pytest.raises(ValueError, match="NaN or infinite values"):
+        cpu_kernels.PackedInt4(torch.full((16, 64), float("nan")))
+    with pytest.raises(ValueError, match="float16's range"):
+        cpu_kernels.PackedInt4(torch.full((16, 64), 1e6))
+    weights = cpu_kernels.PackedInt4(torch.randn(16, 64))
+    poisoned = torch.randn(2, 64)
+    poisoned[0, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite activations"):
+        cpu_kernels.linear(poisoned, weights)
+    with pytest.raises(ValueError, match="of 64 inputs got activations of width 32"):
+        cpu_kernels.linear(torch.randn(2, 32), weights)
+    with pytest.raises(ConfigError, match="unknown native format 'int3'"):
+        RuntimeConfig(backend="native", native_format="int3")
+    with pytest.raises(ConfigError, match="--native-format applies to the native backend"):
+        RuntimeConfig(backend="transformers", native_format="int4")
+
+
+@pytest.fixture
+def checkpoint(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """A tiny Qwen2 (biases, a sliding window) saved as bfloat16 safetensors, with a cache folder of its own."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    tokenizer, model = char_tokenizer(), models()[1]["qwen2"]
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny", model.float()
+
+
+def test_a_checkpoint_converts_tensor_by_tensor_to_the_model_from_memory_then_starts_from_the_cache(
+    checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder, model = checkpoint
+    first = open_target(str(folder), INT4)
+    assert first.runtime == "native" and first.backend.model.format == "int4" and first.chosen is None
+    expected = NativeModel.from_module(model, "int4")
+    for got, want in zip(first.backend.model.layers, expected.layers, strict=True):
+        assert torch.equal(got.qkv.packed, want.qkv.packed) and torch.equal(got.biases["qkv"], want.biases["qkv"])
+    (cached,) = (folder.parent / "cache" / "native").glob("*.pt")
+    monkeypatch.setattr(NativeModel, "convert", lambda *a, **k: pytest.fail("converted again"))
+    second = open_target(str(folder), INT4)
+    assert mapped_from(second.backend.model.layers[0].gate_up.packed, cached)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    assert torch.equal(first.backend.forward(ids), second.backend.forward(ids))
+    assert second.eos_ids == first.eos_ids and second.tokenizer is not None
+
+
+def mapped_from(tensor: torch.Tensor, path) -> bool:
+    """Whether ``tensor``'s memory lies in a mapping of the file ``path`` (Linux's /proc/self/maps)."""
+    where = tensor.data_ptr()
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        if rest and rest[-1] == str(path):
+            low, high = (int(v, 16) for v in span.split("-"))
+            if low <= where < high:
+                return True
+    return False
+
+
+def test_a_damaged_cache_is_converted_again_and_a_damaged_checkpoint_is_refused(checkpoint) -> None:
+    folder, _ = checkpoint
+    open_target(str(folder), INT4)
+    (cached,) = (folder.parent / "cache" / "native").glob("*.pt")
+    cached.write_bytes(b"not a model")
+    assert open_target(str(folder), INT4).runtime == "native"
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(ConfigError, match="truncated"):
+        open_target(str(folder), INT4)
+    weights.write_bytes(b"\xff" * 16)
+    with pytest.raises(ConfigError, match="header is damaged"):
+        open_target(str(folder), INT4)
+
+
+def test_a_checkpoint_of_integer_tensors_is_refused_by_name(tmp_path) -> None:
+    header = json.dumps({"w": {"dtype": "I8", "shape": [2, 2], "data_offsets": [0, 4]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(ConfigError, match="tensor w is I8"):
+        native_store.safetensors_reader(tmp_path)("w")
+
+
+def test_auto_chooses_a_format_by_measurement_and_says_how(checkpoint) -> None:
+    folder, _ = checkpoint
+    target = open_target(str(folder), RuntimeConfig(backend="native"))
+    assert target.backend.model.format in ("int8", "int4")
+    assert target.chosen.startswith(f"--native-format auto chose {target.backend.model.format}, measured on ")
+    assert "int8" in target.chosen and "int4" in target.chosen and " ms" in target.chosen
