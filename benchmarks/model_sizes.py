@@ -1,7 +1,8 @@
 """Speed-up against model size: random-weight models in the shapes of real Llama-family models, on each backend.
 
-Usage: python benchmarks/model_sizes.py --work DIR --out FILE [--sizes 0.5b,1b,3b,7b] [--backends llama.cpp,native,transformers]
-       [--acceptance 0.5,0.7,0.9] [--prompts 2] [--tokens 32] [--device cpu|cuda]
+Usage: python benchmarks/model_sizes.py --work DIR --out FILE [--sizes 0.5b,1b,3b,8b]
+       [--backends llama.cpp,native-int8,native-int4,transformers] [--acceptance 0.5,0.7,0.9] [--prompts 2] [--tokens 32]
+       [--device cpu|cuda] [--llama-bench PATH]
 
 Why random weights: no real model of these sizes is available offline, and the timing of a forward does not depend
 on what the weights say. Each size is built once under --work: a transformers folder (bfloat16, the SmolLM2 tokenizer,
@@ -14,7 +15,11 @@ own quantizer (llama_model_quantize). For each size and backend the script measu
   (a = 0.5, 0.7, 0.9): acceptance is controlled, every timing is real; k is the formula's best k on the curve;
 - llama-cpp-python's own greedy generation on the GGUF file (the baseline users run today);
 - the formula's prediction, E(a, k) / (cost(k + 1) / cost(1)) with E = (1 - a^(k+1)) / (1 - a), next to the measurement;
-- peak memory above the loaded model while decoding, target-only and speculative.
+- peak memory above the loaded model while decoding, target-only and speculative;
+- for native: the weight bytes one token reads, hence GB/s against this machine's measured read bandwidth, and in
+  child processes the peak RSS of converting the checkpoint (first start) and of a start from the cache, against the
+  packed model's bytes; for llama.cpp the GGUF's bytes the same way, and (--llama-bench) llama.cpp's own C++
+  `llama-bench` generation speed on the same file.
 
 What is assumed: the acceptance a. A real drafter's acceptance on a real model of that size is not measured here.
 On a GPU (--device cuda) only the transformers backend runs (llama.cpp here is a CPU build; native is CPU-only).
@@ -52,6 +57,8 @@ SHAPES: dict[str, dict] = {
                intermediate_size=8192, tie_word_embeddings=True, rope_theta=500000.0, like="Llama-3.2-1B"),
     "3b": dict(vocab_size=128256, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
                intermediate_size=8192, tie_word_embeddings=True, rope_theta=500000.0, like="Llama-3.2-3B"),
+    "8b": dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, tie_word_embeddings=False, rope_theta=500000.0, like="Llama-3.1-8B", embed_std=4.0),
     "7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                intermediate_size=11008, tie_word_embeddings=False, rope_theta=10000.0, like="Llama-2-7B", embed_std=4.0),
 }  # fmt: skip
@@ -233,8 +240,15 @@ def decode(generator: Generator, prompts: list[list[int]], oracle: OracleDrafter
 
 
 def run_backend(size: str, backend: str, files: dict, args: argparse.Namespace, prompts: list[list[int]]) -> dict | None:
+    extra: dict = {}
     if backend == "llama.cpp":
         source, runtime = str(files["gguf"]), RuntimeConfig(backend="llama.cpp")
+    elif backend.startswith("native-"):
+        if files["hf"] is None:
+            return None
+        source, runtime = str(files["hf"]), RuntimeConfig(backend="native", native_format=backend.split("-")[1])
+        extra["first_start"] = child_peak(child_code(source, "native", runtime.native_format))
+        extra["cached_start"] = child_peak(child_code(source, "native", runtime.native_format))
     elif files["hf"] is None or (
         backend == "transformers" and args.device == "cpu" and parameters(SHAPES[size]) > args.transformers_max_params
     ):
@@ -242,6 +256,8 @@ def run_backend(size: str, backend: str, files: dict, args: argparse.Namespace, 
     else:
         runtime = RuntimeConfig(backend=backend, precision=PRESETS["cpu"] if backend == "transformers" and args.device == "cpu" else None)
         source = str(files["hf"])
+    if backend != "transformers":
+        extra["generating"] = child_peak(child_code(source, runtime.backend, runtime.native_format, generate=True))
     start = time.perf_counter()
     if backend == "transformers" and args.device == "cuda":
         target = open_target(load_model(source, dtype="bfloat16", device="cuda"), runtime)
@@ -253,7 +269,14 @@ def run_backend(size: str, backend: str, files: dict, args: argparse.Namespace, 
     config = GenerationConfig(k=1, k_policy="fixed", max_new_tokens=args.tokens, stop_on_eos=False)
     base = decode(Generator(target, "none", config), prompts, None, [[] for _ in prompts])
     references = base["outputs"]
-    row: dict = {"load_s": load_s, "loaded_mb": loaded / 2**20, "cost_ms": {n: 1000 * s for n, s in curve.seconds.items()},
+    if backend.startswith("native-"):
+        model = target.backend.model
+        weights = sum(getattr(layer, part).nbytes for layer in model.layers for part in ("qkv", "out", "gate_up", "down"))
+        extra["bytes_per_token"] = weights + model.head.nbytes
+        extra["model_bytes"] = extra["bytes_per_token"] + model.embedding.numel() * model.embedding.element_size()
+    elif backend == "llama.cpp":
+        extra["bytes_per_token"] = extra["model_bytes"] = files["gguf"].stat().st_size  # every tensor once (embedding: one row)
+    row: dict = extra | {"load_s": load_s, "loaded_mb": loaded / 2**20, "cost_ms": {n: 1000 * s for n, s in curve.seconds.items()},
                  "target_only_tokens_per_s": base["tokens_per_s"], "target_only_peak_increase_mb": base["peak_increase_mb"],
                  "oracle": {}}  # fmt: skip
     for a in args.acceptance:
@@ -277,6 +300,40 @@ def run_backend(size: str, backend: str, files: dict, args: argparse.Namespace, 
     return row
 
 
+CHILD = (
+    "import resource, time; t = time.time(); from specdec import Generator; from specdec.models import open_target; "
+    "from specdec.config import RuntimeConfig; base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+    "target = open_target({source!r}, RuntimeConfig(backend={backend!r}, native_format={format!r})); "
+    "{generate}print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.time() - t)"
+)
+GENERATE = "Generator(target, 'none').generate(list(range(3, 67)), max_new_tokens=32); "
+
+
+def child_code(source: str, backend: str, format: str = "auto", generate: bool = False) -> str:
+    return CHILD.format(source=source, backend=backend, format=format, generate=GENERATE if generate else "")
+
+
+def child_peak(code: str) -> dict:
+    """Peak RSS (MiB) of a fresh Python running ``code`` (which prints its RSS after imports, its peak and its seconds)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    base, peak, seconds = done.stdout.split()[-3:]
+    return {"rss_after_imports_mb": int(base) / 1024, "peak_rss_mb": int(peak) / 1024, "seconds": float(seconds)}
+
+
+def llama_bench(binary: Path, gguf_file: Path, tokens: int) -> float:
+    """llama.cpp's own C++ benchmark: generation tokens per second (-p 0 -n tokens, this machine's cores)."""
+    import os
+    import subprocess
+
+    command = [str(binary), "-m", str(gguf_file), "-p", "0", "-n", str(tokens), "-t", str(os.cpu_count()), "-o", "json"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    (record,) = json.loads(done.stdout)
+    return float(record["avg_ts"])
+
+
 def llamacpp_greedy(gguf_file: Path, prompts: list[list[int]], tokens: int) -> float:
     """llama-cpp-python's own greedy generation: tokens per second over the prompts (after one warm-up)."""
     method = LlamaCppMethod("llamacpp-greedy", str(gguf_file), GenerationConfig(max_new_tokens=tokens), RuntimeConfig(backend="llama.cpp"))
@@ -289,14 +346,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, required=True, help="where the random-weight models are built (kept for reruns)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--sizes", default="0.5b,1b,3b,7b")
-    parser.add_argument("--backends", default="llama.cpp,native,transformers")
+    parser.add_argument("--sizes", default="0.5b,1b,3b,8b")
+    parser.add_argument("--backends", default="llama.cpp,native-int8,native-int4,transformers")
     parser.add_argument("--acceptance", default="0.5,0.7,0.9", type=lambda s: [float(x) for x in s.split(",")])
     parser.add_argument("--prompts", type=int, default=2, help="prompts of 64 random tokens")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
     parser.add_argument("--hf-max-params", type=float, default=4e9, help="largest model also written as a transformers folder")
     parser.add_argument("--transformers-max-params", type=float, default=2e9, help="largest model run on the transformers backend on a CPU")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--build-only", action="store_true", help="build the sizes' files and stop (a run then starts lean)")
+    parser.add_argument("--llama-bench", type=Path, help="llama.cpp's llama-bench binary (built from vendor/llama.cpp)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     backends = ["transformers"] if args.device == "cuda" else args.backends.split(",")
@@ -306,12 +365,22 @@ def main() -> None:
     results: dict = {"machine": fingerprint() | {"torch_threads": torch.get_num_threads(), "device": args.device}, "sizes": {}}
     if args.out.exists():
         results = json.loads(args.out.read_text())  # a rerun adds to what an earlier one measured
+    if "read_GBps" not in results["machine"]:
+        from where_time_goes import bandwidth
+
+        results["machine"] |= bandwidth()
+    if args.build_only:
+        for size in args.sizes.split(","):
+            build(size, args.work, args.hf_max_params)
+        return
     for size in args.sizes.split(","):
         files = build(size, args.work, args.hf_max_params)
         entry = results["sizes"].setdefault(size, {"parameters": parameters(SHAPES[size]), "like": SHAPES[size]["like"], "backends": {}})
         if args.device == "cpu" and "llamacpp_greedy_tokens_per_s" not in entry:
             entry["llamacpp_greedy_tokens_per_s"] = llamacpp_greedy(files["gguf"], prompts, args.tokens)
             entry["gguf_mb"] = files["gguf"].stat().st_size / 2**20
+        if args.llama_bench and "llama_bench_tokens_per_s" not in entry:
+            entry["llama_bench_tokens_per_s"] = llama_bench(args.llama_bench, files["gguf"], args.tokens)
         for backend in backends:
             if backend in entry["backends"]:
                 continue
@@ -322,6 +391,8 @@ def main() -> None:
     args.out.write_text(json.dumps(results, indent=1))
     plot(results, args.out.with_suffix(".png"))
     print(table(results))
+    print()
+    print(weights_table(results))
 
 
 def plot(results: dict, path: Path) -> None:
@@ -383,6 +454,37 @@ def table(results: dict) -> str:
                 cells.append(f"{o['speedup']:.2f}x ({o['predicted_speedup']:.2f}x) / {vs_peer}")
             lines.append(f"| {size} | {backend} | {row['target_only_tokens_per_s']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(line for line in lines if line)
+
+
+def weights_table(results: dict) -> str:
+    """Markdown: per size and runtime, target-only speed against both llama.cpp baselines, bytes per token and the
+    bandwidth they imply against the machine's, and peak memory (converting, starting from the cache, generating)."""
+    read = results["machine"].get("read_GBps")
+    lines = [
+        f"| size | runtime | target-only tok/s | x llama-cpp-python greedy | x llama-bench | MB read per token | GB/s "
+        f"(of {read:.0f} measured) | peak RSS converting / model MB | start from cache | peak RSS generating |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size, entry in results["sizes"].items():
+        greedy, bench = entry.get("llamacpp_greedy_tokens_per_s"), entry.get("llama_bench_tokens_per_s")
+        if bench:
+            lines.append(f"| {size} | llama-bench (C++) | {bench:.1f} | | 1.00x | | | | | |")
+        for backend, row in entry["backends"].items():
+            rate = row["target_only_tokens_per_s"]
+            per_token = row.get("bytes_per_token")
+            first, cached, gen = row.get("first_start"), row.get("cached_start"), row.get("generating")
+            cells = [
+                f"{rate:.1f}",
+                f"{rate / greedy:.2f}x" if greedy else "-",
+                f"{rate / bench:.2f}x" if bench else "-",
+                f"{per_token / 1e6:.0f}" if per_token else "-",
+                f"{per_token * rate / 1e9:.1f}" if per_token else "-",
+                f"{first['peak_rss_mb'] - first['rss_after_imports_mb']:.0f} / {row['model_bytes'] / 2**20:.0f}" if first else "-",
+                f"{cached['seconds']:.1f} s" if cached else "-",
+                f"{gen['peak_rss_mb']:.0f} MB" if gen else "-",
+            ]
+            lines.append(f"| {size} | {backend} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _accs(results: dict) -> list[str]:

@@ -66,7 +66,7 @@ def test_every_family_runs_on_int4_exactly_as_its_own_target_only(family: str) -
     assert native.format == "int4" and native.layers[0].gate_up.format == "int4" and native.head.format == "int8"
     on_grid = copy.deepcopy(model)
     with torch.no_grad():
-        for name, module in on_grid.model.layers.named_modules():
+        for module in on_grid.model.layers.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(cpu_kernels.PackedInt4(module.weight).dequantized())
         reference = on_grid(ids).logits[0]

@@ -37,7 +37,7 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = "specdec_cpu_kernels_v14"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+BUILD = "specdec_cpu_kernels_v15"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -282,40 +282,79 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
     const float* vp = v_cache.data_ptr<float>();
     const uint8_t* seen = tree ? visible.data_ptr<uint8_t>() : nullptr;
     float* op = out.data_ptr<float>();
+    const int64_t group = heads / kv_heads, queries = n * group;  // the query heads that share a KV head, at every position
     std::vector<int64_t> position(n);  // of each new key and query in the text
     for (int64_t i = 0; i < n; ++i) position[i] = tree ? positions.data_ptr<int64_t>()[i] : start + i;
-    at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores;
-        std::vector<int64_t> read;
+    // Each task takes a chunk of one KV head's queries and reads that head's keys and values once, a block at a time, for
+    // all of them; the chunks only spread the work over threads. A query's arithmetic is the same in any chunk and at any n:
+    // its visible keys in cache order, the scores, their maximum, exp and sum, then per output lane sum(p v) in key order.
+    const int64_t per_head = std::max<int64_t>(1, (2 * at::get_num_threads() + kv_heads - 1) / kv_heads);  // ~2 tasks a thread
+    const int64_t chunk = (queries + per_head - 1) / per_head;
+    const int64_t chunks = (queries + chunk - 1) / chunk;
+    at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<std::vector<int64_t>> reads(chunk);
+        std::vector<std::vector<float>> scores(chunk);
+        std::vector<float> acc(chunk * dim), total(chunk);
+        std::vector<size_t> cursor(chunk);
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t i = task / heads, h = task % heads, pos = position[i];
-            const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-            read.clear();
-            for (int64_t j = lo; j < (tree ? start : pos + 1); ++j) read.push_back(j);
-            if (tree)
-                for (int64_t j = 0; j < n; ++j)
-                    if (seen[i * n + j] && position[j] >= lo) read.push_back(start + j);
-            const float* query = qp + task * dim;
-            const float* keys = kp + (h / (heads / kv_heads)) * capacity * dim;
-            const float* values = vp + (h / (heads / kv_heads)) * capacity * dim;
-            scores.resize(read.size());
-            float top = -INFINITY;
-            for (size_t r = 0; r < read.size(); ++r) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t d = 0; d < dim; d += 16)
-                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + d), _mm512_loadu_ps(keys + read[r] * dim + d), acc);
-                const float s = _mm512_reduce_add_ps(acc) * (float)scale;
-                scores[r] = s;
-                top = std::max(top, s);
+            const int64_t kv = task / chunks, first = (task % chunks) * chunk, count = std::min(chunk, queries - first);
+            const float* keys = kp + kv * capacity * dim;
+            const float* values = vp + kv * capacity * dim;
+            int64_t last = 0;  // one past the highest key any query of the chunk reads
+            for (int64_t c = 0; c < count; ++c) {
+                const int64_t i = (first + c) / group, pos = position[i];
+                const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+                auto& read = reads[c];
+                read.clear();
+                for (int64_t j = lo; j < (tree ? start : pos + 1); ++j) read.push_back(j);
+                if (tree)
+                    for (int64_t j = 0; j < n; ++j)
+                        if (seen[i * n + j] && position[j] >= lo) read.push_back(start + j);
+                if (!read.empty()) last = std::max(last, read.back() + 1);
+                scores[c].resize(read.size());
             }
-            float total = 0.f;
-            for (auto& s : scores) total += (s = std::exp(s - top));
-            float* o = op + task * dim;
-            for (int64_t d = 0; d < dim; d += 16) {
-                __m512 acc = _mm512_setzero_ps();
-                for (size_t r = 0; r < read.size(); ++r)
-                    acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[r]), _mm512_loadu_ps(values + read[r] * dim + d), acc);
-                _mm512_storeu_ps(o + d, _mm512_div_ps(acc, _mm512_set1_ps(total)));
+            const int64_t block = 64;
+            std::fill(cursor.begin(), cursor.end(), 0);
+            for (int64_t b = 0; b < last; b += block)  // scores: each block of keys once for the whole chunk
+                for (int64_t c = 0; c < count; ++c) {
+                    const auto& read = reads[c];
+                    const int64_t i = (first + c) / group, h = kv * group + (first + c) % group;
+                    const float* query = qp + (i * heads + h) * dim;
+                    for (size_t& r = cursor[c]; r < read.size() && read[r] < b + block; ++r) {
+                        __m512 sum = _mm512_setzero_ps();
+                        for (int64_t d = 0; d < dim; d += 16)
+                            sum = _mm512_fmadd_ps(_mm512_loadu_ps(query + d), _mm512_loadu_ps(keys + read[r] * dim + d), sum);
+                        scores[c][r] = _mm512_reduce_add_ps(sum) * (float)scale;
+                    }
+                }
+            for (int64_t c = 0; c < count; ++c) {
+                float top = -INFINITY;
+                for (float s : scores[c]) top = std::max(top, s);
+                float sum = 0.f;
+                for (auto& s : scores[c]) sum += (s = std::exp(s - top));
+                total[c] = sum;
+                std::fill(acc.begin() + c * dim, acc.begin() + (c + 1) * dim, 0.f);
+            }
+            std::fill(cursor.begin(), cursor.end(), 0);
+            for (int64_t b = 0; b < last; b += block)  // values: each block once, p v added in key order per lane
+                for (int64_t c = 0; c < count; ++c) {
+                    const auto& read = reads[c];
+                    float* a = acc.data() + c * dim;
+                    size_t& r = cursor[c];
+                    const size_t from = r;
+                    while (r < read.size() && read[r] < b + block) ++r;
+                    for (int64_t d = 0; d < dim; d += 16) {
+                        __m512 lane = _mm512_loadu_ps(a + d);
+                        for (size_t x = from; x < r; ++x)
+                            lane = _mm512_fmadd_ps(_mm512_set1_ps(scores[c][x]), _mm512_loadu_ps(values + read[x] * dim + d), lane);
+                        _mm512_storeu_ps(a + d, lane);
+                    }
+                }
+            for (int64_t c = 0; c < count; ++c) {
+                const int64_t i = (first + c) / group, h = kv * group + (first + c) % group;
+                float* o = op + (i * heads + h) * dim;
+                for (int64_t d = 0; d < dim; d += 16)
+                    _mm512_storeu_ps(o + d, _mm512_div_ps(_mm512_loadu_ps(acc.data() + c * dim + d), _mm512_set1_ps(total[c])));
             }
         }
     });
