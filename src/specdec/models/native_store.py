@@ -123,6 +123,7 @@ def save(model: NativeModel, path: Path) -> None:
 
 
 MEASURE_BYTES = 2**30  # most int8 weight bytes the format measurement cycles through (beyond the caches here)
+INT4_MIN_WEIGHTS = 10**9  # auto keeps smaller models on int8: small models lose the most perplexity to 4 bits
 
 
 def measured_format(config) -> tuple[str, str]:
@@ -130,15 +131,17 @@ def measured_format(config) -> tuple[str, str]:
 
     Copies of its MLP's [2 x FFN, width] matrix, as many as its layers' int8 bytes (at most ``MEASURE_BYTES``, so
     the caches hold what they would hold of the model), are multiplied at 1 and 9 positions (a step's cost and a
-    verification's) in each format; int4 is chosen where it saves at least a tenth. Cached per machine and shape.
+    verification's) in each format; int4 is chosen where it saves at least a tenth, for models of at least
+    ``INT4_MIN_WEIGHTS`` weights. Cached per machine and shape.
     """
     from specdec.machine import fingerprint
     from specdec.models.registry import cache_root
 
     width, outputs = config.hidden_size, 2 * config.intermediate_size
     layer_bytes = config.num_hidden_layers * (3 * config.intermediate_size + 4 * config.hidden_size) * config.hidden_size
+    weights = layer_bytes + config.vocab_size * config.hidden_size
     copies = max(1, min(layer_bytes, MEASURE_BYTES) // (width * outputs))
-    key = json.dumps([fingerprint(), torch.get_num_threads(), cpu_kernels.BUILD, width, outputs, copies], sort_keys=True)
+    key = json.dumps([fingerprint(), torch.get_num_threads(), cpu_kernels.BUILD, width, outputs, copies, weights], sort_keys=True)
     record = cache_root() / "formats" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         found = json.loads(record.read_text())
@@ -146,9 +149,12 @@ def measured_format(config) -> tuple[str, str]:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     costs = {format: _pass_times(cpu_kernels.FORMATS[format](torch.randn(outputs, width)), copies) for format in ("int8", "int4")}
-    chosen = "int4" if sum(costs["int4"]) < 0.9 * sum(costs["int8"]) else "int8"
+    faster = "int4" if sum(costs["int4"]) < 0.9 * sum(costs["int8"]) else "int8"
     detail = ", ".join(f"{f} {a:.1f}/{b:.1f} ms" for f, (a, b) in costs.items())
     why = f"{copies} [{outputs} x {width}] matrices at 1/9 positions: {detail}"
+    chosen = faster
+    if faster == "int4" and weights < INT4_MIN_WEIGHTS:
+        chosen, why = "int8", f"{why}; under {INT4_MIN_WEIGHTS / 1e9:.0f}B weights 4 bits cost too much perplexity"
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps({"format": chosen, "why": why}))
