@@ -106,7 +106,7 @@ def test_bench_skips_a_crashing_llama_cpp_and_runs_the_rest(crashing_llama_cpp: 
     assert list(methods) == ["none"]
 
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.vnni_available(), reason="the native kernels need AVX-512 VNNI")
+needs_kernels = pytest.mark.skipif(cpu_kernels.variant() is None, reason="the native kernels need AVX2")
 
 
 @needs_kernels
@@ -261,7 +261,7 @@ def test_doctor_reports_a_failing_kernel_build_as_a_problem_with_its_error(monke
     def broken(wait_s: float = 0) -> None:
         raise cpu_kernels.KernelBuildError("main.cpp:12:5: error: '_mm512_dpbusd_epi32' was not declared")
 
-    monkeypatch.setattr(cpu_kernels, "vnni_available", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "variant", lambda: "avx512")
     monkeypatch.setattr(cpu_kernels, "build", broken)
     done = runner.invoke(app, ["doctor", "--json"])
     report = json.loads(done.stdout)

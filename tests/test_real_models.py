@@ -103,7 +103,7 @@ def test_native_backend_speculation_equals_its_own_target_only(target: str, form
     from specdec.models import cpu_kernels
 
     if cpu_kernels.compiled() is None:
-        pytest.skip("the native backend needs AVX-512 VNNI and g++")
+        pytest.skip("the native backend needs AVX2 and g++")
     runtime = RuntimeConfig(backend="native", native_format=format)
     baseline = Generator(target, "none", runtime=runtime)
     assert baseline.target.backend.model.format == format
@@ -131,7 +131,7 @@ def test_int4_re_encodes_a_4bit_gguf_without_loss_of_perplexity() -> None:
     from specdec.models import cpu_kernels
 
     if cpu_kernels.compiled() is None:
-        pytest.skip("the native backend needs AVX-512 VNNI and g++")
+        pytest.skip("the native backend needs AVX2 and g++")
     runtime = RuntimeConfig(backend="native", native_format="int4")
     result = perplexity("smollm2-135m-instruct", runtime, str(prompt_sets()[DEFAULT_PROMPTS]), 1024, 256, lambda *a: None)
     assert abs(result.delta) / result.float32_perplexity < 0.01, result
@@ -144,7 +144,7 @@ def test_gemma_eagle_head_is_identical_as_chain_and_tree(backend: str, branches:
     from specdec.models import cpu_kernels
 
     if backend == "native" and cpu_kernels.compiled() is None:
-        pytest.skip("the native backend needs AVX-512 VNNI and g++")
+        pytest.skip("the native backend needs AVX2 and g++")
     if backend == "llama.cpp" and (why := llama_cpp_problem()):
         pytest.skip(why)
     runtime = RuntimeConfig(backend=backend)

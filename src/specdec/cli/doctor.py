@@ -40,11 +40,12 @@ def native_kernels() -> Check:
     """Which kernel path this CPU allows, and whether the kernels build and load."""
     from specdec.models import cpu_kernels
 
-    if not cpu_kernels.vnni_available():
+    name = cpu_kernels.variant()
+    if name is None:
         return Check(
             "native kernels",
             "missing",
-            "this CPU lacks AVX-512 VNNI, which the native backend's int8 kernels need",
+            "this CPU lacks AVX2, FMA and F16C, which the native backend's kernels need at least",
             "use --backend transformers (or llama.cpp); --backend auto chooses transformers by itself",
         )
     compiler = shlex.split(os.environ.get("CXX") or "c++")[0]
@@ -55,9 +56,9 @@ def native_kernels() -> Check:
         try:
             cpu_kernels.build()
         except cpu_kernels.KernelBuildError as exc:
-            return Check("native kernels", "problem", f"the AVX-512 VNNI kernels do not build: {exc}")
+            return Check("native kernels", "problem", f"the {name} kernels do not build: {exc}")
     where = cpu_kernels.build_folder()
-    return Check("native kernels", "ok", f"AVX-512 VNNI kernels {'built now' if not built else 'built'}, load ({where})")
+    return Check("native kernels", "ok", f"{name} kernels {'built now' if not built else 'built'}, load ({where})")
 
 
 def llama_cpp() -> Check:

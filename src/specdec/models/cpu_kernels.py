@@ -1,22 +1,24 @@
-"""The CPU kernels of specdec's own formats: exact int8 linear layers and exact attention (AVX-512 VNNI).
+"""The CPU kernels of specdec's own formats: exact int8 and int4 linear layers, attention, norms, the MLP's activation.
 
 Speculative greedy decoding reproduces one-token decoding only if a position's result does not depend on
 how many positions are scored together, and verification pays only if scoring nine positions costs little
-more than one. Both kernels are built for that:
+more than one. The kernels are built for that:
 
-- ``linear(x, packed)``: ``x @ W.T`` with int8 weights (one scale per output channel) and int8 activations
-  (one scale per 128 inputs of a position, so an outlier spoils only its group). Integer products are exact; the
-  float32 steps after them (per group: scale, then add; then the channel's scale) run in a fixed order. The
-  weights are packed 16 outputs x 4 inputs per 64-byte vector (the layout VNNI multiplies without horizontal
-  sums), and each block of 16 outputs is read from memory once per call, whatever the number of positions.
-- ``attention(...)``: causal (optionally sliding-window) attention of new positions over a float32 cache, each
-  (position, head) pair computed alone over exactly its visible keys, in one order; ``rms_norm``, each row alone;
-  ``gated``, the MLP's activation times its up projection, every value by one vector code path (torch's activations
-  take other paths at the ends of the slices its threads share, so their bits depend on the row count and threads).
+- ``linear(x, packed)``: ``x @ W.T`` with packed weights (``PackedInt8``: int8, one scale per output; ``PackedInt4``:
+  4 bits, a step and a minimum per 32 inputs) and int8 activations (one scale per group of a position's inputs, so an
+  outlier spoils only its group). Integer products are exact; the float32 steps after them run in a fixed order. The
+  weights are packed in blocks of 16 outputs, each read from memory once per call, whatever the number of positions.
+- ``attention(...)``: causal (optionally sliding-window, or tree) attention of new positions over a float32 cache:
+  each KV head's keys and values are read once for all the queries that share them, and each (position, head) pair is
+  computed over exactly its visible keys, in one order; ``rms_norm``, each row alone; ``gated``, the MLP's activation
+  times its up projection, every value by one vector code path (torch's activations take other paths at the ends of
+  the slices its threads share, so their bits depend on the row count and threads).
 
-Compiled on first use with torch's cpp_extension (g++ and ninja, under a minute here, then cached in
-``build_folder()``). Where they cannot be (no VNNI, no compiler), ``linear`` gives the same numbers from a float64
-product of the same integers (exact, only slower) and the other kernels are unavailable (the native backend says so).
+One C++ source, compiled on first use with torch's cpp_extension (g++ and ninja, under a minute, then cached in
+``build_folder()``) for the best of ``VARIANTS`` this CPU runs: AVX-512 VNNI, AVX2 with AVX-VNNI, or AVX2; the three
+give the same bits. Where none can be built (no AVX2, no compiler), ``linear`` gives the same numbers from each
+format's float64 reference (exact, only slower) and the other kernels are unavailable (the native backend says so).
+ARM (NEON) has no build yet.
 """
 
 from __future__ import annotations
@@ -37,42 +39,204 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = "specdec_cpu_kernels_v15"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+BUILD = "specdec_cpu_kernels_v16"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
 
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
-static const char* NON_FINITE = "NaN or infinite activations";
+// The kernels below are written once against 16-lane vectors: vf (float32), vi (int32), and compiled twice: with AVX-512
+// (one register each) or with AVX2 (two registers each). Every lane-wise step is the same instruction on either, and the
+// horizontal sum takes one fixed order, so the two builds give the same bits. Integer dot products of 4 bytes per lane:
+// VNNI multiplies unsigned by signed bytes (activations stored with an OFFSET of 128, taken off per group); plain AVX2
+// multiplies |w| by sign(w) * q (no offset), exact as long as |q|, |w| <= 127.
+typedef uint32_t vmask;
 
+#if defined(__AVX512F__)
+typedef __m512 vf;
+typedef __m512i vi;
+#define OFFSET 128
+#define v_set1_ps _mm512_set1_ps
+#define v_setzero_ps _mm512_setzero_ps
+#define v_loadu_ps _mm512_loadu_ps
+#define v_storeu_ps _mm512_storeu_ps
+#define v_add_ps _mm512_add_ps
+#define v_sub_ps _mm512_sub_ps
+#define v_mul_ps _mm512_mul_ps
+#define v_div_ps _mm512_div_ps
+#define v_min_ps _mm512_min_ps
+#define v_max_ps _mm512_max_ps
+#define v_fmadd_ps _mm512_fmadd_ps
+#define v_fnmadd_ps _mm512_fnmadd_ps
+#define v_abs_ps _mm512_abs_ps
+#define v_cvtps_epi32 _mm512_cvtps_epi32
+#define v_cvtepi32_ps _mm512_cvtepi32_ps
+#define v_scalef_ps _mm512_scalef_ps
+#define v_reduce_max_ps _mm512_reduce_max_ps
+#define v_reduce_add_epi32 _mm512_reduce_add_epi32
+#define v_set1_epi32 _mm512_set1_epi32
+#define v_set1_epi8 _mm512_set1_epi8
+#define v_setzero_si512 _mm512_setzero_si512
+#define v_loadu_si512 _mm512_loadu_si512
+#define v_add_epi32 _mm512_add_epi32
+#define v_sub_epi32 _mm512_sub_epi32
+#define v_mullo_epi32 _mm512_mullo_epi32
+#define v_and_si512 _mm512_and_si512
+#define v_srli_epi16 _mm512_srli_epi16
+static inline vf v_round_ps(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vmask v_not_below(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_NLT_UQ); }
+static inline void v_store_epi8(void* p, vi v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(v)); }
+static inline vf v_load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+static inline vf v_load_first(int64_t n, const float* p) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+static inline void v_store_first(int64_t n, float* p, vf v) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
+static inline vi v_dot_int8(vi acc, vi a, vi w) { return _mm512_dpbusd_epi32(acc, a, w); }  // a: q + OFFSET
+static inline vi v_dot_int4(vi acc, vi u, vi a) { return _mm512_dpbusd_epi32(acc, u, a); }  // u: 0..15
+static inline __m256 v_halves(vf x) {
+    return _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)), _mm512_castps512_ps256(x));
+}
+#else
+struct vf { __m256 lo, hi; };
+struct vi { __m256i lo, hi; };
+#define PAIR_F(name, op) static inline vf name(vf a, vf b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+#define PAIR_I(name, op) static inline vi name(vi a, vi b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+PAIR_F(v_add_ps, _mm256_add_ps)
+PAIR_F(v_sub_ps, _mm256_sub_ps)
+PAIR_F(v_mul_ps, _mm256_mul_ps)
+PAIR_F(v_div_ps, _mm256_div_ps)
+PAIR_F(v_min_ps, _mm256_min_ps)
+PAIR_F(v_max_ps, _mm256_max_ps)
+PAIR_I(v_add_epi32, _mm256_add_epi32)
+PAIR_I(v_sub_epi32, _mm256_sub_epi32)
+PAIR_I(v_mullo_epi32, _mm256_mullo_epi32)
+PAIR_I(v_and_si512, _mm256_and_si256)
+static inline vf v_set1_ps(float x) { const __m256 v = _mm256_set1_ps(x); return {v, v}; }
+static inline vf v_setzero_ps() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline vf v_loadu_ps(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void v_storeu_ps(float* p, vf v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+static inline vf v_fmadd_ps(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline vf v_fnmadd_ps(vf a, vf b, vf c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline vf v_abs_ps(vf a) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    return {_mm256_andnot_ps(sign, a.lo), _mm256_andnot_ps(sign, a.hi)};
+}
+static inline vf v_round_ps(vf a) {
+    return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+            _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+static inline vi v_cvtps_epi32(vf a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
+static inline vf v_cvtepi32_ps(vi a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+static inline vmask v_not_below(vf a, vf b) {
+    return (vmask)_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_NLT_UQ)) |
+           ((vmask)_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_NLT_UQ)) << 8);
+}
+// p * 2^m for integral m in [-128, 128] (as AVX-512's scalef): two exact power-of-two factors, one rounding at most.
+static inline __m256 scale_by(__m256 p, __m256 m) {
+    const __m256 h = _mm256_floor_ps(_mm256_mul_ps(m, _mm256_set1_ps(0.5f)));
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(h), bias), 23));
+    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(_mm256_sub_ps(m, h)), bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+}
+static inline vf v_scalef_ps(vf p, vf m) { return {scale_by(p.lo, m.lo), scale_by(p.hi, m.hi)}; }
+static inline float v_reduce_max_ps(vf a) {
+    const __m256 t = _mm256_max_ps(a.hi, a.lo);
+    __m128 u = _mm_max_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    u = _mm_max_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+    return std::max(_mm_cvtss_f32(u), _mm_cvtss_f32(_mm_shuffle_ps(u, u, 1)));
+}
+static inline int32_t v_reduce_add_epi32(vi a) {
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256((__m256i*)lanes, _mm256_add_epi32(a.lo, a.hi));
+    int32_t sum = 0;
+    for (int32_t x : lanes) sum += x;
+    return sum;
+}
+static inline vi v_set1_epi32(int32_t x) { const __m256i v = _mm256_set1_epi32(x); return {v, v}; }
+static inline vi v_set1_epi8(char x) { const __m256i v = _mm256_set1_epi8(x); return {v, v}; }
+static inline vi v_setzero_si512() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline vi v_loadu_si512(const void* p) {
+    return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)p + 1)};
+}
+static inline vi v_srli_epi16(vi a, int n) { return {_mm256_srli_epi16(a.lo, n), _mm256_srli_epi16(a.hi, n)}; }
+static inline void v_store_epi8(void* p, vi v) {  // the low byte of each lane, in lane order
+    const __m256i byte = _mm256_set1_epi32(0xFF);
+    const __m256i words = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(v.lo, byte), _mm256_and_si256(v.hi, byte)), 0xD8);
+    _mm_storeu_si128((__m128i*)p, _mm_packus_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+}
+static inline vf v_load_half(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+}
+static inline __m256i first_lanes(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline vf v_load_first(int64_t n, const float* p) {
+    return {_mm256_maskload_ps(p, first_lanes(n)), _mm256_maskload_ps(p + 8, first_lanes(n - 8))};
+}
+static inline void v_store_first(int64_t n, float* p, vf v) {
+    _mm256_maskstore_ps(p, first_lanes(n), v.lo);
+    _mm256_maskstore_ps(p + 8, first_lanes(n - 8), v.hi);
+}
+#if defined(__AVXVNNI__)
+#define OFFSET 128
+static inline vi v_dot_int8(vi acc, vi a, vi w) {
+    return {_mm256_dpbusd_avx_epi32(acc.lo, a.lo, w.lo), _mm256_dpbusd_avx_epi32(acc.hi, a.hi, w.hi)};
+}
+static inline vi v_dot_int4(vi acc, vi u, vi a) {
+    return {_mm256_dpbusd_avx_epi32(acc.lo, u.lo, a.lo), _mm256_dpbusd_avx_epi32(acc.hi, u.hi, a.hi)};
+}
+#else
+#define OFFSET 0
+static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {  // u unsigned, s signed; pairs within int16 here
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+static inline vi v_dot_int8(vi acc, vi a, vi w) {  // a: q, signed
+    return {dot4(acc.lo, _mm256_sign_epi8(w.lo, w.lo), _mm256_sign_epi8(a.lo, w.lo)),
+            dot4(acc.hi, _mm256_sign_epi8(w.hi, w.hi), _mm256_sign_epi8(a.hi, w.hi))};
+}
+static inline vi v_dot_int4(vi acc, vi u, vi a) { return {dot4(acc.lo, u.lo, a.lo), dot4(acc.hi, u.hi, a.hi)}; }
+#endif
+static inline __m256 v_halves(vf x) { return _mm256_add_ps(x.hi, x.lo); }
+#endif
+
+// The horizontal sum, in one order on every build: upper half + lower half, then the same within 128 bits, then pairs.
+static inline float v_reduce_add_ps(vf x) {
+    const __m256 t = v_halves(x);
+    __m128 u = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    u = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(u) + _mm_cvtss_f32(_mm_shuffle_ps(u, u, 1));
+}
+
+static const char* NON_FINITE = "NaN or infinite activations";
 // Activations: per row and group, scale = max(|x|, 1e-8) / 127, q = clamp(round(x / scale), -127, 127), stored as
-// q + 128 (VNNI multiplies unsigned by signed bytes; the 128 * sum(w) this adds is taken off per group).
+// q + OFFSET (VNNI multiplies unsigned by signed bytes; the OFFSET * sum(w) this adds is taken off per group).
 // Returns false if any x is NaN or infinite (no integer stands for it: the caller refuses the input).
 static bool quantize(const float* x, int64_t n, int64_t k, int64_t group, uint8_t* q, float* scales) {
     const int64_t groups = k / group;
-    const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f), inf = _mm512_set1_ps(INFINITY);
-    const __m512i offset = _mm512_set1_epi32(128);
-    __mmask16 bad = 0;
+    const vf lo = v_set1_ps(-127.f), hi = v_set1_ps(127.f), inf = v_set1_ps(INFINITY);
+    const vi offset = v_set1_epi32(OFFSET);
+    vmask bad = 0;
     for (int64_t i = 0; i < n; ++i)
         for (int64_t g = 0; g < groups; ++g) {
             const float* src = x + i * k + g * group;
-            __m512 top = _mm512_setzero_ps();
+            vf top = v_setzero_ps();
             for (int64_t c = 0; c < group; c += 16) {
-                const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(src + c));
-                bad |= _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ);  // NaN (unordered) or infinite
-                top = _mm512_max_ps(top, a);
+                const vf a = v_abs_ps(v_loadu_ps(src + c));
+                bad |= v_not_below(a, inf);  // NaN (unordered) or infinite
+                top = v_max_ps(top, a);
             }
-            const float scale = std::max(_mm512_reduce_max_ps(top), 1e-8f) / 127.f;
+            const float scale = std::max(v_reduce_max_ps(top), 1e-8f) / 127.f;
             scales[i * groups + g] = scale;
-            const __m512 divisor = _mm512_set1_ps(scale);
+            const vf divisor = v_set1_ps(scale);
             for (int64_t c = 0; c < group; c += 16) {
-                __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(src + c), divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
-                _mm_storeu_si128((__m128i*)(q + i * k + g * group + c), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), offset)));
+                vf v = v_round_ps(v_div_ps(v_loadu_ps(src + c), divisor));
+                v = v_min_ps(hi, v_max_ps(lo, v));
+                v_store_epi8(q + i * k + g * group + c, v_add_epi32(v_cvtps_epi32(v), offset));
             }
         }
     return bad == 0;
@@ -84,34 +248,34 @@ template <int N>
 static void tile(const uint8_t* q, const float* qs, const int8_t* wb, const int32_t* gsum, const float* ws, float* out,
                  int64_t k, int64_t group, int64_t outs) {
     const int64_t groups = k / group, quads = group / 4;
-    __m512 total[N];
+    vf total[N];
 #pragma GCC unroll 16
-    for (int i = 0; i < N; ++i) total[i] = _mm512_setzero_ps();
+    for (int i = 0; i < N; ++i) total[i] = v_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        __m512i acc[N];
+        vi acc[N];
 #pragma GCC unroll 16
-        for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_si512();
+        for (int i = 0; i < N; ++i) acc[i] = v_setzero_si512();
         const int8_t* wg = wb + g * group * 16;
         const uint8_t* qg = q + g * group;
         for (int64_t t = 0; t < quads; ++t) {
-            const __m512i w = _mm512_loadu_si512((const void*)(wg + t * 64));
+            const vi w = v_loadu_si512((const void*)(wg + t * 64));
 #pragma GCC unroll 16
             for (int i = 0; i < N; ++i) {
                 int32_t a4;
                 std::memcpy(&a4, qg + i * k + t * 4, 4);
-                acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(a4), w);
+                acc[i] = v_dot_int8(acc[i], v_set1_epi32(a4), w);
             }
         }
-        const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512((const void*)(gsum + g * 16)), 7);
+        const vi corr = v_mullo_epi32(v_loadu_si512((const void*)(gsum + g * 16)), v_set1_epi32(OFFSET));
 #pragma GCC unroll 16
         for (int i = 0; i < N; ++i) {
-            const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], corr));
-            total[i] = _mm512_add_ps(total[i], _mm512_mul_ps(sum, _mm512_set1_ps(qs[i * groups + g])));
+            const vf sum = v_cvtepi32_ps(v_sub_epi32(acc[i], corr));
+            total[i] = v_add_ps(total[i], v_mul_ps(sum, v_set1_ps(qs[i * groups + g])));
         }
     }
-    const __m512 scale = _mm512_loadu_ps(ws);
+    const vf scale = v_loadu_ps(ws);
 #pragma GCC unroll 16
-    for (int i = 0; i < N; ++i) _mm512_storeu_ps(out + i * outs, _mm512_mul_ps(total[i], scale));
+    for (int i = 0; i < N; ++i) v_storeu_ps(out + i * outs, v_mul_ps(total[i], scale));
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor gsum, int64_t group) {
@@ -154,22 +318,21 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
 // 127) as signed bytes, and the group's sum of q as a float (exact; a weight is d u + m, so dot(q, w) = d dot(q, u) + m sum(q)).
 static bool quantize_signed(const float* x, int64_t n, int64_t k, int8_t* q, float* scales, float* sums) {
     const int64_t groups = k / 32;
-    const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f), inf = _mm512_set1_ps(INFINITY);
-    __mmask16 bad = 0;
+    const vf lo = v_set1_ps(-127.f), hi = v_set1_ps(127.f), inf = v_set1_ps(INFINITY);
+    vmask bad = 0;
     for (int64_t i = 0; i < n; ++i)
         for (int64_t g = 0; g < groups; ++g) {
             const float* src = x + i * k + g * 32;
-            const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
-            bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(a), inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(_mm512_abs_ps(b), inf, _CMP_NLT_UQ);
-            const float scale = std::max(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))), 1e-8f) / 127.f;
+            const vf a = v_loadu_ps(src), b = v_loadu_ps(src + 16);
+            bad |= v_not_below(v_abs_ps(a), inf) | v_not_below(v_abs_ps(b), inf);
+            const float scale = std::max(v_reduce_max_ps(v_max_ps(v_abs_ps(a), v_abs_ps(b))), 1e-8f) / 127.f;
             scales[i * groups + g] = scale;
-            const __m512 divisor = _mm512_set1_ps(scale);
-            const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-            const __m512i qa = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(a, divisor), round))));
-            const __m512i qb = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(b, divisor), round))));
-            _mm_storeu_si128((__m128i*)(q + i * k + g * 32), _mm512_cvtepi32_epi8(qa));
-            _mm_storeu_si128((__m128i*)(q + i * k + g * 32 + 16), _mm512_cvtepi32_epi8(qb));
-            sums[i * groups + g] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+            const vf divisor = v_set1_ps(scale);
+            const vi qa = v_cvtps_epi32(v_min_ps(hi, v_max_ps(lo, v_round_ps(v_div_ps(a, divisor)))));
+            const vi qb = v_cvtps_epi32(v_min_ps(hi, v_max_ps(lo, v_round_ps(v_div_ps(b, divisor)))));
+            v_store_epi8(q + i * k + g * 32, qa);
+            v_store_epi8(q + i * k + g * 32 + 16, qb);
+            sums[i * groups + g] = (float)v_reduce_add_epi32(v_add_epi32(qa, qb));
         }
     return bad == 0;
 }
@@ -182,40 +345,40 @@ template <int N>
 static void tile4(const int8_t* q, const float* qs, const float* qsum, const uint8_t* wb, const uint16_t* ws, const uint16_t* wm,
                   float* out, int64_t k, int64_t outs) {
     const int64_t groups = k / 32;
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 total[N];
+    const vi low = v_set1_epi8(0x0F);
+    vf total[N];
 #pragma GCC unroll 16
-    for (int i = 0; i < N; ++i) total[i] = _mm512_setzero_ps();
+    for (int i = 0; i < N; ++i) total[i] = v_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        __m512i acc[N];
+        vi acc[N];
 #pragma GCC unroll 16
-        for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_si512();
+        for (int i = 0; i < N; ++i) acc[i] = v_setzero_si512();
         const uint8_t* wg = wb + g * 256;
         const int8_t* qg = q + g * 32;
 #pragma GCC unroll 4
         for (int t = 0; t < 4; ++t) {
-            const __m512i v = _mm512_loadu_si512((const void*)(wg + t * 64));
-            const __m512i w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            const vi v = v_loadu_si512((const void*)(wg + t * 64));
+            const vi w0 = v_and_si512(v, low), w1 = v_and_si512(v_srli_epi16(v, 4), low);
 #pragma GCC unroll 16
             for (int i = 0; i < N; ++i) {
                 int32_t a0, a1;
                 std::memcpy(&a0, qg + i * k + t * 8, 4);
                 std::memcpy(&a1, qg + i * k + t * 8 + 4, 4);
-                acc[i] = _mm512_dpbusd_epi32(acc[i], w0, _mm512_set1_epi32(a0));
-                acc[i] = _mm512_dpbusd_epi32(acc[i], w1, _mm512_set1_epi32(a1));
+                acc[i] = v_dot_int4(acc[i], w0, v_set1_epi32(a0));
+                acc[i] = v_dot_int4(acc[i], w1, v_set1_epi32(a1));
             }
         }
-        const __m512 step = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + g * 16)));
-        const __m512 least = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wm + g * 16)));
+        const vf step = v_load_half(ws + g * 16);
+        const vf least = v_load_half(wm + g * 16);
 #pragma GCC unroll 16
         for (int i = 0; i < N; ++i) {
-            const __m512 dot = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[i]), step),
-                                             _mm512_mul_ps(least, _mm512_set1_ps(qsum[i * groups + g])));
-            total[i] = _mm512_add_ps(total[i], _mm512_mul_ps(dot, _mm512_set1_ps(qs[i * groups + g])));
+            const vf dot = v_add_ps(v_mul_ps(v_cvtepi32_ps(acc[i]), step),
+                                             v_mul_ps(least, v_set1_ps(qsum[i * groups + g])));
+            total[i] = v_add_ps(total[i], v_mul_ps(dot, v_set1_ps(qs[i * groups + g])));
         }
     }
 #pragma GCC unroll 16
-    for (int i = 0; i < N; ++i) _mm512_storeu_ps(out + i * outs, total[i]);
+    for (int i = 0; i < N; ++i) v_storeu_ps(out + i * outs, total[i]);
 }
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minima) {
@@ -321,10 +484,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
                     const int64_t i = (first + c) / group, h = kv * group + (first + c) % group;
                     const float* query = qp + (i * heads + h) * dim;
                     for (size_t& r = cursor[c]; r < read.size() && read[r] < b + block; ++r) {
-                        __m512 sum = _mm512_setzero_ps();
+                        vf sum = v_setzero_ps();
                         for (int64_t d = 0; d < dim; d += 16)
-                            sum = _mm512_fmadd_ps(_mm512_loadu_ps(query + d), _mm512_loadu_ps(keys + read[r] * dim + d), sum);
-                        scores[c][r] = _mm512_reduce_add_ps(sum) * (float)scale;
+                            sum = v_fmadd_ps(v_loadu_ps(query + d), v_loadu_ps(keys + read[r] * dim + d), sum);
+                        scores[c][r] = v_reduce_add_ps(sum) * (float)scale;
                     }
                 }
             for (int64_t c = 0; c < count; ++c) {
@@ -344,17 +507,17 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
                     const size_t from = r;
                     while (r < read.size() && read[r] < b + block) ++r;
                     for (int64_t d = 0; d < dim; d += 16) {
-                        __m512 lane = _mm512_loadu_ps(a + d);
+                        vf lane = v_loadu_ps(a + d);
                         for (size_t x = from; x < r; ++x)
-                            lane = _mm512_fmadd_ps(_mm512_set1_ps(scores[c][x]), _mm512_loadu_ps(values + read[x] * dim + d), lane);
-                        _mm512_storeu_ps(a + d, lane);
+                            lane = v_fmadd_ps(v_set1_ps(scores[c][x]), v_loadu_ps(values + read[x] * dim + d), lane);
+                        v_storeu_ps(a + d, lane);
                     }
                 }
             for (int64_t c = 0; c < count; ++c) {
                 const int64_t i = (first + c) / group, h = kv * group + (first + c) % group;
                 float* o = op + (i * heads + h) * dim;
                 for (int64_t d = 0; d < dim; d += 16)
-                    _mm512_storeu_ps(o + d, _mm512_div_ps(_mm512_loadu_ps(acc.data() + c * dim + d), _mm512_set1_ps(total[c])));
+                    v_storeu_ps(o + d, v_div_ps(v_loadu_ps(acc.data() + c * dim + d), v_set1_ps(total[c])));
             }
         }
     });
@@ -363,19 +526,19 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
 
 // exp(x) by Cephes' method: x = m ln2 + r, exp(r) by a polynomial, times 2^m. NaN stays NaN (max and min return their
 // second operand when one is NaN); beyond +-88 the result is the bound's.
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), _mm512_max_ps(_mm512_set1_ps(-88.3762626647949f), x));
-    const __m512 m = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(m, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(m, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, m);
+static inline vf v_exp(vf x) {
+    x = v_min_ps(v_set1_ps(88.3762626647949f), v_max_ps(v_set1_ps(-88.3762626647949f), x));
+    const vf m = v_round_ps(v_mul_ps(x, v_set1_ps(1.44269504088896341f)));
+    vf r = v_fnmadd_ps(m, v_set1_ps(0.693359375f), x);
+    r = v_fnmadd_ps(m, v_set1_ps(-2.12194440e-4f), r);
+    vf p = v_set1_ps(1.9875691500e-4f);
+    p = v_fmadd_ps(p, r, v_set1_ps(1.3981999507e-3f));
+    p = v_fmadd_ps(p, r, v_set1_ps(8.3334519073e-3f));
+    p = v_fmadd_ps(p, r, v_set1_ps(4.1665795894e-2f));
+    p = v_fmadd_ps(p, r, v_set1_ps(1.6666665459e-1f));
+    p = v_fmadd_ps(p, r, v_set1_ps(5.0000001201e-1f));
+    p = v_add_ps(v_fmadd_ps(p, v_mul_ps(r, r), r), v_set1_ps(1.f));
+    return v_scalef_ps(p, m);
 }
 
 // act(gate) * up for rows [n, 2f] (gate: a row's first f values, up: its last f); act = SiLU (kind 0) or GELU's tanh form
@@ -390,23 +553,23 @@ torch::Tensor gated(torch::Tensor gate_up, int64_t kind) {
     pybind11::gil_scoped_release no_gil;
     const float* xp = gate_up.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f), two = _mm512_set1_ps(2.f);
-    const __m512 root = _mm512_set1_ps(0.7978845608028654f), cubic = _mm512_set1_ps(0.044715f);
+    const vf one = v_set1_ps(1.f), half = v_set1_ps(0.5f), two = v_set1_ps(2.f);
+    const vf root = v_set1_ps(0.7978845608028654f), cubic = v_set1_ps(0.044715f);
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i)
             for (int64_t c = 0; c < f; c += 16) {
-                const __mmask16 mask = f - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (f - c)) - 1);
-                const __m512 g = _mm512_maskz_loadu_ps(mask, xp + i * 2 * f + c);
-                const __m512 u = _mm512_maskz_loadu_ps(mask, xp + i * 2 * f + f + c);
-                __m512 a;
+                const int64_t valid = std::min<int64_t>(16, f - c);
+                const vf g = v_load_first(valid, xp + i * 2 * f + c);
+                const vf u = v_load_first(valid, xp + i * 2 * f + f + c);
+                vf a;
                 if (kind == 0) {
-                    a = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                    a = v_div_ps(g, v_add_ps(one, v_exp(v_sub_ps(v_setzero_ps(), g))));
                 } else {  // 0.5 g (1 + tanh(t)), tanh(t) = 1 - 2 / (exp(2t) + 1), t = sqrt(2/pi) (g + 0.044715 g^3)
-                    const __m512 t = _mm512_mul_ps(root, _mm512_add_ps(g, _mm512_mul_ps(cubic, _mm512_mul_ps(g, _mm512_mul_ps(g, g)))));
-                    const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(exp512(_mm512_mul_ps(two, t)), one)));
-                    a = _mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, th));
+                    const vf t = v_mul_ps(root, v_add_ps(g, v_mul_ps(cubic, v_mul_ps(g, v_mul_ps(g, g)))));
+                    const vf th = v_sub_ps(one, v_div_ps(two, v_add_ps(v_exp(v_mul_ps(two, t)), one)));
+                    a = v_mul_ps(v_mul_ps(half, g), v_add_ps(one, th));
                 }
-                _mm512_mask_storeu_ps(op + i * f + c, mask, _mm512_mul_ps(a, u));
+                v_store_first(valid, op + i * f + c, v_mul_ps(a, u));
             }
     });
     return out;
@@ -425,14 +588,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     float* op = out.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r) {
         const float* row = xp + r * dim;
-        __m512 acc = _mm512_setzero_ps();
+        vf acc = v_setzero_ps();
         for (int64_t d = 0; d < dim; d += 16) {
-            const __m512 v = _mm512_loadu_ps(row + d);
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+            const vf v = v_loadu_ps(row + d);
+            acc = v_add_ps(acc, v_mul_ps(v, v));
         }
-        const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)dim + (float)eps));
+        const vf inv = v_set1_ps(1.f / std::sqrt(v_reduce_add_ps(acc) / (float)dim + (float)eps));
         for (int64_t d = 0; d < dim; d += 16)
-            _mm512_storeu_ps(op + r * dim + d, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + d), inv), _mm512_loadu_ps(wp + d)));
+            v_storeu_ps(op + r * dim + d, v_mul_ps(v_mul_ps(v_loadu_ps(row + d), inv), v_loadu_ps(wp + d)));
     }
     return out;
 }
@@ -733,8 +896,34 @@ def _call(function, *args):
 
 
 def vnni_available() -> bool:
-    """Whether this CPU has AVX-512 VNNI (the kernels' instructions)."""
+    """Whether this CPU has AVX-512 VNNI (the kernels' fastest build)."""
     return "avx512_vnni" in cpu_flags()
+
+
+# The kernels' builds, fastest first: the CPU flags each needs and the compiler's. One source; the same bits on each.
+VARIANTS = {
+    "avx512": (("avx512f", "avx512bw", "avx512_vnni", "f16c"), ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c"]),
+    "avx2-vnni": (("avx2", "fma", "f16c", "avx_vnni"), ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),
+    "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+}
+FORCE = "SPECDEC_KERNELS"  # environment variable: a variant to build instead of the fastest this CPU runs
+
+
+def variant() -> str | None:
+    """The kernels' build for this CPU: $SPECDEC_KERNELS if set (and the CPU runs it), else the fastest it runs."""
+    flags = cpu_flags()
+    forced = os.environ.get(FORCE)
+    if forced:
+        if forced not in VARIANTS or not set(VARIANTS[forced][0]) <= flags:
+            runs = [name for name, (needs, _) in VARIANTS.items() if set(needs) <= flags]
+            log.warning("%s=%s is not a kernel build this CPU runs (%s): ignored", FORCE, forced, ", ".join(runs) or "none")
+        else:
+            return forced
+    return next((name for name, (needs, _) in VARIANTS.items() if set(needs) <= flags), None)
+
+
+def module_name(name: str) -> str:
+    return BUILD if name == "avx512" else f"{BUILD}_{name.replace('-', '_')}"
 
 
 BUILD_WAIT_S = 600  # longest wait for another process's build of the kernels
@@ -744,16 +933,17 @@ class KernelBuildError(RuntimeError):
     """The kernels could not be built here; the message names the cause (the compiler's own error) and the fix."""
 
 
-def build_folder() -> Path:
-    """Where the kernels are compiled and cached: one folder per kernel version, torch and Python."""
+def build_folder(name: str | None = None) -> Path:
+    """Where a build of the kernels is compiled and cached: one folder per kernel version, build, torch and Python."""
     from specdec.models.registry import cache_root
 
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return cache_root() / "kernels" / f"{BUILD}-torch{torch.__version__.split('+')[0]}-{python}"
+    return cache_root() / "kernels" / f"{module_name(name or variant() or 'avx512')}-torch{torch.__version__.split('+')[0]}-{python}"
 
 
-def is_built() -> bool:
-    return (build_folder() / f"{BUILD}.so").exists()
+def is_built(name: str | None = None) -> bool:
+    name = name or variant() or "avx512"
+    return (build_folder(name) / f"{module_name(name)}.so").exists()
 
 
 def compiled():
@@ -762,14 +952,14 @@ def compiled():
 
 
 def kernels_problem() -> str | None:
-    """Why the kernels are not available here (no AVX-512 VNNI, or the build's error), or None."""
+    """Why the kernels are not available here (no AVX2, or the build's error), or None."""
     return _load()[1]
 
 
 @functools.cache
 def _load():
-    if not vnni_available():
-        return None, "this CPU lacks AVX-512 VNNI"
+    if variant() is None:
+        return None, "this CPU lacks AVX2, FMA and F16C (and AVX-512 VNNI)"
     try:
         return build(), None
     except KernelBuildError as exc:  # unwritable cache, no compiler, a compile error: the exact slow path
@@ -777,8 +967,9 @@ def _load():
         return None, f"the kernels' build failed: {exc}"
 
 
-def build(wait_s: float = BUILD_WAIT_S):
-    """Compile (first use: under a minute, said on stderr) or load the kernels; one process builds at a time.
+def build(wait_s: float = BUILD_WAIT_S, name: str | None = None):
+    """Compile (first use: under a minute, said on stderr) or load a build of the kernels (``name``: a key of
+    ``VARIANTS``; by default this CPU's), one process at a time.
 
     torch marks a build in progress with a ``lock`` file and waits, without limit, while it exists; a build killed
     midway leaves it behind. Builds here also hold an OS lock on ``specdec.lock``, which dies with its process: holding
@@ -786,7 +977,10 @@ def build(wait_s: float = BUILD_WAIT_S):
     """
     from torch.utils.cpp_extension import load_inline
 
-    folder = build_folder()
+    name = name or variant()
+    if name is None:
+        raise KernelBuildError("this CPU lacks AVX2, FMA and F16C (and AVX-512 VNNI): the native kernels cannot run here")
+    folder = build_folder(name)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         guard = open(folder / "specdec.lock", "a+")
@@ -798,14 +992,14 @@ def build(wait_s: float = BUILD_WAIT_S):
             if stale.exists():
                 log.warning("removing %s, left by a kernel build that was stopped midway", stale)
                 stale.unlink()
-        if not is_built():
-            log.warning("compiling specdec's CPU kernels for this machine, once (under a minute; cached in %s)", folder)
+        if not is_built(name):
+            log.warning("compiling specdec's CPU kernels (%s) for this machine, once (under a minute; cached in %s)", name, folder)
         try:
             return load_inline(
-                BUILD,
+                module_name(name),
                 cpp_sources=SOURCE,
                 functions=["int8_linear", "int4_linear", "attention", "rms_norm", "gated"],
-                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-ffp-contract=off", "-fopenmp"],
+                extra_cflags=["-O3", *VARIANTS[name][1], "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),
             )
