@@ -300,11 +300,11 @@ def run_backend(size: str, backend: str, files: dict, args: argparse.Namespace, 
     return row
 
 
-CHILD = (
-    "import resource, time; t = time.time(); from specdec import Generator; from specdec.models import open_target; "
-    "from specdec.config import RuntimeConfig; base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
-    "target = open_target({source!r}, RuntimeConfig(backend={backend!r}, native_format={format!r})); "
-    "{generate}print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.time() - t)"
+CHILD = (  # VmHWM: this process's peak RSS (ru_maxrss would keep the parent's from before exec)
+    "import re, time; t = time.time(); from specdec import Generator; from specdec.models import open_target; "
+    "from specdec.config import RuntimeConfig; hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]); "
+    "base = hwm(); target = open_target({source!r}, RuntimeConfig(backend={backend!r}, native_format={format!r})); "
+    "{generate}print(base, hwm(), time.time() - t)"
 )
 GENERATE = "Generator(target, 'none').generate(list(range(3, 67)), max_new_tokens=32); "
 

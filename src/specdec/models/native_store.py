@@ -8,6 +8,7 @@ memory-map it: a second start reads no checkpoint and quantizes nothing.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -98,12 +99,22 @@ def load(folder: Path, config, format: str, say: Callable[[str], None] = log.war
     say(f"converting {folder.name} to the native {format} format, once (cached in {path.parent})")
 
     def progress(done: int, total: int) -> None:
+        _release_freed_memory()
         if done == total or done % max(1, total // 4) == 0:
             say(f"  {done}/{total} layers packed ({time.monotonic() - started:.0f} s)")
 
     model = NativeModel.convert(config, safetensors_reader(folder), format, progress)
     save(model, path)
     return model
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the system (glibc keeps a layer's freed temporaries otherwise, and the peak
+    memory of a conversion grows with them)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def save(model: NativeModel, path: Path) -> None:
