@@ -112,8 +112,13 @@ class NativeModel:
             counted[0] += 0 if tensor is None else tensor.numel()
             return tensor
 
-        embedding = fetch("model.embed_tokens.weight", required=False)  # an eagle head has none: it is fed vectors
-        embedding = None if embedding is None else embedding.to(torch.bfloat16)
+        source = fetch("model.embed_tokens.weight", required=False)  # an eagle head has none: it is fed vectors
+        head = fetch("lm_head.weight", required=False)
+        if head is None and source is None:
+            raise ConfigError("the checkpoint has neither an output head nor an input embedding: use --backend transformers")
+        head = PackedInt8(source if head is None else head)  # tied: the output head is the input embedding
+        embedding = None if source is None else source.to(torch.bfloat16)
+        del source  # packed first, so only one copy of the largest matrix is ever held
         layers = []
         for index in range(config.num_hidden_layers):
             prefix = f"model.layers.{index}."
@@ -135,13 +140,7 @@ class NativeModel:
             if progress is not None:
                 progress(index + 1, config.num_hidden_layers)
         final_norm = fetch("model.norm.weight").float() + offset
-        head = fetch("lm_head.weight", required=False)
-        if head is None:  # tied: the output head is the input embedding
-            if embedding is None:
-                raise ConfigError("the checkpoint has neither an output head nor an input embedding: use --backend transformers")
-            head = tensors("model.embed_tokens.weight")
         name = f"{config.name_or_path or config.model_type}"
-        head = PackedInt8(head)
         return cls(shape, name, embedding, layers, final_norm, head, counted[0], _rotary_frequencies(config, shape), format)
 
     @classmethod
