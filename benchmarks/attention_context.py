@@ -4,7 +4,7 @@ Usage: python benchmarks/attention_context.py --out FILE [--before SO] [--model 
 
 1. The attention kernel of one layer in the shapes of Llama-3.1-8B (32 query heads over 8 KV heads of 128) and
    Gemma-3-270M (4 over 1 of 256), at 512, 2048 and 8192 cached positions: milliseconds for 1 and for 9 new positions
-   (median of 9 calls), and the ratio. ``--before SO``: the same for an earlier build of the kernels (a compiled
+   (median of 31 calls), and the ratio. ``--before SO``: the same for an earlier build of the kernels (a compiled
    module file), side by side, with a check that both give the same bits.
 2. ``--model DIR`` (a safetensors folder the native runtime runs): a whole forward of 1 and of 9 new positions after
    512 and 2048 cached ones, int4, so attention's share of a step shows next to the weights'.
@@ -29,7 +29,7 @@ CONTEXTS = (512, 2048, 8192)
 EMPTY_MASK, EMPTY_POSITIONS = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.long)
 
 
-def median_ms(call, repeats: int = 9) -> float:
+def median_ms(call, repeats: int = 31) -> float:
     call()
     times = []
     for _ in range(repeats):
