@@ -49,9 +49,13 @@ def kernel_rows(module, label: str) -> dict:
             cost = {}
             for n in (1, 9):
                 q = torch.randn(n, heads, dim, generator=generator)
-                cost[n] = median_ms(lambda q=q: module.attention(q, keys, values, context, 0, 0.1, EMPTY_MASK, EMPTY_POSITIONS))
+                call = (q, keys, values, context, 0, 0.1, EMPTY_MASK, EMPTY_POSITIONS)
+                cost[n] = median_ms(lambda call=call: module.attention(*call))
             rows[f"{shape} @ {context}"] = {"1": cost[1], "9": cost[9], "ratio": cost[9] / cost[1]}
-            print(f"{label} {shape} context {context}: {cost[1]:.3f} / {cost[9]:.3f} ms ({cost[9] / cost[1]:.2f}x)", flush=True)
+            print(
+                f"{label} {shape} context {context}: {cost[1]:.3f} / {cost[9]:.3f} ms ({cost[9] / cost[1]:.2f}x)",
+                flush=True,
+            )
     return rows
 
 
@@ -77,7 +81,7 @@ def whole_steps(folder: str) -> dict:
         for n in (1, 9):
             new = torch.randint(3, 1000, (1, n))
 
-            def step(new=new) -> None:
+            def step(new=new, n=n, context=context) -> None:
                 backend.forward(new, last=n)
                 backend.truncate(context)
 
@@ -105,9 +109,13 @@ def main() -> None:
     if args.model:
         results["whole_steps"] = whole_steps(args.model)
     args.out.write_text(json.dumps(results, indent=1))
-    print("| shape @ context | " + " | ".join(f"{k}: 1 / 9 positions (9 over 1)" for k in ("before", "after") if k in results) + " |")
+    print(
+        "| shape @ context | "
+        + " | ".join(f"{k}: 1 / 9 positions (9 over 1)" for k in ("before", "after") if k in results)
+        + " |"
+    )
     print("|---|" + "---|" * (2 if args.before else 1))
-    for key, row in results["after"].items():
+    for key in results["after"]:
         cells = [results[k][key] for k in ("before", "after") if k in results]
         print(f"| {key} | " + " | ".join(f"{c['1']:.2f} / {c['9']:.2f} ms ({c['ratio']:.2f}x)" for c in cells) + " |")
 

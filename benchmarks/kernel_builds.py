@@ -61,8 +61,14 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=8)
     args = parser.parse_args()
     weight = torch.randn(OUTPUTS, WIDTH, generator=torch.Generator().manual_seed(1))
-    results: dict = {"machine": fingerprint() | {"threads": torch.get_num_threads()}, "copies": args.copies, "kernels": {}}
-    candidates = {"torch _weight_int4pack_mm_for_cpu (bf16 activations)": [torch_int4(weight) for _ in range(args.copies)]}
+    results: dict = {
+        "machine": fingerprint() | {"threads": torch.get_num_threads()},
+        "copies": args.copies,
+        "kernels": {},
+    }
+    candidates = {
+        "torch _weight_int4pack_mm_for_cpu (bf16 activations)": [torch_int4(weight) for _ in range(args.copies)]
+    }
     builds = [name for name, (needs, _) in cpu_kernels.VARIANTS.items() if set(needs) <= cpu_kernels.cpu_flags()]
     for format in ("int8", "int4"):
         packed = cpu_kernels.FORMATS[format](weight)
@@ -77,7 +83,10 @@ def main() -> None:
     for label, products in candidates.items():
         row = {"1": pass_ms(products, 1), "9": pass_ms(products, 9), "rows independent": independent(products[0])}
         results["kernels"][label] = row
-        print(f"| {label} | {row['1']:.2f} | {row['9']:.2f} | {row['9'] / row['1']:.2f}x | {row['rows independent']} |", flush=True)
+        print(
+            f"| {label} | {row['1']:.2f} | {row['9']:.2f} | {row['9'] / row['1']:.2f}x | {row['rows independent']} |",
+            flush=True,
+        )
     args.out.write_text(json.dumps(results, indent=1))
 
 

@@ -58,10 +58,12 @@ def smollm2_q4_k_m(work: Path) -> Path:
         return out
     model = load_model("smollm2-135m-instruct").model
     c = model.config
-    shape = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
-                 num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                 intermediate_size=c.intermediate_size, tie_word_embeddings=True, rope_theta=c.rope_parameters["rope_theta"],
-                 like="SmolLM2-135M")  # fmt: skip
+    shape = dict(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        intermediate_size=c.intermediate_size, tie_word_embeddings=True, rope_theta=c.rope_parameters["rope_theta"],
+        like="SmolLM2-135M",
+    )  # fmt: skip
     work.mkdir(parents=True, exist_ok=True)
     f16 = work / "smollm2-135m-F16.gguf"
     write_gguf(model, shape, f16)
@@ -82,7 +84,10 @@ def main() -> None:
     for name in MODELS:
         float32 = load_model(name)
         tokens = read_tokens(float32.tokenizer, data, args.tokens)
-        row = {"tokens": len(tokens), "float32": math.exp(score(float32.model, tokens, args.window, lambda *a: None, "f32"))}
+        row = {
+            "tokens": len(tokens),
+            "float32": math.exp(score(float32.model, tokens, args.window, lambda *a: None, "f32")),
+        }
         del float32
         for format in ("int8", "int4"):
             backend = open_target(name, RuntimeConfig(backend="native", native_format=format)).backend

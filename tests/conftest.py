@@ -149,3 +149,12 @@ def ray_cluster() -> Iterator[str]:
     )  # fmt: skip
     yield f"127.0.0.1:{port}"
     subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120)
+
+
+@pytest.fixture
+def threads(request: pytest.FixtureRequest):
+    """torch's thread count for one test (more than this machine's cores is fine: the bits are what is checked)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

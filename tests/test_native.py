@@ -234,15 +234,6 @@ def test_kernels_refuse_bad_input_as_the_reference_does(monkeypatch: pytest.Monk
         cpu_kernels.rms_norm(torch.randn(2, 16), torch.ones(0), 1e-6)
 
 
-@pytest.fixture
-def threads(request: pytest.FixtureRequest):
-    """torch's thread count for one test (more than this machine's cores is fine: the bits are what is checked)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 WIDE_FFN = 14336  # an 8B Llama's: torch splits an activation over so many values across threads, at slice ends differently
 
 

@@ -23,14 +23,6 @@ pytestmark = pytest.mark.skipif(cpu_kernels.compiled() is None, reason="the nati
 INT4 = RuntimeConfig(backend="native", native_format="int4")
 
 
-@pytest.fixture
-def threads(request: pytest.FixtureRequest):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("threads", [1, 4, 8], indirect=True)
 def test_int4_products_equal_their_reference_and_a_rows_bits_do_not_depend_on_its_neighbours(threads: int) -> None:
     generator = torch.Generator().manual_seed(threads)
@@ -127,8 +119,44 @@ def test_a_checkpoint_converts_tensor_by_tensor_to_the_model_from_memory_then_st
     second = open_target(str(folder), INT4)
     assert mapped_from(second.backend.model.layers[0].gate_up.packed, cached)
     ids = torch.tensor([[5, 6, 7, 8, 9]])
-    assert torch.equal(first.backend.forward(ids), second.backend.forward(ids))
+    logits = first.backend.forward(ids, last=5)
+    assert torch.equal(logits, second.backend.forward(ids, last=5))
+    assert torch.equal(logits, NativeBackend(expected).forward(ids, last=5))  # every weight as converted from memory
     assert second.eos_ids == first.eos_ids and second.tokenizer is not None
+
+
+def test_a_tied_checkpoint_packs_its_head_from_the_embedding(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    tokenizer = char_tokenizer()
+    torch.manual_seed(4)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "tied")  # no lm_head.weight in the file
+    tokenizer.save_pretrained(tmp_path / "tied")
+    target = open_target(str(tmp_path / "tied"), RuntimeConfig(backend="native", native_format="int8"))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    expected = NativeBackend(NativeModel.from_module(model, "int8")).forward(ids, last=5)
+    assert torch.equal(target.backend.forward(ids, last=5), expected)
+
+
+def test_sharded_checkpoints_follow_their_index_and_bad_configs_fail_in_one_line(checkpoint) -> None:
+    from specdec.errors import ModelNotFoundError
+
+    folder, _ = checkpoint
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "model-00002-of-00002.safetensors"}})
+    )
+    with pytest.raises(ConfigError, match="lacks the shard.*model-00002-of-00002.safetensors"):
+        open_target(str(folder), INT4)
+    (folder / "model.safetensors.index.json").unlink()
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ModelNotFoundError, match="could not read the config"):
+        open_target(str(folder), INT4)
 
 
 def mapped_from(tensor: torch.Tensor, path) -> bool:
@@ -179,13 +207,18 @@ BUILDS = [name for name, (needs, _) in cpu_kernels.VARIANTS.items() if set(needs
 
 @pytest.mark.parametrize("name", BUILDS)
 @pytest.mark.parametrize("threads", [4], indirect=True)
-def test_every_kernel_build_this_cpu_runs_gives_the_same_bits(name: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_kernel_build_this_cpu_runs_gives_the_same_bits(
+    name: str, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The AVX2 builds (plain, and with AVX-VNNI) forced here against the default build: each kernel bit for bit, rows
     independent of their neighbours, NaN refused, and a whole model's logits and greedy speculation the same."""
     build, default = cpu_kernels.build(name=name), cpu_kernels.compiled()
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(13, 1024, generator=generator)
-    for packed in (cpu_kernels.PackedInt8(torch.randn(600, 1024, generator=generator)), cpu_kernels.PackedInt4(torch.randn(600, 1024))):
+    for packed in (
+        cpu_kernels.PackedInt8(torch.randn(600, 1024, generator=generator)),
+        cpu_kernels.PackedInt4(torch.randn(600, 1024)),
+    ):
         got = packed.product(build, x)
         assert torch.equal(got, packed.product(default, x))
         assert torch.equal(got[:5], packed.product(build, x[:5].contiguous()))

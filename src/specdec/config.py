@@ -325,7 +325,7 @@ class RuntimeConfig:
         if self.native_format != "auto" and self.backend not in ("native", "auto"):
             raise ConfigError("--native-format applies to the native backend: use --backend native or auto, or drop it")
         if self.dtype != "float32" and self.backend == "native":
-            raise ConfigError("--dtype applies to the transformers backend; the native backend's format is fixed: drop --dtype")
+            raise ConfigError("--dtype applies to the transformers backend; the native backend's is --native-format: drop --dtype")
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p")

@@ -346,9 +346,8 @@ def ppl(
 
     from specdec.bench.perplexity import perplexity
 
-    runtime = (
-        RuntimeConfig(backend="native", native_format=native_format) if backend == "native" else RuntimeConfig(backend=backend, precision=PrecisionPlan.parse(precision))
-    )
+    plan = None if backend == "native" else PrecisionPlan.parse(precision)
+    runtime = RuntimeConfig(backend=backend, precision=plan, native_format=native_format)
     with Progress(console=err, transient=True) as bar:
         tasks: dict[str, object] = {}
 

@@ -97,10 +97,13 @@ def generate(
     from specdec import Generator
 
     options = dict(target=target, draft=draft, k=k, k_policy=k_policy, branches=branches, backend=backend, dtype=dtype)
-    options = with_profile(ctx, profile, options | dict(precision=precision, threads=threads, ubatch=ubatch, temperature=temperature))
+    runtime_options = dict(precision=precision, threads=threads, ubatch=ubatch, native_format=native_format)
+    options = with_profile(ctx, profile, options | runtime_options | dict(temperature=temperature))
     target, draft, k, k_policy, branches = (options[name] for name in ("target", "draft", "k", "k_policy", "branches"))
     temperature = options["temperature"]
-    backend, dtype, precision, threads, ubatch = (options[name] for name in ("backend", "dtype", "precision", "threads", "ubatch"))
+    backend, dtype, precision, threads, ubatch, native_format = (
+        options[name] for name in ("backend", "dtype", "precision", "threads", "ubatch", "native_format")
+    )
 
     config = GenerationConfig(
         k=k,

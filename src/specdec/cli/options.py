@@ -84,8 +84,9 @@ NativeFormatOpt = Annotated[
     str,
     typer.Option(
         "--native-format",
-        help=f"Native runtime's weights: {', '.join(NATIVE_FORMATS)} (int4: 4-bit groups of 32 as llama.cpp's Q4_0, about "
-        "half int8's bytes; auto: the faster on this machine, measured once and said).",
+        help=f"Native runtime's weights: {', '.join(NATIVE_FORMATS)} (int4: 4-bit groups of 32 as llama.cpp's Q4_1, about "
+        "0.6 of int8's bytes; auto: the faster on this machine, measured once and said, int8 for models under 1B "
+        "weights).",
     ),
 ]
 Threads = Annotated[int | None, typer.Option(help="CPU threads for llama.cpp (default: all cores).")]

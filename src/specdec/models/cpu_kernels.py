@@ -39,7 +39,7 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = "specdec_cpu_kernels_v16"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+BUILD = "specdec_cpu_kernels_v17"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -381,14 +381,14 @@ static void tile4(const int8_t* q, const float* qs, const float* qsum, const uin
     for (int i = 0; i < N; ++i) v_storeu_ps(out + i * outs, total[i]);
 }
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minima) {
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor steps, torch::Tensor minima) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [n, k]");
     TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.size(2) == 256,
                 "packed int4 weights [blocks, groups, 256]");
     const int64_t n = x.size(0), k = x.size(1), blocks = packed.size(0), groups = packed.size(1), outs = blocks * 16;
     TORCH_CHECK(k == groups * 32, "weights packed for another width");
-    TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() && scales.numel() == outs * groups,
-                "one float16 scale per output and group");
+    TORCH_CHECK(steps.scalar_type() == torch::kFloat16 && steps.is_contiguous() && steps.numel() == outs * groups,
+                "one float16 step per output and group");
     TORCH_CHECK(minima.scalar_type() == torch::kFloat16 && minima.is_contiguous() && minima.numel() == outs * groups,
                 "one float16 minimum per output and group");
     auto y = torch::empty({n, outs}, torch::kFloat32);
@@ -402,7 +402,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     const float* qsp = qs.data_ptr<float>();
     const float* qsump = qsum.data_ptr<float>();
     const uint8_t* w = packed.data_ptr<uint8_t>();
-    const uint16_t* ws = (const uint16_t*)scales.data_ptr<at::Half>();
+    const uint16_t* ws = (const uint16_t*)steps.data_ptr<at::Half>();
     const uint16_t* wm = (const uint16_t*)minima.data_ptr<at::Half>();
     float* out = y.data_ptr<float>();
     at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
@@ -452,7 +452,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
     // all of them; the chunks only spread the work over threads. A query's arithmetic is the same in any chunk and at any n:
     // its visible keys in cache order, the scores, their maximum, exp and sum, then per output lane sum(p v) in key order.
     const int64_t per_head = std::max<int64_t>(1, (2 * at::get_num_threads() + kv_heads - 1) / kv_heads);  // ~2 tasks a thread
-    const int64_t chunk = (queries + per_head - 1) / per_head;
+    const int64_t chunk = std::min<int64_t>(64, (queries + per_head - 1) / per_head);  // bounds each task's lists
+    if (queries == 0) return out;
     const int64_t chunks = (queries + chunk - 1) / chunk;
     at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
         std::vector<std::vector<int64_t>> reads(chunk);
@@ -876,7 +877,7 @@ def gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
 
 
 NON_FINITE = (
-    "an int8 layer got NaN or infinite activations (the model's numbers overflowed on this input, or its weights are "
+    "a native layer got NaN or infinite activations (the model's numbers overflowed on this input, or its weights are "
     "damaged): the native format cannot represent them; try --backend transformers"
 )
 
@@ -958,13 +959,18 @@ def kernels_problem() -> str | None:
 
 @functools.cache
 def _load():
-    if variant() is None:
+    first = variant()
+    if first is None:
         return None, "this CPU lacks AVX2, FMA and F16C (and AVX-512 VNNI)"
-    try:
-        return build(), None
-    except KernelBuildError as exc:  # unwritable cache, no compiler, a compile error: the exact slow path
-        log.warning("specdec's CPU kernels are not available, so int8 layers use the exact float64 path: %s", exc)
-        return None, f"the kernels' build failed: {exc}"
+    runs = [name for name, (needs, _) in VARIANTS.items() if set(needs) <= cpu_flags()]
+    failures = []
+    for name in [first] + runs[runs.index(first) + 1 :]:  # a build the compiler refuses gives way to a plainer one
+        try:
+            return build(name=name), None
+        except KernelBuildError as exc:  # unwritable cache, no compiler, a compile error
+            failures.append(f"{name}: {exc}")
+    log.warning("specdec's CPU kernels are not available, so native layers use their exact float64 reference: %s", failures[0])
+    return None, f"the kernels' build failed: {'; '.join(failures)}"
 
 
 def build(wait_s: float = BUILD_WAIT_S, name: str | None = None):

@@ -66,10 +66,10 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "c
     except OSError as exc:
         if source.kind == "hub":
             raise ModelNotFoundError(
-                f"could not load '{name}' from the Hugging Face hub ({_first_line(exc)}): "
+                f"could not load '{name}' from the Hugging Face hub ({first_line(exc)}): "
                 "without network access pass a local folder, a .gguf file or a bundled alias"
             ) from exc
-        raise ModelNotFoundError(f"could not load model '{name}' from {folder}: {_first_line(exc)}") from exc
+        raise ModelNotFoundError(f"could not load model '{name}' from {folder}: {first_line(exc)}") from exc
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError):
@@ -113,7 +113,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 

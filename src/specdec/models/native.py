@@ -1,17 +1,15 @@
-"""specdec's own CPU runtime for Gemma-3, Llama, Mistral and Qwen2/3 models: one file, a float32 KV cache, int8 kernels.
+"""specdec's own CPU runtime for Gemma-3, Llama, Mistral and Qwen2/3 models: one file, a float32 KV cache, packed weights.
 
-Why it exists (issue 23, BENCHMARKS.md): on a CPU, transformers verifies nine positions almost for the price
-of one but pays about 45 ms per step in framework and kernels made for other shapes; llama.cpp's step is
-fast but every extra position costs almost as much as the first. Here every linear layer, the output head
-included, runs the int8 kernel of ``cpu_kernels`` (its weights are read from memory once per step, whatever
-the number of positions) and attention runs its exact kernel; what is left between them is a few dozen
-small tensor operations per layer.
+On a CPU, transformers verifies nine positions almost for the price of one but pays in framework time and kernels
+made for other shapes; llama.cpp's step is fast but every extra position costs almost as much as the first. Here every
+linear layer, the output head included, runs a kernel of ``cpu_kernels`` (int8 or int4 weights, int8 activations,
+each weight read from memory once per step whatever the number of positions) and attention runs its exact kernel; what
+is left between them is a few dozen small tensor operations per layer.
 
-A position's logits do not depend on how many positions are scored with it (integer products, attention
-computed per position, row-wise norms), so speculative greedy decoding on this backend is token-identical
-to its own one-token decoding. Its numbers are not transformers' float32 ones: int8 weights and activations
-(one scale per output channel and per 128 inputs) move perplexity by less than the precision plans' bound
-(BENCHMARKS.md).
+A position's logits do not depend on how many positions are scored with it, nor on the thread count (integer
+products, attention computed per position, row-wise norms and activations), so speculative greedy decoding on this
+backend is token-identical to its own one-token decoding. Its numbers are not transformers' float32 ones: the formats
+round weights and activations (each format's perplexity against float32 is measured in the benchmarks).
 """
 
 from __future__ import annotations
@@ -113,7 +111,7 @@ class NativeModel:
             return tensor
 
         source = fetch("model.embed_tokens.weight", required=False)  # an eagle head has none: it is fed vectors
-        head = fetch("lm_head.weight", required=False)
+        head = fetch("lm_head.weight", required=not config.tie_word_embeddings)
         if head is None and source is None:
             raise ConfigError("the checkpoint has neither an output head nor an input embedding: use --backend transformers")
         head = PackedInt8(source if head is None else head)  # tied: the output head is the input embedding
@@ -170,16 +168,21 @@ class NativeModel:
         }
 
     @classmethod
-    def restore(cls, state: dict) -> NativeModel:
+    def restore(cls, state: dict, config=None) -> NativeModel:
+        """The model :meth:`state` wrote; with the checkpoint's ``config``, its shape and rotary tables are derived
+        afresh from it (only the weights come from the state)."""
         fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(state["shape"]).items()}
+        shape = Shape(**fields) if config is None else _shape(config)
         layers = [
             Layer(**{part: Packed.restore(layer[part]) for part in LINEARS}, norms=layer["norms"], biases=layer["biases"])
             for layer in state["layers"]
         ]
         inverse = {name: (inverse, scale) for name, (inverse, scale) in state["inverse"].items()}
+        if config is not None:
+            inverse = _rotary_frequencies(config, shape)
         head = Packed.restore(state["head"])
         return cls(
-            Shape(**fields), state["name"], state["embedding"], layers, state["final_norm"], head, state["weights"], inverse,
+            shape, state["name"], state["embedding"], layers, state["final_norm"], head, state["weights"], inverse,
             state["format"],
         )
 
@@ -390,6 +393,10 @@ def _shape(config) -> Shape:
         scale, embed_scale, softcap = head_dim**-0.5, 1.0, None
     if head_dim % 16:
         raise ConfigError(f"the native backend needs a head size that is a multiple of 16, not {head_dim}: use --backend transformers")
+    widths = {"hidden": config.hidden_size, "FFN": config.intermediate_size, "attention": config.num_attention_heads * head_dim}
+    if odd := {name: width for name, width in widths.items() if width % 32}:
+        shown = ", ".join(f"{name} {width}" for name, width in odd.items())
+        raise ConfigError(f"the native formats need widths in multiples of 32, not {shown}: use --backend transformers")
     return Shape(
         family=family,
         heads=config.num_attention_heads,

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import struct
 import tempfile
 import time
@@ -33,9 +34,7 @@ DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 def safetensors_reader(folder: Path) -> Tensors:
     """A function reading one tensor of the folder's safetensors files by name (None if no file has it)."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{folder} has no .safetensors files: the native runtime loads safetensors checkpoints")
+    files = checkpoint_files(folder)
     where: dict[str, tuple[Path, int, dict]] = {}
     for file in files:
         damaged = ConfigError(f"{file} is not a safetensors file (its header is damaged): download it again")
@@ -48,7 +47,12 @@ def safetensors_reader(folder: Path) -> Tensors:
                 entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
                 for entry in entries.values():
                     begin, end = entry["data_offsets"]
-                    if not (0 <= begin <= end and all(isinstance(d, int) and d >= 0 for d in entry["shape"])):
+                    numbers = [begin, end, *entry["shape"]]
+                    if not (
+                        isinstance(entry["dtype"], str)
+                        and all(type(v) is int and v >= 0 for v in numbers)
+                        and begin <= end
+                    ):
                         raise damaged
             except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
                 raise damaged from None
@@ -59,11 +63,15 @@ def safetensors_reader(folder: Path) -> Tensors:
             return None
         file, base, entry = where[name]
         if entry["dtype"] not in DTYPES:
-            raise ConfigError(f"tensor {name} is {entry['dtype']}: the native runtime reads F32, F16 and BF16 checkpoints")
+            raise ConfigError(
+                f"tensor {name} is {entry['dtype']}: the native runtime reads F32, F16 and BF16 checkpoints"
+            )
         begin, end = entry["data_offsets"]
         dtype, shape = DTYPES[entry["dtype"]], entry["shape"]
         if end - begin != math.prod(shape) * dtype.itemsize:
-            raise ConfigError(f"tensor {name} of {file} has {end - begin} bytes for its shape {shape}: the file is damaged")
+            raise ConfigError(
+                f"tensor {name} of {file} has {end - begin} bytes for its shape {shape}: the file is damaged"
+            )
         data = torch.empty(end - begin, dtype=torch.uint8)
         with open(file, "rb") as handle:
             handle.seek(base + begin)
@@ -74,12 +82,29 @@ def safetensors_reader(folder: Path) -> Tensors:
     return read
 
 
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names (each must exist), else every one in the folder."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ConfigError(f"{index} is damaged (no weight_map): download the checkpoint again") from None
+        if missing := [name for name in names if not (folder / name).is_file()]:
+            raise ConfigError(f"{folder} lacks the shard(s) its index names: {', '.join(missing)}: download them")
+        return [folder / name for name in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{folder} has no .safetensors files: the native runtime loads safetensors checkpoints")
+    return files
+
+
 def cached_path(folder: Path, format: str) -> Path:
     """Where the packed model of ``folder``'s checkpoint in ``format`` is cached (keyed by the checkpoint's files)."""
     from specdec.models.registry import cache_root
 
     stamp = hashlib.sha256()
-    for file in sorted(folder.glob("*.safetensors")) + [folder / "config.json"]:
+    for file in checkpoint_files(folder) + [folder / "config.json"]:
         info = file.stat()
         stamp.update(f"{file.resolve()}|{info.st_size}|{info.st_mtime_ns}".encode())
     stamp.update(f"{format}|{STORE_VERSION}|{cpu_kernels.BUILD}".encode())
@@ -92,8 +117,8 @@ def load(folder: Path, config, format: str, say: Callable[[str], None] = log.war
     path = cached_path(folder, format)
     if path.exists():
         try:
-            return NativeModel.restore(torch.load(path, mmap=True, weights_only=True))
-        except Exception as exc:  # a damaged or foreign file: convert again rather than fail
+            return NativeModel.restore(torch.load(path, mmap=True, weights_only=True), config)
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as exc:
             log.warning("the cached native model %s could not be read (%s): converting again", path, exc)
     started = time.monotonic()
     say(f"converting {folder.name} to the native {format} format, once (cached in {path.parent})")
@@ -129,8 +154,14 @@ def save(model: NativeModel, path: Path) -> None:
         finally:
             if os.path.exists(staging):
                 os.unlink(staging)
-    except OSError as exc:
-        log.warning("the native model could not be cached in %s (%s): the next start converts it again", path.parent, exc)
+        stem = path.name.rsplit("-", 1)[0]  # the same checkpoint and format, converted before it changed
+        for older in path.parent.glob(f"{stem}-*.pt"):
+            if older != path:
+                older.unlink(missing_ok=True)
+    except (OSError, RuntimeError) as exc:  # torch.save's failed writes are RuntimeErrors
+        log.warning(
+            "the native model could not be cached in %s (%s): the next start converts it again", path.parent, exc
+        )
 
 
 MEASURE_BYTES = 2**30  # most int8 weight bytes the format measurement cycles through (beyond the caches here)
@@ -149,17 +180,30 @@ def measured_format(config) -> tuple[str, str]:
     from specdec.models.registry import cache_root
 
     width, outputs = config.hidden_size, 2 * config.intermediate_size
-    layer_bytes = config.num_hidden_layers * (3 * config.intermediate_size + 4 * config.hidden_size) * config.hidden_size
-    weights = layer_bytes + config.vocab_size * config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or width // config.num_attention_heads
+    attention = 2 * (config.num_attention_heads + config.num_key_value_heads) * head_dim * width
+    layer_bytes = config.num_hidden_layers * (3 * config.intermediate_size * width + attention)
     copies = max(1, min(layer_bytes, MEASURE_BYTES) // (width * outputs))
-    key = json.dumps([fingerprint(), torch.get_num_threads(), cpu_kernels.BUILD, width, outputs, copies, weights], sort_keys=True)
+    weights = layer_bytes + config.vocab_size * width
+    facts = [
+        fingerprint(),
+        torch.get_num_threads(),
+        cpu_kernels.BUILD,
+        cpu_kernels.variant(),
+        width,
+        outputs,
+        copies,
+        weights,
+    ]
+    key = json.dumps(facts, sort_keys=True)
     record = cache_root() / "formats" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         found = json.loads(record.read_text())
         return found["format"], found["why"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    costs = {format: _pass_times(cpu_kernels.FORMATS[format](torch.randn(outputs, width)), copies) for format in ("int8", "int4")}
+    weight = torch.randn(outputs, width, generator=torch.Generator().manual_seed(0))
+    costs = {format: _pass_times(cpu_kernels.FORMATS[format](weight), copies) for format in ("int8", "int4")}
     faster = "int4" if sum(costs["int4"]) < 0.9 * sum(costs["int8"]) else "int8"
     detail = ", ".join(f"{f} {a:.1f}/{b:.1f} ms" for f, (a, b) in costs.items())
     why = f"{copies} [{outputs} x {width}] matrices at 1/9 positions: {detail}"
@@ -168,14 +212,16 @@ def measured_format(config) -> tuple[str, str]:
         chosen, why = "int8", f"{why}; under {INT4_MIN_WEIGHTS / 1e9:.0f}B weights 4 bits cost too much perplexity"
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps({"format": chosen, "why": why}))
+        staging = record.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps({"format": chosen, "why": why}))
+        os.replace(staging, record)  # readers see a whole record or none
     except OSError:
         pass  # measured again next time
     return chosen, why
 
 
 def _pass_times(packed: cpu_kernels.Packed, copies: int) -> list[float]:
-    """Milliseconds for one product with each of ``copies`` copies of ``packed``, at 1 and at 9 positions (best of 3)."""
+    """Milliseconds for a product with each of ``copies`` copies of ``packed``, at 1 and 9 positions (best of 3)."""
     state = packed.state()
     layers = [packed] + [
         cpu_kernels.Packed.restore({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
@@ -183,7 +229,7 @@ def _pass_times(packed: cpu_kernels.Packed, copies: int) -> list[float]:
     ]
     times = []
     for n in (1, 9):
-        x = torch.randn(n, packed.in_features)
+        x = torch.randn(n, packed.in_features, generator=torch.Generator().manual_seed(n))
         best = float("inf")
         for _ in range(3):
             begin = time.perf_counter()

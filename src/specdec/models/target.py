@@ -9,9 +9,9 @@ from typing import Protocol
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from specdec.config import RuntimeConfig
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, ModelNotFoundError
 from specdec.models.backend import Backend, TransformersBackend
-from specdec.models.loading import LoadedModel, load_model, materialize
+from specdec.models.loading import LoadedModel, first_line, load_model, materialize
 from specdec.models.precision import apply_plan
 from specdec.models.registry import ALIASES, resolve
 
@@ -48,7 +48,12 @@ def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig
     transformers_format = runtime.dtype != "float32" or runtime.precision is not None  # auto means transformers then
     fallback = None
     if runtime.backend == "native" or (runtime.backend == "auto" and not transformers_format):
-        opened = _open_native(model, runtime.native_format)
+        folder = local_checkpoint(model) if isinstance(model, str) else None
+        if folder is not None:
+            opened = _open_checkpoint(model, folder, runtime.native_format)
+        else:  # a hub id or a model in memory: the transformers model is loaded (once) and converted
+            model = load_model(model) if isinstance(model, str) else model
+            opened = _open_loaded(model, runtime.native_format)
         if isinstance(opened, Target):
             return opened
         fallback = opened
@@ -60,34 +65,39 @@ def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig
     return Target(loaded.name, TransformersBackend(loaded.model), loaded.tokenizer, eos_ids(loaded), fallback=fallback)
 
 
-def _open_native(model: str | LoadedModel, format: str) -> Target | str:
-    """The target on the native runtime, or why it cannot run there. A name with a local checkpoint is loaded (or
-    memory-mapped from the converted cache) one tensor at a time, without building the transformers model."""
+def _open_checkpoint(name: str, folder: Path, format: str) -> Target | str:
+    """The target on the native runtime from a local checkpoint, loaded (or memory-mapped from the converted cache)
+    one tensor at a time without building the transformers model; or why it cannot run there."""
     from specdec.models import native, native_store
 
-    folder = local_checkpoint(model) if isinstance(model, str) else None
-    if folder is not None:
+    try:
         config = AutoConfig.from_pretrained(folder)
-        problem = native.unsupported(config.get_text_config())
-        if problem is not None:
-            return problem
-        text = config.get_text_config()
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelNotFoundError(f"could not read the config of '{name}' in {folder}: {first_line(exc)}") from None
+    text = config.get_text_config()
+    if (problem := native.unsupported(text)) is not None:
+        return problem
+    try:
         format, chosen = native.choose_format(text, format)
-        try:
-            weights = native_store.load(folder, text, format)
-        except (ConfigError, ValueError) as exc:  # a shape the native formats cannot hold, a damaged file
-            return f"the native backend cannot hold this model ({exc})"
-        tokenizer = _tokenizer(folder)
-        ids = _eos_from(config, _generation_config(folder), tokenizer)
-        return Target(model, native.NativeBackend(weights), tokenizer, ids, runtime="native", chosen=chosen)
-    loaded = load_model(model) if isinstance(model, str) else model
+        weights = native_store.load(folder, text, format)
+    except (ConfigError, ValueError) as exc:  # a shape the native formats cannot hold, a damaged file
+        return f"the native backend cannot hold this model ({exc})"
+    tokenizer = _tokenizer(folder)
+    ids = _eos_from(config, _generation_config(folder), tokenizer)
+    return Target(name, native.NativeBackend(weights), tokenizer, ids, runtime="native", chosen=chosen)
+
+
+def _open_loaded(loaded: LoadedModel, format: str) -> Target | str:
+    """The target on the native runtime from a transformers model in memory, or why it cannot run there."""
+    from specdec.models import native
+
     if next(loaded.model.parameters()).device.type != "cpu":
         return "the native backend runs on the CPU: use --backend transformers on other devices"
     text = loaded.model.config.get_text_config()
     if (problem := native.unsupported(text)) is not None:
         return problem
-    format, chosen = native.choose_format(text, format)
     try:
+        format, chosen = native.choose_format(text, format)
         weights = native.NativeModel.from_module(loaded.model, format)
     except (ConfigError, ValueError) as exc:
         return f"the native backend cannot hold this model ({exc})"

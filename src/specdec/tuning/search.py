@@ -30,6 +30,7 @@ from specdec.engine import Generator
 from specdec.errors import ConfigError, PromptError, SpecDecError
 from specdec.machine import fingerprint
 from specdec.models import DEFAULT_TARGET, Target, open_target, resolve
+from specdec.models.cpu_kernels import variant as kernel_variant
 from specdec.models.cpu_kernels import vnni_available
 from specdec.models.llamacpp import llama_cpp_installed
 from specdec.models.registry import bundled_draft
@@ -134,7 +135,7 @@ def runtime_candidates(target: str) -> dict[str, RuntimeConfig]:
 
     found: dict[str, RuntimeConfig] = {}
     cuda, vnni = torch.cuda.is_available(), vnni_available()
-    if not cuda and vnni:
+    if not cuda and kernel_variant() is not None:
         found["native"] = RuntimeConfig(backend="native")
     if llama_cpp_installed() and resolve(target).kind in ("alias", "gguf"):
         found["llama.cpp"] = RuntimeConfig(backend="llama.cpp")
