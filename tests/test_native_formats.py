@@ -194,12 +194,43 @@ def test_a_checkpoint_of_integer_tensors_is_refused_by_name(tmp_path) -> None:
         native_store.safetensors_reader(tmp_path)("w")
 
 
-def test_auto_chooses_a_format_by_measurement_and_says_how(checkpoint) -> None:
+def test_auto_chooses_a_format_by_measurement_and_says_how(checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     folder, _ = checkpoint
     target = open_target(str(folder), RuntimeConfig(backend="native"))
     assert target.backend.model.format in ("int8", "int4")
     assert target.chosen.startswith(f"--native-format auto chose {target.backend.model.format}, measured on ")
-    assert "int8" in target.chosen and "int4" in target.chosen and " ms" in target.chosen
+    monkeypatch.setattr(native_store, "_pass_times", lambda *a: pytest.fail("measured again"))
+    again = open_target(str(folder), RuntimeConfig(backend="native"))  # the measurement is kept per machine and shape
+    assert again.chosen == target.chosen
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    config.num_hidden_layers = 3  # another shape: measured afresh, here with int4 twice as fast
+    monkeypatch.setattr(
+        native_store, "_pass_times", lambda packed, copies: [1.0, 2.0] if packed.format == "int4" else [2.0, 4.0]
+    )
+    chosen, why = native_store.measured_format(config)
+    assert chosen == "int8" and "under 1B weights" in why  # a small model keeps int8
+    monkeypatch.setattr(native_store, "INT4_MIN_WEIGHTS", 0)
+    config.num_hidden_layers = 4
+    assert native_store.measured_format(config)[0] == "int4"
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_logits_do_not_depend_on_the_thread_count(family: str) -> None:
+    """Attention splits its queries into tasks by the thread count; a position's bits must not follow them."""
+    ids = torch.randint(3, 60, (1, 40), generator=torch.Generator().manual_seed(3))
+    backend = NativeBackend(NativeModel.from_module(models()[1][family], "int4"))
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 3, 8):
+            torch.set_num_threads(count)
+            backend.reset()
+            results.append(backend.forward(ids, last=40))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
 
 
 BUILDS = [name for name, (needs, _) in cpu_kernels.VARIANTS.items() if set(needs) <= cpu_kernels.cpu_flags()]

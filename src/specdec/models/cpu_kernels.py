@@ -609,6 +609,7 @@ class Packed(torch.nn.Module, abc.ABC):
     format: str  # "int8" or "int4"
     in_features: int
     out_features: int
+    packed: torch.Tensor  # the weights' integers, block-major (every format's main buffer)
 
     @abc.abstractmethod
     def product(self, kernel, rows: torch.Tensor) -> torch.Tensor:
@@ -823,7 +824,7 @@ def linear(x: torch.Tensor, weights: Packed) -> torch.Tensor:
     rows = x.reshape(-1, weights.in_features).float().contiguous()
     kernel = compiled() if rows.device.type == "cpu" else None
     if kernel is not None:
-        _on_cpu(*weights.buffers())
+        _on_cpu(weights.packed)  # its other buffers live where it does
         out = _call(weights.product, kernel, rows)[:, : weights.out_features]
     else:
         if not bool(torch.isfinite(rows).all()):
