@@ -14,10 +14,9 @@ round weights and activations (each format's perplexity against float32 is measu
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -150,13 +149,12 @@ class NativeModel:
         return model_native
 
     def state(self) -> dict:
-        """Every tensor and setting, in plain containers (``torch.save`` writes it; :meth:`restore` reads it back)."""
+        """The weights and what names them, in plain containers (``torch.save`` writes it; :meth:`restore` reads it)."""
         layers = [
             {"norms": layer.norms, "biases": layer.biases} | {part: getattr(layer, part).state() for part in LINEARS}
             for layer in self.layers
         ]
         return {
-            "shape": json.dumps(asdict(self.shape)),
             "name": self.name,
             "embedding": self.embedding,
             "layers": layers,
@@ -164,27 +162,20 @@ class NativeModel:
             "head": self.head.state(),
             "weights": self.weights,
             "format": self.format,
-            "inverse": {name: [inverse, scale] for name, (inverse, scale) in self._inverse.items()},
         }
 
     @classmethod
-    def restore(cls, state: dict, config=None) -> NativeModel:
-        """The model :meth:`state` wrote; with the checkpoint's ``config``, its shape and rotary tables are derived
-        afresh from it (only the weights come from the state)."""
-        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(state["shape"]).items()}
-        shape = Shape(**fields) if config is None else _shape(config)
+    def restore(cls, state: dict, config) -> NativeModel:
+        """The model :meth:`state` wrote, for the checkpoint of this (text) ``config``: its shape and rotary tables
+        are derived from the config again, the weights come from the state."""
+        shape = _shape(config)
         layers = [
             Layer(**{part: Packed.restore(layer[part]) for part in LINEARS}, norms=layer["norms"], biases=layer["biases"])
             for layer in state["layers"]
         ]
-        inverse = {name: (inverse, scale) for name, (inverse, scale) in state["inverse"].items()}
-        if config is not None:
-            inverse = _rotary_frequencies(config, shape)
-        head = Packed.restore(state["head"])
-        return cls(
-            shape, state["name"], state["embedding"], layers, state["final_norm"], head, state["weights"], inverse,
-            state["format"],
-        )
+        head, inverse = Packed.restore(state["head"]), _rotary_frequencies(config, shape)
+        weights, format = state["weights"], state["format"]
+        return cls(shape, state["name"], state["embedding"], layers, state["final_norm"], head, weights, inverse, format)
 
     def forward(
         self, tokens: torch.Tensor, cache: KVCache, last: int, visible: torch.Tensor | None = None, features: bool = False

@@ -28,7 +28,7 @@ from specdec.models import cpu_kernels
 from specdec.models.native import NativeModel, Tensors
 
 log = logging.getLogger("specdec")
-STORE_VERSION = 2  # the cached files' layout: change it with NativeModel.state or the packed buffers
+STORE_VERSION = 3  # the cached files' layout: change it with NativeModel.state or the packed buffers
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
