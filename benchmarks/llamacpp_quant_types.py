@@ -19,8 +19,6 @@ import sysconfig
 import time
 from pathlib import Path
 
-import torch
-
 from specdec import Generator
 from specdec.bench.perplexity import read_tokens, score
 from specdec.bench.prompts import load_prompts
@@ -47,17 +45,7 @@ def quantize(source: Path, out: Path, kind: str) -> Path:
 
 
 def llamacpp_nll(gguf: Path, tokens: list[int], window: int = 512) -> float:
-    backend = LlamaCppBackend(str(gguf))
-    total, count = 0.0, 0
-    for start in range(0, len(tokens) - 1, window):
-        ids = tokens[start : start + window]
-        if len(ids) < 2:
-            continue
-        backend.reset()
-        logits = backend.forward(torch.tensor([ids])).float()[0, :-1]
-        total += float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
-        count += len(ids) - 1
-    return total / count
+    return score(LlamaCppBackend(str(gguf)), tokens, window, lambda *a: None, gguf.name)
 
 
 def main() -> None:

@@ -16,9 +16,6 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from specdec.bench.perplexity import read_tokens, score
 from specdec.bench.prompts import DEFAULT_PROMPTS, prompt_sets
 from specdec.config import RuntimeConfig
@@ -30,23 +27,11 @@ MODELS = ("gemma-3-270m", "smollm2-135m-instruct")
 
 
 def llama_cpp_nll(gguf: Path, tokens: list[int], window: int) -> float:
-    """Mean negative log-likelihood of every token after the first of each window, from llama.cpp's logits."""
-    from specdec.models.llamacpp import require_llama_cpp
+    """Mean negative log-likelihood on llama.cpp, scored as every other column is (``bench.perplexity.score``)."""
+    from specdec.models.llamacpp import LlamaCppBackend, require_llama_cpp
 
-    llama_cpp = require_llama_cpp()
-    model = llama_cpp.Llama(str(gguf), n_ctx=window, logits_all=True, n_threads=torch.get_num_threads(), verbose=False)
-    total, count = 0.0, 0
-    for start in range(0, len(tokens) - 1, window):
-        ids = tokens[start : start + window]
-        if len(ids) < 2:
-            continue
-        model.reset()
-        model.eval(ids)
-        logits = torch.from_numpy(np.array(model.scores[: len(ids) - 1], dtype=np.float32))
-        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
-        total, count = total + float(nll), count + len(ids) - 1
-    del model
-    return total / count
+    require_llama_cpp()
+    return score(LlamaCppBackend(str(gguf)), tokens, window, lambda *a: None, "llama.cpp")
 
 
 def smollm2_q4_k_m(work: Path) -> Path:
