@@ -4,15 +4,17 @@ Usage: python benchmarks/attention_context.py --out FILE [--before SO] [--model 
 
 1. The attention kernel of one layer in the shapes of Llama-3.1-8B (32 query heads over 8 KV heads of 128) and
    Gemma-3-270M (4 over 1 of 256), at 512, 2048 and 8192 cached positions: milliseconds for 1 and for 9 new positions
-   (median of 31 calls), and the ratio. ``--before SO``: the same for an earlier build of the kernels (a compiled
-   module file), side by side, with a check that both give the same bits.
+   (median of 31 calls) and the ratio, over a paged cache of each element type (float32, bfloat16, float16).
+   ``--before SO``: the same for an earlier build of the kernels (a compiled module file over one contiguous float32
+   cache per layer), side by side, with a check that its float32 results have the same bits as the paged float32 cache.
 2. ``--model DIR`` (a safetensors folder the native runtime runs): a whole forward of 1 and of 9 new positions after
-   512 and 2048 cached ones, int4, so attention's share of a step shows next to the weights'.
+   512 and 2048 cached ones, int4, bfloat16 cache, so attention's share of a step shows next to the weights'.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import statistics
@@ -39,18 +41,37 @@ def median_ms(call, repeats: int = 31) -> float:
     return 1000 * statistics.median(times)
 
 
-def kernel_rows(module, label: str) -> dict:
+def inputs(heads: int, kv_heads: int, dim: int, context: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, heads, dim, generator=generator)
+    keys, values = (torch.randn(context + n, kv_heads, dim, generator=generator) for _ in range(2))
+    return q, keys, values
+
+
+def paged_call(dtype: str, heads: int, kv_heads: int, dim: int, context: int, n: int, seed: int = 0):
+    """One layer's attention of n new positions after ``context`` cached ones, over a paged cache of ``dtype``."""
+    q, keys, values = inputs(heads, kv_heads, dim, context, n, seed)
+    cache = cpu_kernels.PagedCache((0,), kv_heads, dim, dtype)
+    cache.reserve(context + n)
+    for index, page in enumerate(cache.pages[0]):  # the cached positions, written as the kernel writes them
+        span = slice(index * cpu_kernels.PAGE, min(context, (index + 1) * cpu_kernels.PAGE))
+        for part, tensor in enumerate((keys, values)):
+            page[part, :, : span.stop - span.start] = tensor[span].transpose(0, 1).to(page.dtype)
+    return lambda: cpu_kernels.attention(q, keys[context:], values[context:], cache, 0, context, 0, 0.1)
+
+
+def contiguous_call(module, heads: int, kv_heads: int, dim: int, context: int, n: int, seed: int = 0):
+    """The same over one contiguous float32 cache [kv heads, positions, dim] (the kernels before paging)."""
+    q, keys, values = inputs(heads, kv_heads, dim, context, n, seed)
+    k_cache, v_cache = keys.transpose(0, 1).contiguous(), values.transpose(0, 1).contiguous()
+    return lambda: module.attention(q, k_cache, v_cache, context, 0, 0.1, EMPTY_MASK, EMPTY_POSITIONS)
+
+
+def kernel_rows(label: str, make_call) -> dict:
     rows = {}
-    generator = torch.Generator().manual_seed(0)
     for shape, (heads, kv_heads, dim) in SHAPES.items():
         for context in CONTEXTS:
-            keys = torch.randn(kv_heads, context + 16, dim, generator=generator)
-            values = torch.randn(kv_heads, context + 16, dim, generator=generator)
-            cost = {}
-            for n in (1, 9):
-                q = torch.randn(n, heads, dim, generator=generator)
-                call = (q, keys, values, context, 0, 0.1, EMPTY_MASK, EMPTY_POSITIONS)
-                cost[n] = median_ms(lambda call=call: module.attention(*call))
+            cost = {n: median_ms(make_call(heads, kv_heads, dim, context, n)) for n in (1, 9)}
             rows[f"{shape} @ {context}"] = {"1": cost[1], "9": cost[9], "ratio": cost[9] / cost[1]}
             print(
                 f"{label} {shape} context {context}: {cost[1]:.3f} / {cost[9]:.3f} ms ({cost[9] / cost[1]:.2f}x)",
@@ -59,12 +80,9 @@ def kernel_rows(module, label: str) -> dict:
     return rows
 
 
-def same_bits(before, after) -> bool:
-    generator = torch.Generator().manual_seed(1)
-    keys, values = torch.randn(8, 700, 128, generator=generator), torch.randn(8, 700, 128, generator=generator)
-    q = torch.randn(9, 32, 128, generator=generator)
-    call = (q, keys, values, 600, 0, 0.1, EMPTY_MASK, EMPTY_POSITIONS)
-    return torch.equal(before.attention(*call), after.attention(*call))
+def same_bits(before) -> bool:
+    after = paged_call("float32", 32, 8, 128, 600, 9, seed=1)()
+    return torch.equal(contiguous_call(before, 32, 8, 128, 600, 9, seed=1)(), after)
 
 
 def whole_steps(folder: str) -> dict:
@@ -97,26 +115,25 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="an earlier build of the kernels (.so) to compare with")
     parser.add_argument("--model", help="a safetensors folder for whole steps")
     args = parser.parse_args()
-    after = cpu_kernels.compiled()
     results: dict = {"machine": fingerprint() | {"threads": torch.get_num_threads(), "kernels": cpu_kernels.variant()}}
-    results["after"] = kernel_rows(after, "after")
+    columns = []
     if args.before:
         spec = importlib.util.spec_from_file_location(args.before.stem, args.before)
         before = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(before)
-        results["before"] = kernel_rows(before, "before")
-        results["same_bits"] = same_bits(before, after)
+        results["before"] = kernel_rows("before", functools.partial(contiguous_call, before))
+        results["same_bits"] = same_bits(before)
+        columns.append("before")
+    for dtype in cpu_kernels.CACHE_DTYPES:
+        results[dtype] = kernel_rows(f"paged {dtype}", functools.partial(paged_call, dtype))
+        columns.append(dtype)
     if args.model:
         results["whole_steps"] = whole_steps(args.model)
     args.out.write_text(json.dumps(results, indent=1))
-    print(
-        "| shape @ context | "
-        + " | ".join(f"{k}: 1 / 9 positions (9 over 1)" for k in ("before", "after") if k in results)
-        + " |"
-    )
-    print("|---|" + "---|" * (2 if args.before else 1))
-    for key in results["after"]:
-        cells = [results[k][key] for k in ("before", "after") if k in results]
+    print("| shape @ context | " + " | ".join(f"{k}: 1 / 9 positions (9 over 1)" for k in columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for key in results[columns[-1]]:
+        cells = [results[k][key] for k in columns]
         print(f"| {key} | " + " | ".join(f"{c['1']:.2f} / {c['9']:.2f} ms ({c['ratio']:.2f}x)" for c in cells) + " |")
 
 

@@ -222,14 +222,17 @@ def test_kernels_refuse_bad_input_as_the_reference_does(monkeypatch: pytest.Monk
     for weight, words in ((torch.empty(0, 64), "non-empty matrix"), (torch.full((16, 64), float("nan")), "NaN or infinite")):
         with pytest.raises(ValueError, match=words):
             cpu_kernels.PackedInt8(weight)
-    meta = torch.empty(2, 4, 16, device="meta")
-    cache = torch.zeros(2, 8, 16)
+    meta, kv = torch.empty(2, 4, 16, device="meta"), torch.zeros(2, 2, 16)
+    cache = cpu_kernels.PagedCache((0,), kv_heads=2, head_dim=16)
+    cache.reserve(2)
     with pytest.raises(ValueError, match="compute on the CPU"):
-        cpu_kernels.attention(meta, cache, cache, 0, 0, 0.25)
+        cpu_kernels.attention(meta, kv, kv, cache, 0, 0, 0, 0.25)
     with pytest.raises(ValueError, match="compute on the CPU"):
         cpu_kernels.rms_norm(torch.empty(2, 16, device="meta"), torch.ones(16), 1e-6)
     with pytest.raises(ValueError, match="native kernel: attention shapes"):
-        cpu_kernels.attention(torch.randn(2, 3, 16), cache, cache, 0, 0, 0.25)  # 3 query heads over 2 kv heads
+        cpu_kernels.attention(torch.randn(2, 3, 16), kv, kv, cache, 0, 0, 0, 0.25)  # 3 query heads over 2 kv heads
+    with pytest.raises(ValueError, match="native kernel: the cache does not hold the pages"):
+        cpu_kernels.attention(torch.randn(2, 4, 16), kv, kv, cache, 0, cpu_kernels.PAGE, 0, 0.25)  # none reserved there
     with pytest.raises(ValueError, match="native kernel: the norm's width"):
         cpu_kernels.rms_norm(torch.randn(2, 16), torch.ones(0), 1e-6)
 

@@ -41,8 +41,8 @@ from specdec.drafters.base import DraftSettings, Proposal
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels, native
 from specdec.models.backend import model_identity, tree_mask, tree_positions
-from specdec.models.cpu_kernels import PackedInt8
-from specdec.models.native import KVCache, NativeModel
+from specdec.models.cpu_kernels import PackedInt8, PagedCache
+from specdec.models.native import NativeModel
 from specdec.verification.shaping import to_probs
 
 MAX_DEPTH = 6  # levels of a tree: deeper nodes are rarely reached and each level costs a forward of the head
@@ -164,17 +164,17 @@ class NativeHead:
         self.max_position = self.model.shape.max_context
         self.identity = f"eagle head|native int8|{model_identity(module)}"
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.model)
+    def new_cache(self) -> PagedCache:
+        return native.new_cache(self.model)
 
-    def length(self, cache: KVCache) -> int:
+    def length(self, cache: PagedCache) -> int:
         return cache.length
 
-    def truncate(self, cache: KVCache, length: int) -> None:
-        cache.length = min(cache.length, length)
+    def truncate(self, cache: PagedCache, length: int) -> None:
+        cache.truncate(min(cache.length, length))
 
     def run(
-        self, cache: KVCache, tokens: torch.Tensor, features: torch.Tensor, parents: torch.Tensor | None
+        self, cache: PagedCache, tokens: torch.Tensor, features: torch.Tensor, parents: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`ModuleHead.run`."""
         x = cpu_kernels.linear(torch.cat([self.embed(tokens).float(), features.float()], dim=-1), self.fc)

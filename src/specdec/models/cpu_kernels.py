@@ -33,13 +33,14 @@ from pathlib import Path
 
 import torch
 
+from specdec.errors import ConfigError
 from specdec.machine import cpu_flags
 
 log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = "specdec_cpu_kernels_v17"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+BUILD = "specdec_cpu_kernels_v18"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -421,49 +422,71 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     return y;
 }
 
-// q: [n, H, D]; caches: [Hkv, capacity, D], the n new positions already written at start..start+n-1. With
-// `visible` empty they are a chain: position start + i sees keys lo..start + i (lo: the sliding window's first key,
-// or 0). Otherwise `visible` (uint8 [n, n]) is a tree: new position i sees the cached keys from lo and the new ones
-// j with visible[i][j] (itself and its ancestors), at its position in the text, `positions[i]` (start + its depth). Keys are read
-// in cache order, so a tree node's result has the same bits as the same token decoded along its path alone.
-torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, int64_t window, double scale,
-                        torch::Tensor visible, torch::Tensor positions) {
-    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous float32 [n, heads, dim]");
-    TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() &&
-                v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 3, "float32 caches [kv heads, capacity, dim]");
-    const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0), capacity = k_cache.size(1);
-    TORCH_CHECK(dim % 16 == 0 && k_cache.size(2) == dim && heads % kv_heads == 0 && start + n <= capacity, "attention shapes");
-    const bool tree = visible.numel() > 0;
-    TORCH_CHECK(!tree || (visible.scalar_type() == torch::kUInt8 && visible.is_contiguous() && visible.size(0) == n && visible.size(1) == n),
-                "visible: contiguous uint8 [n, n]");
-    TORCH_CHECK(!tree || (positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == n),
-                "positions: contiguous int64 [n]");
-    auto out = torch::empty_like(q);
-    pybind11::gil_scoped_release no_gil;
-    const float* qp = q.data_ptr<float>();
-    const float* kp = k_cache.data_ptr<float>();
-    const float* vp = v_cache.data_ptr<float>();
-    const uint8_t* seen = tree ? visible.data_ptr<uint8_t>() : nullptr;
-    float* op = out.data_ptr<float>();
-    const int64_t group = heads / kv_heads, queries = n * group;  // the query heads that share a KV head, at every position
-    std::vector<int64_t> position(n);  // of each new key and query in the text
-    for (int64_t i = 0; i < n; ++i) position[i] = tree ? positions.data_ptr<int64_t>()[i] : start + i;
-    // Each task takes a chunk of one KV head's queries and reads that head's keys and values once, a block at a time, for
-    // all of them; the chunks only spread the work over threads. A query's arithmetic is the same in any chunk and at any n:
-    // its visible keys in cache order, the scores, their maximum, exp and sum, then per output lane sum(p v) in key order.
-    const int64_t per_head = std::max<int64_t>(1, (2 * at::get_num_threads() + kv_heads - 1) / kv_heads);  // ~2 tasks a thread
+// The KV cache's element types: float32 (0), bfloat16 (1), float16 (2). Values are rounded to nearest even once, when
+// written, and read back as float32, so a key has the same bits whichever positions are scored with it.
+static inline vf v_load_bf16(const uint16_t* p) {
+#if defined(__AVX512F__)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#else
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8))), 16))};
+#endif
+}
+template <int KIND> static inline vf v_load_kv(const char* p) {
+    if constexpr (KIND == 0) return v_loadu_ps((const float*)p);
+    else if constexpr (KIND == 1) return v_load_bf16((const uint16_t*)p);
+    else return v_load_half((const uint16_t*)p);
+}
+static void store_kv(int64_t kind, char* to, const float* x, int64_t dim) {
+    if (kind == 0) std::memcpy(to, x, dim * sizeof(float));
+    for (int64_t e = 0; kind == 1 && e < dim; ++e) ((uint16_t*)to)[e] = c10::BFloat16(x[e]).x;
+    for (int64_t e = 0; kind == 2 && e < dim; ++e) ((uint16_t*)to)[e] = c10::Half(x[e]).x;
+}
+
+// A layer's pages: `table[p]` is the address of page p, [2, kv heads, page, dim] (keys, then values), or 0 if not held.
+struct Pages {
+    const int64_t* table;
+    int64_t count, page, kv_heads, dim, bytes, shift;  // pages in the table, positions per page (2^shift), element size
+    char* at(int64_t part, int64_t head, int64_t index) const {
+        return (char*)table[index >> shift] + ((part * kv_heads + head) * page + (index & (page - 1))) * dim * bytes;
+    }
+    bool held(int64_t from, int64_t to) const {  // every page of positions from..to-1
+        for (int64_t p = from / page; p < (to + page - 1) / page; ++p)
+            if (p >= count || table[p] == 0) return false;
+        return true;
+    }
+};
+
+static Pages pages_of(torch::Tensor tables, int64_t layer, int64_t kind, int64_t page, int64_t kv_heads, int64_t dim) {
+    TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == torch::kInt64 && tables.is_contiguous() && layer >= 0 &&
+                    layer < tables.size(0), "tables: contiguous int64 [layers, pages]");
+    TORCH_CHECK(kind >= 0 && kind <= 2 && page > 0 && (page & (page - 1)) == 0, "cache kind 0, 1 or 2, pages of 2^k");
+    int64_t shift = 0;
+    while ((int64_t{1} << shift) < page) ++shift;
+    return {tables.data_ptr<int64_t>() + layer * tables.size(1), tables.size(1), page, kv_heads, dim, kind == 0 ? 4 : 2, shift};
+}
+
+// The body of `attention`, for one cache element type. Each task takes a chunk of one KV head's queries and reads that
+// head's keys and values once, a block at a time, for all of them; the chunks only spread the work over threads. A
+// query's arithmetic is the same in any chunk and at any n: its visible keys in cache order, the scores, their maximum,
+// exp and sum, then per output lane sum(p v) in key order.
+template <int KIND>
+static void attend(const float* qp, float* op, const Pages& pages, int64_t n, int64_t heads, int64_t start, int64_t window,
+                   float scale, const uint8_t* seen, const std::vector<int64_t>& position) {
+    const int64_t dim = pages.dim, kv_heads = pages.kv_heads, group = heads / kv_heads, queries = n * group;
+    const bool tree = seen != nullptr;
+    const int64_t bytes = pages.bytes, values = kv_heads * pages.page * dim * bytes;  // a page's keys, then its values
+    const int64_t per_head = std::max<int64_t>(1, (2 * at::get_num_threads() + kv_heads - 1) / kv_heads);  // ~2 a thread
     const int64_t chunk = std::min<int64_t>(64, (queries + per_head - 1) / per_head);  // bounds each task's lists
-    if (queries == 0) return out;
     const int64_t chunks = (queries + chunk - 1) / chunk;
     at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
         std::vector<std::vector<int64_t>> reads(chunk);
+        std::vector<std::vector<const char*>> rows(chunk);  // each read key's address (its value's: + values)
         std::vector<std::vector<float>> scores(chunk);
         std::vector<float> acc(chunk * dim), total(chunk);
         std::vector<size_t> cursor(chunk);
         for (int64_t task = begin; task < end; ++task) {
             const int64_t kv = task / chunks, first = (task % chunks) * chunk, count = std::min(chunk, queries - first);
-            const float* keys = kp + kv * capacity * dim;
-            const float* values = vp + kv * capacity * dim;
             int64_t last = 0;  // one past the highest key any query of the chunk reads
             for (int64_t c = 0; c < count; ++c) {
                 const int64_t i = (first + c) / group, pos = position[i];
@@ -476,6 +499,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
                         if (seen[i * n + j] && position[j] >= lo) read.push_back(start + j);
                 if (!read.empty()) last = std::max(last, read.back() + 1);
                 scores[c].resize(read.size());
+                rows[c].resize(read.size());
+                for (size_t r = 0; r < read.size(); ++r) rows[c][r] = pages.at(0, kv, read[r]);
             }
             const int64_t block = 64;
             std::fill(cursor.begin(), cursor.end(), 0);
@@ -485,10 +510,11 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
                     const int64_t i = (first + c) / group, h = kv * group + (first + c) % group;
                     const float* query = qp + (i * heads + h) * dim;
                     for (size_t& r = cursor[c]; r < read.size() && read[r] < b + block; ++r) {
+                        const char* key = rows[c][r];
                         vf sum = v_setzero_ps();
                         for (int64_t d = 0; d < dim; d += 16)
-                            sum = v_fmadd_ps(v_loadu_ps(query + d), v_loadu_ps(keys + read[r] * dim + d), sum);
-                        scores[c][r] = v_reduce_add_ps(sum) * (float)scale;
+                            sum = v_fmadd_ps(v_loadu_ps(query + d), v_load_kv<KIND>(key + d * bytes), sum);
+                        scores[c][r] = v_reduce_add_ps(sum) * scale;
                     }
                 }
             for (int64_t c = 0; c < count; ++c) {
@@ -510,7 +536,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
                     for (int64_t d = 0; d < dim; d += 16) {
                         vf lane = v_loadu_ps(a + d);
                         for (size_t x = from; x < r; ++x)
-                            lane = v_fmadd_ps(v_set1_ps(scores[c][x]), v_loadu_ps(values + read[x] * dim + d), lane);
+                            lane = v_fmadd_ps(v_set1_ps(scores[c][x]), v_load_kv<KIND>(rows[c][x] + values + d * bytes), lane);
                         v_storeu_ps(a + d, lane);
                     }
                 }
@@ -522,7 +548,68 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
             }
         }
     });
+}
+
+// q: [n, heads, dim]; k, v: the n new positions' keys and values [n, kv heads, dim], written first into the layer's pages
+// at start..start+n-1. With `visible` empty the new positions are a chain: position start + i sees keys lo..start + i
+// (lo: the sliding window's first key, or 0). Otherwise `visible` (uint8 [n, n]) is a tree: new position i sees the
+// cached keys from lo and the new ones j with visible[i][j] (itself and its ancestors), at its position in the text,
+// `positions[i]` (start + its depth). Keys are read in cache order, so a tree node's result has the same bits as the
+// same token decoded along its path alone.
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, int64_t layer, int64_t kind,
+                        int64_t page, int64_t start, int64_t window, double scale, torch::Tensor visible, torch::Tensor positions) {
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous float32 [n, heads, dim]");
+    const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
+    TORCH_CHECK(k.dim() == 3 && k.scalar_type() == torch::kFloat32 && k.is_contiguous() && k.size(0) == n && k.size(2) == dim &&
+                    k.sizes() == v.sizes() && v.scalar_type() == torch::kFloat32 && v.is_contiguous(),
+                "k, v: contiguous float32 [n, kv heads, dim]");
+    const int64_t kv_heads = k.size(1);
+    TORCH_CHECK(dim % 16 == 0 && kv_heads > 0 && heads % kv_heads == 0 && start >= 0, "attention shapes");
+    const Pages pages = pages_of(tables, layer, kind, page, kv_heads, dim);
+    const int64_t lowest = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;  // the first key any query reads
+    TORCH_CHECK(pages.held(std::min(lowest, start), start + n), "the cache does not hold the pages this step reads");
+    const bool tree = visible.numel() > 0;
+    TORCH_CHECK(!tree || (visible.scalar_type() == torch::kUInt8 && visible.is_contiguous() && visible.size(0) == n && visible.size(1) == n),
+                "visible: contiguous uint8 [n, n]");
+    TORCH_CHECK(!tree || (positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == n),
+                "positions: contiguous int64 [n]");
+    auto out = torch::empty_like(q);
+    pybind11::gil_scoped_release no_gil;
+    const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            store_kv(kind, pages.at(0, h, start + i), kp + (i * kv_heads + h) * dim, dim);
+            store_kv(kind, pages.at(1, h, start + i), vp + (i * kv_heads + h) * dim, dim);
+        }
+    if (n == 0) return out;
+    std::vector<int64_t> position(n);  // of each new key and query in the text
+    for (int64_t i = 0; i < n; ++i) position[i] = tree ? positions.data_ptr<int64_t>()[i] : start + i;
+    const uint8_t* seen = tree ? visible.data_ptr<uint8_t>() : nullptr;
+    const float* qp = q.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    if (kind == 0) attend<0>(qp, op, pages, n, heads, start, window, (float)scale, seen, position);
+    else if (kind == 1) attend<1>(qp, op, pages, n, heads, start, window, (float)scale, seen, position);
+    else attend<2>(qp, op, pages, n, heads, start, window, (float)scale, seen, position);
     return out;
+}
+
+// A tree's accepted path: the keys and values at `sources` (ascending cache indices) move to target, target + 1, ...,
+// in every layer's pages (each source at or after its target, so moving in order overwrites nothing still to move).
+void move_positions(torch::Tensor tables, int64_t kind, int64_t page, int64_t kv_heads, int64_t dim, torch::Tensor sources,
+                    int64_t target) {
+    TORCH_CHECK(sources.scalar_type() == torch::kInt64 && sources.is_contiguous() && sources.dim() == 1, "sources: int64 [m]");
+    const int64_t m = sources.numel(), *from = sources.data_ptr<int64_t>();
+    for (int64_t r = 0; r < m; ++r)
+        TORCH_CHECK(from[r] >= target + r && (r == 0 || from[r] > from[r - 1]), "sources ascend, each at or after its target");
+    for (int64_t layer = 0; layer < tables.size(0); ++layer) {
+        const Pages pages = pages_of(tables, layer, kind, page, kv_heads, dim);
+        TORCH_CHECK(m == 0 || pages.held(target, from[m - 1] + 1), "the cache does not hold the positions to move");
+        for (int64_t r = 0; r < m; ++r)
+            if (from[r] != target + r)
+                for (int64_t part = 0; part < 2; ++part)
+                    for (int64_t h = 0; h < kv_heads; ++h)
+                        std::memcpy(pages.at(part, h, target + r), pages.at(part, h, from[r]), dim * pages.bytes);
+    }
 }
 
 // exp(x) by Cephes' method: x = m ln2 + r, exp(r) by a polynomial, times 2^m. NaN stays NaN (max and min return their
@@ -835,15 +922,18 @@ def linear(x: torch.Tensor, weights: Packed) -> torch.Tensor:
 
 def attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: PagedCache,
+    layer: int,
     start: int,
     window: int,
     scale: float,
     visible: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of q [n, heads, dim] (new keys at start..start+n-1) over the caches [kv_heads, capacity, dim]; window 0 = all keys.
+    """Attention of q [n, heads, dim] over ``layer``'s cached keys and values and the new ones k, v [n, kv_heads, dim],
+    which are written into the cache at start..start+n-1 first; window 0 = all keys.
 
     ``visible`` None: the new positions are a chain (start..start+n-1); a bool [n, n] mask: a tree, node i seeing
     the new nodes j where it is True (itself and its ancestors), at ``positions[i]`` in the text (start + its depth).
@@ -851,11 +941,86 @@ def attention(
     kernel = compiled()
     if kernel is None:
         raise RuntimeError("the attention kernel is not built on this machine")
-    _on_cpu(q, k_cache, v_cache)
+    _on_cpu(q, k, v)
     chain = visible is None  # the kernel reads empty tensors as a chain
     mask = torch.empty(0, dtype=torch.uint8) if chain else visible.to(torch.uint8).contiguous()
     where = torch.empty(0, dtype=torch.long) if chain else positions.to(torch.long).contiguous()
-    return _call(kernel.attention, q.contiguous(), k_cache, v_cache, start, window, scale, mask, where)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return _call(kernel.attention, q, k, v, cache.tables, layer, cache.kind, PAGE, start, window, scale, mask, where)
+
+
+PAGE = 256  # positions per page of a PagedCache (a power of two)
+CACHE_DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}  # the kernel's codes for the cache's element types
+
+
+class PagedCache:
+    """Keys and values of one sequence, per layer in pages of PAGE positions ([2, kv heads, PAGE, head dim]: keys, then
+    values) of ``dtype``, written and read by :func:`attention`. Growing adds pages and copies nothing; a layer with a
+    sliding window releases the pages more than one page behind its window, so it holds about window + 2 pages at any
+    length (a truncation may go back up to a page; further back the cache says it cannot).
+    """
+
+    def __init__(self, windows: tuple[int, ...], kv_heads: int, head_dim: int, dtype: str = "bfloat16") -> None:
+        if dtype not in CACHE_DTYPES:
+            raise ConfigError(f"unknown KV cache type '{dtype}': use one of {', '.join(CACHE_DTYPES)}")
+        self.windows, self.kv_heads, self.head_dim, self.dtype = windows, kv_heads, head_dim, dtype
+        self.kind = CACHE_DTYPES[dtype]
+        self.length = 0
+        self.pages: list[list[torch.Tensor | None]] = [[] for _ in windows]
+        self.tables = torch.zeros(len(windows), 4, dtype=torch.long)  # each page's address, 0 where none is held
+        self._swept = 0  # the length up to which windowed layers have released pages
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pages held."""
+        return sum(page.nbytes for pages in self.pages for page in pages if page is not None)
+
+    def reserve(self, length: int) -> None:
+        """Hold the pages for positions up to ``length`` (written next), after releasing those no window reads again."""
+        if self.length >= self._swept + PAGE:
+            self._release()
+        wanted = -(-length // PAGE)
+        if wanted > self.tables.shape[1]:
+            tables = torch.zeros(len(self.windows), max(wanted, 2 * self.tables.shape[1]), dtype=torch.long)
+            tables[:, : self.tables.shape[1]] = self.tables
+            self.tables = tables
+        first = self.length // PAGE  # pages below hold written positions (or were released)
+        for layer, pages in enumerate(self.pages):
+            pages.extend([None] * (wanted - len(pages)))
+            for index in range(first, wanted):
+                if pages[index] is None:
+                    size = (2, self.kv_heads, PAGE, self.head_dim)
+                    page = pages[index] = torch.empty(size, dtype=getattr(torch, self.dtype))
+                    self.tables[layer, index] = page.data_ptr()
+
+    def truncate(self, length: int, branch: list[int] | None = None) -> None:
+        """Keep the first ``length`` positions; with ``branch`` (ascending cache indices, a tree's accepted path) the
+        last len(branch) of them are the states at those indices."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        for layer, window in enumerate(self.windows):
+            lowest = max(0, length - window + 1) if window and length else length
+            if any(page is None for page in self.pages[layer][lowest // PAGE : -(-length // PAGE)]):
+                raise ValueError(
+                    f"the sliding-window cache no longer holds position {lowest}: truncate at most {PAGE} positions "
+                    f"behind the last step, or reset and run the text again"
+                )
+        if branch:
+            kernel = compiled()
+            sources = torch.tensor(branch, dtype=torch.long)
+            move = kernel.move_positions
+            _call(move, self.tables, self.kind, PAGE, self.kv_heads, self.head_dim, sources, length - len(branch))
+        self.length = length
+        self._swept = min(self._swept, length)
+
+    def _release(self) -> None:
+        for layer, window in enumerate(self.windows):
+            if window:
+                below = max(0, self.length - window + 1 - PAGE) // PAGE  # pages wholly before the window, less one page
+                for index in range(min(below, len(self.pages[layer]))):
+                    self.pages[layer][index] = None
+                    self.tables[layer, index] = 0
+        self._swept = self.length
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -1005,7 +1170,7 @@ def build(wait_s: float = BUILD_WAIT_S, name: str | None = None):
             return load_inline(
                 module_name(name),
                 cpp_sources=SOURCE,
-                functions=["int8_linear", "int4_linear", "attention", "rms_norm", "gated"],
+                functions=["int8_linear", "int4_linear", "attention", "move_positions", "rms_norm", "gated"],
                 extra_cflags=["-O3", *VARIANTS[name][1], "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),

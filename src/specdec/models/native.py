@@ -1,4 +1,4 @@
-"""specdec's own CPU runtime for Gemma-3, Llama, Mistral and Qwen2/3 models: one file, a float32 KV cache, packed weights.
+"""specdec's own CPU runtime for Gemma-3, Llama, Mistral and Qwen2/3 models: one file, a paged KV cache, packed weights.
 
 On a CPU, transformers verifies nine positions almost for the price of one but pays in framework time and kernels
 made for other shapes; llama.cpp's step is fast but every extra position costs almost as much as the first. Here every
@@ -9,7 +9,8 @@ is left between them is a few dozen small tensor operations per layer.
 A position's logits do not depend on how many positions are scored with it, nor on the thread count (integer
 products, attention computed per position, row-wise norms and activations), so speculative greedy decoding on this
 backend is token-identical to its own one-token decoding. Its numbers are not transformers' float32 ones: the formats
-round weights and activations (each format's perplexity against float32 is measured in the benchmarks).
+round weights and activations, and the KV cache keeps bfloat16 keys and values by default (each format's perplexity
+against float32 is measured in the benchmarks).
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from transformers import PreTrainedModel
 
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels
-from specdec.models.backend import keep_branch, tree_mask, tree_positions
-from specdec.models.cpu_kernels import FORMATS, Packed, PackedInt8
+from specdec.models.backend import tree_mask, tree_positions
+from specdec.models.cpu_kernels import FORMATS, Packed, PackedInt8, PagedCache
 
 log = logging.getLogger("specdec")
 FAMILIES = ("gemma3_text", "llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # tables fixed at load (dynamic and longrope vary with length)
-FIRST_CAPACITY = 256  # cached positions allocated at first; doubled when full, up to the model's context
+FIRST_CAPACITY = 256  # positions of the rotary tables at first; doubled as the text grows
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ class NativeModel:
         return cls(shape, state["name"], state["embedding"], layers, state["final_norm"], head, weights, inverse, format)
 
     def forward(
-        self, tokens: torch.Tensor, cache: KVCache, last: int, visible: torch.Tensor | None = None, features: bool = False
+        self, tokens: torch.Tensor, cache: PagedCache, last: int, visible: torch.Tensor | None = None, features: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [last, V] of the last ``last`` of ``tokens`` [n], appended to ``cache`` at its length; with ``features``
         also every position's final hidden state [n, H] (what the output head reads), else None. ``tokens`` may also be
@@ -204,10 +205,8 @@ class NativeModel:
                 q, k = cpu_kernels.rms_norm(q, norms["q_norm"], shape.eps), cpu_kernels.rms_norm(k, norms["k_norm"], shape.eps)
             cos, sin = rotary[shape.rotary[index]]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            keys, values = cache.keys[index], cache.values[index]
-            keys[:, start : start + n] = k.transpose(0, 1)
-            values[:, start : start + n] = v.transpose(0, 1)
-            attended = cpu_kernels.attention(q, keys, values, start, shape.windows[index], shape.scale, visible, positions)
+            window = shape.windows[index]
+            attended = cpu_kernels.attention(q, k, v, cache, index, start, window, shape.scale, visible, positions)
             out = _linear(attended.view(n, q_width), layer.out, layer.biases.get("out"))
             if gemma:
                 x = x + cpu_kernels.rms_norm(out, norms["post_attention_layernorm"], shape.eps)
@@ -244,32 +243,10 @@ class NativeModel:
         return table[0][positions, None], table[1][positions, None]
 
 
-class KVCache:
-    """Keys and values of one sequence, float32 [kv_heads, capacity, head_dim] per layer; grown by doubling."""
-
-    def __init__(self, model: NativeModel) -> None:
-        self.model = model
-        self.length = 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self._allocate(FIRST_CAPACITY)
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[1]
-
-    def reserve(self, length: int) -> None:
-        if length > self.capacity:
-            self._allocate(max(length, min(2 * self.capacity, self.model.shape.max_context)))
-
-    def _allocate(self, capacity: int) -> None:
-        shape = self.model.shape
-        size = (shape.kv_heads, capacity, shape.head_dim)
-        keys = [torch.zeros(size) for _ in self.model.layers]
-        values = [torch.zeros(size) for _ in self.model.layers]
-        for old, new in zip(self.keys + self.values, keys + values, strict=False):  # none at first
-            new[:, : self.length] = old[:, : self.length]
-        self.keys, self.values = keys, values
+def new_cache(model: NativeModel, dtype: str = "bfloat16") -> PagedCache:
+    """An empty KV cache for one sequence of ``model`` (``dtype``: float32, bfloat16 or float16)."""
+    shape = model.shape
+    return PagedCache(shape.windows, shape.kv_heads, shape.head_dim, dtype)
 
 
 class NativeBackend:
@@ -277,31 +254,32 @@ class NativeBackend:
 
     trees = True
 
-    def __init__(self, model: NativeModel) -> None:
+    def __init__(self, model: NativeModel, cache_dtype: str = "bfloat16") -> None:
         self.model = model
         self.vocab_size = model.vocab_size
         self.max_context = model.shape.max_context
-        self.cache = KVCache(model)
+        self.cache = new_cache(model, cache_dtype)
         self.last_features: torch.Tensor | None = None
 
     @property
     def identity(self) -> str:
         model = self.model
-        return f"native|{model.name}|{model.weights}|{model.format}|{cpu_kernels.BUILD}|cpu|threads={torch.get_num_threads()}"
+        cache, threads = self.cache.dtype, torch.get_num_threads()
+        return f"native|{model.name}|{model.weights}|{model.format}|kv={cache}|{cpu_kernels.BUILD}|cpu|threads={threads}"
 
     @property
     def cached_length(self) -> int:
         return self.cache.length
 
     def fork(self) -> NativeBackend:
-        return NativeBackend(self.model)
+        return NativeBackend(self.model, self.cache.dtype)
 
     def token_embeddings(self):
         """The model's input embedding as a function of token ids (a feature-conditioned draft embeds with it)."""
         return self.model.embed
 
     def reset(self) -> None:
-        self.cache.length = 0
+        self.cache.truncate(0)
 
     @torch.inference_mode()
     def forward(
@@ -318,12 +296,7 @@ class NativeBackend:
         return logits[None]
 
     def truncate(self, length: int, branch: list[int] | None = None) -> None:
-        if not 0 <= length <= self.cache.length:
-            raise ValueError(f"cannot truncate a cache of {self.cache.length} positions to {length}")
-        if branch:  # a tree's accepted path moves next to the positions before it
-            for layer in self.cache.keys + self.cache.values:
-                keep_branch(layer, 1, length, branch)
-        self.cache.length = length
+        self.cache.truncate(length, branch)
 
 
 def unsupported(config) -> str | None:
