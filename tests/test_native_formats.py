@@ -270,3 +270,13 @@ def test_every_kernel_build_this_cpu_runs_gives_the_same_bits(
         monkeypatch.setattr(cpu_kernels, "compiled", lambda: default)
         assert torch.equal(got, NativeBackend(native).forward(ids, last=ids.shape[1])), family
         monkeypatch.setattr(cpu_kernels, "compiled", lambda: build)
+
+
+def test_an_arm_cpu_with_sdot_gets_the_neon_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The NEON build is chosen by the flags an ARM CPU reports (compiled for aarch64 with SDOT, not run here)."""
+    arm = frozenset({"fp", "asimd", "evtstrm", "aes", "crc32", "asimddp", "fphp", "asimdhp"})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: arm)
+    monkeypatch.delenv(cpu_kernels.FORCE, raising=False)
+    assert cpu_kernels.variant() == "neon" and "-march=armv8.2-a+dotprod" in cpu_kernels.VARIANTS["neon"][1]
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: arm - {"asimddp"})  # an ARMv8.0 core: no SDOT
+    assert cpu_kernels.variant() is None

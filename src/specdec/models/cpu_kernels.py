@@ -8,17 +8,17 @@ more than one. The kernels are built for that:
   4 bits, a step and a minimum per 32 inputs) and int8 activations (one scale per group of a position's inputs, so an
   outlier spoils only its group). Integer products are exact; the float32 steps after them run in a fixed order. The
   weights are packed in blocks of 16 outputs, each read from memory once per call, whatever the number of positions.
-- ``attention(...)``: causal (optionally sliding-window, or tree) attention of new positions over a float32 cache:
-  each KV head's keys and values are read once for all the queries that share them, and each (position, head) pair is
+- ``attention(...)``: causal (optionally sliding-window, or tree) attention of new positions over a paged KV cache
+  (``PagedCache``: float32, bfloat16 or float16, written by the kernel as the new keys arrive): each KV head's keys and values are read once for all the queries that share them, and each (position, head) pair is
   computed over exactly its visible keys, in one order; ``rms_norm``, each row alone; ``gated``, the MLP's activation
   times its up projection, every value by one vector code path (torch's activations take other paths at the ends of
   the slices its threads share, so their bits depend on the row count and threads).
 
 One C++ source, compiled on first use with torch's cpp_extension (g++ and ninja, under a minute, then cached in
-``build_folder()``) for the best of ``VARIANTS`` this CPU runs: AVX-512 VNNI, AVX2 with AVX-VNNI, or AVX2; the three
-give the same bits. Where none can be built (no AVX2, no compiler), ``linear`` gives the same numbers from each
-format's float64 reference (exact, only slower) and the other kernels are unavailable (the native backend says so).
-ARM (NEON) has no build yet.
+``build_folder()``) for the best of ``VARIANTS`` this CPU runs: AVX-512 VNNI, AVX2 with AVX-VNNI, AVX2, or ARM NEON
+with SDOT; all give the same bits. Where none can be built (no AVX2 or SDOT, no compiler), ``linear`` gives the same
+numbers from each format's float64 reference (exact, only slower) and the other kernels are unavailable (the native
+backend says so).
 """
 
 from __future__ import annotations
@@ -40,20 +40,24 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = "specdec_cpu_kernels_v18"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+BUILD = "specdec_cpu_kernels_v19"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
 
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#else
 #include <immintrin.h>
+#endif
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
-// The kernels below are written once against 16-lane vectors: vf (float32), vi (int32), and compiled twice: with AVX-512
-// (one register each) or with AVX2 (two registers each). Every lane-wise step is the same instruction on either, and the
-// horizontal sum takes one fixed order, so the two builds give the same bits. Integer dot products of 4 bytes per lane:
+// The kernels below are written once against 16-lane vectors: vf (float32), vi (int32), and compiled with AVX-512 (one
+// register each), AVX2 (two registers each) or NEON (four). Every lane-wise step is the same IEEE operation on each, and
+// the horizontal sum takes one fixed order, so the builds give the same bits. Integer dot products of 4 bytes per lane:
 // VNNI multiplies unsigned by signed bytes (activations stored with an OFFSET of 128, taken off per group); plain AVX2
 // multiplies |w| by sign(w) * q (no offset), exact as long as |q|, |w| <= 127.
 typedef uint32_t vmask;
@@ -99,6 +103,111 @@ static inline vi v_dot_int8(vi acc, vi a, vi w) { return _mm512_dpbusd_epi32(acc
 static inline vi v_dot_int4(vi acc, vi u, vi a) { return _mm512_dpbusd_epi32(acc, u, a); }  // u: 0..15
 static inline __m256 v_halves(vf x) {
     return _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)), _mm512_castps512_ps256(x));
+}
+#elif defined(__aarch64__)
+// NEON: four registers each. Every step mirrors the x86 one bit for bit: fused multiply-adds, IEEE division, rounding
+// to nearest even, min and max returning their second operand when either is NaN (as x86's do), and the same order of
+// the horizontal sum. SDOT multiplies signed bytes by signed bytes, so activations carry no offset.
+struct vf { float32x4_t q[4]; };
+struct vi { int32x4_t q[4]; };
+#define OFFSET 0
+#define QUAD_F(name, expr) static inline vf name(vf a, vf b) { vf r; for (int j = 0; j < 4; ++j) { const float32x4_t x = a.q[j], y = b.q[j]; r.q[j] = expr; } return r; }
+#define QUAD_I(name, expr) static inline vi name(vi a, vi b) { vi r; for (int j = 0; j < 4; ++j) { const int32x4_t x = a.q[j], y = b.q[j]; r.q[j] = expr; } return r; }
+QUAD_F(v_add_ps, vaddq_f32(x, y))
+QUAD_F(v_sub_ps, vsubq_f32(x, y))
+QUAD_F(v_mul_ps, vmulq_f32(x, y))
+QUAD_F(v_div_ps, vdivq_f32(x, y))
+QUAD_F(v_min_ps, vbslq_f32(vcltq_f32(x, y), x, y))
+QUAD_F(v_max_ps, vbslq_f32(vcgtq_f32(x, y), x, y))
+QUAD_I(v_add_epi32, vaddq_s32(x, y))
+QUAD_I(v_sub_epi32, vsubq_s32(x, y))
+QUAD_I(v_mullo_epi32, vmulq_s32(x, y))
+QUAD_I(v_and_si512, vandq_s32(x, y))
+static inline vf v_set1_ps(float x) { const float32x4_t v = vdupq_n_f32(x); return {{v, v, v, v}}; }
+static inline vf v_setzero_ps() { return v_set1_ps(0.f); }
+static inline vf v_loadu_ps(const float* p) { return {{vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12)}}; }
+static inline void v_storeu_ps(float* p, vf v) { for (int j = 0; j < 4; ++j) vst1q_f32(p + 4 * j, v.q[j]); }
+static inline vf v_fmadd_ps(vf a, vf b, vf c) { vf r; for (int j = 0; j < 4; ++j) r.q[j] = vfmaq_f32(c.q[j], a.q[j], b.q[j]); return r; }
+static inline vf v_fnmadd_ps(vf a, vf b, vf c) { vf r; for (int j = 0; j < 4; ++j) r.q[j] = vfmsq_f32(c.q[j], a.q[j], b.q[j]); return r; }
+static inline vf v_abs_ps(vf a) { vf r; for (int j = 0; j < 4; ++j) r.q[j] = vabsq_f32(a.q[j]); return r; }
+static inline vf v_round_ps(vf a) { vf r; for (int j = 0; j < 4; ++j) r.q[j] = vrndnq_f32(a.q[j]); return r; }
+static inline vi v_cvtps_epi32(vf a) { vi r; for (int j = 0; j < 4; ++j) r.q[j] = vcvtnq_s32_f32(a.q[j]); return r; }
+static inline vf v_cvtepi32_ps(vi a) { vf r; for (int j = 0; j < 4; ++j) r.q[j] = vcvtq_f32_s32(a.q[j]); return r; }
+static inline vmask v_not_below(vf a, vf b) {
+    static const uint32_t bits[4] = {1, 2, 4, 8};
+    vmask mask = 0;
+    for (int j = 0; j < 4; ++j)
+        mask |= (vmask)vaddvq_u32(vandq_u32(vmvnq_u32(vcltq_f32(a.q[j], b.q[j])), vld1q_u32(bits))) << (4 * j);
+    return mask;
+}
+// p * 2^m for integral m in [-128, 128], as the AVX2 build computes it: two exact power-of-two factors.
+static inline vf v_scalef_ps(vf p, vf m) {
+    vf r;
+    for (int j = 0; j < 4; ++j) {
+        const float32x4_t h = vrndmq_f32(vmulq_f32(m.q[j], vdupq_n_f32(0.5f)));
+        const int32x4_t bias = vdupq_n_s32(127);
+        const float32x4_t a = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(h), bias), 23));
+        const float32x4_t b = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(vsubq_f32(m.q[j], h)), bias), 23));
+        r.q[j] = vmulq_f32(vmulq_f32(p.q[j], a), b);
+    }
+    return r;
+}
+static inline float v_reduce_max_ps(vf a) {
+    return std::max(std::max(vmaxvq_f32(a.q[0]), vmaxvq_f32(a.q[1])), std::max(vmaxvq_f32(a.q[2]), vmaxvq_f32(a.q[3])));
+}
+static inline int32_t v_reduce_add_epi32(vi a) {
+    return vaddvq_s32(vaddq_s32(vaddq_s32(a.q[0], a.q[1]), vaddq_s32(a.q[2], a.q[3])));
+}
+static inline vi v_set1_epi32(int32_t x) { const int32x4_t v = vdupq_n_s32(x); return {{v, v, v, v}}; }
+static inline vi v_set1_epi8(char x) { const int32x4_t v = vreinterpretq_s32_s8(vdupq_n_s8(x)); return {{v, v, v, v}}; }
+static inline vi v_setzero_si512() { return v_set1_epi32(0); }
+static inline vi v_loadu_si512(const void* p) {
+    const int32_t* s = (const int32_t*)p;
+    return {{vld1q_s32(s), vld1q_s32(s + 4), vld1q_s32(s + 8), vld1q_s32(s + 12)}};
+}
+static inline vi v_srli_epi16(vi a, int n) {
+    vi r;
+    for (int j = 0; j < 4; ++j)
+        r.q[j] = vreinterpretq_s32_u16(vshlq_u16(vreinterpretq_u16_s32(a.q[j]), vdupq_n_s16((int16_t)-n)));
+    return r;
+}
+static inline void v_store_epi8(void* p, vi v) {  // the low byte of each lane, in lane order
+    const int16x8_t low = vcombine_s16(vmovn_s32(v.q[0]), vmovn_s32(v.q[1]));
+    const int16x8_t high = vcombine_s16(vmovn_s32(v.q[2]), vmovn_s32(v.q[3]));
+    vst1q_s8((int8_t*)p, vcombine_s8(vmovn_s16(low), vmovn_s16(high)));
+}
+static inline vf v_load_half(const uint16_t* p) {
+    vf r;
+    for (int j = 0; j < 4; ++j) r.q[j] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * j)));
+    return r;
+}
+static inline vf v_load_first(int64_t n, const float* p) {
+    float lanes[16] = {0.f};
+    std::memcpy(lanes, p, std::max<int64_t>(0, std::min<int64_t>(n, 16)) * sizeof(float));
+    return v_loadu_ps(lanes);
+}
+static inline void v_store_first(int64_t n, float* p, vf v) {
+    float lanes[16];
+    v_storeu_ps(lanes, v);
+    std::memcpy(p, lanes, std::max<int64_t>(0, std::min<int64_t>(n, 16)) * sizeof(float));
+}
+static inline vi v_dot_int8(vi acc, vi a, vi w) {  // a: q, signed
+    vi r;
+    for (int j = 0; j < 4; ++j) r.q[j] = vdotq_s32(acc.q[j], vreinterpretq_s8_s32(a.q[j]), vreinterpretq_s8_s32(w.q[j]));
+    return r;
+}
+static inline vi v_dot_int4(vi acc, vi u, vi a) { return v_dot_int8(acc, u, a); }  // u: 0..15, exact as signed bytes
+// The horizontal sum in the x86 builds' order: lanes j + 8 and j, then the upper and lower four, then pairs.
+static inline float v_reduce_add_ps(vf x) {
+    const float32x4_t t_lo = vaddq_f32(x.q[2], x.q[0]), t_hi = vaddq_f32(x.q[3], x.q[1]);
+    const float32x4_t u = vaddq_f32(t_hi, t_lo);
+    const float32x4_t w = vaddq_f32(u, vextq_f32(u, u, 2));
+    return vgetq_lane_f32(w, 0) + vgetq_lane_f32(w, 1);
+}
+static inline vf v_load_bf16(const uint16_t* p) {
+    vf r;
+    for (int j = 0; j < 4; ++j) r.q[j] = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p + 4 * j), 16));
+    return r;
 }
 #else
 struct vf { __m256 lo, hi; };
@@ -205,6 +314,7 @@ static inline vi v_dot_int4(vi acc, vi u, vi a) { return {dot4(acc.lo, u.lo, a.l
 static inline __m256 v_halves(vf x) { return _mm256_add_ps(x.hi, x.lo); }
 #endif
 
+#if !defined(__aarch64__)
 // The horizontal sum, in one order on every build: upper half + lower half, then the same within 128 bits, then pairs.
 static inline float v_reduce_add_ps(vf x) {
     const __m256 t = v_halves(x);
@@ -212,6 +322,7 @@ static inline float v_reduce_add_ps(vf x) {
     u = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
     return _mm_cvtss_f32(u) + _mm_cvtss_f32(_mm_shuffle_ps(u, u, 1));
 }
+#endif
 
 static const char* NON_FINITE = "NaN or infinite activations";
 // Activations: per row and group, scale = max(|x|, 1e-8) / 127, q = clamp(round(x / scale), -127, 127), stored as
@@ -424,6 +535,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 
 // The KV cache's element types: float32 (0), bfloat16 (1), float16 (2). Values are rounded to nearest even once, when
 // written, and read back as float32, so a key has the same bits whichever positions are scored with it.
+#if !defined(__aarch64__)  // (NEON's is with its vector layer)
 static inline vf v_load_bf16(const uint16_t* p) {
 #if defined(__AVX512F__)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -432,6 +544,7 @@ static inline vf v_load_bf16(const uint16_t* p) {
             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8))), 16))};
 #endif
 }
+#endif
 template <int KIND> static inline vf v_load_kv(const char* p) {
     if constexpr (KIND == 0) return v_loadu_ps((const float*)p);
     else if constexpr (KIND == 1) return v_load_bf16((const uint16_t*)p);
@@ -1072,6 +1185,7 @@ VARIANTS = {
     "avx512": (("avx512f", "avx512bw", "avx512_vnni", "f16c"), ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c"]),
     "avx2-vnni": (("avx2", "fma", "f16c", "avx_vnni"), ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+    "neon": (("asimd", "asimddp"), ["-march=armv8.2-a+dotprod"]),  # ARM with SDOT (compiled for, not run, here)
 }
 FORCE = "SPECDEC_KERNELS"  # environment variable: a variant to build instead of the fastest this CPU runs
 

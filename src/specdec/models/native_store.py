@@ -1,7 +1,8 @@
 """The native runtime's models on disk: converted from a checkpoint one tensor at a time, cached, memory-mapped.
 
-A safetensors checkpoint (float32, float16 or bfloat16) is read tensor by tensor with plain file reads (no mapping
-of the whole file stays resident), each tensor packed into the native format and dropped, so memory while loading
+A safetensors checkpoint (float32, float16 or bfloat16) or a GGUF file (F32, F16, BF16 and llama.cpp's quantized
+types: Q8_0, Q4_0, Q4_K, Q6_K...) is read tensor by tensor with plain file reads (no mapping of the whole file stays
+resident), each tensor de-quantized if need be, packed into the native format and dropped, so memory while loading
 stays near the packed model's size. The packed model is then written under ``cache_root()/native`` and later starts
 memory-map it: a second start reads no checkpoint and quantizes nothing.
 """
@@ -15,6 +16,7 @@ import logging
 import math
 import os
 import pickle
+import shutil
 import struct
 import tempfile
 import time
@@ -26,10 +28,12 @@ import torch
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels
 from specdec.models.native import NativeModel, Tensors
+from specdec.models.registry import cache_root
 
 log = logging.getLogger("specdec")
 STORE_VERSION = 3  # the cached files' layout: change it with NativeModel.state or the packed buffers
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DEQUANTIZE_ROWS = 4096  # rows of a GGUF matrix de-quantized at a time
 
 
 def safetensors_reader(folder: Path) -> Tensors:
@@ -99,36 +103,129 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def cached_path(folder: Path, format: str) -> Path:
-    """Where the packed model of ``folder``'s checkpoint in ``format`` is cached (keyed by the checkpoint's files)."""
-    from specdec.models.registry import cache_root
+def gguf_reader(path: Path, config) -> Tensors:
+    """A function reading one tensor of a GGUF file by its transformers name (as transformers maps and fixes them:
+    Llama's query and key rows back in transformers' order, Gemma's norms less one), de-quantized to float32."""
+    import gguf
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
+    try:
+        reader = gguf.GGUFReader(path)
+        architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not a GGUF file the native runtime can read ({exc}): download it again") from None
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)  # only its parameter names
+    names = {ours: theirs for theirs, ours in get_gguf_hf_weights_map(skeleton, processor).items()}
+    entries = {entry.name: entry for entry in reader.tensors}
+    del reader, skeleton  # the reader maps the whole file: tensors are read from it one at a time instead
+
+    def read(name: str) -> torch.Tensor | None:
+        entry = entries.get(names.get(name, ""))
+        if entry is None:
+            return None
+        raw = np.empty(int(entry.n_bytes), dtype=np.uint8)
+        with open(path, "rb") as handle:
+            handle.seek(int(entry.data_offset))
+            if handle.readinto(raw) != len(raw):
+                raise ConfigError(f"{path} ends before tensor {entry.name}: the file is truncated, download it again")
+        try:
+            values = _dequantized(raw.view(entry.data.dtype).reshape(entry.data.shape), entry.tensor_type)
+        except NotImplementedError:
+            kind = entry.tensor_type.name
+            raise ConfigError(f"tensor {entry.name} is {kind}, which gguf cannot de-quantize: use --backend llama.cpp") from None
+        values = processor.process(weights=values, name=entry.name).weights
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+    return read
+
+
+def _dequantized(raw, kind):
+    """float32 values of a GGUF tensor's raw blocks, a chunk of rows at a time (de-quantizing a whole matrix at once
+    holds several float32 temporaries of its size)."""
+    import gguf
+    import numpy as np
+
+    if raw.ndim < 2 or len(raw) <= DEQUANTIZE_ROWS:
+        return gguf.quants.dequantize(raw, kind)
+    first = gguf.quants.dequantize(raw[:DEQUANTIZE_ROWS], kind)
+    values = np.empty((len(raw), *first.shape[1:]), dtype=np.float32)
+    values[:DEQUANTIZE_ROWS] = first
+    for start in range(DEQUANTIZE_ROWS, len(raw), DEQUANTIZE_ROWS):
+        values[start : start + DEQUANTIZE_ROWS] = gguf.quants.dequantize(raw[start : start + DEQUANTIZE_ROWS], kind)
+    return values
+
+
+def gguf_metadata(path: Path) -> Path:
+    """A folder holding the config and tokenizer of a GGUF file, written once beside the cache (building them from the
+    file takes seconds: the tokenizer is rebuilt from its vocabulary)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = cache_root() / "native" / f"{path.stem}-{_stamp([path])}-metadata"
+    if (folder / "config.json").exists():
+        return folder
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"could not read the model's config from {path} ({exc}): is it a GGUF model file?") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, KeyError, TypeError):
+        tokenizer = None  # token ids still work
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        config.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        os.replace(staging, folder)
+    except OSError:
+        if not (folder / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _stamp(files: list[Path], *extra: str) -> str:
     stamp = hashlib.sha256()
-    for file in checkpoint_files(folder) + [folder / "config.json"]:
+    for file in files:
         info = file.stat()
         stamp.update(f"{file.resolve()}|{info.st_size}|{info.st_mtime_ns}".encode())
-    stamp.update(f"{format}|{STORE_VERSION}|{cpu_kernels.BUILD}".encode())
-    return cache_root() / "native" / f"{folder.resolve().name}-{format}-{stamp.hexdigest()[:16]}.pt"
+    stamp.update("|".join(extra).encode())
+    return stamp.hexdigest()[:16]
 
 
-def load(folder: Path, config, format: str, say: Callable[[str], None] = log.warning) -> NativeModel:
-    """The native model of a safetensors folder in ``format`` (int8 or int4): memory-mapped from the cache, or
-    converted one tensor at a time (said through ``say``, with progress) and cached."""
-    path = cached_path(folder, format)
+def cached_path(source: Path, format: str) -> Path:
+    """Where the packed model of a checkpoint (a safetensors folder or a GGUF file) in ``format`` is cached (keyed by
+    the checkpoint's files)."""
+    files = [source] if source.suffix == ".gguf" else checkpoint_files(source) + [source / "config.json"]
+    stamp = _stamp(files, format, str(STORE_VERSION), cpu_kernels.BUILD)
+    return cache_root() / "native" / f"{source.resolve().name}-{format}-{stamp}.pt"
+
+
+def load(source: Path, config, format: str, say: Callable[[str], None] = log.warning) -> NativeModel:
+    """The native model of a checkpoint (a safetensors folder or a GGUF file) in ``format`` (int8 or int4): memory-mapped
+    from the cache, or converted one tensor at a time (said through ``say``, with progress) and cached."""
+    path = cached_path(source, format)
     if path.exists():
         try:
             return NativeModel.restore(torch.load(path, mmap=True, weights_only=True), config)
         except (OSError, RuntimeError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as exc:
             log.warning("the cached native model %s could not be read (%s): converting again", path, exc)
     started = time.monotonic()
-    say(f"converting {folder.name} to the native {format} format, once (cached in {path.parent})")
+    say(f"converting {source.name} to the native {format} format, once (cached in {path.parent})")
 
     def progress(done: int, total: int) -> None:
         _release_freed_memory()
         if done == total or done % max(1, total // 4) == 0:
             say(f"  {done}/{total} layers packed ({time.monotonic() - started:.0f} s)")
 
-    model = NativeModel.convert(config, safetensors_reader(folder), format, progress)
+    reader = gguf_reader(source, config) if source.suffix == ".gguf" else safetensors_reader(source)
+    model = NativeModel.convert(config, reader, format, progress)
     save(model, path)
     return model
 
@@ -177,7 +274,6 @@ def measured_format(config) -> tuple[str, str]:
     ``INT4_MIN_WEIGHTS`` weights. Cached per machine and shape.
     """
     from specdec.machine import fingerprint
-    from specdec.models.registry import cache_root
 
     width, outputs = config.hidden_size, 2 * config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or width // config.num_attention_heads

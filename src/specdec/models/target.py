@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from specdec.config import RuntimeConfig
 from specdec.errors import ConfigError, ModelNotFoundError
 from specdec.models.backend import Backend, TransformersBackend
-from specdec.models.loading import LoadedModel, first_line, load_model, materialize
+from specdec.models.loading import LoadedModel, first_line, load_model
 from specdec.models.precision import apply_plan
 from specdec.models.registry import ALIASES, resolve
 
@@ -48,9 +48,9 @@ def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig
     transformers_format = runtime.dtype != "float32" or runtime.precision is not None  # auto means transformers then
     fallback = None
     if runtime.backend == "native" or (runtime.backend == "auto" and not transformers_format):
-        folder = local_checkpoint(model) if isinstance(model, str) else None
-        if folder is not None:
-            opened = _open_checkpoint(model, folder, runtime.native_format)
+        source = native_source(model) if isinstance(model, str) else None
+        if source is not None:
+            opened = _open_checkpoint(model, source, runtime.native_format)
         else:  # a hub id or a model in memory: the transformers model is loaded (once) and converted
             model = load_model(model) if isinstance(model, str) else model
             opened = _open_loaded(model, runtime.native_format)
@@ -65,11 +65,13 @@ def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig
     return Target(loaded.name, TransformersBackend(loaded.model), loaded.tokenizer, eos_ids(loaded), fallback=fallback)
 
 
-def _open_checkpoint(name: str, folder: Path, format: str) -> Target | str:
-    """The target on the native runtime from a local checkpoint, loaded (or memory-mapped from the converted cache)
-    one tensor at a time without building the transformers model; or why it cannot run there."""
+def _open_checkpoint(name: str, source: Path, format: str) -> Target | str:
+    """The target on the native runtime from a local checkpoint (a safetensors folder or a GGUF file), loaded (or
+    memory-mapped from the converted cache) one tensor at a time without building the transformers model; or why it
+    cannot run there."""
     from specdec.models import native, native_store
 
+    folder = native_store.gguf_metadata(source) if source.suffix == ".gguf" else source  # config and tokenizer
     try:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as exc:
@@ -79,7 +81,7 @@ def _open_checkpoint(name: str, folder: Path, format: str) -> Target | str:
         return problem
     try:
         format, chosen = native.choose_format(text, format)
-        weights = native_store.load(folder, text, format)
+        weights = native_store.load(source, text, format)
     except (ConfigError, ValueError) as exc:  # a shape the native formats cannot hold, a damaged file
         return f"the native backend cannot hold this model ({exc})"
     tokenizer = _tokenizer(folder)
@@ -105,12 +107,15 @@ def _open_loaded(loaded: LoadedModel, format: str) -> Target | str:
     return Target(loaded.name, native.NativeBackend(weights), loaded.tokenizer, ids, runtime="native", chosen=chosen)
 
 
-def local_checkpoint(name: str) -> Path | None:
-    """The local safetensors folder behind a model name (GGUF files and aliases once converted), or None (a hub id)."""
+def native_source(name: str) -> Path | None:
+    """The local checkpoint behind a model name that the native runtime reads tensor by tensor: a GGUF file (bundled
+    aliases too) or a safetensors folder; None for a hub id."""
     source = resolve(name)
     if source.kind == "hub":
         return None
-    folder = Path(materialize(source))
+    if source.kind in ("alias", "gguf"):
+        return Path(gguf_path(name))
+    folder = Path(source.location)
     return folder if any(folder.glob("*.safetensors")) and (folder / "config.json").exists() else None
 
 
