@@ -4,8 +4,8 @@ Usage: python benchmarks/native_formats.py --out FILE [--tokens 4096] [--window 
 
 The text is the shipped default prompt set, tokenized once by the model's tokenizer and cut into windows scored from
 their own start (as `specdec ppl` does). Scored on the same token ids: transformers float32 (the GGUF's weights as
-transformers reads them), native int8 (with the KV cache in bfloat16, the default, and in float32 and float16), native
-int4, and llama.cpp on GGUF files: the bundled file itself (Gemma-3-270M:
+transformers reads them), native int8 (with its default float32 KV cache, and in bfloat16 and float16), native int4
+(bfloat16 cache), and llama.cpp on GGUF files: the bundled file itself (Gemma-3-270M:
 Q4_K_M, mostly Q5_0 and Q6_K/Q8_0 tensors, as llama.cpp's mix picks for widths that K-quants do not fit; SmolLM2: Q4_1)
 and, for SmolLM2, a Q4_K_M written by llama.cpp's own quantizer from an F16 GGUF of the float32 weights (--work).
 """
@@ -79,8 +79,8 @@ def main() -> None:
         for format in ("int8", "int4"):
             backend = open_target(name, RuntimeConfig(backend="native", native_format=format)).backend
             row[f"native {format}"] = math.exp(score(backend, tokens, args.window, lambda *a: None, format))
-            if format == "int8":  # the KV cache's other element types (bfloat16 is the default above)
-                for cache in ("float32", "float16"):
+            if format == "int8":  # the KV cache's other element types (float32 is int8's default, above)
+                for cache in ("bfloat16", "float16"):
                     other = NativeBackend(backend.model, cache)
                     row[f"int8, {cache} cache"] = math.exp(score(other, tokens, args.window, lambda *a: None, cache))
         row["llama.cpp, bundled GGUF"] = math.exp(llama_cpp_nll(ALIASES[name].locate_gguf(), tokens, args.window))
@@ -89,7 +89,7 @@ def main() -> None:
         results["models"][name] = row
         print(name, json.dumps(row), flush=True)
     args.out.write_text(json.dumps(results, indent=1))
-    columns = ["float32", "native int8", "int8, float32 cache", "int8, float16 cache", "native int4", "llama.cpp, bundled GGUF", "llama.cpp Q4_K_M"]
+    columns = ["float32", "native int8", "int8, bfloat16 cache", "int8, float16 cache", "native int4", "llama.cpp, bundled GGUF", "llama.cpp Q4_K_M"]
     print("| model | tokens | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     for name, row in results["models"].items():

@@ -55,7 +55,7 @@ def test_each_cache_type_holds_its_rounded_values_and_a_positions_bits_do_not_de
 
 
 def test_growth_adds_pages_and_copies_nothing() -> None:
-    cache = PagedCache((0, 0), kv_heads=1, head_dim=16)
+    cache = PagedCache((0, 0), kv_heads=1, head_dim=16, dtype="bfloat16")
     cache.reserve(10)
     first = cache.pages[0][0]
     cache.length = 10
@@ -90,7 +90,7 @@ def test_sliding_window_layers_hold_their_window_only() -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_trees_accepted_path_moves_across_a_page_edge(dtype: str) -> None:
-    """A tree verified from PAGE - 3 cached positions, its accepted path (nodes 1, 3, 5) kept: the next step's logits
+    """Either cache type: a tree verified from PAGE - 3 cached positions, its accepted path (nodes 1, 3, 5) kept: the next step's logits
     equal those after decoding the path as a chain."""
     model = NativeModel.from_module(tiny_gemma3(4, vocab=64, hidden=64, head_dim=16, context=4096))
     prefix = torch.randint(3, 64, (1, PAGE - 3), generator=torch.Generator().manual_seed(2))
@@ -104,3 +104,11 @@ def test_a_trees_accepted_path_moves_across_a_page_edge(dtype: str) -> None:
     tree.truncate(PAGE, branch=[PAGE - 3 + 1, PAGE - 3 + 3, PAGE - 3 + 5])
     chain.forward(path, last=3)
     assert torch.equal(tree.forward(after, last=2), chain.forward(after, last=2))
+
+
+def test_the_cache_follows_the_weights_format_unless_asked() -> None:
+    model = tiny_gemma3(3, vocab=64, hidden=64, head_dim=16)
+    assert NativeBackend(NativeModel.from_module(model, "int8")).cache.dtype == "float32"
+    int4 = NativeModel.from_module(model, "int4")
+    assert NativeBackend(int4).cache.dtype == "bfloat16" and NativeBackend(int4, "float16").cache.dtype == "float16"
+    assert "kv=bfloat16" in NativeBackend(int4).identity  # cost records and profiles tell the caches apart

@@ -1073,7 +1073,7 @@ class PagedCache:
     length (a truncation may go back up to a page; further back the cache says it cannot).
     """
 
-    def __init__(self, windows: tuple[int, ...], kv_heads: int, head_dim: int, dtype: str = "bfloat16") -> None:
+    def __init__(self, windows: tuple[int, ...], kv_heads: int, head_dim: int, dtype: str = "float32") -> None:
         if dtype not in CACHE_DTYPES:
             raise ConfigError(f"unknown KV cache type '{dtype}': use one of {', '.join(CACHE_DTYPES)}")
         self.windows, self.kv_heads, self.head_dim, self.dtype = windows, kv_heads, head_dim, dtype

@@ -9,8 +9,8 @@ is left between them is a few dozen small tensor operations per layer.
 A position's logits do not depend on how many positions are scored with it, nor on the thread count (integer
 products, attention computed per position, row-wise norms and activations), so speculative greedy decoding on this
 backend is token-identical to its own one-token decoding. Its numbers are not transformers' float32 ones: the formats
-round weights and activations, and the KV cache keeps bfloat16 keys and values by default (each format's perplexity
-against float32 is measured in the benchmarks).
+round weights and activations, and beside int4 weights the KV cache keeps bfloat16 keys and values (each format's
+perplexity against float32 is measured in the benchmarks).
 """
 
 from __future__ import annotations
@@ -243,9 +243,12 @@ class NativeModel:
         return table[0][positions, None], table[1][positions, None]
 
 
-def new_cache(model: NativeModel, dtype: str = "bfloat16") -> PagedCache:
-    """An empty KV cache for one sequence of ``model`` (``dtype``: float32, bfloat16 or float16)."""
+def new_cache(model: NativeModel, dtype: str | None = None) -> PagedCache:
+    """An empty KV cache for one sequence of ``model`` in ``dtype`` (float32, bfloat16 or float16). By default it
+    follows the weights: float32 beside int8 (the format closest to float32, for models the caches hold), bfloat16
+    beside int4 (large, memory-bound models, where the cache's bytes count)."""
     shape = model.shape
+    dtype = dtype or ("bfloat16" if model.format == "int4" else "float32")
     return PagedCache(shape.windows, shape.kv_heads, shape.head_dim, dtype)
 
 
@@ -254,7 +257,7 @@ class NativeBackend:
 
     trees = True
 
-    def __init__(self, model: NativeModel, cache_dtype: str = "bfloat16") -> None:
+    def __init__(self, model: NativeModel, cache_dtype: str | None = None) -> None:
         self.model = model
         self.vocab_size = model.vocab_size
         self.max_context = model.shape.max_context
