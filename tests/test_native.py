@@ -233,6 +233,8 @@ def test_kernels_refuse_bad_input_as_the_reference_does(monkeypatch: pytest.Monk
         cpu_kernels.attention(torch.randn(2, 3, 16), kv, kv, cache, 0, 0, 0, 0.25)  # 3 query heads over 2 kv heads
     with pytest.raises(ValueError, match="native kernel: the cache does not hold the pages"):
         cpu_kernels.attention(torch.randn(2, 4, 16), kv, kv, cache, 0, cpu_kernels.PAGE, 0, 0.25)  # none reserved there
+    with pytest.raises(ValueError, match="do not fit the cache's pages"):
+        cpu_kernels.attention(torch.randn(2, 4, 16), torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), cache, 0, 0, 0, 0.25)
     with pytest.raises(ValueError, match="native kernel: the norm's width"):
         cpu_kernels.rms_norm(torch.randn(2, 16), torch.ones(0), 1e-6)
 

@@ -66,24 +66,28 @@ def test_growth_adds_pages_and_copies_nothing() -> None:
         PagedCache((0,), 1, 16, "int3")
 
 
-def test_sliding_window_layers_hold_their_window_only() -> None:
-    """Gemma-3 (three layers with a window of 6, one without) decoded to 3 pages and more in chunks: the windowed
-    layers hold at most 3 pages, the full layer all of them, and every logit equals the whole text's at once. A step
-    back within a page works; further back than the window layers hold is refused in one line."""
-    model = NativeModel.from_module(tiny_gemma3(3, vocab=64, hidden=64, head_dim=16, context=4096))
-    length = 3 * PAGE + 50
+@pytest.mark.parametrize("window", [6, PAGE + 44])
+def test_sliding_window_layers_hold_their_window_only(window: int) -> None:
+    """Gemma-3 (three layers with a window, one without) decoded to 3 pages and more in chunks: the windowed layers
+    hold at most window // PAGE + 3 pages, the full layer all of them, and every logit equals the whole text's at once.
+    A step back within a page works; further back than the window layers hold is refused in one line."""
+    gemma = tiny_gemma3(3, vocab=64, sliding_window=window, hidden=64, head_dim=16, context=4096)
+    model = NativeModel.from_module(gemma)
+    length = window + 3 * PAGE + 50
     ids = torch.randint(3, 64, (1, length), generator=torch.Generator().manual_seed(1))
     whole = NativeBackend(model).forward(ids, last=length)[0]
     backend = NativeBackend(model)
     chunks = [backend.forward(ids[:, i : i + 7], last=len(ids[0, i : i + 7]))[0] for i in range(0, length, 7)]
     assert torch.equal(torch.cat(chunks), whole)
     held = [sum(page is not None for page in pages) for pages in backend.cache.pages]
-    assert max(held[:3]) <= 3 and held[3] == 4, held
+    assert max(held[:3]) <= window // PAGE + 3 and held[3] == -(-length // PAGE), held
     backend.truncate(length - 20)
     again = backend.forward(ids[:, length - 20 :], last=20)[0]
     assert torch.equal(again, whole[length - 20 :])
     with pytest.raises(ValueError, match="sliding-window cache no longer holds position"):
-        backend.truncate(PAGE)
+        backend.truncate(PAGE // 2)
+    with pytest.raises(ValueError, match="cannot end a cache"):
+        backend.truncate(2, branch=[1, 3, 5])  # a path longer than what it would end
     backend.reset()  # from the start again: nothing is read that was released
     assert torch.equal(backend.forward(ids[:, :40], last=40)[0], whole[:40])
 

@@ -17,7 +17,7 @@ from test_native import models
 import specdec.verification.tree as tree_verifier
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
-from specdec.config import BatchConfig, GuardConfig, RuntimeConfig
+from specdec.config import BatchConfig, GuardConfig, RuntimeConfig, TypicalAcceptance
 from specdec.drafters import ModelDrafter
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
@@ -143,8 +143,14 @@ class ShapedTreeDrafter:
     vocab_size = VOCAB
     backend = None
 
-    def __init__(self, model, shape: tuple[int, ...], sampled: bool, chains: list[int] | None = None) -> None:
+    def __init__(
+        self, model, shape: tuple[int, ...], sampled: bool, chains: list[int] | None = None, sibling_heat: float = 0.0,
+        unshaped_report: bool = False,
+    ) -> None:  # fmt: skip
+        """``sibling_heat``: sibling j is drawn from the draft's distribution at temperature x (1 + heat * j), each
+        reporting its own; ``unshaped_report``: the reported distributions are those before top-k/top-p (a bug)."""
         self.model, self.shape, self.sampled = model, shape, sampled
+        self.sibling_heat, self.unshaped_report = sibling_heat, unshaped_report
         self.chains = [0] if chains is None else chains
         self.settings = DraftSettings()
 
@@ -155,7 +161,7 @@ class ShapedTreeDrafter:
         pass
 
     def fork(self) -> ShapedTreeDrafter:
-        return ShapedTreeDrafter(self.model, self.shape, self.sampled, self.chains)
+        return ShapedTreeDrafter(self.model, self.shape, self.sampled, self.chains, self.sibling_heat, self.unshaped_report)
 
     @torch.no_grad()
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
@@ -166,14 +172,18 @@ class ShapedTreeDrafter:
         for width in self.shape if branches > 1 else (1,) * len(self.shape):
             deeper = []
             for parent, path in level:
-                q = to_probs(self.model(torch.tensor([path])).logits[0, -1], self.settings.sampling)
-                children = draw(q.expand(width, -1), rng) if self.sampled else q.topk(width).indices
-                for token in children.tolist():
+                logits, sampling = self.model(torch.tensor([path])).logits[0, -1], self.settings.sampling
+                heats = [replace(sampling, temperature=sampling.temperature * (1 + self.sibling_heat * j)) for j in range(width)]
+                qs = torch.stack([to_probs(logits, heat) for heat in heats])
+                children = draw(qs, rng) if self.sampled else qs[0].topk(width).indices
+                if self.unshaped_report:
+                    qs = torch.stack([to_probs(logits, replace(heat, top_k=None, top_p=1.0)) for heat in heats])
+                for j, token in enumerate(children.tolist()):
                     if len(tokens) == k:
                         break
                     tokens.append(token)
                     parents.append(parent)
-                    probs.append(q)
+                    probs.append(qs[j])
                     deeper.append((len(tokens) - 1, path + [token]))
             level = deeper
         if not tokens:
@@ -315,13 +325,50 @@ def test_a_timed_tree_row_starts_from_its_generators_earlier_rows() -> None:
     assert steps(gen.k_policy(config, batched=True), 2, 7, 0) == [True, False], "a batch row's steps are timed with the batch"
 
 
-def test_a_wrong_sibling_residual_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: trying the next sibling against p instead of norm(max(0, p - q)) must be caught."""
+@pytest.mark.parametrize("sampled", [True, False], ids=["drawn siblings", "deterministic siblings"])
+def test_a_wrong_sibling_residual_fails(monkeypatch: pytest.MonkeyPatch, sampled: bool) -> None:
+    """Negative control, patched where tree.py reads it: trying the next sibling against p instead of
+    norm(max(0, p - q)) must be caught, for drawn siblings and for deterministic ones (top tokens, as eagle and model
+    trees draft; prompt lookup's matches are verified the same way), where it keeps a rejected sibling's mass."""
     monkeypatch.setattr(tree_verifier, "residual_distribution", lambda p, q: p)
     target = tiny_llama(3, vocab=VOCAB, scale=0.15)
-    gen = Generator(loaded(target), ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["wide"], sampled=True))
+    gen = Generator(loaded(target), ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["wide"], sampled))
     samples = _sample(gen, SAMPLINGS["plain"], 1500, batched=True)
     assert sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["plain"]))[0] < MIN_PVALUE
+
+
+def one_q_per_parent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken verifier: every sibling is judged against the first sibling's q (as if siblings shared one draft law)."""
+    original = tree_verifier.verify_tree_sampled
+
+    def judged_with_one_q(tokens, parents, logits, probs, *args, **kwargs):
+        if probs is not None:
+            listed = parents.tolist()
+            probs = probs[[listed.index(parent) for parent in listed]]
+        return original(tokens, parents, logits, probs, *args, **kwargs)
+
+    monkeypatch.setattr("specdec.engine.step.verify_tree_sampled", judged_with_one_q)
+
+
+@pytest.mark.parametrize("broken", [False, pytest.param(True, id="negative control")])
+def test_siblings_drawn_from_different_laws_keep_the_target_law(monkeypatch: pytest.MonkeyPatch, broken: bool) -> None:
+    """Sibling j drawn at its own temperature and reporting its own q: the target's law; the same tree judged against
+    one q per parent must fail."""
+    if broken:
+        one_q_per_parent(monkeypatch)
+    target = tiny_llama(3, vocab=VOCAB, scale=0.15)
+    draft = ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["wide"], sampled=True, sibling_heat=1.5)
+    samples = _sample(Generator(loaded(target), draft), SAMPLINGS["plain"], 2000, batched=True)
+    pvalue = sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["plain"]))[0]
+    assert pvalue < MIN_PVALUE if broken else pvalue > MIN_PVALUE
+
+
+def test_a_tree_reporting_its_q_before_shaping_fails() -> None:
+    """Negative control: drawn siblings sampled from the shaped distribution but reported before top-k/top-p."""
+    target = tiny_llama(3, vocab=VOCAB, scale=0.15)
+    draft = ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["binary"], sampled=True, unshaped_report=True)
+    samples = _sample(Generator(loaded(target), draft), SAMPLINGS["shaped"], 5000, batched=True)
+    assert sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["shaped"]))[0] < MIN_PVALUE
 
 
 def test_tree_settings_are_checked() -> None:
@@ -343,3 +390,36 @@ def test_model_drafts_as_trees_give_the_target_only_tokens() -> None:
     assert sum(r.stats.draft_tokens_accepted for r in trees) > sum(r.stats.draft_tokens_accepted for r in chains)
     configs = [GenerationConfig(k=6, k_policy="fixed", branches=b, max_new_tokens=30, stop_on_eos=False) for b in (3, 1, 2)]
     assert [r.token_ids for r in gen.generate_batch(PROMPTS, configs)] == expected
+
+
+def test_the_proposal_contract_is_enforced() -> None:
+    """Drawn siblings with scores are refused (ordering or cutting them by score biases the law); a chain with both,
+    and a deterministic tree with scores, are fine. A greedy tree with two equal siblings is refused."""
+    q = torch.full((3, VOCAB), 1 / VOCAB)
+    tree, chain = torch.tensor([-1, -1, 0]), torch.tensor([-1, 0, 1])
+    with pytest.raises(ValueError, match="drawn siblings.*cannot carry scores"):
+        Proposal(torch.tensor([1, 2, 3]), q, tree, torch.tensor([0.9, 0.5, 0.4]))
+    Proposal(torch.tensor([1, 2, 3]), q, chain, torch.tensor([0.9, 0.5, 0.4]))
+    Proposal(torch.tensor([1, 2, 3]), None, tree, torch.tensor([0.9, 0.5, 0.4]))
+    logits = torch.zeros(1, 4, VOCAB)
+    with pytest.raises(ValueError, match="two siblings with the same token"):
+        verify_tree_greedy(torch.tensor([[4, 4, 1]]), tree[None], torch.tensor([3]), logits)
+    verify_tree_greedy(torch.tensor([[4, 5, 4]]), tree[None], torch.tensor([3]), logits)  # cousins may repeat a token
+    verify_tree_greedy(torch.tensor([[4, 5, 4]]), tree[None], torch.tensor([2]), logits)  # past a row's count: ignored
+
+
+class AlwaysTrees(PromptLookupDrafter):
+    """A drafter that proposes a tree even when asked for a chain (branches 1)."""
+
+    def propose(self, context, k, branches=1):
+        return Proposal(torch.tensor([3, 4]), None, torch.tensor([-1, -1]))
+
+
+def test_a_tree_row_with_guards_or_typical_acceptance_is_refused_by_the_step() -> None:
+    gen = Generator(loaded(tiny_llama(3, vocab=VOCAB)), AlwaysTrees())
+    for config in (
+        GenerationConfig(k=2, k_policy="fixed", max_new_tokens=4, guards=GuardConfig(repetition=True)),
+        GenerationConfig(k=2, k_policy="fixed", max_new_tokens=4, typical_acceptance=TypicalAcceptance()),
+    ):
+        with pytest.raises(ConfigError, match="tree row cannot use guards or typical acceptance"):
+            gen.generate(PROMPT, config)

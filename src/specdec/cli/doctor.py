@@ -45,7 +45,7 @@ def native_kernels() -> Check:
         return Check(
             "native kernels",
             "missing",
-            "this CPU lacks AVX2, FMA and F16C, which the native backend's kernels need at least",
+            "this CPU lacks AVX2, FMA and F16C (x86) or SDOT (ARM), which the native backend's kernels need at least",
             "use --backend transformers (or llama.cpp); --backend auto chooses transformers by itself",
         )
     compiler = shlex.split(os.environ.get("CXX") or "c++")[0]

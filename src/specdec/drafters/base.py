@@ -44,7 +44,9 @@ class Proposal:
     from it (with replacement: they may repeat a token).
     ``parents`` None is a chain (node i follows node i - 1). With ``scores``, the
     nodes are listed best first (a parent scores at least its children), so the
-    engine may keep the best few (``cut``) when its costs say so.
+    engine may keep the best few (``cut``) when its costs say so; a tree of drawn
+    siblings cannot have scores (refused at construction: keeping the best-scored
+    draws would bias the sampled law), a deterministic one can.
     ``steps``: forwards of a drafting model the proposal took, what a seeded run prices its drafting by; None: one per
     level (its depth), as a draft model's chain; 0 for drafters that run no model.
     """
@@ -54,6 +56,13 @@ class Proposal:
     parents: torch.Tensor | None = None  # [n] long, each < its own index; None: a chain
     scores: torch.Tensor | None = None  # [n] float: the drafter's estimate that each node is accepted, nodes listed best first
     steps: int | None = None  # forwards of a drafting model it took; None: its depth
+
+    def __post_init__(self) -> None:
+        if self.probs is not None and self.scores is not None and self.is_tree:
+            raise ValueError(
+                "a tree of drawn siblings (probs) cannot carry scores: cutting or ordering drawn siblings by score "
+                "biases the sampled law; report the scores without probs (nodes judged as one-hot) or drop the scores"
+            )
 
     @property
     def draft_steps(self) -> int:

@@ -67,7 +67,11 @@ class CrossTokenizerDrafter:
         limit = min(len(self._cached), len(draft_ids) - 1)  # at least one token must be fed to get logits
         while keep < limit and self._cached[keep] == draft_ids[keep]:
             keep += 1
-        self.backend.truncate(keep)
+        try:
+            self.backend.truncate(keep)
+        except ValueError:  # a sliding-window cache that no longer holds what keep needs: from the start again
+            keep = 0
+            self.backend.reset()
         logits = self.backend.forward(torch.tensor([draft_ids[keep:]]), last=1)[0, -1]
         self._cached = list(draft_ids)
         drafted: list[int] = []

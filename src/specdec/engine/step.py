@@ -31,6 +31,7 @@ import torch
 from specdec.config import GenerationConfig
 from specdec.drafters.base import Drafter, DraftSettings, Proposal
 from specdec.engine.stats import DecodeStats
+from specdec.errors import ConfigError
 from specdec.models.backend import RowBackend
 from specdec.quality.guards import Guards, NoGuards
 from specdec.scheduling import AcceptanceEstimate, KPolicy, StepOutcome
@@ -89,6 +90,9 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
     lengths = [len(d.proposal) for d in drafts]
     feeds = [torch.cat([row.tokens[target.lengths[slot] :], d.proposal.tokens]) for row, slot, d in zip(rows, slots, drafts, strict=True)]
     trees = [d.proposal.parents if d.proposal.is_tree else None for d in drafts]
+    for row, tree in zip(rows, trees, strict=True):
+        if tree is not None and (row.config.guards.active or row.config.typical_acceptance is not None):
+            raise ConfigError("a tree row cannot use guards or typical acceptance (neither is tree-aware): set branches to 1")
     features = [getattr(row.drafter, "wants_features", False) for row in rows]  # a drafter that reads the target's hidden states
     extra = {"trees": trees} if any(t is not None for t in trees) else {}
     extra |= {"features": True} if any(features) else {}

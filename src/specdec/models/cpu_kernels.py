@@ -40,7 +40,7 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = "specdec_cpu_kernels_v19"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+BUILD = "specdec_cpu_kernels_v20"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -105,9 +105,10 @@ static inline __m256 v_halves(vf x) {
     return _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)), _mm512_castps512_ps256(x));
 }
 #elif defined(__aarch64__)
-// NEON: four registers each. Every step mirrors the x86 one bit for bit: fused multiply-adds, IEEE division, rounding
-// to nearest even, min and max returning their second operand when either is NaN (as x86's do), and the same order of
-// the horizontal sum. SDOT multiplies signed bytes by signed bytes, so activations carry no offset.
+// NEON: four registers each. Every vector step mirrors the x86 one bit for bit: fused multiply-adds, IEEE division,
+// rounding to nearest even, min and max returning their second operand when a comparison fails, and the same order of
+// the horizontal sum. SDOT multiplies signed bytes by signed bytes, so activations carry no offset. (The softmax's scalar
+// exp is the C library's, which x86 and ARM builds of it need not round alike: bits agree within one build target.)
 struct vf { float32x4_t q[4]; };
 struct vi { int32x4_t q[4]; };
 #define OFFSET 0
@@ -711,6 +712,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
 void move_positions(torch::Tensor tables, int64_t kind, int64_t page, int64_t kv_heads, int64_t dim, torch::Tensor sources,
                     int64_t target) {
     TORCH_CHECK(sources.scalar_type() == torch::kInt64 && sources.is_contiguous() && sources.dim() == 1, "sources: int64 [m]");
+    TORCH_CHECK(target >= 0, "the path's first position is not negative");
     const int64_t m = sources.numel(), *from = sources.data_ptr<int64_t>();
     for (int64_t r = 0; r < m; ++r)
         TORCH_CHECK(from[r] >= target + r && (r == 0 || from[r] > from[r - 1]), "sources ascend, each at or after its target");
@@ -1055,6 +1057,9 @@ def attention(
     if kernel is None:
         raise RuntimeError("the attention kernel is not built on this machine")
     _on_cpu(q, k, v)
+    if k.shape[1:] != (cache.kv_heads, cache.head_dim) or v.shape != k.shape:
+        raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} do not fit the cache's pages "
+                         f"([n, {cache.kv_heads}, {cache.head_dim}])")
     chain = visible is None  # the kernel reads empty tensors as a chain
     mask = torch.empty(0, dtype=torch.uint8) if chain else visible.to(torch.uint8).contiguous()
     where = torch.empty(0, dtype=torch.long) if chain else positions.to(torch.long).contiguous()
@@ -1069,8 +1074,9 @@ CACHE_DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}  # the kernel's codes
 class PagedCache:
     """Keys and values of one sequence, per layer in pages of PAGE positions ([2, kv heads, PAGE, head dim]: keys, then
     values) of ``dtype``, written and read by :func:`attention`. Growing adds pages and copies nothing; a layer with a
-    sliding window releases the pages more than one page behind its window, so it holds about window + 2 pages at any
-    length (a truncation may go back up to a page; further back the cache says it cannot).
+    sliding window releases the pages more than one page behind its window, so it holds at most window // PAGE + 3
+    pages besides those of the step being written (a truncation may go back up to a page; further back the cache says
+    it cannot).
     """
 
     def __init__(self, windows: tuple[int, ...], kv_heads: int, head_dim: int, dtype: str = "float32") -> None:
@@ -1111,6 +1117,11 @@ class PagedCache:
         last len(branch) of them are the states at those indices."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        if branch and (len(branch) > length or branch != sorted(set(branch)) or branch[-1] >= self.length or branch[0] < 0):
+            raise ValueError(
+                f"a tree path {branch} cannot end a cache of {length} positions: its cached positions ascend, "
+                f"below {self.length}"
+            )
         for layer, window in enumerate(self.windows):
             lowest = max(0, length - window + 1) if window and length else length
             if any(page is None for page in self.pages[layer][lowest // PAGE : -(-length // PAGE)]):
@@ -1233,7 +1244,7 @@ def compiled():
 
 
 def kernels_problem() -> str | None:
-    """Why the kernels are not available here (no AVX2, or the build's error), or None."""
+    """Why the kernels are not available here (no AVX2 or ARM SDOT, or the build's error), or None."""
     return _load()[1]
 
 
@@ -1241,7 +1252,7 @@ def kernels_problem() -> str | None:
 def _load():
     first = variant()
     if first is None:
-        return None, "this CPU lacks AVX2, FMA and F16C (and AVX-512 VNNI)"
+        return None, "this CPU lacks AVX2, FMA and F16C (x86) or SDOT (ARM)"
     runs = [name for name, (needs, _) in VARIANTS.items() if set(needs) <= cpu_flags()]
     failures = []
     for name in [first] + runs[runs.index(first) + 1 :]:  # a build the compiler refuses gives way to a plainer one
@@ -1265,7 +1276,7 @@ def build(wait_s: float = BUILD_WAIT_S, name: str | None = None):
 
     name = name or variant()
     if name is None:
-        raise KernelBuildError("this CPU lacks AVX2, FMA and F16C (and AVX-512 VNNI): the native kernels cannot run here")
+        raise KernelBuildError("this CPU lacks AVX2, FMA and F16C (x86) or SDOT (ARM): the native kernels cannot run here")
     folder = build_folder(name)
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -310,7 +310,7 @@ def unsupported(config) -> str | None:
         return str(exc)
     if (problem := cpu_kernels.kernels_problem()) is not None:
         return (
-            f"the native backend needs a CPU with AVX2 (or AVX-512 VNNI) and a C++ compiler (g++) for its kernels, and "
+            f"the native backend needs a CPU with AVX2 (x86) or SDOT (ARM) and a C++ compiler (g++) for its kernels, and "
             f"{problem}: use --backend transformers --precision cpu (`specdec doctor` says more)"
         )
     return None

@@ -117,27 +117,36 @@ def gguf_reader(path: Path, config) -> Tensors:
     except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path} is not a GGUF file the native runtime can read ({exc}): download it again") from None
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)  # only its parameter names
-    names = {ours: theirs for theirs, ours in get_gguf_hf_weights_map(skeleton, processor).items()}
-    entries = {entry.name: entry for entry in reader.tensors}
-    del reader, skeleton  # the reader maps the whole file: tensors are read from it one at a time instead
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)  # only its parameter names
+        mapped = get_gguf_hf_weights_map(skeleton, processor, model_type=architecture)  # named as the file names it
+    except (NotImplementedError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"the tensors of {path} ({architecture}) cannot be mapped to the model's ({exc})") from None
+    names = {ours: theirs for theirs, ours in mapped.items()}
+    # Where each tensor lies and how it is laid out; the reader's arrays map the whole file, so none is kept.
+    entries = {e.name: (int(e.data_offset), int(e.n_bytes), e.data.dtype, e.data.shape, e.tensor_type) for e in reader.tensors}
+    del reader, skeleton
 
     def read(name: str) -> torch.Tensor | None:
-        entry = entries.get(names.get(name, ""))
-        if entry is None:
+        gguf_name = names.get(name, "")
+        if gguf_name not in entries:
             return None
-        raw = np.empty(int(entry.n_bytes), dtype=np.uint8)
-        with open(path, "rb") as handle:
-            handle.seek(int(entry.data_offset))
-            if handle.readinto(raw) != len(raw):
-                raise ConfigError(f"{path} ends before tensor {entry.name}: the file is truncated, download it again")
+        offset, size, dtype, shape, kind = entries[gguf_name]
+        raw = np.empty(size, dtype=np.uint8)
         try:
-            values = _dequantized(raw.view(entry.data.dtype).reshape(entry.data.shape), entry.tensor_type)
+            with open(path, "rb") as handle:
+                handle.seek(offset)
+                complete = handle.readinto(raw) == size
+        except OSError as exc:
+            raise ConfigError(f"{path} could not be read ({exc})") from None
+        if not complete:
+            raise ConfigError(f"{path} ends before tensor {gguf_name}: the file is truncated, download it again")
+        try:
+            values = _dequantized(raw.view(dtype).reshape(shape), kind)
         except NotImplementedError:
-            kind = entry.tensor_type.name
-            raise ConfigError(f"tensor {entry.name} is {kind}, which gguf cannot de-quantize: use --backend llama.cpp") from None
-        values = processor.process(weights=values, name=entry.name).weights
+            raise ConfigError(f"tensor {gguf_name} is {kind.name}, which gguf cannot de-quantize: use --backend llama.cpp") from None
+        values = processor.process(weights=values, name=gguf_name).weights
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
     return read
@@ -173,8 +182,19 @@ def gguf_metadata(path: Path) -> Path:
         raise ConfigError(f"could not read the model's config from {path} ({exc}): is it a GGUF model file?") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (OSError, ValueError, KeyError, TypeError):
-        tokenizer = None  # token ids still work
+    except Exception as exc:  # noqa: BLE001 - any failure of transformers' conversion of a GGUF vocabulary
+        log.warning("no tokenizer could be built from %s (%s): the model runs on token ids", path, exc)
+        return _metadata_folder(config, None, folder)
+    return _metadata_folder(config, tokenizer, folder)
+
+
+def _metadata_folder(config, tokenizer, folder: Path) -> Path:
+    """``folder`` written atomically with the config and the tokenizer (a temporary folder, not kept, without one: the
+    tokenizer is tried again next time)."""
+    if tokenizer is None:
+        folder = Path(tempfile.mkdtemp(prefix="specdec-gguf-config-"))
+        config.save_pretrained(folder)
+        return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     try:

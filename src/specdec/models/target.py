@@ -37,7 +37,7 @@ class Target:
 
 def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
     """Open a model on a runtime: transformers (any causal LM), llama.cpp (GGUF files and bundled aliases), native
-    (Gemma-3, Llama, Mistral and Qwen2/3 models on a CPU with AVX2 or AVX-512 VNNI) or auto (native where it runs, else
+    (Gemma-3, Llama, Mistral and Qwen2/3 models on a CPU with AVX2 or ARM SDOT) or auto (native where it runs, else
     transformers)."""
     if runtime.backend == "llama.cpp":
         from specdec.models.llamacpp import LlamaCppBackend

@@ -45,6 +45,11 @@ def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, counts: torc
     choice = logits.argmax(dim=-1)  # [B, n + 1]
     real = torch.arange(n, device=tokens.device)[None, :] < counts[:, None]
     parents = torch.where(real, parents, -1)
+    if n > 1:  # distinct siblings, or two matching nodes could make two paths
+        keys = (parents + 1) * (int(tokens.max()) + 1) + tokens
+        keys = torch.where(real, keys, -1 - torch.arange(n, device=tokens.device)[None, :]).sort(dim=1).values
+        if bool((keys[:, 1:] == keys[:, :-1]).any()):
+            raise ValueError("a greedy tree has two siblings with the same token: a drafter must propose distinct siblings")
     match = (tokens == choice.gather(1, parents + 1)) & real  # the target would have chosen this node after its parent
     on_path = match
     for _ in range(n):  # a node is on the path when it and every ancestor match: one more level per pass
@@ -52,7 +57,7 @@ def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, counts: torc
         if torch.equal(deeper, on_path):
             break
         on_path = deeper
-    # Siblings carry distinct tokens, so the matching nodes form one path; parents come first, so its last node is the deepest.
+    # Siblings are distinct, so the matching nodes form one path; parents come first, so its last node is the deepest.
     index = torch.arange(n, device=tokens.device).expand_as(on_path)
     last = torch.where(on_path, index, -1).max(dim=1).values if n else torch.full_like(counts, -1)
     next_tokens = choice.gather(1, (last + 1)[:, None]).squeeze(1)
