@@ -104,7 +104,7 @@ class GenerationConfig:
 
     k: int = 8  # draft tokens per step (a tree's nodes); the most per step for adaptive k policies
     branches: int = 1  # the most children of a draft node: 1 drafts chains; more lets tree drafters branch (verified in one forward)
-    k_policy: str = "cost-model"  # the fastest policy in BENCHMARKS.md on every runtime measured
+    k_policy: str = "cost-model"  # k chosen per step from measured costs and acceptance
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
@@ -275,11 +275,10 @@ PRESETS: dict[str, PrecisionPlan] = {
     "bf16": PrecisionPlan("bfloat16", "bfloat16", "bfloat16", "bfloat16", "bfloat16"),
     # The seed's plan (section 5.2): draft in fp8, attention in fp16, FFN in int8, verification in fp16.
     "seed": PrecisionPlan(attention="float16", ffn="int8", head="float16", draft="float8", verify="float16"),
-    # The best plan measured on this project's CPU within the perplexity bound (BENCHMARKS.md).
+    # bfloat16 everywhere but the FFN's int8: the fastest plan within the perplexity bound on the CPUs measured.
     "cpu": PrecisionPlan(attention="bfloat16", ffn="int8", head="bfloat16", draft="bfloat16"),
-    # For CPUs with AVX-512 VNNI: the output head in exact int8 products, its weights read once per step (25.0 tok/s
-    # target-only, 50.8 with prompt lookup on the 44 prompts, |dPPL| <= 0.18; BENCHMARKS.md, issue 23; the native
-    # backend is 2.5x faster still). Elsewhere it runs, exactly but slowly.
+    # For CPUs with AVX-512 VNNI: the output head in exact int8 products, its weights read once per step (the native
+    # backend is faster still). Elsewhere it runs, exactly but slowly.
     "cpu-vnni": PrecisionPlan(attention="bfloat16", ffn="int8", head="int8a8", draft="bfloat16"),
 }
 

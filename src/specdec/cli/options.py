@@ -220,7 +220,7 @@ ProfileOpt = Annotated[
     typer.Option(
         "--profile",
         help="A profile from `specdec tune` (DIR/profile.json): its target, runtime, drafter and k settings replace these "
-        "options' defaults; options given on the command line still win, by group (README: Tuning).",
+        "options' defaults; options given on the command line still win, by group (docs/tuning.md).",
     ),
 ]
 

@@ -93,9 +93,9 @@ def auto_draft(target: Target, verify_cost: Callable[[], Callable[[int], float]]
     backend gives hidden states and verifying 3 tokens costs at most AUTO_HEAD_MAX_VERIFY one-token steps (``verify_cost()``:
     the target's forward cost over n tokens on this machine, asked only then); prompt lookup alone elsewhere.
 
-    The head's drafts are short (one or two accepted per step), so they pay only where verifying them is nearly free. On the
-    44 benchmark prompts (BENCHMARKS.md, issue 24): transformers' `cpu` plan (3 tokens: 0.98x one) 2.38x target-only against
-    prompt lookup's 2.28x; float32 (2.5x) 1.50x against 1.54x; native (1.25x) 1.84x against 1.85x, with 8-11% more memory.
+    The head's drafts are short (one or two accepted per step), so they pay only where verifying them is nearly free:
+    where verifying 3 tokens costs about as much as one, the head beats prompt lookup; where it costs more, it ties or
+    loses and takes more memory.
     """
     if getattr(target.backend, "token_embeddings", None) is None or bundled_draft(target.name, "eagle") is None:
         return "prompt-lookup"

@@ -149,9 +149,9 @@ class ModuleHead:
 class NativeHead:
     """The head on the native CPU runtime (models/native.py): its layer, ``fc`` and output rows in the int8 kernels.
 
-    As a transformers module one level of drafting costs 5.5 ms on a 2-core CPU (47 MB of float32 weights, roofline
-    1.5 ms: the rest is framework time and slow skinny products); here its 11.7 MB of int8 weights are read once per
-    level, 0.36 ms (benchmarks/eagle_head_cost.py). Its numbers are int8's, not the module's: drafts differ a little,
+    As a transformers module one level of drafting is mostly framework time and slow skinny products over float32
+    weights; here its int8 weights (a quarter of the bytes) are read once per level by the native kernels
+    (benchmarks/eagle_head_cost.py measures both). Its numbers are int8's, not the module's: drafts differ a little,
     verification keeps the output exact.
     """
 

@@ -20,7 +20,7 @@ its outputs back.
 
 Speculative greedy decoding reproduces one-token decoding only if a position's
 result does not depend on how many positions are scored together. In 16-bit
-formats two kernels broke that on this project's CPU (measured, BENCHMARKS.md):
+formats two kernels broke that on the CPUs measured:
 PyTorch's fused attention, so low-precision plans use eager attention; and the
 matrix multiply, which rounds a lone row differently from the same row among
 two or more, so low-precision linear layers compute a lone row as two identical
@@ -29,7 +29,7 @@ float16 a third one: the product of attention weights and values rounds
 differently when the number of keys is not a multiple of 4, so a position
 scored with one masked key more (verification) or less (decode) drifts; the
 plans' attention (``padded_eager_attention``) pads the keys with masked zeros.
-On a CPU with AMX (an Intel Xeon, measured: BENCHMARKS.md) three more: the
+On a CPU with AMX (an Intel Xeon) three more: the
 16-bit matrix multiply takes yet another kernel from about 32 rows on, and
 attention's product of weights and values rounds a lone query apart from the
 same query among others, and differently for another number of keys. So linear

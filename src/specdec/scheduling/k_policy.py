@@ -1,8 +1,9 @@
 """How many tokens to draft at each step.
 
 A fixed k is too few on easy text and too many on hard text, and what "too
-many" means depends on the runtime: verifying 9 tokens costs 1.2x one token for
-transformers in bfloat16 on this CPU but 5.5x for llama.cpp. A policy chooses k
+many" means depends on the runtime: verifying 9 tokens costs little more than one
+on a runtime that reads each weight once per step, and several times one on one that
+does not. A policy chooses k
 before each step and observes the step's outcome after it; it never sees a model.
 """
 

@@ -130,7 +130,7 @@ class Candidate:
 
 
 def runtime_candidates(target: str) -> dict[str, RuntimeConfig]:
-    """Every runtime and precision plan worth measuring for ``target`` here, fastest measured first (BENCHMARKS.md)."""
+    """Every runtime and precision plan worth measuring for ``target`` here, fastest measured first."""
     import torch
 
     found: dict[str, RuntimeConfig] = {}

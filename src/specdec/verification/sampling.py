@@ -1,8 +1,8 @@
 """Drawing a token from a distribution by inverse CDF: exact, and fast on large vocabularies.
 
-``torch.multinomial`` over Gemma's 262,144 tokens costs about 5.5 ms on this project's CPU, a tenth of
-a model step; one uniform draw and a binary search over the cumulative sum cost about 0.3 ms and draw
-from the same law. The sum runs in float64 (float32 where the device has no float64), so rounding
+``torch.multinomial`` over a vocabulary of hundreds of thousands of tokens costs a sizeable share of a
+small model's step; one uniform draw and a binary search over the cumulative sum cost a fraction of that
+and draw from the same law. The sum runs in float64 (float32 where the device has no float64), so rounding
 moves no measurable probability between tokens, and a token of probability 0 is never drawn: its
 cumulative sum equals its predecessor's, so no uniform lands on it.
 """
