@@ -80,7 +80,7 @@ def bench(
     max_new_tokens: Annotated[
         int,
         typer.Option(
-            help=f"New tokens per prompt; the benchmarks' fixed length (the library's default is {default(GenerationConfig, 'max_new_tokens')})."
+            help=f"New tokens per prompt; deliberately the benchmarks' fixed length (the library's default is {default(GenerationConfig, 'max_new_tokens')})."
         ),
     ] = default(BenchConfig, "max_new_tokens"),
     temperature: Annotated[float, typer.Option(help="0 = greedy (outputs are compared with none's).")] = default(

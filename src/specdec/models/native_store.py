@@ -184,17 +184,7 @@ def gguf_metadata(path: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # noqa: BLE001 - any failure of transformers' conversion of a GGUF vocabulary
         log.warning("no tokenizer could be built from %s (%s): the model runs on token ids", path, exc)
-        return _metadata_folder(config, None, folder)
-    return _metadata_folder(config, tokenizer, folder)
-
-
-def _metadata_folder(config, tokenizer, folder: Path) -> Path:
-    """``folder`` written atomically with the config and the tokenizer (a temporary folder, not kept, without one: the
-    tokenizer is tried again next time)."""
-    if tokenizer is None:
-        folder = Path(tempfile.mkdtemp(prefix="specdec-gguf-config-"))
-        config.save_pretrained(folder)
-        return folder
+        tokenizer, folder = None, Path(tempfile.mkdtemp(prefix="specdec-gguf-config-"))  # not kept: tried again next time
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     try:
