@@ -57,7 +57,9 @@ def level_times(drafter, hidden: torch.Tensor, tokens: torch.Tensor) -> dict[int
 def weight_bytes(drafter) -> int:
     head = drafter.head
     if isinstance(head, NativeHead):
-        packed = [head.fc, head.model.head] + [w for layer in head.model.layers for w in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+        packed = [head.fc, head.model.head] + [
+            w for layer in head.model.layers for w in (layer.qkv, layer.out, layer.gate_up, layer.down)
+        ]
         return sum(p.packed.numel() + 4 * p.scale.numel() for p in packed)
     return sum(p.numel() * p.element_size() for p in head.parameters())
 
@@ -73,7 +75,10 @@ def main() -> None:
     read_gbs = bandwidth()["read_GBps"]
     target = open_target("gemma-3-270m", RuntimeConfig(precision=PrecisionPlan.parse("cpu")))
     embed = target.backend.token_embeddings()
-    runners = {name: load_eagle(args.head, embed, target.backend.vocab_size, kernels=name == "native") for name in ("module", "native")}
+    runners = {
+        name: load_eagle(args.head, embed, target.backend.vocab_size, kernels=name == "native")
+        for name in ("module", "native")
+    }
     prompts = round_robin(load_prompts("default"))[: args.count]
     ids = target.tokenizer(prompts[0].prompt * 8, return_tensors="pt").input_ids[0][:CONTEXT]
     with torch.inference_mode():
@@ -81,7 +86,11 @@ def main() -> None:
     report: dict = {"bandwidth_read_gb_s": read_gbs, "levels": {}, "engine": {}}
     for name, drafter in runners.items():
         size = weight_bytes(drafter)
-        report["levels"][name] = {"weight_mb": size / 1e6, "roofline_ms": size / read_gbs / 1e6, "ms": level_times(drafter, hidden, ids)}
+        report["levels"][name] = {
+            "weight_mb": size / 1e6,
+            "roofline_ms": size / read_gbs / 1e6,
+            "ms": level_times(drafter, hidden, ids),
+        }
         print(name, json.dumps(report["levels"][name]))
 
     generator = Generator(target, "none")

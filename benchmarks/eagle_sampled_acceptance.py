@@ -72,7 +72,9 @@ def replay(gen: Generator, chosen: list[BenchPrompt], new_tokens: int, temperatu
             step["category"] = row.category
             gen.generate(
                 row.prompt,
-                GenerationConfig(max_new_tokens=new_tokens, k=1, k_policy="fixed", stop_on_eos=False, seed=seed, sampling=sampling),
+                GenerationConfig(
+                    max_new_tokens=new_tokens, k=1, k_policy="fixed", stop_on_eos=False, seed=seed, sampling=sampling
+                ),
             )
     finally:
         eagle_module.EagleDrafter._grow, step_module._verify = grow, verify

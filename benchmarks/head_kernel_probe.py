@@ -64,7 +64,9 @@ def main() -> None:
         }
         cells = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[n].items())
         print(f"n={n:2d}: {cells}", flush=True)
-    print(f"int8 head: {w8.numel() / 1e6:.0f} MB, bfloat16 {2 * w8.numel() / 1e6:.0f} MB, float32 {4 * w8.numel() / 1e6:.0f} MB")
+    print(
+        f"int8 head: {w8.numel() / 1e6:.0f} MB, bfloat16 {2 * w8.numel() / 1e6:.0f} MB, float32 {4 * w8.numel() / 1e6:.0f} MB"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))
 

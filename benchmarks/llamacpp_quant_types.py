@@ -77,10 +77,14 @@ def main() -> None:
             generator.generate(prompts[0], max_new_tokens=8)  # warm-up
             started, produced = time.perf_counter(), 0
             for prompt in prompts:
-                produced += generator.generate(prompt, max_new_tokens=32, k=8, k_policy="cost-model", stop_on_eos=False).stats.new_tokens
+                produced += generator.generate(
+                    prompt, max_new_tokens=32, k=8, k_policy="cost-model", stop_on_eos=False
+                ).stats.new_tokens
             speeds[drafter] = produced / (time.perf_counter() - started)
             del generator
-        ppl = {name: {"float32": float32[name], "type": math.exp(llamacpp_nll(path, ids))} for name, ids in texts.items()}
+        ppl = {
+            name: {"float32": float32[name], "type": math.exp(llamacpp_nll(path, ids))} for name, ids in texts.items()
+        }
         rows.append({"type": kind, "file_mb": path.stat().st_size / 2**20, "tokens_per_s": speeds, "perplexity": ppl})
         deltas = ", ".join(f"{n} {v['type']:.3f} ({v['type'] - v['float32']:+.3f})" for n, v in ppl.items())
         print(

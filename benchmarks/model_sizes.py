@@ -62,7 +62,9 @@ SHAPES: dict[str, dict] = {
     "7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                intermediate_size=11008, tie_word_embeddings=False, rope_theta=10000.0, like="Llama-2-7B", embed_std=4.0),
 }  # fmt: skip
-TOKENIZER_GGUF = ALIASES["smollm2-135m-instruct"]  # a Llama-architecture GGUF whose BPE tokenizer the files borrow (padded)
+TOKENIZER_GGUF = ALIASES[
+    "smollm2-135m-instruct"
+]  # a Llama-architecture GGUF whose BPE tokenizer the files borrow (padded)
 CURVE_SIZES = (1, 2, 3, 5, 9, 13, 17)
 MAX_K = 16
 
@@ -99,7 +101,11 @@ def random_model(shape: dict, seed: int = 0) -> torch.nn.Module:
             if name.endswith("norm.weight"):
                 tensor.fill_(1.0)
             else:
-                tensor.normal_(0.0, shape.get("embed_std", 1.0) if name.endswith("embed_tokens.weight") else 0.02, generator=generator)
+                tensor.normal_(
+                    0.0,
+                    shape.get("embed_std", 1.0) if name.endswith("embed_tokens.weight") else 0.02,
+                    generator=generator,
+                )
         if not shape["tie_word_embeddings"]:
             model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     model.model.rotary_emb.to_empty(device="cpu")
@@ -115,13 +121,17 @@ def write_gguf(model: torch.nn.Module, shape: dict, path: Path) -> None:
 
     reader = gguf.GGUFReader(str(TOKENIZER_GGUF.locate_gguf()))
     vocab = shape["vocab_size"]
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()[:vocab]  # cut to a smaller vocabulary, padded to a larger one
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()[
+        :vocab
+    ]  # cut to a smaller vocabulary, padded to a larger one
     types = reader.fields["tokenizer.ggml.token_type"].contents()[:vocab]
     padding = vocab - len(tokens)
     tokens += [f"[PAD{i}]" for i in range(padding)]
     types += [gguf.TokenType.UNUSED] * padding
     kept = set(tokens)
-    merges = [m for m in reader.fields["tokenizer.ggml.merges"].contents() if set(m.split(" ")) | {m.replace(" ", "")} <= kept]
+    merges = [
+        m for m in reader.fields["tokenizer.ggml.merges"].contents() if set(m.split(" ")) | {m.replace(" ", "")} <= kept
+    ]
     h, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(f"random {shape['like']} shape")
@@ -145,7 +155,9 @@ def write_gguf(model: torch.nn.Module, shape: dict, path: Path) -> None:
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
 
-    def permute(w: torch.Tensor, n: int) -> torch.Tensor:  # rotary halves (transformers) to interleaved pairs (llama.cpp)
+    def permute(
+        w: torch.Tensor, n: int
+    ) -> torch.Tensor:  # rotary halves (transformers) to interleaved pairs (llama.cpp)
         return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -218,7 +230,9 @@ def best_k(curve: CostCurve, a: float) -> tuple[int, float]:
     return k, formula.expected_rate(k, a) / formula.expected_rate(0, a)
 
 
-def decode(generator: Generator, prompts: list[list[int]], oracle: OracleDrafter | None, references: list[list[int]]) -> dict:
+def decode(
+    generator: Generator, prompts: list[list[int]], oracle: OracleDrafter | None, references: list[list[int]]
+) -> dict:
     """Generate every prompt once (after a short warm-up); tokens per second over all of them, output and peak memory."""
     if oracle is not None:
         oracle.reference = prompts[0] + references[0]
@@ -239,7 +253,9 @@ def decode(generator: Generator, prompts: list[list[int]], oracle: OracleDrafter
             "accepted_per_step": accepted / steps}  # fmt: skip
 
 
-def run_backend(size: str, backend: str, files: dict, args: argparse.Namespace, prompts: list[list[int]]) -> dict | None:
+def run_backend(
+    size: str, backend: str, files: dict, args: argparse.Namespace, prompts: list[list[int]]
+) -> dict | None:
     extra: dict = {}
     if backend == "llama.cpp":
         source, runtime = str(files["gguf"]), RuntimeConfig(backend="llama.cpp")
@@ -254,7 +270,9 @@ def run_backend(size: str, backend: str, files: dict, args: argparse.Namespace, 
     ):
         return None  # no transformers folder at this size, or transformers on this CPU takes seconds per forward
     else:
-        runtime = RuntimeConfig(backend=backend, precision=PRESETS["cpu"] if backend == "transformers" and args.device == "cpu" else None)
+        runtime = RuntimeConfig(
+            backend=backend, precision=PRESETS["cpu"] if backend == "transformers" and args.device == "cpu" else None
+        )
         source = str(files["hf"])
     if backend != "transformers":
         extra["generating"] = child_peak(child_code(source, runtime.backend, runtime.native_format, generate=True))
@@ -271,11 +289,15 @@ def run_backend(size: str, backend: str, files: dict, args: argparse.Namespace, 
     references = base["outputs"]
     if backend.startswith("native-"):
         model = target.backend.model
-        weights = sum(getattr(layer, part).nbytes for layer in model.layers for part in ("qkv", "out", "gate_up", "down"))
+        weights = sum(
+            getattr(layer, part).nbytes for layer in model.layers for part in ("qkv", "out", "gate_up", "down")
+        )
         extra["bytes_per_token"] = weights + model.head.nbytes
         extra["model_bytes"] = extra["bytes_per_token"] + model.embedding.numel() * model.embedding.element_size()
     elif backend == "llama.cpp":
-        extra["bytes_per_token"] = extra["model_bytes"] = files["gguf"].stat().st_size  # every tensor once (embedding: one row)
+        extra["bytes_per_token"] = extra["model_bytes"] = (
+            files["gguf"].stat().st_size
+        )  # every tensor once (embedding: one row)
     row: dict = extra | {"load_s": load_s, "loaded_mb": loaded / 2**20, "cost_ms": {n: 1000 * s for n, s in curve.seconds.items()},
                  "target_only_tokens_per_s": base["tokens_per_s"], "target_only_peak_increase_mb": base["peak_increase_mb"],
                  "oracle": {}}  # fmt: skip
@@ -336,7 +358,9 @@ def llama_bench(binary: Path, gguf_file: Path, tokens: int) -> float:
 
 def llamacpp_greedy(gguf_file: Path, prompts: list[list[int]], tokens: int) -> float:
     """llama-cpp-python's own greedy generation: tokens per second over the prompts (after one warm-up)."""
-    method = LlamaCppMethod("llamacpp-greedy", str(gguf_file), GenerationConfig(max_new_tokens=tokens), RuntimeConfig(backend="llama.cpp"))
+    method = LlamaCppMethod(
+        "llamacpp-greedy", str(gguf_file), GenerationConfig(max_new_tokens=tokens), RuntimeConfig(backend="llama.cpp")
+    )
     method.run(prompts[0], None)
     records = [method.run(p, None) for p in prompts]
     return sum(len(r.token_ids) for r in records) / sum(r.wall_s for r in records)
@@ -344,17 +368,28 @@ def llamacpp_greedy(gguf_file: Path, prompts: list[list[int]], tokens: int) -> f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--work", type=Path, required=True, help="where the random-weight models are built (kept for reruns)")
+    parser.add_argument(
+        "--work", type=Path, required=True, help="where the random-weight models are built (kept for reruns)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sizes", default="0.5b,1b,3b,8b")
     parser.add_argument("--backends", default="llama.cpp,native-int8,native-int4,transformers")
     parser.add_argument("--acceptance", default="0.5,0.7,0.9", type=lambda s: [float(x) for x in s.split(",")])
     parser.add_argument("--prompts", type=int, default=2, help="prompts of 64 random tokens")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
-    parser.add_argument("--hf-max-params", type=float, default=4e9, help="largest model also written as a transformers folder")
-    parser.add_argument("--transformers-max-params", type=float, default=2e9, help="largest model run on the transformers backend on a CPU")
+    parser.add_argument(
+        "--hf-max-params", type=float, default=4e9, help="largest model also written as a transformers folder"
+    )
+    parser.add_argument(
+        "--transformers-max-params",
+        type=float,
+        default=2e9,
+        help="largest model run on the transformers backend on a CPU",
+    )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--build-only", action="store_true", help="build the sizes' files and stop (a run then starts lean)")
+    parser.add_argument(
+        "--build-only", action="store_true", help="build the sizes' files and stop (a run then starts lean)"
+    )
     parser.add_argument("--llama-bench", type=Path, help="llama.cpp's llama-bench binary (built from vendor/llama.cpp)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -362,7 +397,10 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     smallest = min(SHAPES[size]["vocab_size"] for size in args.sizes.split(","))
     prompts = [torch.randint(3, smallest, (64,), generator=generator).tolist() for _ in range(args.prompts)]
-    results: dict = {"machine": fingerprint() | {"torch_threads": torch.get_num_threads(), "device": args.device}, "sizes": {}}
+    results: dict = {
+        "machine": fingerprint() | {"torch_threads": torch.get_num_threads(), "device": args.device},
+        "sizes": {},
+    }
     if args.out.exists():
         results = json.loads(args.out.read_text())  # a rerun adds to what an earlier one measured
     if "read_GBps" not in results["machine"]:
@@ -375,7 +413,9 @@ def main() -> None:
         return
     for size in args.sizes.split(","):
         files = build(size, args.work, args.hf_max_params)
-        entry = results["sizes"].setdefault(size, {"parameters": parameters(SHAPES[size]), "like": SHAPES[size]["like"], "backends": {}})
+        entry = results["sizes"].setdefault(
+            size, {"parameters": parameters(SHAPES[size]), "like": SHAPES[size]["like"], "backends": {}}
+        )
         if args.device == "cpu" and "llamacpp_greedy_tokens_per_s" not in entry:
             entry["llamacpp_greedy_tokens_per_s"] = llamacpp_greedy(files["gguf"], prompts, args.tokens)
             entry["gguf_mb"] = files["gguf"].stat().st_size / 2**20
@@ -410,21 +450,41 @@ def plot(results: dict, path: Path) -> None:
                 if a in e["backends"].get(backend, {}).get("oracle", {})
             ]
             if points:
-                line = left.plot([x for x, _ in points], [o["speedup"] for _, o in points], marker="o", label=f"{backend}, a={a}")
-                left.plot([x for x, _ in points], [o["predicted_speedup"] for _, o in points], linestyle="--", color=line[0].get_color())
+                line = left.plot(
+                    [x for x, _ in points], [o["speedup"] for _, o in points], marker="o", label=f"{backend}, a={a}"
+                )
+                left.plot(
+                    [x for x, _ in points],
+                    [o["predicted_speedup"] for _, o in points],
+                    linestyle="--",
+                    color=line[0].get_color(),
+                )
             rates = [
-                (e["parameters"] / 1e9, e["backends"][backend]["oracle"][a]["tokens_per_s"]) for _, e in sizes if backend in e["backends"]
+                (e["parameters"] / 1e9, e["backends"][backend]["oracle"][a]["tokens_per_s"])
+                for _, e in sizes
+                if backend in e["backends"]
             ]
             if rates and a == _accs(results)[-1]:
                 right.plot([x for x, _ in rates], [r for _, r in rates], marker="o", label=f"{backend} + oracle a={a}")
-    peers = [(e["parameters"] / 1e9, e["llamacpp_greedy_tokens_per_s"]) for _, e in sizes if e.get("llamacpp_greedy_tokens_per_s")]
+    peers = [
+        (e["parameters"] / 1e9, e["llamacpp_greedy_tokens_per_s"])
+        for _, e in sizes
+        if e.get("llamacpp_greedy_tokens_per_s")
+    ]
     if peers:
-        right.plot([x for x, _ in peers], [r for _, r in peers], marker="s", color="black", label="llama-cpp-python greedy")
+        right.plot(
+            [x for x, _ in peers], [r for _, r in peers], marker="s", color="black", label="llama-cpp-python greedy"
+        )
     left.axhline(1.0, color="grey", linewidth=0.5)
     left.set(
-        xscale="log", xlabel="parameters (billions)", ylabel="speed-up over own target-only", title="measured (solid), formula (dashed)"
+        xscale="log",
+        xlabel="parameters (billions)",
+        ylabel="speed-up over own target-only",
+        title="measured (solid), formula (dashed)",
     )
-    right.set(xscale="log", yscale="log", xlabel="parameters (billions)", ylabel="tokens/s", title="against llama.cpp greedy")
+    right.set(
+        xscale="log", yscale="log", xlabel="parameters (billions)", ylabel="tokens/s", title="against llama.cpp greedy"
+    )
     left.legend(fontsize=6)
     right.legend(fontsize=6)
     fig.tight_layout()
@@ -442,7 +502,11 @@ def table(results: dict) -> str:
     lines.append("|" + "---|" * (3 + len(_accs(results))))
     for size, entry in results["sizes"].items():
         peer = entry.get("llamacpp_greedy_tokens_per_s")
-        lines.append(f"| {size} | llama.cpp greedy (llama-cpp-python) | {peer:.1f} |" + " |" * len(_accs(results)) if peer else "")
+        lines.append(
+            f"| {size} | llama.cpp greedy (llama-cpp-python) | {peer:.1f} |" + " |" * len(_accs(results))
+            if peer
+            else ""
+        )
         for backend, row in entry["backends"].items():
             cells = []
             for a in _accs(results):
@@ -479,7 +543,9 @@ def weights_table(results: dict) -> str:
                 f"{rate / bench:.2f}x" if bench else "-",
                 f"{per_token / 1e6:.0f}" if per_token else "-",
                 f"{per_token * rate / 1e9:.1f}" if per_token else "-",
-                f"{first['peak_rss_mb'] - first['rss_after_imports_mb']:.0f} / {row['model_bytes'] / 2**20:.0f}" if first else "-",
+                f"{first['peak_rss_mb'] - first['rss_after_imports_mb']:.0f} / {row['model_bytes'] / 2**20:.0f}"
+                if first
+                else "-",
                 f"{cached['seconds']:.1f} s" if cached else "-",
                 f"{gen['peak_rss_mb']:.0f} MB" if gen else "-",
             ]
@@ -488,7 +554,9 @@ def weights_table(results: dict) -> str:
 
 
 def _accs(results: dict) -> list[str]:
-    return sorted({a for e in results["sizes"].values() for row in e["backends"].values() for a in row["oracle"]}, key=float)
+    return sorted(
+        {a for e in results["sizes"].values() for row in e["backends"].values() for a in row["oracle"]}, key=float
+    )
 
 
 if __name__ == "__main__":

@@ -89,7 +89,15 @@ def main() -> None:
         results["models"][name] = row
         print(name, json.dumps(row), flush=True)
     args.out.write_text(json.dumps(results, indent=1))
-    columns = ["float32", "native int8", "int8, bfloat16 cache", "int8, float16 cache", "native int4", "llama.cpp, bundled GGUF", "llama.cpp Q4_K_M"]
+    columns = [
+        "float32",
+        "native int8",
+        "int8, bfloat16 cache",
+        "int8, float16 cache",
+        "native int4",
+        "llama.cpp, bundled GGUF",
+        "llama.cpp Q4_K_M",
+    ]
     print("| model | tokens | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     for name, row in results["models"].items():

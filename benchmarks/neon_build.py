@@ -40,9 +40,13 @@ def main() -> None:
                "-ffp-contract=off", "-fopenmp", *includes, "-c", str(work / "kernels.cpp"), "-o", str(work / "kernels.o")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)
     errors = [line for line in done.stderr.splitlines() if "error" in line]
-    print(f"aarch64 compile: {'ok' if done.returncode == 0 else 'failed'} ({len(errors)} errors)", *errors[:10], sep="\n")
+    print(
+        f"aarch64 compile: {'ok' if done.returncode == 0 else 'failed'} ({len(errors)} errors)", *errors[:10], sep="\n"
+    )
     if done.returncode == 0 and args.objdump:
-        listing = subprocess.run([args.objdump, "-d", "--mattr=+dotprod", str(work / "kernels.o")], capture_output=True, text=True)
+        listing = subprocess.run(
+            [args.objdump, "-d", "--mattr=+dotprod", str(work / "kernels.o")], capture_output=True, text=True
+        )
         words = listing.stdout.split()
         print(f"sdot: {words.count('sdot')}, fmla: {words.count('fmla')}, fdiv: {words.count('fdiv')}")
     sys.exit(done.returncode)

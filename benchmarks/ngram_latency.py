@@ -23,4 +23,6 @@ for prompt in load_prompts("default"):
         d.propose(ctx, 8)
         lat.append((time.perf_counter() - t) * 1000)
 lat.sort()
-print(len(lat), "p50", round(lat[len(lat) // 2], 3), "p99", round(lat[int(0.99 * len(lat))], 3), "max", round(lat[-1], 3))
+print(
+    len(lat), "p50", round(lat[len(lat) // 2], 3), "p99", round(lat[int(0.99 * len(lat))], 3), "max", round(lat[-1], 3)
+)

@@ -52,7 +52,12 @@ def main() -> None:
         wait(lambda: _up(url), "the server answering")
         ray.init(address=args.ray_address, logging_level="ERROR", log_to_driver=False)
         stop, statuses = threading.Event(), []
-        body = {"prompt": "Write a story about a dog.", "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+        body = {
+            "prompt": "Write a story about a dog.",
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
 
         def client() -> None:
             while not stop.is_set():

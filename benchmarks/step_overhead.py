@@ -28,7 +28,16 @@ def main() -> None:
     torch.set_num_threads(2)
     model = tiny_gemma3(0)
     settings = dict(max_new_tokens=64, k=4, k_policy="fixed", stop_on_eos=False)
-    prompts = [[1, 5, 9, 5, 9], [1, 40, 41, 42, 43, 40, 41], [1, 7], [1, 3, 3, 3, 3], [1, 60, 61], [1, 9, 8], [1, 5], [1, 20, 21, 20]]
+    prompts = [
+        [1, 5, 9, 5, 9],
+        [1, 40, 41, 42, 43, 40, 41],
+        [1, 7],
+        [1, 3, 3, 3, 3],
+        [1, 60, 61],
+        [1, 9, 8],
+        [1, 5],
+        [1, 20, 21, 20],
+    ]
     for name, drafter in (("target-only", NoDrafter()), ("prompt lookup", PromptLookupDrafter())):
         gen = Generator(loaded(model), drafter, batch=BatchConfig(window="fixed"))
 

@@ -39,13 +39,21 @@ def run(gen: Generator, chosen: list, sampling: SamplingConfig, branches: int) -
     try:
         for seed, prompt in enumerate(chosen):
             config = GenerationConfig(
-                max_new_tokens=64, k=10, k_policy="cost-model", branches=branches, stop_on_eos=False, seed=seed, sampling=sampling
+                max_new_tokens=64,
+                k=10,
+                k_policy="cost-model",
+                branches=branches,
+                stop_on_eos=False,
+                seed=seed,
+                sampling=sampling,
             )
             tokens += len(gen.generate(prompt.prompt, config).token_ids)
     finally:
         k_policy.CostModelK.observe = observe  # type: ignore[method-assign]
     steps = sum(len(v) for v in kinds.values())
-    print(f"{'tree' if branches > 1 else 'chain'} row: {tokens / (time.perf_counter() - start):.2f} tok/s, {steps} steps")
+    print(
+        f"{'tree' if branches > 1 else 'chain'} row: {tokens / (time.perf_counter() - start):.2f} tok/s, {steps} steps"
+    )
     for kind, outcomes in kinds.items():
         n = len(outcomes)
         verified = sum(o.proposed if o.verified is None else o.verified for o in outcomes) / n

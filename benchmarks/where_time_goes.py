@@ -123,7 +123,9 @@ def transformers_breakdown(backend) -> dict[int, dict[str, float]]:
         total = _timed(backend, n, n)
         hooks = _Hooks(backend.model)
         hooked = _timed(backend, n, n)
-        parts = {k: v / REPEATS for k, v in hooks.seconds.items()}  # REPEATS timed forwards (and as many prefills: removed below)
+        parts = {
+            k: v / REPEATS for k, v in hooks.seconds.items()
+        }  # REPEATS timed forwards (and as many prefills: removed below)
         hooks.remove()
         prefill_hooks = _Hooks(backend.model)
         for _ in range(REPEATS):
@@ -160,7 +162,9 @@ def native_breakdown(backend) -> dict[int, dict[str, float]]:
             start = time.perf_counter()
             out = originals[name](*args)
             label = (
-                "output head" if name == "linear" and args[1] is backend.model.head else {"linear": "other linear layers"}.get(name, name)
+                "output head"
+                if name == "linear" and args[1] is backend.model.head
+                else {"linear": "other linear layers"}.get(name, name)
             )
             seconds[label] += time.perf_counter() - start
             return out
@@ -196,11 +200,15 @@ def weight_bytes(name: str, target) -> int:
         return Path(gguf_path("gemma-3-270m")).stat().st_size
     if name == "native":  # what a step reads: every packed linear layer and norm (the embedding: only its rows)
         model = target.backend.model
-        packed = [model.head] + [getattr(layer, part) for layer in model.layers for part in ("qkv", "out", "gate_up", "down")]
+        packed = [model.head] + [
+            getattr(layer, part) for layer in model.layers for part in ("qkv", "out", "gate_up", "down")
+        ]
         buffers = sum(b.numel() * b.element_size() for m in packed for b in m.buffers())
         return buffers + sum(w.numel() * 4 for layer in model.layers for w in layer.norms.values())
     model = target.backend.model
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers()
+    )
 
 
 def engine_overhead(runtime: RuntimeConfig, prompts: list[str]) -> dict[str, float]:
@@ -234,7 +242,12 @@ def main() -> None:
         rows = breakdown(target.backend)
         del target
         overhead = engine_overhead(RUNTIMES[name], prompts)
-        report["runtimes"][name] = {"weight_MB": size / 1e6, "roofline_ms": roofline_ms, "forward": rows, "engine": overhead}
+        report["runtimes"][name] = {
+            "weight_MB": size / 1e6,
+            "roofline_ms": roofline_ms,
+            "forward": rows,
+            "engine": overhead,
+        }
         print(
             f"\n{name}: {size / 1e6:.0f} MB of weights per step, roofline {roofline_ms:.1f} ms; engine {overhead['per_step_ms']:.2f} ms/step"
         )

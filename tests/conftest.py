@@ -26,7 +26,9 @@ CHARS = string.ascii_letters + string.digits + " .,;:!?'\"()-\n"
 SPECIALS = ["<unk>", "<bos>", "<eos>"]
 
 
-def tiny_llama(seed: int, vocab: int = 96, layers: int = 2, scale: float = 0.3, context: int = 256, hidden: int = 32) -> LlamaForCausalLM:
+def tiny_llama(
+    seed: int, vocab: int = 96, layers: int = 2, scale: float = 0.3, context: int = 256, hidden: int = 32
+) -> LlamaForCausalLM:
     """A random Llama whose logits are peaked enough that greedy ties are negligible."""
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -94,7 +96,9 @@ def loaded(model, name: str = "tiny", tokenizer=None) -> LoadedModel:
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, source=ModelSource(name, "folder", name))
 
 
-def assert_lookup_matches_greedy(target, prompts: list[str], max_new_tokens: int, k: int = 4, k_policy: str = "fixed") -> int:
+def assert_lookup_matches_greedy(
+    target, prompts: list[str], max_new_tokens: int, k: int = 4, k_policy: str = "fixed"
+) -> int:
     """Prompt lookup must reproduce target-only greedy output on every prompt; returns draft tokens accepted."""
     from specdec import Generator
 

@@ -19,8 +19,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 DEVICE = torch.device("meta")  # what the fake device's tensors report as their device
-FAKE_SEEDS = 1 << 48  # a generator of the fake device is a host generator seeded at or above this (dispatch hands out new wrappers)
-HOST_INDICES_ALLOWED = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default}
+FAKE_SEEDS = (
+    1 << 48
+)  # a generator of the fake device is a host generator seeded at or above this (dispatch hands out new wrappers)
+HOST_INDICES_ALLOWED = {
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+}
 
 
 class Remote(torch.Tensor):
@@ -30,7 +36,9 @@ class Remote(torch.Tensor):
 
     @staticmethod
     def __new__(cls, host: torch.Tensor) -> Remote:
-        tensor = torch.Tensor._make_wrapper_subclass(cls, host.shape, strides=host.stride(), dtype=host.dtype, device=DEVICE)
+        tensor = torch.Tensor._make_wrapper_subclass(
+            cls, host.shape, strides=host.stride(), dtype=host.dtype, device=DEVICE
+        )
         tensor.host = host
         return tensor
 
@@ -70,8 +78,14 @@ class FakeDevice(TorchDispatchMode):
             on_fake = any(remote)
         if any(remote) and not all(remote):
             host = [t for t, r in zip(tensors, remote, strict=True) if not r and t.dim() > 0]
-            if host and func not in HOST_INDICES_ALLOWED and func not in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
-                raise RuntimeError(f"Expected all tensors to be on the same device, but found the fake device and cpu ({func})")
+            if (
+                host
+                and func not in HOST_INDICES_ALLOWED
+                and func not in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+            ):
+                raise RuntimeError(
+                    f"Expected all tensors to be on the same device, but found the fake device and cpu ({func})"
+                )
         generator = kwargs.get("generator")
         if generator is not None and (generator.initial_seed() >= FAKE_SEEDS) != on_fake:
             raise RuntimeError(f"Expected a generator of the {'fake' if on_fake else 'cpu'} device ({func})")

@@ -18,7 +18,13 @@ from specdec.models import TransformersBackend
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.scheduling import BatchCostCurve, CostCurve, LoadWindow
 
-PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 12], [1, 40, 41, 42, 43, 40, 41], [1, 7], [1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3], [1, 60, 61]]
+PROMPTS = [
+    [1, 5, 9, 5, 9, 5, 9, 12],
+    [1, 40, 41, 42, 43, 40, 41],
+    [1, 7],
+    [1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3],
+    [1, 60, 61],
+]
 GREEDY = GenerationConfig(k=4, k_policy="fixed", max_new_tokens=30, stop_on_eos=False)
 
 
@@ -79,7 +85,9 @@ def test_batched_greedy_equals_each_prompt_alone(make_target, window: str) -> No
         results = gen.generate_batch(PROMPTS)
         assert [r.token_ids for r in results] == expected, name
         assert all(r.finish_reason == "length" and r.stats.new_tokens == 30 for r in results)
-        if name == "noisy copy" and window == "fixed":  # (the dynamic window may judge a draft as costly as this target not worth running)
+        if (
+            name == "noisy copy" and window == "fixed"
+        ):  # (the dynamic window may judge a draft as costly as this target not worth running)
             assert sum(r.stats.draft_tokens_accepted for r in results) > 0
 
 
@@ -100,7 +108,11 @@ def test_rows_stop_on_their_own_terms() -> None:
     results = gen.generate_batch(prompts, configs)
     for prompt, config, result in zip(prompts, configs, results, strict=True):
         single = gen.generate(prompt, config)
-        assert (result.token_ids, result.text, result.finish_reason) == (single.token_ids, single.text, single.finish_reason)
+        assert (result.token_ids, result.text, result.finish_reason) == (
+            single.token_ids,
+            single.text,
+            single.finish_reason,
+        )
     assert results[0].finish_reason == "length" and len(results[0].token_ids) == 5
     assert results[1].finish_reason == "stop" and stop not in results[1].text
 
@@ -125,7 +137,9 @@ def test_rows_joining_and_leaving_do_not_disturb_the_others() -> None:
             break
     assert runs[0].token_ids == expected[tuple(PROMPTS[0])] and runs[0].finish_reason == "length"
     assert runs[2].token_ids == expected[tuple(PROMPTS[3])]
-    assert 0 < len(runs[1].token_ids) < 30 and runs[1].token_ids == expected[tuple(PROMPTS[1])][: len(runs[1].token_ids)]
+    assert (
+        0 < len(runs[1].token_ids) < 30 and runs[1].token_ids == expected[tuple(PROMPTS[1])][: len(runs[1].token_ids)]
+    )
     assert decoder.backend.rows == 0
 
 
@@ -166,9 +180,15 @@ def test_guarded_and_typical_rows_in_a_batch_equal_each_row_alone(make_target) -
     """Guards and (greedy) typical acceptance run in batches: each row's greedy output is what it gets decoded alone."""
     target = loaded(make_target(3))
     longer = replace(GREEDY, max_new_tokens=40)
-    configs = [replace(longer, guards=g) for g in GUARDED] + [replace(longer, typical_acceptance=TypicalAcceptance()), longer]
+    configs = [replace(longer, guards=g) for g in GUARDED] + [
+        replace(longer, typical_acceptance=TypicalAcceptance()),
+        longer,
+    ]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[0], PROMPTS[4]]
-    for drafter in (PromptLookupDrafter(), ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.3, seed=3)))):
+    for drafter in (
+        PromptLookupDrafter(),
+        ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.3, seed=3))),
+    ):
         gen = Generator(target, drafter, GREEDY, batch=BatchConfig(window="fixed"))
         together = gen.generate_batch(prompts, configs)
         for prompt, config, got in zip(prompts, configs, together, strict=True):
@@ -197,7 +217,9 @@ def test_sampled_guarded_rows_in_a_batch_follow_their_seeds() -> None:
 
 def _compute_bound(per_token: float = 0.005, overhead: float = 0.02) -> BatchCostCurve:
     """A machine where a forward costs a fixed overhead plus a price per token: speculation pays for small batches only."""
-    return BatchCostCurve({rows: CostCurve({n: overhead + per_token * rows * n for n in (1, 2, 5, 9)}) for rows in (1, 4, 16)})
+    return BatchCostCurve(
+        {rows: CostCurve({n: overhead + per_token * rows * n for n in (1, 2, 5, 9)}) for rows in (1, 4, 16)}
+    )
 
 
 def test_batch_cost_curve_interpolates_and_extends() -> None:
@@ -228,7 +250,9 @@ def test_window_caps_each_rows_own_policy() -> None:
     )
     # Verifying more than 3 tokens per row is dear; forwards are priced in seconds so that drafting time is negligible.
     steep = CostCurve({1: 1.0, 2: 1.1, 3: 1.2, 5: 100.0, 9: 200.0})
-    decoder = Decoder(BatchedTransformersBackend(target.model), LoadWindow(BatchCostCurve({1: steep}), memory=lambda: 0.0))
+    decoder = Decoder(
+        BatchedTransformersBackend(target.model), LoadWindow(BatchCostCurve({1: steep}), memory=lambda: 0.0)
+    )
     runs = [gen.completion(p) for p in PROMPTS]
     for run in runs:
         gen.admit(decoder, run)
@@ -247,7 +271,9 @@ def test_every_k_policy_runs_in_a_batch(policy: str) -> None:
     target = loaded(tiny_llama(2))
     expected = [Generator(target, NoDrafter()).generate(p, GREEDY).token_ids for p in PROMPTS[:3]]
     draft = ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.3, seed=2)))
-    results = Generator(target, draft, replace(GREEDY, k_policy=policy), batch=BatchConfig(window="fixed")).generate_batch(PROMPTS[:3])
+    results = Generator(
+        target, draft, replace(GREEDY, k_policy=policy), batch=BatchConfig(window="fixed")
+    ).generate_batch(PROMPTS[:3])
     assert [r.token_ids for r in results] == expected
     assert all(len(r.stats.k_per_step) == r.stats.steps and max(r.stats.k_per_step) <= GREEDY.k for r in results)
 
@@ -255,7 +281,10 @@ def test_every_k_policy_runs_in_a_batch(policy: str) -> None:
 def test_cuda_graphs_are_skipped_without_cuda() -> None:
     """On a CPU the graph option changes nothing: no graphs are made and outputs are those of plain forwards."""
     model = tiny_gemma3(0)
-    with_graphs, without = BatchedTransformersBackend(model, cuda_graphs=True), BatchedTransformersBackend(model, cuda_graphs=False)
+    with_graphs, without = (
+        BatchedTransformersBackend(model, cuda_graphs=True),
+        BatchedTransformersBackend(model, cuda_graphs=False),
+    )
     assert with_graphs.graphs is None and without.graphs is None
     for backend in (with_graphs, without):
         backend.add_rows(2)

@@ -55,12 +55,25 @@ def _bench(tiny_folder: Path, prompts: Path, out: Path, *extra: str):
     return runner.invoke(app, args + list(extra))
 
 
-def test_quick_bench_writes_every_output(tiny_folder: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quick_bench_writes_every_output(
+    tiny_folder: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # the cost-model policy measures and caches costs
     out = tmp_path / "out"
     methods = f"none,prompt-lookup,oracle,model:{tiny_folder},layerskip:1,hf-greedy,hf-prompt-lookup,llamacpp-greedy"
     result = _bench(
-        tiny_folder, prompts, out, "--methods", methods, "--k", "2,4", "--k-policy", "fixed,cost-model", "--repeats", "2", "--strict"
+        tiny_folder,
+        prompts,
+        out,
+        "--methods",
+        methods,
+        "--k",
+        "2,4",
+        "--k-policy",
+        "fixed,cost-model",
+        "--repeats",
+        "2",
+        "--strict",
     )
     assert result.exit_code == 0, result.output
     data = json.loads((out / "results.json").read_text())
@@ -117,7 +130,9 @@ def test_quick_bench_writes_every_output(tiny_folder: Path, prompts: Path, tmp_p
     assert "llamacpp-greedy skipped" in data["notes"][0]  # not installed, or (here) the target is no GGUF file
 
 
-def test_greedy_check_catches_a_broken_engine(tiny_folder: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_greedy_check_catches_a_broken_engine(
+    tiny_folder: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import specdec.engine.step as step
 
     real_verify = step.verify
@@ -125,7 +140,10 @@ def test_greedy_check_catches_a_broken_engine(tiny_folder: Path, prompts: Path, 
     def accept_everything(draft_tokens, draft_lengths, target_logits, *args, **kwargs) -> Verdict:
         verdict = real_verify(draft_tokens, draft_lengths, target_logits, *args, **kwargs)
         rows = torch.arange(draft_tokens.shape[0])
-        return Verdict(draft_lengths, target_logits[rows, draft_lengths].argmax(-1) if draft_tokens.shape[1] else verdict.next_token)
+        return Verdict(
+            draft_lengths,
+            target_logits[rows, draft_lengths].argmax(-1) if draft_tokens.shape[1] else verdict.next_token,
+        )
 
     monkeypatch.setattr(step, "verify", accept_everything)
     loose = _bench(tiny_folder, prompts, tmp_path / "loose", "--methods", "none,prompt-lookup")
@@ -143,7 +161,10 @@ def test_greedy_check_catches_a_broken_engine(tiny_folder: Path, prompts: Path, 
         ('{"id": "a", "category": "code", "prompt": "x"}\nnot json\n', ":2 is not valid JSON"),
         ('{"id": "a", "category": "code"}\n', ":1 lacks a non-empty string for prompt"),
         ("[1, 2]\n", ":1 is not a JSON object"),
-        ('{"id": "a", "category": "c", "prompt": "x"}\n{"id": "a", "category": "c", "prompt": "y"}\n', "repeats the id"),
+        (
+            '{"id": "a", "category": "c", "prompt": "x"}\n{"id": "a", "category": "c", "prompt": "y"}\n',
+            "repeats the id",
+        ),
     ],
 )
 def test_bad_prompt_files(content: str, words: str, tiny_folder: Path, tmp_path: Path) -> None:
@@ -169,7 +190,9 @@ def test_bench_argument_errors(tiny_folder: Path, prompts: Path, tmp_path: Path)
 
 def test_bench_runs_a_precision_plan(tiny_folder: Path, prompts: Path, tmp_path: Path) -> None:
     out = tmp_path / "plan"
-    result = _bench(tiny_folder, prompts, out, "--precision", "cpu", "--methods", "none,prompt-lookup,hf-greedy", "--strict")
+    result = _bench(
+        tiny_folder, prompts, out, "--precision", "cpu", "--methods", "none,prompt-lookup,hf-greedy", "--strict"
+    )
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
     assert results["machine"]["dtype"] == "attention=bfloat16,ffn=int8,head=bfloat16,draft=bfloat16,verify=float32"
@@ -178,13 +201,24 @@ def test_bench_runs_a_precision_plan(tiny_folder: Path, prompts: Path, tmp_path:
     assert refused.exit_code == 2 and "GGUF" in refused.output
 
 
-def test_a_bench_in_a_log_says_where_it_is_and_sampled_identity_is_na(tiny_folder: Path, prompts: Path, tmp_path: Path) -> None:
+def test_a_bench_in_a_log_says_where_it_is_and_sampled_identity_is_na(
+    tiny_folder: Path, prompts: Path, tmp_path: Path
+) -> None:
     """Without a terminal (a CI log, a pipe) each finished unit prints a line with an ETA; a sampled run's identity reads n/a."""
     result = _bench(tiny_folder, prompts, tmp_path / "out", "--methods", "none,prompt-lookup", "--temperature", "0.8")
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if " done: " in line]
-    assert len(lines) == 4 and lines[0].startswith("1/4 done: ") and lines[-1].startswith("4/4 done: ") and "s left)" in lines[0]
-    assert all(row.rstrip(" │").endswith("n/a") for row in result.output.splitlines() if row.startswith(("│ none", "│ prompt-lookup")))
+    assert (
+        len(lines) == 4
+        and lines[0].startswith("1/4 done: ")
+        and lines[-1].startswith("4/4 done: ")
+        and "s left)" in lines[0]
+    )
+    assert all(
+        row.rstrip(" │").endswith("n/a")
+        for row in result.output.splitlines()
+        if row.startswith(("│ none", "│ prompt-lookup"))
+    )
     assert "| n/a |" in (tmp_path / "out" / "report.md").read_text()
 
 
@@ -214,7 +248,9 @@ def test_the_old_drafter_name_still_works_with_a_deprecation_warning(tiny_folder
 
     target = open_target(str(tiny_folder))
     with pytest.warns(FutureWarning, match="now called 'lookup-then-draft'"):
-        with pytest.raises(ConfigError, match="no draft ships with specdec for"):  # the same drafter: none ships for a tiny model
+        with pytest.raises(
+            ConfigError, match="no draft ships with specdec for"
+        ):  # the same drafter: none ships for a tiny model
             build_drafter("default", target)
     with pytest.raises(ConfigError, match="no draft ships with specdec for"):
         build_drafter("lookup-then-draft", target)

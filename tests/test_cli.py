@@ -16,7 +16,15 @@ from specdec.bench.runner import BenchConfig
 from specdec.bench.serve_load import LoadConfig
 from specdec.cli.main import app
 from specdec.cli.options import default
-from specdec.config import BatchConfig, GenerationConfig, GuardConfig, RayConfig, RuntimeConfig, SamplingConfig, ServeConfig
+from specdec.config import (
+    BatchConfig,
+    GenerationConfig,
+    GuardConfig,
+    RayConfig,
+    RuntimeConfig,
+    SamplingConfig,
+    ServeConfig,
+)
 from specdec.training.distill import DistillConfig, DraftArch
 from specdec.training.ngram import NgramBuildConfig
 from specdec.tuning.search import TuneConfig
@@ -39,12 +47,27 @@ def test_generate_json_has_documented_fields(tiny_folder: Path) -> None:
         ).split():
             assert key in stats
         assert stats["new_tokens"] == len(payload["token_ids"]) == 12
-    assert results["none"]["token_ids"] == results["prompt-lookup"]["token_ids"] == results[f"model:{tiny_folder}"]["token_ids"]
+    assert (
+        results["none"]["token_ids"]
+        == results["prompt-lookup"]["token_ids"]
+        == results[f"model:{tiny_folder}"]["token_ids"]
+    )
     assert results[f"model:{tiny_folder}"]["stats"]["acceptance_rate"] == 1.0
 
 
 def test_generate_stream_prints_the_same_text(tiny_folder: Path) -> None:
-    base = ["generate", "hello world", "--target", str(tiny_folder), "--max-new-tokens", "10", "--seed", "3", "--temperature", "0.9"]
+    base = [
+        "generate",
+        "hello world",
+        "--target",
+        str(tiny_folder),
+        "--max-new-tokens",
+        "10",
+        "--seed",
+        "3",
+        "--temperature",
+        "0.9",
+    ]
     streamed = runner.invoke(app, base + ["--stream"])
     whole = runner.invoke(app, base + ["--json"])
     assert streamed.exit_code == whole.exit_code == 0
@@ -85,7 +108,9 @@ PLURAL = {"k": "ks", "k_policy": "k_policies"}  # `bench` sweeps lists of these
 
 def _cli_value(value: object) -> object:
     """A config default as the CLI spells it (lists are comma-separated strings)."""
-    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value) if isinstance(value, DraftArch) else value
+    return (
+        ",".join(map(str, value)) if isinstance(value, tuple) else str(value) if isinstance(value, DraftArch) else value
+    )
 
 
 def _same(cli: object, value: object) -> bool:
@@ -111,7 +136,11 @@ def test_every_cli_default_is_the_librarys_or_says_why() -> None:
     checked = 0
     for name, command in _commands():
         config = COMMAND_CONFIGS.get(name)
-        own = {f.name for f in fields(config) if f.default is not MISSING or f.default_factory is not MISSING} if config else set()
+        own = (
+            {f.name for f in fields(config) if f.default is not MISSING or f.default_factory is not MISSING}
+            if config
+            else set()
+        )
         for param in command.params:
             if param.param_type_name != "option" or param.name is None:
                 continue
@@ -136,6 +165,9 @@ def test_every_cli_default_is_the_librarys_or_says_why() -> None:
                 continue
             if not _same(param.default, library):
                 help_text = " ".join((param.help or "").split())
-                assert "deliberately" in help_text.lower() and f"library's default is {library}" in help_text, (name, param.name)
+                assert "deliberately" in help_text.lower() and f"library's default is {library}" in help_text, (
+                    name,
+                    param.name,
+                )
             checked += 1
     assert checked > 60

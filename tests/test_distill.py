@@ -67,7 +67,9 @@ def test_saved_draft_loads_and_is_lossless(target, tmp_path: Path) -> None:
     assert isinstance(drafted.drafter.backend, ReducedVocabBackend)
     for prompt in ("the cat", "a dog sat", "xyz"):
         expected = baseline.generate(prompt, max_new_tokens=24, stop_on_eos=False).token_ids
-        assert drafted.generate(prompt, max_new_tokens=24, k=4, k_policy="fixed", stop_on_eos=False).token_ids == expected
+        assert (
+            drafted.generate(prompt, max_new_tokens=24, k=4, k_policy="fixed", stop_on_eos=False).token_ids == expected
+        )
 
 
 def test_resume_continues_where_it_stopped(target, tmp_path: Path) -> None:
@@ -85,14 +87,35 @@ def test_distill_cli_and_arch_errors(tiny_folder: Path, tmp_path: Path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text(TEXT * 40)
     out = tmp_path / "d"
-    args = ["distill", "--target", str(tiny_folder), "--data", str(corpus), "--out", str(out), "--arch", "layers=1,keep=30"]
+    args = [
+        "distill",
+        "--target",
+        str(tiny_folder),
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--arch",
+        "layers=1,keep=30",
+    ]
     result = CliRunner().invoke(
         app, args + ["--steps", "6", "--seq-len", "16", "--batch", "2", "--eval-every", "3", "--teacher-tokens", "2000"]
     )
     assert result.exit_code == 0, result.output
     assert "held-out acceptance" in result.output and is_distilled_draft(out)
     bad = CliRunner().invoke(
-        app, ["distill", "--target", str(tiny_folder), "--data", str(corpus), "--out", str(tmp_path / "e"), "--arch", "layers=two"]
+        app,
+        [
+            "distill",
+            "--target",
+            str(tiny_folder),
+            "--data",
+            str(corpus),
+            "--out",
+            str(tmp_path / "e"),
+            "--arch",
+            "layers=two",
+        ],
     )
     assert bad.exit_code == 2 and "layers=N" in bad.output
     with pytest.raises(ConfigError, match="layers"):
@@ -111,12 +134,17 @@ def test_exit_draft_trains_only_its_exit_on_shared_layers(target, tmp_path: Path
     drafted = Generator(target, f"model:{cfg.out}")
     for prompt in ("the cat", "a dog sat"):
         expected = baseline.generate(prompt, max_new_tokens=20, stop_on_eos=False).token_ids
-        assert drafted.generate(prompt, max_new_tokens=20, k=3, k_policy="fixed", stop_on_eos=False).token_ids == expected
+        assert (
+            drafted.generate(prompt, max_new_tokens=20, k=3, k_policy="fixed", stop_on_eos=False).token_ids == expected
+        )
 
 
 def test_prompt_only_records_are_continued_by_the_target_in_batches(target, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(f'{{"prompt": "the {w} sat on"}}\n' for w in ("cat", "dog", "log")) + '{"prompt": "a", "text": " given"}\n')
+    prompts.write_text(
+        "".join(f'{{"prompt": "the {w} sat on"}}\n' for w in ("cat", "dog", "log"))
+        + '{"prompt": "a", "text": " given"}\n'
+    )
     cfg = config(tmp_path, data=(str(prompts),), teacher_tokens=10_000, continue_tokens=12, generate_batch=2)
     stream = collect_tokens(target, cfg, lambda *a: None)
     text = target.tokenizer.decode(stream)
@@ -133,10 +161,16 @@ def test_prompt_only_records_are_continued_by_the_target_in_batches(target, tmp_
 def test_on_policy_prompts_come_from_the_corpus_in_every_shape(target, tmp_path: Path) -> None:
     corpus = tmp_path / "doc.md"
     corpus.write_text("# Sorting lists\n\n" + "Sorting puts items in order. The sort method works in place.\n" * 30)
-    prompts = list(itertools.islice(corpus_prompts([str(corpus)], seed=1, chat_template=lambda m: f"<chat>{m}</chat>"), 8))
-    assert prompts == list(itertools.islice(corpus_prompts([str(corpus)], seed=1, chat_template=lambda m: f"<chat>{m}</chat>"), 8))
+    prompts = list(
+        itertools.islice(corpus_prompts([str(corpus)], seed=1, chat_template=lambda m: f"<chat>{m}</chat>"), 8)
+    )
+    assert prompts == list(
+        itertools.islice(corpus_prompts([str(corpus)], seed=1, chat_template=lambda m: f"<chat>{m}</chat>"), 8)
+    )
     assert any(p.startswith("Sorting") for p in prompts)  # plain continuation of a passage
-    assert any(p.startswith("User: ") and "Sorting puts" in p and p.endswith("Assistant:") for p in prompts)  # a request about a passage
+    assert any(
+        p.startswith("User: ") and "Sorting puts" in p and p.endswith("Assistant:") for p in prompts
+    )  # a request about a passage
     assert any(p.startswith("<chat>") for p in prompts)  # the model's own chat template
     assert any("Sorting lists" in p and p.startswith("User: ") for p in prompts)  # a question about a heading
     with pytest.raises(ConfigError, match="text files"):

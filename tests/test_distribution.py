@@ -47,7 +47,9 @@ def _drafter(kind: str, target):
     if kind == "reduced vocabulary":  # proposes only 5 of the 8 tokens
         draft = build_draft(tiny_llama(4, vocab=VOCAB, scale=0.4), [0], torch.tensor([0, 2, 3, 5, 7]))
         return ModelDrafter(ReducedVocabBackend(draft, VOCAB))
-    counter = NgramCounter(order=2, vocab_size=VOCAB, max_entries=10_000)  # counted over random text: a poorly matched table
+    counter = NgramCounter(
+        order=2, vocab_size=VOCAB, max_entries=10_000
+    )  # counted over random text: a poorly matched table
     rng = torch.Generator().manual_seed(0)
     for _ in range(50):
         counter.add(torch.randint(0, VOCAB, (40,), generator=rng).tolist())
@@ -65,11 +67,15 @@ def run_single(gen: Generator, sampling: SamplingConfig, n: int) -> tuple[list[t
     return [tuple(r.token_ids) for r in results], [r.stats for r in results]
 
 
-def run_batched(gen: Generator, sampling: SamplingConfig, n: int, per_batch: int = 250) -> tuple[list[tuple[int, ...]], list[DecodeStats]]:
+def run_batched(
+    gen: Generator, sampling: SamplingConfig, n: int, per_batch: int = 250
+) -> tuple[list[tuple[int, ...]], list[DecodeStats]]:
     """Rows of mixed batches: greedy rows and rows at another temperature decode alongside the sampled ones."""
     others = [
         GenerationConfig(k=3, k_policy="fixed", max_new_tokens=4, stop_on_eos=False),
-        GenerationConfig(k=1, k_policy="fixed", max_new_tokens=3, stop_on_eos=False, sampling=SamplingConfig(temperature=1.3)),
+        GenerationConfig(
+            k=1, k_policy="fixed", max_new_tokens=3, stop_on_eos=False, sampling=SamplingConfig(temperature=1.3)
+        ),
     ]
     samples, stats = [], []
     for start in range(0, n, per_batch):
@@ -115,7 +121,10 @@ def test_poor_and_partial_drafts_keep_the_target_law(drafter: str, driver: str) 
     target = _target()
     gen = Generator(loaded(target), _drafter(drafter, target))
     samples, stats = RUN[driver](gen, SAMPLINGS["shaped"], 3000)
-    assert _check(samples, stats, TargetLaw(target, PROMPT, SAMPLINGS["shaped"]), ("rejected at 1st", "rejected at 2nd")) > MIN_PVALUE
+    assert (
+        _check(samples, stats, TargetLaw(target, PROMPT, SAMPLINGS["shaped"]), ("rejected at 1st", "rejected at 2nd"))
+        > MIN_PVALUE
+    )
 
 
 @pytest.mark.parametrize("driver", list(RUN))
@@ -136,7 +145,9 @@ class UnshapedReport(ModelDrafter):
         if proposal.probs is None:
             return proposal
         with torch.no_grad():
-            logits = self.backend.model(torch.cat([context, proposal.tokens[:-1]])[None].to(self.backend.device)).logits[0]
+            logits = self.backend.model(
+                torch.cat([context, proposal.tokens[:-1]])[None].to(self.backend.device)
+            ).logits[0]
         plain = to_probs(logits[-len(proposal) :], replace(self.settings.sampling, top_k=None, top_p=1.0))
         return Proposal(proposal.tokens, plain)
 

@@ -36,7 +36,9 @@ def build(sources: list[str], **config: object) -> NgramTable:
 def test_vectorised_and_scalar_hashes_agree() -> None:
     tokens = np.array([5, 17, 3, 3, 99, 0, 4], dtype=np.int64)
     for n in (1, 2, 3):
-        assert context_hashes(tokens, n).tolist() == [context_hash(tokens[i : i + n].tolist()) for i in range(len(tokens) - n + 1)]
+        assert context_hashes(tokens, n).tolist() == [
+            context_hash(tokens[i : i + n].tolist()) for i in range(len(tokens) - n + 1)
+        ]
 
 
 def test_table_counts_followers_from_files_folders_and_jsonl(tmp_path: Path) -> None:
@@ -51,7 +53,9 @@ def test_table_counts_followers_from_files_folders_and_jsonl(tmp_path: Path) -> 
     got = dict(zip(TOKENIZER.convert_ids_to_tokens(followers.tolist()), counts.tolist(), strict=True))
     assert got == {"c": 2, "d": 1}
     followers, counts = table.followers(char_ids(["xy"])[0])
-    assert TOKENIZER.convert_ids_to_tokens(followers.tolist()) == ["z"] and counts.tolist() == [2]  # one per JSONL record
+    assert TOKENIZER.convert_ids_to_tokens(followers.tolist()) == ["z"] and counts.tolist() == [
+        2
+    ]  # one per JSONL record
     assert not len(table.followers(char_ids(["b!"])[0])[0])
     # Backoff: "zb" was never seen, "b" was (followed by c twice, d once).
     followers, _ = table.longest_match(char_ids(["zb"])[0])
@@ -110,7 +114,9 @@ def test_ngram_drafter_greedy_is_identical(tmp_path: Path) -> None:
     prompts = ["abc", "hello", "xyz q"]
     outputs = [baseline.generate(p, max_new_tokens=30, stop_on_eos=False) for p in prompts]
     corpus = tmp_path / "own.jsonl"  # the target's own continuations: a well-matched corpus
-    corpus.write_text("".join(json.dumps({"prompt": p, "continuation": o.text}) + "\n" for p, o in zip(prompts, outputs, strict=True)))
+    corpus.write_text(
+        "".join(json.dumps({"prompt": p, "continuation": o.text}) + "\n" for p, o in zip(prompts, outputs, strict=True))
+    )
     path = tmp_path / "own.ngram"
     build([str(corpus)], order=4).save(path)
     drafted = Generator(target, f"ngram:{path}")
@@ -126,7 +132,9 @@ def test_ngram_build_cli(tmp_path: Path, tiny_folder: Path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text("hello world. " * 20)
     out = tmp_path / "t.ngram"
-    result = CliRunner().invoke(app, ["ngram", "build", str(corpus), "--target", str(tiny_folder), "-o", str(out), "--order", "3"])
+    result = CliRunner().invoke(
+        app, ["ngram", "build", str(corpus), "--target", str(tiny_folder), "-o", str(out), "--order", "3"]
+    )
     assert result.exit_code == 0, result.output
     assert "n-grams" in result.output and NgramTable.load(out).order == 3
     again = CliRunner().invoke(app, ["ngram", "build", str(corpus), "--target", str(tiny_folder), "-o", str(out)])
@@ -197,7 +205,9 @@ def test_the_readme_example_drafter_keeps_greedy_identity() -> None:
     target = loaded(tiny_llama(0, vocab=len(TOKENIZER)), tokenizer=TOKENIZER)
     settings = dict(max_new_tokens=30, stop_on_eos=False, k=4, k_policy="fixed")
     expected = Generator(target, "none").generate("abc", **settings)
-    reference = TOKENIZER("abc", add_special_tokens=False)["input_ids"] + expected.token_ids  # the text the output quotes
+    reference = (
+        TOKENIZER("abc", add_special_tokens=False)["input_ids"] + expected.token_ids
+    )  # the text the output quotes
     got = Generator(target, namespace["ReferenceDrafter"](reference)).generate("abc", **settings)
     assert got.token_ids == expected.token_ids
     assert got.stats.draft_tokens_accepted > 0  # it did draft

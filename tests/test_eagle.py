@@ -26,7 +26,11 @@ from specdec.scheduling import CostCurve
 from specdec.scheduling.k_policy import CostModelK, StepOutcome
 from specdec.training.distill import DistillConfig, DraftArch, distill
 
-PROMPTS = ["the cat sat on the mat. the cat sat on the", "abc abd abc abd abc", "Hello, world! Hello, there! Hello, world!"]
+PROMPTS = [
+    "the cat sat on the mat. the cat sat on the",
+    "abc abd abc abd abc",
+    "Hello, world! Hello, there! Hello, world!",
+]
 RUNTIMES = ["transformers"] + (["native"] if cpu_kernels.compiled() is not None else [])
 HEAD_RUNNERS = ["module"] + (["native"] if cpu_kernels.compiled() is not None else [])  # ModuleHead, NativeHead
 
@@ -80,7 +84,9 @@ def test_eagle_drafts_give_the_target_only_tokens(family: str, runtime: str, run
     for prompt in PROMPTS:
         expected = target.generate(prompt, max_new_tokens=30, stop_on_eos=False).token_ids
         for branches in (1, 3):
-            got = drafted.generate(prompt, max_new_tokens=30, k=6, k_policy="fixed", branches=branches, stop_on_eos=False)
+            got = drafted.generate(
+                prompt, max_new_tokens=30, k=6, k_policy="fixed", branches=branches, stop_on_eos=False
+            )
             assert got.token_ids == expected, (family, runtime, branches, prompt)
             assert got.stats.draft_tokens_proposed > 0
 
@@ -93,8 +99,14 @@ def test_a_tree_level_of_the_head_equals_each_path_run_as_a_chain(family: str, r
     drafter, model = head_runner(family, runner)
     head = drafter.runner
     gen = torch.Generator().manual_seed(1)
-    context, features = torch.randint(3, 60, (9,), generator=gen), torch.randn(9, model.config.hidden_size, generator=gen)
-    nodes, node_features = torch.randint(3, 60, (5,), generator=gen), torch.randn(5, model.config.hidden_size, generator=gen)
+    context, features = (
+        torch.randint(3, 60, (9,), generator=gen),
+        torch.randn(9, model.config.hidden_size, generator=gen),
+    )
+    nodes, node_features = (
+        torch.randint(3, 60, (5,), generator=gen),
+        torch.randn(5, model.config.hidden_size, generator=gen),
+    )
     parents = torch.tensor([-1, 0, -1, 1, 2])  # two roots; paths 0-1-3 and 2-4
     with torch.inference_mode():
         cache = head.new_cache()
@@ -115,7 +127,10 @@ def test_a_chain_draft_is_the_heads_own_greedy_chain_even_after_an_anchor(runner
     drafter, model = head_runner("gemma3", runner)
     head = drafter.runner
     gen = torch.Generator().manual_seed(4)
-    context, features = torch.randint(3, 60, (12,), generator=gen), torch.randn(12, model.config.hidden_size, generator=gen)
+    context, features = (
+        torch.randint(3, 60, (12,), generator=gen),
+        torch.randn(12, model.config.hidden_size, generator=gen),
+    )
     for known in (11, 5):  # from the start, and begun mid-sequence with the last 5 positions' features
         drafter.begin(DraftSettings())
         drafter.observe_features(features[12 - 1 - known : 11] if known < 11 else features[:11])
@@ -138,7 +153,10 @@ def test_the_native_head_follows_its_module(family: str) -> None:
     """int8 weights and activations: close to the module's float32 logits and features, not equal."""
     (module_drafter, model), (native_drafter, _) = head_runner(family, "module"), head_runner(family, "native")
     gen = torch.Generator().manual_seed(2)
-    tokens, features = torch.randint(3, 60, (16,), generator=gen), torch.randn(16, model.config.hidden_size, generator=gen)
+    tokens, features = (
+        torch.randint(3, 60, (16,), generator=gen),
+        torch.randn(16, model.config.hidden_size, generator=gen),
+    )
     with torch.inference_mode():
         got = [d.runner.run(d.runner.new_cache(), tokens, features, None) for d in (module_drafter, native_drafter)]
     (module_logits, module_out), (native_logits, native_out) = got
@@ -151,11 +169,16 @@ def test_lookup_then_eagle_keeps_the_head_fed() -> None:
     """Prompt lookup first, the head otherwise: the head reads every step's hidden states, whoever drafted."""
     tokenizer, model = models()[0], models()[1]["llama"]
     target = Generator(loaded(model, tokenizer=tokenizer), "none")
-    head = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
+    head = EagleDrafter(
+        build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0
+    )
     drafted = Generator(target.target, FallbackDrafter(PromptLookupDrafter(), head))
     for prompt in PROMPTS:
         expected = target.generate(prompt, max_new_tokens=30, stop_on_eos=False).token_ids
-        assert drafted.generate(prompt, max_new_tokens=30, k=6, k_policy="fixed", branches=2, stop_on_eos=False).token_ids == expected
+        assert (
+            drafted.generate(prompt, max_new_tokens=30, k=6, k_policy="fixed", branches=2, stop_on_eos=False).token_ids
+            == expected
+        )
     assert drafted.drafter.wants_features and head.known > 0
 
 
@@ -209,7 +232,9 @@ def test_merged_copies_are_scored_by_how_often_they_came_true() -> None:
     assert both.first_rate.value > 0.9
     merged = both.propose(text[:length], 4, branches=2)
     copy = merged.tokens != 99
-    assert merged.scores[copy].tolist() == pytest.approx([both.first_rate.value**d for d in range(1, int(copy.sum()) + 1)])
+    assert merged.scores[copy].tolist() == pytest.approx(
+        [both.first_rate.value**d for d in range(1, int(copy.sum()) + 1)]
+    )
     assert merged.tokens[0] != 99  # the copy now outranks the head's 0.5 guess
     wrong = torch.cat([text[:length], torch.tensor([42, 43, 44, 45])])  # the text went elsewhere
     before = both.first_rate.value
@@ -221,7 +246,9 @@ def test_lookup_and_eagle_merge_into_one_tree_and_stay_exact() -> None:
     """With branches, prompt lookup's copy and the head's tree are verified together; the tokens are target-only's."""
     tokenizer, model = models()[0], models()[1]["gemma3"]
     target = Generator(loaded(model, tokenizer=tokenizer), "none")
-    head = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
+    head = EagleDrafter(
+        build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0
+    )
     both = FallbackDrafter(PromptLookupDrafter(), head)
     drafted = Generator(target.target, both)
     merged_steps = 0
@@ -245,13 +272,16 @@ def test_lookup_and_eagle_merge_into_one_tree_and_stay_exact() -> None:
 def test_eagle_trees_in_a_batch_give_each_rows_own_tokens(merged: bool) -> None:
     """Rows of different tree sizes in one batched step; ``merged``: prompt lookup's copies merged into the head's trees."""
     tokenizer, model = models()[0], models()[1]["gemma3"]
-    drafter = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
+    drafter = EagleDrafter(
+        build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0
+    )
     if merged:
         drafter = FallbackDrafter(PromptLookupDrafter(), drafter)
     gen = Generator(loaded(model, tokenizer=tokenizer), drafter, batch=BatchConfig(window="fixed"))  # k as configured
     expected = [gen.generate(p, max_new_tokens=25, k=1, k_policy="fixed", stop_on_eos=False).token_ids for p in PROMPTS]
     configs = [
-        GenerationConfig(k=k, k_policy="fixed", branches=b, max_new_tokens=25, stop_on_eos=False) for k, b in ((8, 4), (4, 1), (6, 2))
+        GenerationConfig(k=k, k_policy="fixed", branches=b, max_new_tokens=25, stop_on_eos=False)
+        for k, b in ((8, 4), (4, 1), (6, 2))
     ]
     assert [r.token_ids for r in gen.generate_batch(PROMPTS, configs)] == expected
 
@@ -268,7 +298,9 @@ def _sampled_eagle(branches: int, merged: bool, n: int) -> tuple[list[tuple[int,
     gen = Generator(loaded(target), drafter)
     sampling = SamplingConfig(temperature=0.9, top_k=5)
     configs = [
-        GenerationConfig(k=6, k_policy="fixed", branches=branches, max_new_tokens=4, stop_on_eos=False, sampling=sampling, seed=s)
+        GenerationConfig(
+            k=6, k_policy="fixed", branches=branches, max_new_tokens=4, stop_on_eos=False, sampling=sampling, seed=s
+        )
         for s in range(n)
     ]
     samples = []
@@ -307,7 +339,9 @@ def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path, monkeypatch: 
     assert isinstance(Generator(target, "auto").drafter, PromptLookupDrafter)  # no head ships for this target
     with pytest.raises(ConfigError, match="measured costs"):
         build_drafter("auto", open_target(target))
-    monkeypatch.setattr(drafters, "bundled_draft", lambda name, kind="": Path(settings.out) if kind == "eagle" else None)
+    monkeypatch.setattr(
+        drafters, "bundled_draft", lambda name, kind="": Path(settings.out) if kind == "eagle" else None
+    )
     cheap, costly = CostCurve({1: 0.010, 3: 0.0105}), CostCurve({1: 0.010, 3: 0.020})
     assert auto_draft(open_target(target), lambda: cheap) == "lookup-then-eagle"  # as if this head shipped for it
     assert auto_draft(open_target(target), lambda: costly) == "prompt-lookup"  # its short drafts would not pay
@@ -320,12 +354,19 @@ def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path, monkeypatch: 
     module = load_eagle(settings.out, embed, len(tokenizer), kernels=False)
     assert isinstance(module.runner, ModuleHead)  # asked for: the module, even where the kernels run
     if why_not_native(module.runner.module) is None:
-        assert isinstance(load_eagle(settings.out, embed, len(tokenizer)).runner, NativeHead)  # by default where it runs
+        assert isinstance(
+            load_eagle(settings.out, embed, len(tokenizer)).runner, NativeHead
+        )  # by default where it runs
     else:
         with pytest.raises(ConfigError, match="native kernels"):
             load_eagle(settings.out, embed, len(tokenizer), kernels=True)
-    again = distill(target, DistillConfig(**{**settings.__dict__, "out": str(tmp_path / "again"), "steps": 1, "init_from": settings.out}))
-    assert again["evaluations"][0]["held_out_loss"] < 0.8 * first["held_out_loss"]  # it starts where the saved head ended
+    again = distill(
+        target,
+        DistillConfig(**{**settings.__dict__, "out": str(tmp_path / "again"), "steps": 1, "init_from": settings.out}),
+    )
+    assert (
+        again["evaluations"][0]["held_out_loss"] < 0.8 * first["held_out_loss"]
+    )  # it starts where the saved head ended
     two_layers = {
         **settings.__dict__,
         "arch": DraftArch.parse("eagle,layers=2,keep=40"),
@@ -349,7 +390,9 @@ def test_eagle_arch_errors() -> None:
 
 
 @pytest.mark.parametrize("runner", HEAD_RUNNERS)
-def test_a_seeded_run_prices_the_heads_draft_steps(runner: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_seeded_run_prices_the_heads_draft_steps(
+    runner: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The head runs outside a Backend: its draft step (a chain's, and a tree level's apart) is measured once, kept under
     its identity, and prices a seeded run's steps by the head's runs (one per level drafted); a copy costs none, a merged
     tree the head's runs."""
@@ -360,9 +403,15 @@ def test_a_seeded_run_prices_the_heads_draft_steps(runner: str, tmp_path: Path, 
     for drafter in (head, both):
         gen = Generator(loaded(model, tokenizer=tokenizer), drafter)
         assert 0 < gen.draft_cost() < 1.0
-        assert gen.draft_cost() == Generator(gen.target, drafter).draft_cost()  # measured once, then read from the cache
-    assert len(list((tmp_path / "costs").iterdir())) == 1  # the fallback is priced by its head, under the head's identity
-    assert 0 < gen.draft_cost(3) < 1.0 and len(list((tmp_path / "costs").iterdir())) == 2  # a tree's level, measured apart
+        assert (
+            gen.draft_cost() == Generator(gen.target, drafter).draft_cost()
+        )  # measured once, then read from the cache
+    assert (
+        len(list((tmp_path / "costs").iterdir())) == 1
+    )  # the fallback is priced by its head, under the head's identity
+    assert (
+        0 < gen.draft_cost(3) < 1.0 and len(list((tmp_path / "costs").iterdir())) == 2
+    )  # a tree's level, measured apart
     head.begin(DraftSettings())
     head.observe_features(torch.zeros(7, model.config.hidden_size))
     context = torch.tensor([5, 6, 7, 8, 5, 6, 7, 9])
@@ -376,9 +425,14 @@ def test_a_seeded_run_prices_the_heads_draft_steps(runner: str, tmp_path: Path, 
     tree = Proposal(torch.tensor([5, 9]), None, torch.tensor([-1, -1]), torch.tensor([0.9, 0.1]), steps=3)
     assert merge_trees(Proposal(torch.tensor([5, 6]), steps=0), tree, k=4).draft_steps == 3  # a copy costs no step
     priced = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.002, tree_draft_s_per_step=0.005)
-    for steps, seconds in ((2, 0.030), (3, 0.026)):  # two tree levels at the tree's price; three chain steps at a chain's
+    for steps, seconds in (
+        (2, 0.030),
+        (3, 0.026),
+    ):  # two tree levels at the tree's price; three chain steps at a chain's
         way = priced.use_tree()  # a tree step first, then a chain step: each way records its own price
-        priced.observe(StepOutcome(2, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, draft_steps=steps))
+        priced.observe(
+            StepOutcome(2, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, draft_steps=steps)
+        )
         assert priced.ways.rates[way] == pytest.approx((2, seconds))
 
 
@@ -396,7 +450,9 @@ def test_tree_size_follows_the_costs_and_learns_the_scores_calibration() -> None
     assert seeded.tree_size(scores, parents, 0.0, 4) == seeded.tree_size(scores, parents, 0.5, 4)
     assert costly.tree_size(scores, parents, 0.5, 4) != costly.tree_size(scores, parents, 0.0, 4)
     dear_trees = CostModelK(8, CostCurve({1: 0.010, 9: 0.011}), tree_overhead=CostCurve({1: 0.0, 3: 0.010, 9: 0.010}))
-    assert dear_trees.tree_size(scores, parents, 0.0, 4) == 3  # the chain, uncharged; branching would not pay the overhead
+    assert (
+        dear_trees.tree_size(scores, parents, 0.0, 4) == 3
+    )  # the chain, uncharged; branching would not pay the overhead
     assert dear_trees.tree_size(scores, torch.arange(-1, 5), 0.0, 6) == 6  # a chain of six is never charged it
     before = cheap.calibration
     cheap.tree_size(scores, parents, 0.0, 4)
@@ -410,14 +466,18 @@ def test_eagle_survives_one_token_prompts_and_anchor_steps() -> None:
 
     tokenizer, model = models()[0], models()[1]["llama"]
     target = Generator(loaded(model, tokenizer=tokenizer), "none")
-    drafter = EagleDrafter(build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0)
+    drafter = EagleDrafter(
+        build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0
+    )
     gen = Generator(target.target, drafter)
     one = [int(tokenizer("a")["input_ids"][-1])]
     assert (
         gen.generate(one, max_new_tokens=12, stop_on_eos=False, k_policy="fixed").token_ids
         == target.generate(one, max_new_tokens=12, stop_on_eos=False).token_ids
     )
-    anchored = GenerationConfig(k=4, k_policy="fixed", max_new_tokens=40, stop_on_eos=False, guards=GuardConfig(anchor_every=8))
+    anchored = GenerationConfig(
+        k=4, k_policy="fixed", max_new_tokens=40, stop_on_eos=False, guards=GuardConfig(anchor_every=8)
+    )
     got = gen.generate(PROMPTS[0], anchored)
     assert got.token_ids == target.generate(PROMPTS[0], anchored).token_ids
     assert got.stats.anchors >= 3

@@ -21,7 +21,10 @@ PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 12], [1, 40, 41, 42, 43, 40, 41], [1, 7]]
 def _drafters(target_model, seed: int):
     yield "prompt-lookup", PromptLookupDrafter()
     yield "same model", ModelDrafter(TransformersBackend(target_model))  # good draft: always right
-    yield "noisy copy", ModelDrafter(TransformersBackend(perturbed(target_model, noise=0.5, seed=seed)))  # partial agreement
+    yield (
+        "noisy copy",
+        ModelDrafter(TransformersBackend(perturbed(target_model, noise=0.5, seed=seed))),
+    )  # partial agreement
     yield "random model", ModelDrafter(TransformersBackend(tiny_llama(seed + 100, layers=1)))  # bad draft
 
 
@@ -34,7 +37,9 @@ def test_greedy_is_identical_to_target_only(make_target, seed: int) -> None:
         expected = baseline.generate(prompt, max_new_tokens=30, stop_on_eos=False).token_ids
         assert len(expected) == 30
         for (name, drafter), k in itertools.product(_drafters(target.model, seed), (1, 3, 8)):
-            got = Generator(target, drafter).generate(prompt, max_new_tokens=30, k=k, k_policy="fixed", stop_on_eos=False)
+            got = Generator(target, drafter).generate(
+                prompt, max_new_tokens=30, k=k, k_policy="fixed", stop_on_eos=False
+            )
             assert got.token_ids == expected, f"{name} k={k} prompt={prompt}"
 
 
@@ -92,7 +97,9 @@ def test_seeded_sampling_is_reproducible() -> None:
     gen = Generator(target, ModelDrafter(TransformersBackend(tiny_llama(1))))
     # k must not depend on wall-clock time (cost-model's draft-cost estimate does): fixed k here.
     runs = [
-        gen.generate([1, 2, 3], max_new_tokens=20, temperature=1.0, seed=s, k_policy="fixed", stop_on_eos=False).token_ids
+        gen.generate(
+            [1, 2, 3], max_new_tokens=20, temperature=1.0, seed=s, k_policy="fixed", stop_on_eos=False
+        ).token_ids
         for s in (7, 7, 8)
     ]
     assert runs[0] == runs[1]

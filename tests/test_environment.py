@@ -236,7 +236,9 @@ def test_only_a_crash_or_a_clean_run_is_remembered(
 
 
 @needs_kernels
-def test_generate_on_native_states_its_perplexity_measured_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_generate_on_native_states_its_perplexity_measured_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from conftest import char_tokenizer, tiny_llama
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))

@@ -51,7 +51,12 @@ def test_generation_config_ranges(kwargs: dict, words: str) -> None:
 
 @pytest.mark.parametrize(
     "kwargs, words",
-    [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": 0}, "top_k")],
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+    ],
 )
 def test_sampling_config_ranges(kwargs: dict, words: str) -> None:
     with pytest.raises(ConfigError) as exc:
@@ -70,7 +75,9 @@ def test_empty_prompt_and_out_of_vocabulary_ids(tiny_folder: Path) -> None:
     assert "outside the vocabulary" in _one_line(exc)
 
 
-def test_text_that_is_not_unicode_or_cannot_fit_is_refused_before_tokenizing(tiny_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_text_that_is_not_unicode_or_cannot_fit_is_refused_before_tokenizing(
+    tiny_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gen = Generator(str(tiny_folder), "none")
     assert gen.max_prompt_chars == 256 * max(map(len, gen.tokenizer.get_vocab()))
     monkeypatch.setattr(gen, "tokenizer", lambda *_: pytest.fail("tokenized a prompt that was refused"))

@@ -34,7 +34,9 @@ def _fake_device_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Seeds hand out the fake device's generators for the fake device (torch has none for it)."""
     create = Seeds._create
     monkeypatch.setattr(
-        Seeds, "_create", lambda self, device: FakeDevice.generator(self.seed) if device == DEVICE else create(self, device)
+        Seeds,
+        "_create",
+        lambda self, device: FakeDevice.generator(self.seed) if device == DEVICE else create(self, device),
     )
 
 
@@ -55,9 +57,15 @@ def test_every_tensor_meets_the_logits_on_their_device(monkeypatch: pytest.Monke
     with torch.inference_mode(), mode:
         assert gen.generate(PROMPT, **settings).token_ids == expected
         sampled = [gen.generate(PROMPT, temperature=1.0, seed=3, **settings).token_ids for _ in range(2)]
-        [batched] = gen.generate_batch([PROMPT], decoder=Decoder(OnFakeDevice(BatchedTransformersBackend(model))), **settings)
+        [batched] = gen.generate_batch(
+            [PROMPT], decoder=Decoder(OnFakeDevice(BatchedTransformersBackend(model))), **settings
+        )
         [batched_sampled] = gen.generate_batch(
-            [PROMPT], decoder=Decoder(OnFakeDevice(BatchedTransformersBackend(model))), temperature=1.0, seed=3, **settings
+            [PROMPT],
+            decoder=Decoder(OnFakeDevice(BatchedTransformersBackend(model))),
+            temperature=1.0,
+            seed=3,
+            **settings,
         )
     assert mode.operations > 100
     assert sampled[0] == sampled[1] == batched_sampled.token_ids  # a seed reproduces on the device it runs on
@@ -71,7 +79,9 @@ class AuditedGraphs(CudaGraphs):
 
     def __init__(self, persistent: Callable[[], list[torch.Tensor]]) -> None:
         super().__init__()
-        self.persistent = persistent  # tensors that outlive every graph: weights, and the cache buffers until they are reallocated
+        self.persistent = (
+            persistent  # tensors that outlive every graph: weights, and the cache buffers until they are reallocated
+        )
         self.outside: list[str] = []  # tensors a step read that were neither static inputs nor persistent
         self.captures = self.replays = 0
 
@@ -144,7 +154,9 @@ def test_sliding_window_caches_stay_bounded(drafter: str) -> None:
     for cache in caches:
         sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
         assert sliding
-        assert all(layer.keys.shape[-2] <= window + k + 1 for layer in sliding), [layer.keys.shape[-2] for layer in sliding]
+        assert all(layer.keys.shape[-2] <= window + k + 1 for layer in sliding), [
+            layer.keys.shape[-2] for layer in sliding
+        ]
 
 
 class Recording:
@@ -292,7 +304,9 @@ def test_counts_match_what_was_emitted() -> None:
     full = gen.generate("ab ab ab", stop_on_eos=False, **settings)
     assert ended.finish_reason == "eos" and len(ended.token_ids) < len(full.token_ids)
     last = len(ended.stats.accepted_per_step) - 1  # the two runs take the same steps up to here
-    assert full.stats.accepted_per_step[last] > ended.stats.accepted_per_step[last], "EOS fell inside a run of accepted drafts"
+    assert full.stats.accepted_per_step[last] > ended.stats.accepted_per_step[last], (
+        "EOS fell inside a run of accepted drafts"
+    )
     _emitted_per_step(ended.stats, len(ended.token_ids))
 
     stop = full.text[3:5]
@@ -313,7 +327,9 @@ def test_draft_model_context_limit_is_respected() -> None:
     gen = Generator(loaded(target), ModelDrafter(TransformersBackend(draft)))
     result = gen.generate(PROMPT, **settings)
     assert result.token_ids == expected
-    assert result.stats.proposed_per_step[0] > 0 and result.stats.proposed_per_step[-1] == 0  # drafting stopped at the draft's limit
+    assert (
+        result.stats.proposed_per_step[0] > 0 and result.stats.proposed_per_step[-1] == 0
+    )  # drafting stopped at the draft's limit
     [batched] = gen.generate_batch([PROMPT], **settings)
     assert batched.token_ids == expected
 
@@ -340,7 +356,11 @@ def test_a_seed_reproduces_output_under_the_default_policy(monkeypatch: pytest.M
     for clock in range(3):
         monkeypatch.setattr(step, "time", JitteryClock(clock))
         # A batch's dynamic window follows the load (other rows, memory): a seed reproduces a batched row under the fixed window.
-        gen = Generator(loaded(target), ModelDrafter(TransformersBackend(tiny_llama(1, layers=1))), batch=BatchConfig(window="fixed"))
+        gen = Generator(
+            loaded(target),
+            ModelDrafter(TransformersBackend(tiny_llama(1, layers=1))),
+            batch=BatchConfig(window="fixed"),
+        )
         runs.append(gen.generate(PROMPT, **settings))
         batched.append(gen.generate_batch([PROMPT], **settings)[0].token_ids)
     assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids

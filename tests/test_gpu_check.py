@@ -17,7 +17,10 @@ SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
 def test_gpu_check_smoke_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "check.json"
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--smoke", "--out", str(out)], capture_output=True, text=True, timeout=900
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -43,6 +46,8 @@ def test_gpu_check_refuses_cuda_without_a_gpu(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cuda", "--out", str(tmp_path / "x.json")], capture_output=True, text=True
+        [sys.executable, str(SCRIPT), "--device", "cuda", "--out", str(tmp_path / "x.json")],
+        capture_output=True,
+        text=True,
     )
     assert run.returncode != 0 and "--device cpu" in run.stderr and "Traceback" not in run.stderr

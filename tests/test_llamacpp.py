@@ -97,7 +97,9 @@ def test_cost_model_k_follows_the_measured_costs(exact_target, tmp_path, monkeyp
         # Before any observation the policy stands on its prior acceptance (0.8) and the measured curve alone.
         first_best[name] = max(range(9), key=lambda k, c=curve: (1 - 0.8 ** (k + 1)) / 0.2 / c(k + 1))
     assert len(list((tmp_path / "costs").glob("*.json"))) == 2  # one curve per runtime setting, cached
-    assert [chosen[name][0] for name in chosen] == [first_best[name] for name in chosen]  # k follows this machine's costs
+    assert [chosen[name][0] for name in chosen] == [
+        first_best[name] for name in chosen
+    ]  # k follows this machine's costs
     assert chosen["exact"][0] <= chosen["batched"][0]
     assert sum(chosen["exact"]) <= sum(chosen["batched"])
 
@@ -106,12 +108,18 @@ def test_cost_model_k_follows_the_measured_costs(exact_target, tmp_path, monkeyp
 @pytest.mark.real_model
 def test_mixed_runtimes_and_sampling_on_llama_cpp(tiny_folder) -> None:
     fast = open_target("gemma-3-270m", RuntimeConfig(backend="llama.cpp", threads=2))
-    result = Generator(fast, "prompt-lookup").generate(PROMPTS[1], max_new_tokens=24, k=4, k_policy="fixed", temperature=0.8, seed=3)
-    again = Generator(fast, "prompt-lookup").generate(PROMPTS[1], max_new_tokens=24, k=4, k_policy="fixed", temperature=0.8, seed=3)
+    result = Generator(fast, "prompt-lookup").generate(
+        PROMPTS[1], max_new_tokens=24, k=4, k_policy="fixed", temperature=0.8, seed=3
+    )
+    again = Generator(fast, "prompt-lookup").generate(
+        PROMPTS[1], max_new_tokens=24, k=4, k_policy="fixed", temperature=0.8, seed=3
+    )
     assert result.token_ids == again.token_ids and len(result.token_ids) >= 1
     # A GGUF draft on llama.cpp (here the target's own file: every token accepted) with a llama.cpp target.
     self_draft = Generator(fast, "gguf:gemma-3-270m").generate(PROMPTS[0], max_new_tokens=16, k=3, k_policy="fixed")
     assert self_draft.stats.acceptance_rate > 0.9
     # A torch draft with another tokenizer (a tiny character-level model) is re-tokenized for a llama.cpp target.
-    out = CliRunner().invoke(app, ["generate", "hi", "--backend", "llama.cpp", "--draft", f"model:{tiny_folder}", "--max-new-tokens", "8"])
+    out = CliRunner().invoke(
+        app, ["generate", "hi", "--backend", "llama.cpp", "--draft", f"model:{tiny_folder}", "--max-new-tokens", "8"]
+    )
     assert out.exit_code == 0, out.output

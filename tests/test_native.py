@@ -25,7 +25,14 @@ def tiny_family(family: str, vocab: int) -> torch.nn.Module:
     """A random model of ``family`` wide enough for the kernels (widths in multiples of 32, heads of 16), with what sets
     the family apart: Llama 3's rotary scaling, Mistral's sliding window on every layer, Qwen2's QKV biases (and a
     sliding window on its second layer), Qwen3's norms over each head's queries and keys; biases and norms randomized."""
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     common = dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -70,7 +77,10 @@ def test_the_tiny_families_differ_as_their_families_do() -> None:
     assert NativeModel.from_module(built["mistral"]).shape.windows == (6, 6)
     qwen2 = NativeModel.from_module(built["qwen2"])
     assert qwen2.shape.windows == (0, 6) and set(qwen2.layers[0].biases) == {"qkv"}
-    assert NativeModel.from_module(built["qwen3"]).shape.qk_norm and not NativeModel.from_module(built["llama"]).shape.qk_norm
+    assert (
+        NativeModel.from_module(built["qwen3"]).shape.qk_norm
+        and not NativeModel.from_module(built["llama"]).shape.qk_norm
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -118,7 +128,10 @@ def test_a_positions_logits_do_not_depend_on_how_many_are_scored(family: str) ->
     one = torch.cat([backend.forward(ids[:, i : i + 1], last=1)[0] for i in range(ids.shape[1])])
     assert torch.equal(one, whole)
     backend.truncate(FIRST_CAPACITY - 20)
-    chunks = [backend.forward(ids[:, i : i + 9], last=len(ids[0, i : i + 9]))[0] for i in range(FIRST_CAPACITY - 20, ids.shape[1], 9)]
+    chunks = [
+        backend.forward(ids[:, i : i + 9], last=len(ids[0, i : i + 9]))[0]
+        for i in range(FIRST_CAPACITY - 20, ids.shape[1], 9)
+    ]
     assert torch.equal(torch.cat(chunks), whole[FIRST_CAPACITY - 20 :])
     with pytest.raises(ValueError, match="cannot truncate"):
         backend.truncate(ids.shape[1] + 1)
@@ -151,7 +164,9 @@ def test_sampling_on_native_keeps_the_targets_distribution() -> None:
     draws = 600
     counts = torch.zeros(len(probs))
     for seed in range(draws):
-        token = drafted.generate(prompt, max_new_tokens=2, temperature=0.8, seed=seed, k=4, k_policy="fixed", stop_on_eos=False)
+        token = drafted.generate(
+            prompt, max_new_tokens=2, temperature=0.8, seed=seed, k=4, k_policy="fixed", stop_on_eos=False
+        )
         counts[token.token_ids[0]] += 1
     keep = probs * draws >= 5
     observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
@@ -166,7 +181,9 @@ def test_unsupported_models_and_options_are_refused_clearly() -> None:
     narrow = loaded(tiny_llama(0), tokenizer=char_tokenizer())  # heads of 8: the attention kernel needs multiples of 16
     with pytest.raises(ConfigError, match="head size that is a multiple of 16.*--backend transformers"):
         open_target(narrow, NATIVE)
-    assert isinstance(open_target(narrow, RuntimeConfig(backend="auto")).backend, TransformersBackend)  # auto falls back
+    assert isinstance(
+        open_target(narrow, RuntimeConfig(backend="auto")).backend, TransformersBackend
+    )  # auto falls back
     with pytest.raises(ConfigError, match="--precision plans apply to the transformers backend"):
         RuntimeConfig(backend="native", precision=PRESETS["cpu"])
     with pytest.raises(ConfigError, match="--dtype applies to the transformers backend"):
@@ -192,7 +209,10 @@ def test_the_server_runs_native_one_request_at_a_time(tmp_path) -> None:
         model_id = server.client.models.list().data[0].id
         with ThreadPoolExecutor(4) as pool:
             answers = list(
-                pool.map(lambda p: server.client.completions.create(model=model_id, prompt=p, max_tokens=20, temperature=0), PROMPTS)
+                pool.map(
+                    lambda p: server.client.completions.create(model=model_id, prompt=p, max_tokens=20, temperature=0),
+                    PROMPTS,
+                )
             )
         for prompt, answer in zip(PROMPTS, answers, strict=True):
             assert answer.choices[0].text == local.generate(prompt, max_new_tokens=20).text
@@ -219,7 +239,10 @@ def test_kernels_refuse_bad_input_as_the_reference_does(monkeypatch: pytest.Monk
     assert torch.isfinite(cpu_kernels.linear(x, weights)).all()
     with pytest.raises(ValueError, match="of 64 inputs got activations of width 32"):
         cpu_kernels.linear(torch.randn(2, 32), weights)
-    for weight, words in ((torch.empty(0, 64), "non-empty matrix"), (torch.full((16, 64), float("nan")), "NaN or infinite")):
+    for weight, words in (
+        (torch.empty(0, 64), "non-empty matrix"),
+        (torch.full((16, 64), float("nan")), "NaN or infinite"),
+    ):
         with pytest.raises(ValueError, match=words):
             cpu_kernels.PackedInt8(weight)
     meta, kv = torch.empty(2, 4, 16, device="meta"), torch.zeros(2, 2, 16)
@@ -239,7 +262,9 @@ def test_kernels_refuse_bad_input_as_the_reference_does(monkeypatch: pytest.Monk
         cpu_kernels.rms_norm(torch.randn(2, 16), torch.ones(0), 1e-6)
 
 
-WIDE_FFN = 14336  # an 8B Llama's: torch splits an activation over so many values across threads, at slice ends differently
+WIDE_FFN = (
+    14336  # an 8B Llama's: torch splits an activation over so many values across threads, at slice ends differently
+)
 
 
 @pytest.mark.parametrize("threads", [3, 4, 8], indirect=True)
@@ -251,7 +276,9 @@ def test_the_activation_of_a_row_does_not_depend_on_its_neighbours_or_threads(th
         for n in (5, 11, 13):
             assert torch.equal(cpu_kernels.gated(gate_up[:n], gelu), alone[:n]), (gelu, n)
         expected = (torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)) * up
-        torch.testing.assert_close(alone, expected, rtol=2e-6, atol=2e-6)  # torch's values to a few units in the last place
+        torch.testing.assert_close(
+            alone, expected, rtol=2e-6, atol=2e-6
+        )  # torch's values to a few units in the last place
     odd = torch.randn(3, 2 * 37)  # a width that ends in a partial vector: the masked tail
     g, u = odd.chunk(2, dim=1)
     torch.testing.assert_close(cpu_kernels.gated(odd, False), torch.nn.functional.silu(g) * u, rtol=2e-6, atol=2e-6)
@@ -260,7 +287,9 @@ def test_the_activation_of_a_row_does_not_depend_on_its_neighbours_or_threads(th
     )
     nan = gate_up[:1].clone()
     nan[0, 3] = float("nan")
-    assert torch.isnan(cpu_kernels.gated(nan, False)[0, 3]) and torch.isfinite(cpu_kernels.gated(nan, False)[0, 4:]).all()
+    assert (
+        torch.isnan(cpu_kernels.gated(nan, False)[0, 3]) and torch.isfinite(cpu_kernels.gated(nan, False)[0, 4:]).all()
+    )
 
 
 @pytest.mark.parametrize("threads", [4, 8], indirect=True)
@@ -286,10 +315,14 @@ def test_a_positions_logits_do_not_depend_on_threads_at_an_8b_ffn_width(threads:
 def test_rotary_embeddings_the_native_backend_does_not_compute_are_refused_by_name() -> None:
     from transformers import LlamaConfig
 
-    base = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, intermediate_size=128)
+    base = dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, intermediate_size=128
+    )
     dynamic = LlamaConfig(**base, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(ConfigError, match="not 'dynamic': use --backend transformers"):
         native._shape(dynamic)
-    partial = LlamaConfig(**base, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    partial = LlamaConfig(
+        **base, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    )
     with pytest.raises(ConfigError, match="rotates whole heads, not a share of 0.5"):
         native._shape(partial)

@@ -33,7 +33,10 @@ def test_each_cache_type_holds_its_rounded_values_and_a_positions_bits_do_not_de
     generator = torch.Generator().manual_seed(0)
     start, n, heads, kv_heads, dim = PAGE - 4, 9, 8, 2, 32
     q = torch.randn(start + n, heads, dim, generator=generator)
-    k, v = torch.randn(start + n, kv_heads, dim, generator=generator), torch.randn(start + n, kv_heads, dim, generator=generator)
+    k, v = (
+        torch.randn(start + n, kv_heads, dim, generator=generator),
+        torch.randn(start + n, kv_heads, dim, generator=generator),
+    )
     together, alone = PagedCache((0,), kv_heads, dim, dtype), PagedCache((0,), kv_heads, dim, dtype)
     for cache in (together, alone):
         cache.reserve(start)

@@ -15,14 +15,23 @@ from specdec.bench.perplexity import perplexity
 from specdec.cli.main import app
 from specdec.config import PRESETS, PrecisionPlan, RuntimeConfig
 from specdec.errors import ConfigError
-from specdec.models.precision import QUANTIZED, QuantizedLinear, RowStableLinear, apply_plan, convert_draft, padded_eager_attention
+from specdec.models.precision import (
+    QUANTIZED,
+    QuantizedLinear,
+    RowStableLinear,
+    apply_plan,
+    convert_draft,
+    padded_eager_attention,
+)
 
 PROMPTS = ["the cat sat", "a dog and a log", "xyz 123", "Hello, world!"]
 
 
 def test_plans_parse_from_presets_and_parts() -> None:
     assert PrecisionPlan.parse("fp32") == PrecisionPlan()
-    assert PrecisionPlan.parse("seed") == PrecisionPlan(attention="float16", ffn="int8", head="float16", draft="float8", verify="float16")
+    assert PrecisionPlan.parse("seed") == PrecisionPlan(
+        attention="float16", ffn="int8", head="float16", draft="float8", verify="float16"
+    )
     assert PrecisionPlan.parse("ffn=int8, head=bfloat16") == PrecisionPlan(ffn="int8", head="bfloat16")
     with pytest.raises(ConfigError, match="int4: use one of"):
         PrecisionPlan.parse("ffn=int4")
@@ -42,7 +51,9 @@ def test_int8_and_float8_linears_stay_close_to_float() -> None:
         expected = linear(x)
     for fmt, tolerance in (("int8", 0.03), ("int8a8", 0.03), ("float8", 0.08)):
         quantized = QuantizedLinear(linear, fmt)
-        stored = quantized.packed.packed if fmt == "int8a8" else quantized.weight_q  # int8a8: packed for the VNNI kernel
+        stored = (
+            quantized.packed.packed if fmt == "int8a8" else quantized.weight_q
+        )  # int8a8: packed for the VNNI kernel
         assert stored.dtype == (torch.float8_e4m3fn if fmt == "float8" else torch.int8)
         got = quantized(x).float()
         assert got.shape == expected.shape
@@ -62,7 +73,11 @@ def test_each_preset_converts_every_component_and_stays_close(preset: str) -> No
     got = logits.float()
     assert float((got - base).abs().max()) < 0.1 * float(base.abs().max())
     layer = model.model.layers[0]
-    for module, fmt in ((layer.self_attn, plan.attention), (layer.mlp, plan.ffn), (model.get_output_embeddings(), plan.head)):
+    for module, fmt in (
+        (layer.self_attn, plan.attention),
+        (layer.mlp, plan.ffn),
+        (model.get_output_embeddings(), plan.head),
+    ):
         quantized = [m for m in module.modules() if isinstance(m, QuantizedLinear)]
         if fmt in QUANTIZED:
             assert quantized and all(m.format == fmt for m in quantized)
@@ -72,7 +87,9 @@ def test_each_preset_converts_every_component_and_stays_close(preset: str) -> No
 
 
 @pytest.mark.parametrize(("outputs", "width"), [(300, 128), (77, 256), (40, 96)])
-def test_int8a8_products_are_exact_and_row_independent(monkeypatch: pytest.MonkeyPatch, outputs: int, width: int) -> None:
+def test_int8a8_products_are_exact_and_row_independent(
+    monkeypatch: pytest.MonkeyPatch, outputs: int, width: int
+) -> None:
     """The VNNI kernel (where this CPU has it) and the float64 path give the same bits; a row's result does not depend
     on the rows computed with it (what speculative greedy identity needs); both equal the integer products per group of
     inputs, scaled in the documented order. Widths of one group, two groups and a 32-wide group; outputs not a
@@ -100,11 +117,15 @@ def test_cpu_vnni_greedy_identity_through_the_kernel() -> None:
     """A model 64 wide, so that its int8a8 head runs the VNNI kernel (where this CPU has it) in decode and verification alike."""
     tokenizer = char_tokenizer()
     runtime = RuntimeConfig(precision=PRESETS["cpu-vnni"])
-    target = Generator(loaded(tiny_llama(2, vocab=len(tokenizer), hidden=64), tokenizer=tokenizer), "none", runtime=runtime)
+    target = Generator(
+        loaded(tiny_llama(2, vocab=len(tokenizer), hidden=64), tokenizer=tokenizer), "none", runtime=runtime
+    )
     drafted = Generator(target.target, "prompt-lookup", runtime=runtime)
     for prompt in PROMPTS:
         expected = target.generate(prompt, max_new_tokens=24, stop_on_eos=False).token_ids
-        assert drafted.generate(prompt, max_new_tokens=24, k=4, k_policy="fixed", stop_on_eos=False).token_ids == expected, prompt
+        assert (
+            drafted.generate(prompt, max_new_tokens=24, k=4, k_policy="fixed", stop_on_eos=False).token_ids == expected
+        ), prompt
 
 
 def test_a_rows_result_does_not_depend_on_the_rows_and_keys_beside_it() -> None:
@@ -122,13 +143,19 @@ def test_a_rows_result_does_not_depend_on_the_rows_and_keys_beside_it() -> None:
         queries, keys = 20, 150  # the context fills two key blocks before the queries
         q = torch.randn(1, 4, queries, 256, generator=gen).to(torch.bfloat16)
         k, v = (torch.randn(1, 1, keys, 256, generator=gen).to(torch.bfloat16) for _ in range(2))
-        visible = torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None]  # causal: query i sees keys 0..130 + i
-        mask = torch.zeros(1, 1, queries, keys, dtype=torch.bfloat16).masked_fill(~visible, torch.finfo(torch.bfloat16).min)
+        visible = (
+            torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None]
+        )  # causal: query i sees keys 0..130 + i
+        mask = torch.zeros(1, 1, queries, keys, dtype=torch.bfloat16).masked_fill(
+            ~visible, torch.finfo(torch.bfloat16).min
+        )
         module = torch.nn.Module().eval()
         together = padded_eager_attention(module, q, k, v, mask)[0]
         for i in range(queries):
             seen = keys - queries + i + 1  # decode: the query alone with exactly the keys it sees
-            single = padded_eager_attention(module, q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], mask[:, :, i : i + 1, :seen])[0]
+            single = padded_eager_attention(
+                module, q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], mask[:, :, i : i + 1, :seen]
+            )[0]
             assert torch.equal(single[:, 0], together[:, i]), i
         # Trees of drafts in a batch of two: node i sees the context and the nodes of its path (every second or third
         # one up to itself).
@@ -149,7 +176,10 @@ def test_a_rows_result_does_not_depend_on_the_rows_and_keys_beside_it() -> None:
                     module, q2[r, :, i : i + 1], k2[r, :, path], v2[r, :, path], mask[r, :, i : i + 1, path]
                 )
                 assert torch.equal(single[0, 0], together[row, i]), ("tree", row, i)
-                assert torch.equal(alone[0, :, 0], weights[row, :, i, path]) and not weights[row, :, i, ~trees[row, 0, i]].any()
+                assert (
+                    torch.equal(alone[0, :, 0], weights[row, :, i, path])
+                    and not weights[row, :, i, ~trees[row, 0, i]].any()
+                )
         # A lone tree node: of two roots, the second sees the context and itself.
         roots = visible[-2:].clone()
         roots[1, -2] = False
@@ -178,7 +208,9 @@ def test_speculative_greedy_equals_target_only_greedy_of_the_same_plan(preset: s
         drafted = Generator(target.target, drafter, runtime=runtime)
         for prompt in PROMPTS:
             expected = target.generate(prompt, max_new_tokens=24, stop_on_eos=False).token_ids
-            got = drafted.generate(prompt, max_new_tokens=24, k=4, k_policy="fixed", branches=branches, stop_on_eos=False)
+            got = drafted.generate(
+                prompt, max_new_tokens=24, k=4, k_policy="fixed", branches=branches, stop_on_eos=False
+            )
             assert got.token_ids == expected, (preset, drafter, branches, prompt)
 
 
@@ -209,13 +241,29 @@ def tiny_model_folder(tmp_path: Path) -> Path:
 def test_perplexity_against_float32_on_the_same_tokens(tiny_model_folder: Path, tmp_path: Path) -> None:
     data = tmp_path / "text.txt"
     data.write_text("the cat sat on the mat. " * 40)
-    same = perplexity(str(tiny_model_folder), RuntimeConfig(precision=PRESETS["fp32"]), str(data), max_tokens=600, window=128)
+    same = perplexity(
+        str(tiny_model_folder), RuntimeConfig(precision=PRESETS["fp32"]), str(data), max_tokens=600, window=128
+    )
     assert same.tokens == 600 and same.delta == 0.0 and same.perplexity > 1
-    low = perplexity(str(tiny_model_folder), RuntimeConfig(precision=PRESETS["cpu"]), str(data), max_tokens=600, window=128)
+    low = perplexity(
+        str(tiny_model_folder), RuntimeConfig(precision=PRESETS["cpu"]), str(data), max_tokens=600, window=128
+    )
     assert low.float32_perplexity == same.float32_perplexity
     assert low.perplexity != same.perplexity and abs(low.delta) < 0.05 * same.perplexity
     result = CliRunner().invoke(
-        app, ["ppl", "--target", str(tiny_model_folder), "--data", str(data), "--precision", "cpu", "--max-tokens", "300", "--json"]
+        app,
+        [
+            "ppl",
+            "--target",
+            str(tiny_model_folder),
+            "--data",
+            str(data),
+            "--precision",
+            "cpu",
+            "--max-tokens",
+            "300",
+            "--json",
+        ],
     )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])

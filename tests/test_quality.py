@@ -37,7 +37,9 @@ def test_find_loop_ignores_indentation_and_rules() -> None:
     from specdec.quality import ignorable_tokens
 
     ignorable = ignorable_tokens(tokenizer)
-    code = "def f(x):\n" + "".join(f"    {'    ' * 6}y{i} = x * {i}\n" for i in range(6))  # deep indentation, distinct lines
+    code = "def f(x):\n" + "".join(
+        f"    {'    ' * 6}y{i} = x * {i}\n" for i in range(6)
+    )  # deep indentation, distinct lines
     table = ": a : b :\n" + ":---" * 12 + ":\n"  # a table border (the test tokenizer has no '|')
     for text in (code, table, "x" + " " * 40, "-" * 60):
         ids = tokenizer(text)["input_ids"]
@@ -53,11 +55,17 @@ def test_guards_block_the_loop_and_schedule_the_temperature() -> None:
     temperatures = guards.adjust(tokens, torch.tensor([7]), logits)  # in place
     assert logits[0, 7] == float("-inf") and torch.isfinite(logits[0, :7]).all()
     assert logits[1, 8] == float("-inf")  # after the draft token 7 the loop continues with 8
-    assert guards.settle(at=24, accepted=1, anchored=False) == [{"kind": "loop_blocked", "at": 24}, {"kind": "loop_blocked", "at": 25}]
+    assert guards.settle(at=24, accepted=1, anchored=False) == [
+        {"kind": "loop_blocked", "at": 24},
+        {"kind": "loop_blocked", "at": 25},
+    ]
     assert torch.allclose(temperatures, torch.tensor([guards.temperature_at(24), guards.temperature_at(25)]))
     assert guards.temperature_at(0) == 0.5 and guards.temperature_at(5) == 1.0 and guards.temperature_at(99) == 1.5
     assert guards.trim(tokens, torch.tensor([7, 8])) == 0 and guards.trim(tokens, torch.tensor([5, 7])) == 2
-    assert NoGuards().adjust(tokens, torch.tensor([7]), logits) is None and NoGuards().trim(tokens, torch.tensor([7, 8])) == 2
+    assert (
+        NoGuards().adjust(tokens, torch.tensor([7]), logits) is None
+        and NoGuards().trim(tokens, torch.tensor([7, 8])) == 2
+    )
     anchor = Guards(GuardConfig(anchor_every=10), 0)
     assert [anchor.anchor_due(n) for n in (0, 9, 10, 11, 25, 29, 30)] == [False, False, True, False, True, False, True]
 
@@ -127,14 +135,29 @@ def test_guarded_sampling_follows_the_guarded_target_law() -> None:
     vocab = 6
     target = loaded(tiny_llama(3, vocab=vocab, scale=0.15))
     guards = GuardConfig(
-        repetition=True, loop_repeats=2, loop_min_span=2, loop_max_unit=1, block_ngram=1, temperature_schedule=(1.4, 0.6), schedule_tokens=2
+        repetition=True,
+        loop_repeats=2,
+        loop_min_span=2,
+        loop_max_unit=1,
+        block_ngram=1,
+        temperature_schedule=(1.4, 0.6),
+        schedule_tokens=2,
     )
     gen = Generator(target, "layerskip:1")
     prompt = [1, 5, 3]
     expected = _expected_guarded(target.model, prompt, (1.4, 1.0, 0.6))
     n, counts, rejected = 3000, torch.zeros(vocab**3), 0
     for seed in range(n):
-        r = gen.generate(prompt, max_new_tokens=3, k=2, k_policy="fixed", seed=seed, stop_on_eos=False, temperature=1.0, guards=guards)
+        r = gen.generate(
+            prompt,
+            max_new_tokens=3,
+            k=2,
+            k_policy="fixed",
+            seed=seed,
+            stop_on_eos=False,
+            temperature=1.0,
+            guards=guards,
+        )
         a, b, c = r.token_ids
         counts[(a * vocab + b) * vocab + c] += 1
         rejected += r.stats.draft_tokens_proposed - r.stats.draft_tokens_accepted
@@ -153,10 +176,13 @@ def test_typical_acceptance_is_lossy_only_when_asked() -> None:
     exact = gen.generate([1, 5, 9], max_new_tokens=30, k=4, k_policy="fixed", stop_on_eos=False)
     assert (
         not exact.stats.lossy
-        and exact.token_ids == Generator(target, "none").generate([1, 5, 9], max_new_tokens=30, stop_on_eos=False).token_ids
+        and exact.token_ids
+        == Generator(target, "none").generate([1, 5, 9], max_new_tokens=30, stop_on_eos=False).token_ids
     )
     loose = TypicalAcceptance(epsilon=0.5, alpha=0.9)
-    lossy = gen.generate([1, 5, 9], max_new_tokens=30, k=4, k_policy="fixed", stop_on_eos=False, typical_acceptance=loose)
+    lossy = gen.generate(
+        [1, 5, 9], max_new_tokens=30, k=4, k_policy="fixed", stop_on_eos=False, typical_acceptance=loose
+    )
     assert lossy.stats.lossy and lossy.to_dict()["stats"]["lossy"] is True
     assert lossy.stats.acceptance_rate >= exact.stats.acceptance_rate
 
@@ -195,8 +221,12 @@ def test_token_measures() -> None:
 def test_drift_monitor_reports_events_and_anchors_without_changing_greedy_output() -> None:
     tokenizer = char_tokenizer()
     target = loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)
-    always = GuardConfig(drift_threshold=1.0, drift_window=10, drift_anchor=True)  # no window is identical to the prompt
-    guarded = Generator(target, "prompt-lookup").generate("the cat sat on the mat", max_new_tokens=40, stop_on_eos=False, guards=always)
+    always = GuardConfig(
+        drift_threshold=1.0, drift_window=10, drift_anchor=True
+    )  # no window is identical to the prompt
+    guarded = Generator(target, "prompt-lookup").generate(
+        "the cat sat on the mat", max_new_tokens=40, stop_on_eos=False, guards=always
+    )
     drift = [e for e in guarded.stats.events if e["kind"] == "drift"]
     assert [e["at"] for e in drift] == [10, 20, 30, 40] and all(e["similarity"] < 1.0 for e in drift)
     assert guarded.stats.anchors >= 3  # each event but the last asks for an anchor step
@@ -208,13 +238,18 @@ def test_embedding_measures_drift_and_negated_pairs() -> None:
     """The bundled all-MiniLM-L6-v2 (a real model): on-topic text scores above off-topic text; one negation pair is found."""
     embedder = SentenceEmbedder()
     on, off = embedder.similarity(
-        "How do I bake sourdough bread?", ["Feed the starter, mix flour and water, then bake.", "The senate passed a tax bill."]
+        "How do I bake sourdough bread?",
+        ["Feed the starter, mix flour and water, then bake.", "The senate passed a tax bill."],
     )
     assert on > 0.3 > off
-    text = "The bridge is open to traffic today. Cats sleep for most of the day. The bridge is not open to traffic today."
+    text = (
+        "The bridge is open to traffic today. Cats sleep for most of the day. The bridge is not open to traffic today."
+    )
     pairs = contradiction_pairs(embedder, text)
     assert len(pairs) == 1 and "not" in pairs[0][1]
-    assert contradiction_pairs(embedder, "The bridge is open to traffic today. The bridge is open to traffic today.") == []
+    assert (
+        contradiction_pairs(embedder, "The bridge is open to traffic today. The bridge is open to traffic today.") == []
+    )
     words = "the bridge is open to traffic today and the river runs below it".split()
     ids = list(range(100)) + [7, 8, 9] * 40
     report = measure("bridge", ids, lambda chunk: " ".join(words[i % len(words)] for i in chunk), embedder)
@@ -227,15 +262,42 @@ def test_quality_command_writes_report_and_plots(tiny_folder: Path, tmp_path: Pa
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
-        "\n".join(json.dumps({"id": f"p{i}", "category": c, "prompt": f"the {c} prompt {i}"}) for i, c in enumerate(["chat", "story"]))
+        "\n".join(
+            json.dumps({"id": f"p{i}", "category": c, "prompt": f"the {c} prompt {i}"})
+            for i, c in enumerate(["chat", "story"])
+        )
     )
     out = tmp_path / "quality"
-    args = ["quality", "--prompts", str(prompts), "--target", str(tiny_folder), "--draft", "prompt-lookup", "--categories", "chat,story"]
-    args += ["--per-category", "1", "--max-new-tokens", "100", "--configs", "greedy+repetition,sampled+typical (lossy)", "--out", str(out)]
+    args = [
+        "quality",
+        "--prompts",
+        str(prompts),
+        "--target",
+        str(tiny_folder),
+        "--draft",
+        "prompt-lookup",
+        "--categories",
+        "chat,story",
+    ]
+    args += [
+        "--per-category",
+        "1",
+        "--max-new-tokens",
+        "100",
+        "--configs",
+        "greedy+repetition,sampled+typical (lossy)",
+        "--out",
+        str(out),
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
-    assert set(results["summary"]) == {"greedy", "sampled", "greedy+repetition", "sampled+typical (lossy)"}  # baselines added
+    assert set(results["summary"]) == {
+        "greedy",
+        "sampled",
+        "greedy+repetition",
+        "sampled+typical (lossy)",
+    }  # baselines added
     assert len(results["runs"]) == 8 and all(len(r["token_ids"]) == 100 for r in results["runs"])
     assert all(r["stats"]["lossy"] == ("typical" in r["config"]) for r in results["runs"])
     assert (out / "drift.png").stat().st_size > 0 and (out / "repetition.png").stat().st_size > 0
@@ -249,6 +311,8 @@ def test_guards_keep_gemma_greedy_identity(gemma) -> None:
     guards = GuardConfig(repetition=True, anchor_every=40)
     prompt = "List the days of the week, one per line, again and again:\nMonday\nTuesday\n"
     expected = Generator(gemma, "none").generate(prompt, max_new_tokens=120, stop_on_eos=False, guards=guards)
-    got = Generator(gemma, "prompt-lookup").generate(prompt, max_new_tokens=120, k=8, k_policy="fixed", stop_on_eos=False, guards=guards)
+    got = Generator(gemma, "prompt-lookup").generate(
+        prompt, max_new_tokens=120, k=8, k_policy="fixed", stop_on_eos=False, guards=guards
+    )
     assert got.token_ids == expected.token_ids
     assert got.stats.anchors >= 2 and expected.stats.anchors >= 2

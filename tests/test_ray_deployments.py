@@ -31,7 +31,11 @@ def _wait_for(replicas: int, seconds: float) -> float:
 
 
 @pytest.mark.slow
-def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(folder: Path, ray_cluster: str, driver: None) -> None:  # noqa: F811
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(
+    folder: Path,  # noqa: F811
+    ray_cluster: str,
+    driver: None,  # noqa: F811
+) -> None:
     server = Server(str(folder), "--ray", "--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "1", "--upscale-delay", "1", "--downscale-delay", "3", "--ray-address", ray_cluster, "--draft", "prompt-lookup", "--max-batch", "8")  # fmt: skip
     body = {"prompt": "abc", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
     stop, statuses, served_by = threading.Event(), [], set()
@@ -92,7 +96,9 @@ def test_the_serve_config_file_runs_with_serve_run(folder: Path, ray_cluster: st
                     break
             except httpx.TransportError:
                 time.sleep(0.5)
-        answer = httpx.post(f"{url}/v1/completions", json={"prompt": "abc", "max_tokens": 5, "temperature": 0}, timeout=60)
+        answer = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "abc", "max_tokens": 5, "temperature": 0}, timeout=60
+        )
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 5
         assert 'specdec_generated_tokens_total{replica="' in httpx.get(f"{url}/metrics").text
     finally:
@@ -105,8 +111,12 @@ def test_a_full_deployment_answers_429_like_a_full_server(folder: Path, ray_clus
     server = Server(str(folder), "--ray", "--replicas", "1", "--ray-address", ray_cluster, "--draft", "prompt-lookup", "--max-batch", "1", "--max-queue", "1")  # fmt: skip
     body = {"prompt": "abc", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     try:
-        with ThreadPoolExecutor(8) as pool:  # 1 running + 1 waiting in the replica + 1 waiting at the ingress; the rest 429
-            answers = list(pool.map(lambda _: httpx.post(f"{server.url}/v1/completions", json=body, timeout=120), range(8)))
+        with ThreadPoolExecutor(
+            8
+        ) as pool:  # 1 running + 1 waiting in the replica + 1 waiting at the ingress; the rest 429
+            answers = list(
+                pool.map(lambda _: httpx.post(f"{server.url}/v1/completions", json=body, timeout=120), range(8))
+            )
     finally:
         server.stop()
     statuses = sorted(answer.status_code for answer in answers)

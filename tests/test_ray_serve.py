@@ -43,14 +43,20 @@ def driver(ray_cluster: str) -> Iterator[None]:
 
 def _replicas() -> list[str]:
     """Names of the live specdec replica actors."""
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::specdec#engine#")]
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::specdec#engine#")
+    ]
 
 
 def _replica_pids() -> list[int]:
     """Process ids of the live specdec replicas (answers name a replica by an opaque id only)."""
     from ray._private.state import actors
 
-    live = [a for a in actors().values() if a["Name"].startswith("SERVE_REPLICA::specdec#engine#") and a["State"] == "ALIVE"]
+    live = [
+        a for a in actors().values() if a["Name"].startswith("SERVE_REPLICA::specdec#engine#") and a["State"] == "ALIVE"
+    ]
     return [a["Pid"] for a in live]
 
 
@@ -81,7 +87,9 @@ def test_metrics_cover_every_replica(ray_server: Server, driver: None) -> None:
     labelled = {s.labels["replica"] for s in families["specdec_generated_tokens"].samples}
     assert len(served_by) == 2 and labelled == served_by, "both replicas' metrics, named as their answers name them"
     assert families["specdec_replicas_reporting"].samples[0].value == 3, "two engine replicas and the ingress"
-    assert ray_server.metric("specdec_generated_tokens_total") - before == 16 * 16, "summed over replicas: every token generated"
+    assert ray_server.metric("specdec_generated_tokens_total") - before == 16 * 16, (
+        "summed over replicas: every token generated"
+    )
 
 
 @pytest.mark.slow
@@ -93,9 +101,17 @@ def test_a_killed_replica_loses_no_request_silently_and_the_cluster_recovers(ray
     counting = threading.Lock()
 
     def ask(i: int) -> str:
-        body = {"prompt": "the cat sat on the mat", "max_tokens": 220, "temperature": 0, "ignore_eos": True, "stream": i % 3 != 0}
+        body = {
+            "prompt": "the cat sat on the mat",
+            "max_tokens": 220,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": i % 3 != 0,
+        }
         with httpx.stream("POST", f"{ray_server.url}/v1/completions", json=body, timeout=120) as response:
-            replica = response.headers.get("x-specdec-replica", "") if body["stream"] and response.status_code == 200 else ""
+            replica = (
+                response.headers.get("x-specdec-replica", "") if body["stream"] and response.status_code == 200 else ""
+            )
             lines = []
             for line in response.iter_lines():
                 if line and not lines and replica:
@@ -125,7 +141,9 @@ def test_a_killed_replica_loses_no_request_silently_and_the_cluster_recovers(ray
             time.sleep(0.05)
         os.kill(_replica_pids()[0], signal.SIGKILL)
         outcomes = list(outcomes)
-    counted = {o: ray_server.metric("specdec_replica_failures_total", outcome=o) - counted_before[o] for o in counted_before}
+    counted = {
+        o: ray_server.metric("specdec_replica_failures_total", outcome=o) - counted_before[o] for o in counted_before
+    }
     assert outcomes.count("completed") + outcomes.count("failed visibly") == 12
     assert outcomes.count("failed visibly") == counted["failed"], "the ingress counts every request it could not save"
     assert counted["retried"] + counted["failed"] >= 1, "the killed replica had requests in flight"
@@ -134,7 +152,9 @@ def test_a_killed_replica_loses_no_request_silently_and_the_cluster_recovers(ray
     while time.monotonic() < deadline and (_running() < 2 or set(_replicas()) == before):
         time.sleep(1)
     assert _running() == 2 and set(_replicas()) != before, "Serve replaces the killed replica"
-    answer = ray_server.client.completions.create(model=ray_server.client.models.list().data[0].id, prompt="abc", max_tokens=8)
+    answer = ray_server.client.completions.create(
+        model=ray_server.client.models.list().data[0].id, prompt="abc", max_tokens=8
+    )
     assert answer.choices[0].text is not None
 
 

@@ -43,7 +43,9 @@ def test_gemma_layer_skip_and_ngram_drafts_are_identical(gemma, tmp_path: Path) 
     corpus = tmp_path / "corpus.py"
     corpus.write_text(PROMPTS[0] + "    return [n for n in range(limit) if is_prime(n)]\n" * 3)
     tokenize = lambda texts: gemma.tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    table = build_ngram_table([str(corpus)], tokenize, gemma.vocab_size, NgramBuildConfig(order=4), {"target": gemma.name})
+    table = build_ngram_table(
+        [str(corpus)], tokenize, gemma.vocab_size, NgramBuildConfig(order=4), {"target": gemma.name}
+    )
     table.save(tmp_path / "gemma.ngram")
     baseline = Generator(gemma, "none")
     for spec in ("layerskip:15", f"ngram:{tmp_path / 'gemma.ngram'}"):
@@ -78,7 +80,9 @@ def test_demo_runs_on_the_default_model(gemma) -> None:
     assert "speed-up" in out.stdout and "identical" in out.stdout
 
 
-@pytest.mark.parametrize("preset", [pytest.param("bf16", marks=pytest.mark.slow), "cpu", pytest.param("cpu-vnni", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "preset", [pytest.param("bf16", marks=pytest.mark.slow), "cpu", pytest.param("cpu-vnni", marks=pytest.mark.slow)]
+)
 def test_gemma_low_precision_speculation_equals_target_only_of_the_same_plan(preset: str) -> None:
     from specdec.config import PRESETS, RuntimeConfig
 
@@ -133,7 +137,9 @@ def test_int4_re_encodes_a_4bit_gguf_without_loss_of_perplexity() -> None:
     if cpu_kernels.compiled() is None:
         pytest.skip("the native backend needs AVX2 and g++")
     runtime = RuntimeConfig(backend="native", native_format="int4")
-    result = perplexity("smollm2-135m-instruct", runtime, str(prompt_sets()[DEFAULT_PROMPTS]), 1024, 256, lambda *a: None)
+    result = perplexity(
+        "smollm2-135m-instruct", runtime, str(prompt_sets()[DEFAULT_PROMPTS]), 1024, 256, lambda *a: None
+    )
     assert abs(result.delta) / result.float32_perplexity < 0.01, result
 
 

@@ -76,7 +76,9 @@ def policy_choices(policy: CostModelK, a: float, costs: CostCurve) -> list[int]:
 def test_cost_model_adapts_between_easy_and_hard_stretches() -> None:
     policy = CostModelK(8, LLAMA_CPP)
     stretch = 100
-    chosen, _, _ = simulate(policy, lambda step: 0.97 if (step // stretch) % 2 == 0 else 0.1, 4 * stretch, random.Random(2), LLAMA_CPP)
+    chosen, _, _ = simulate(
+        policy, lambda step: 0.97 if (step // stretch) % 2 == 0 else 0.1, 4 * stretch, random.Random(2), LLAMA_CPP
+    )
     easy = chosen[stretch // 2 : stretch] + chosen[2 * stretch + stretch // 2 : 3 * stretch]
     hard = chosen[stretch + stretch // 2 : 2 * stretch] + chosen[3 * stretch + stretch // 2 :]
     assert sum(easy) / len(easy) >= 4  # long drafts where nearly every token is accepted
@@ -99,7 +101,9 @@ def test_every_policy_is_lossless_and_within_bounds(policy: str, tmp_path, monke
     for prompt in ([1, 5, 9, 5, 9, 5, 9, 12], list(range(3, 40))):
         expected = Generator(target, NoDrafter()).generate(prompt, max_new_tokens=40, stop_on_eos=False).token_ids
         for drafter in (PromptLookupDrafter(), ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.5)))):
-            got = Generator(target, drafter).generate(prompt, max_new_tokens=40, k=6, k_policy=policy, stop_on_eos=False)
+            got = Generator(target, drafter).generate(
+                prompt, max_new_tokens=40, k=6, k_policy=policy, stop_on_eos=False
+            )
             assert got.token_ids == expected, drafter
             assert len(got.stats.k_per_step) == got.stats.steps
             assert all(0 <= k <= 6 for k in got.stats.k_per_step)
@@ -138,7 +142,9 @@ def test_perplexity_rule_follows_the_seed() -> None:
 def test_confidence_policy_stops_unsure_drafts() -> None:
     target = loaded(tiny_llama(0))
     drafter = ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.5)))
-    sure = Generator(target, drafter).generate([1, 5, 9], max_new_tokens=20, k=6, k_policy="confidence", stop_on_eos=False)
+    sure = Generator(target, drafter).generate(
+        [1, 5, 9], max_new_tokens=20, k=6, k_policy="confidence", stop_on_eos=False
+    )
     always = Generator(target, drafter).generate([1, 5, 9], max_new_tokens=20, k=6, k_policy="fixed", stop_on_eos=False)
     assert sure.token_ids == always.token_ids
     assert sure.stats.draft_tokens_proposed < always.stats.draft_tokens_proposed
@@ -151,7 +157,9 @@ def test_machine_cost_curve_is_measured_once(tmp_path, monkeypatch: pytest.Monke
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     calls = []
     real = cost_module.forward_cost_curve
-    monkeypatch.setattr(cost_module, "forward_cost_curve", lambda backend: calls.append(1) or real(backend, sizes=(1, 2, 3), repeats=1))
+    monkeypatch.setattr(
+        cost_module, "forward_cost_curve", lambda backend: calls.append(1) or real(backend, sizes=(1, 2, 3), repeats=1)
+    )
     backend = TransformersBackend(tiny_llama(0))
     first = cost_module.machine_cost_curve(backend)
     second = cost_module.machine_cost_curve(backend)
@@ -201,7 +209,9 @@ def test_tree_overhead_is_a_trees_time_over_a_chains_as_long(monkeypatch: pytest
         def truncate(self, row: int, length: int) -> None:
             pass
 
-        def forward(self, rows: list[int], feeds: list[torch.Tensor], last: int, trees: list[torch.Tensor | None] | None = None) -> None:
+        def forward(
+            self, rows: list[int], feeds: list[torch.Tensor], last: int, trees: list[torch.Tensor | None] | None = None
+        ) -> None:
             tree = trees[0] if trees else None
             assert tree is None or (len(tree) == len(feeds[0]) - 1 and (tree[:2] == -1).all() and (tree[2:] >= 0).all())
             now[0] += 0.010 * len(feeds[0]) + (0.002 * len(tree) if tree is not None else 0.0)
@@ -212,7 +222,9 @@ def test_tree_overhead_is_a_trees_time_over_a_chains_as_long(monkeypatch: pytest
     assert curve == pytest.approx({1: 0.0, 3: 0.004, 9: 0.016}) and rows.lengths == []
 
 
-def test_generator_measures_tree_overhead_once_for_sequences_that_branch(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_generator_measures_tree_overhead_once_for_sequences_that_branch(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On a real (tiny) model, on the batched cache trees decode in: measured once, cached, and priced into the policies
     of sequences that may draft trees only."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
@@ -225,6 +237,9 @@ def test_generator_measures_tree_overhead_once_for_sequences_that_branch(tmp_pat
     assert len(calls) == 1 and calls[0].lengths == []  # measured in a row of its own, freed afterwards
     curve = gen.tree_overhead()
     assert len(calls) == 1 and set(curve.seconds) == {1, 3, 5} and min(curve.seconds.values()) >= 0
-    assert isinstance(policy, CostModelK) and policy._tree_verify_s[2:] == [c + curve(k + 1) for k, c in enumerate(policy._verify_s)][2:]
+    assert (
+        isinstance(policy, CostModelK)
+        and policy._tree_verify_s[2:] == [c + curve(k + 1) for k, c in enumerate(policy._verify_s)][2:]
+    )
     chains = gen.k_policy(GenerationConfig(k=4, k_policy="cost-model"))
     assert chains._tree_verify_s == chains._verify_s  # type: ignore[union-attr]

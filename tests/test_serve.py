@@ -24,9 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdec import GenerationConfig, Generator
 from specdec.config import PRESETS, GuardConfig, RuntimeConfig, TypicalAcceptance
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
-)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 KEY = "sk-specdec-test-key"
 PROMPTS = ["abc abc abc", "hello there", "the cat sat on the mat. the cat", "1, 2, 3, 4, 5", "xyz", "Question: why?"]
 
@@ -46,7 +44,9 @@ class Server:
         self.key = key
         command = [shutil.which("specdec"), "serve", "--target", target, "--port", str(self.port), *args]
         command += ["--api-key", key] if key else []
-        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=60)
+        self.http = httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=60
+        )
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []  # its log, read as it comes: a full pipe would block the server's event loop
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
@@ -82,7 +82,9 @@ class Server:
     def metric(self, sample: str, **labels: str) -> float:
         """A sample's value summed over its label sets that include ``labels`` (a Ray deployment labels each replica's)."""
         families = text_string_to_metric_families(self.http.get("/metrics").text)
-        return sum(s.value for f in families for s in f.samples if s.name == sample and labels.items() <= s.labels.items())
+        return sum(
+            s.value for f in families for s in f.samples if s.name == sample and labels.items() <= s.labels.items()
+        )
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +122,9 @@ def test_completions_streamed_and_not(server: Server, local: Generator) -> None:
     got = server.client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24, temperature=0)
     assert got.choices[0].text == expected.text
     assert got.usage.completion_tokens == len(expected.token_ids) and got.choices[0].finish_reason in ("length", "stop")
-    chunks = list(server.client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True))
+    chunks = list(
+        server.client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == got.choices[0].finish_reason
     assert len(chunks) > 2  # text arrives in pieces, not at the end
@@ -135,7 +139,12 @@ def test_chat_streamed_and_not(server: Server, local: Generator) -> None:
     )
     assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == expected.text
     stream = server.client.chat.completions.create(
-        model=got.model, messages=messages, max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=got.model,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -156,7 +165,9 @@ def test_greedy_through_the_server_equals_specdec_generate(server: Server, folde
         "30",
     ]
     cli = json.loads(subprocess.run([*command, "--json"], capture_output=True, text=True, check=True).stdout)
-    got = server.client.completions.create(model=server.client.models.list().data[0].id, prompt=PROMPTS[2], max_tokens=30, temperature=0)
+    got = server.client.completions.create(
+        model=server.client.models.list().data[0].id, prompt=PROMPTS[2], max_tokens=30, temperature=0
+    )
     assert got.choices[0].text == cli["text"]
 
 
@@ -164,23 +175,35 @@ def test_guards_and_typical_acceptance_through_the_server(server: Server, local:
     """The library's guard and typical-acceptance settings as request fields: the server's output is the library's."""
     guards = {"repetition": True, "loop_repeats": 2, "loop_min_span": 4, "anchor_every": 6}
     model = server.client.models.list().data[0].id
-    for extra in ({"guards": guards}, {"typical_acceptance": {"epsilon": 0.2}}, {"guards": guards, "typical_acceptance": {}}):
+    for extra in (
+        {"guards": guards},
+        {"typical_acceptance": {"epsilon": 0.2}},
+        {"guards": guards, "typical_acceptance": {}},
+    ):
         config = GenerationConfig(
             k=4,
             k_policy="fixed",
             max_new_tokens=40,
             guards=GuardConfig(**extra.get("guards", {})),
-            typical_acceptance=TypicalAcceptance(**extra["typical_acceptance"]) if "typical_acceptance" in extra else None,
+            typical_acceptance=TypicalAcceptance(**extra["typical_acceptance"])
+            if "typical_acceptance" in extra
+            else None,
         )
         expected = local.generate(PROMPTS[0], config)
-        got = server.client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=40, temperature=0, extra_body=extra)
+        got = server.client.completions.create(
+            model=model, prompt=PROMPTS[0], max_tokens=40, temperature=0, extra_body=extra
+        )
         assert got.choices[0].text == expected.text, extra
     scheduled = {"guards": {"temperature_schedule": [0.5, 1.5], "schedule_tokens": 20}}
     runs = [
-        server.client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=20, temperature=1.0, seed=5, extra_body=scheduled)
+        server.client.completions.create(
+            model=model, prompt=PROMPTS[1], max_tokens=20, temperature=1.0, seed=5, extra_body=scheduled
+        )
         for _ in range(2)
     ]
-    assert runs[0].choices[0].text == runs[1].choices[0].text  # a scheduled temperature samples, reproducibly with a seed
+    assert (
+        runs[0].choices[0].text == runs[1].choices[0].text
+    )  # a scheduled temperature samples, reproducibly with a seed
 
 
 def test_sixteen_concurrent_clients(server: Server, local: Generator) -> None:
@@ -190,7 +213,9 @@ def test_sixteen_concurrent_clients(server: Server, local: Generator) -> None:
 
     def ask(i: int) -> str:
         client = OpenAI(base_url=f"{server.url}/v1", api_key=server.key or "unused", max_retries=0)
-        return client.completions.create(model=model, prompt=prompts[i], max_tokens=16 + i, temperature=0).choices[0].text
+        return (
+            client.completions.create(model=model, prompt=prompts[i], max_tokens=16 + i, temperature=0).choices[0].text
+        )
 
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(ask, range(16)))
@@ -201,7 +226,11 @@ def test_seeded_sampling_is_reproducible(server: Server) -> None:
     model = server.client.models.list().data[0].id
 
     def ask(seed: int) -> str:
-        return server.client.completions.create(model=model, prompt="abc", max_tokens=20, temperature=0.9, seed=seed).choices[0].text
+        return (
+            server.client.completions.create(model=model, prompt="abc", max_tokens=20, temperature=0.9, seed=seed)
+            .choices[0]
+            .text
+        )
 
     assert ask(5) == ask(5)
     assert len({ask(s) for s in range(4)}) > 1
@@ -210,7 +239,9 @@ def test_seeded_sampling_is_reproducible(server: Server) -> None:
 def test_ignore_eos_generates_past_end_of_sequence(server: Server) -> None:
     model = server.client.models.list().data[0].id
     ended = server.client.completions.create(model=model, prompt="abc", max_tokens=100, temperature=0).choices[0]
-    forced = server.client.completions.create(model=model, prompt="abc", max_tokens=100, temperature=0, extra_body={"ignore_eos": True})
+    forced = server.client.completions.create(
+        model=model, prompt="abc", max_tokens=100, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert ended.finish_reason == "stop" and len(ended.text) < 100, "this tiny model ends 'abc' early"
     assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 100
     assert forced.choices[0].text.startswith(ended.text)
@@ -253,8 +284,18 @@ def test_disconnect_cancels_and_frees_capacity(server: Server) -> None:
         ({"prompt": "hi", "guards": {"colour": 1}}, 400, "guards", "no field 'colour'"),
         ({"prompt": "hi", "guards": {"drift_threshold": 0.5}}, 400, "guards", "no field 'drift_threshold'"),
         ({"prompt": "hi", "guards": {"anchor_every": 0}}, 400, "guards", "anchor_every must be >= 1"),
-        ({"prompt": "hi", "guards": {"repetition": True, "loop_max_unit": 8.5}}, 400, "guards", "'guards.loop_max_unit': Input should be"),
-        ({"prompt": "hi", "guards": {"repetition": "false"}}, 400, "guards", "'guards.repetition': Input should be a valid boolean"),
+        (
+            {"prompt": "hi", "guards": {"repetition": True, "loop_max_unit": 8.5}},
+            400,
+            "guards",
+            "'guards.loop_max_unit': Input should be",
+        ),
+        (
+            {"prompt": "hi", "guards": {"repetition": "false"}},
+            400,
+            "guards",
+            "'guards.repetition': Input should be a valid boolean",
+        ),
         ({"prompt": "hi", "guards": {"temperature_schedule": [0.5, 1e-320]}}, 400, "guards", "both >= 1e-06"),
         ({"prompt": "hi", "typical_acceptance": {"epsilon": 0}}, 400, "typical_acceptance", "epsilon"),
     ],
@@ -277,7 +318,9 @@ def test_bad_chat_and_body(server: Server) -> None:
 
 
 def test_metrics_parse(server: Server) -> None:
-    server.client.completions.create(model=server.client.models.list().data[0].id, prompt=PROMPTS[3], max_tokens=12, temperature=0)
+    server.client.completions.create(
+        model=server.client.models.list().data[0].id, prompt=PROMPTS[3], max_tokens=12, temperature=0
+    )
     families = {family.name: family for family in text_string_to_metric_families(server.http.get("/metrics").text)}
     for name in (
         "specdec_requests",
@@ -289,14 +332,18 @@ def test_metrics_parse(server: Server) -> None:
         "specdec_time_to_first_token_seconds",
     ):
         assert name in families, name
-    generated = next(s.value for s in families["specdec_generated_tokens"].samples if s.name == "specdec_generated_tokens_total")
+    generated = next(
+        s.value for s in families["specdec_generated_tokens"].samples if s.name == "specdec_generated_tokens_total"
+    )
     assert generated >= 12
     codes = {s.labels.get("status") for s in families["specdec_requests"].samples}
     assert "200" in codes
 
 
 def test_full_queue_answers_429_and_shutdown_drains(folder: Path) -> None:
-    server = Server(str(folder), "--draft", "prompt-lookup", "--max-batch", "1", "--max-queue", "1", "--shutdown-timeout", "20")
+    server = Server(
+        str(folder), "--draft", "prompt-lookup", "--max-batch", "1", "--max-queue", "1", "--shutdown-timeout", "20"
+    )
     body = {"prompt": "abc", "max_tokens": 200, "temperature": 0}
     statuses: list[int] = []
     retry_after: list[str | None] = []
@@ -317,7 +364,9 @@ def test_full_queue_answers_429_and_shutdown_drains(folder: Path) -> None:
     assert statuses.count(200) >= 2 and statuses.count(429) >= 1 and all(retry_after), statuses
     # Shutdown while a request runs: it finishes (drain), then the process exits cleanly.
     finished: list[int] = []
-    runner = threading.Thread(target=lambda: finished.append(server.http.post("/v1/completions", json=body, timeout=60).status_code))
+    runner = threading.Thread(
+        target=lambda: finished.append(server.http.post("/v1/completions", json=body, timeout=60).status_code)
+    )
     runner.start()
     deadline = time.monotonic() + 10
     while server.health()["running"] == 0 and not finished and time.monotonic() < deadline:
@@ -333,9 +382,13 @@ def test_chat_on_the_bundled_chat_model() -> None:
     try:
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         local = Generator("smollm2-135m-instruct", "prompt-lookup", GenerationConfig(k=4, k_policy="fixed"))
-        ids = local.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = local.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         expected = local.generate(list(ids), max_new_tokens=24)
-        got = server.client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=24, temperature=0)
+        got = server.client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=messages, max_tokens=24, temperature=0
+        )
         assert got.choices[0].message.content == expected.text
         assert "Paris" in got.choices[0].message.content
     finally:
@@ -351,7 +404,9 @@ def test_gemma_is_served_with_its_eagle_head_by_default() -> None:
     )  # always draft: the cost model may not, under load
     try:
         prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-        expected = Generator("gemma-3-270m", "none", runtime=RuntimeConfig(precision=PRESETS["cpu"])).generate(prompt, max_new_tokens=32)
+        expected = Generator("gemma-3-270m", "none", runtime=RuntimeConfig(precision=PRESETS["cpu"])).generate(
+            prompt, max_new_tokens=32
+        )
         got = server.client.completions.create(model="gemma-3-270m", prompt=prompt, max_tokens=32, temperature=0)
         assert got.choices[0].text == expected.text
         assert server.metric("specdec_draft_tokens_accepted_total") > 0
@@ -365,8 +420,12 @@ def test_load_benchmark_reports_both_configurations(folder: Path, tmp_path: Path
     from specdec.bench.serve_load import LoadConfig, markdown, run_load_benchmark
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": str(i), "category": "c", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
-    report = run_load_benchmark(LoadConfig(str(prompts), str(folder), clients=3, duration_s=3, max_tokens=16), say=lambda _: None)
+    prompts.write_text(
+        "".join(json.dumps({"id": str(i), "category": "c", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS))
+    )
+    report = run_load_benchmark(
+        LoadConfig(str(prompts), str(folder), clients=3, duration_s=3, max_tokens=16), say=lambda _: None
+    )
     assert list(report["results"]) == ["speculation off", "speculation on (auto)"]
     for figures in report["results"].values():
         assert figures["errors"] == 0 and figures["requests"] > 0 and figures["tokens_per_s"] > 0
@@ -395,7 +454,9 @@ def test_ray_options_reach_the_typed_config(folder: Path, monkeypatch: pytest.Mo
     started = []
     monkeypatch.setattr(ray_serve, "serve_on_ray", lambda spec, config, ready: started.append((spec, config)))
     options = "--replicas 1 --max-replicas 3 --target-ongoing-requests 2 --upscale-delay 4 --downscale-delay 5 --cpus-per-replica 0.5 --gpus-per-replica 1 --ingress-replicas 2 --ray-address auto --max-batch 4 --port 9001"  # fmt: skip
-    result = CliRunner().invoke(app, ["serve", "--ray", "--target", str(folder), "--draft", "prompt-lookup", *options.split()])
+    result = CliRunner().invoke(
+        app, ["serve", "--ray", "--target", str(folder), "--draft", "prompt-lookup", *options.split()]
+    )
     assert result.exit_code == 0, result.output
     spec, config = started[0]
     assert config == RayConfig(1, 3, 2.0, 4.0, 5.0, 0.5, 1.0, 2, "auto")
@@ -416,7 +477,12 @@ def test_ray_options_without_ray_are_a_one_line_error(folder: Path) -> None:
 def test_api_keys_guard_every_v1_route_and_the_metrics(server: Server) -> None:
     """With a key set: /v1 routes, /metrics and the API docs answer OpenAI's 401 without it; /health stays open for load balancers."""
     assert httpx.get(f"{server.url}/health").status_code == 200
-    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/metrics")):
+    for method, path in (
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/metrics"),
+    ):
         for headers, code in (
             ({}, None),
             ({"Authorization": "Bearer sk-wrong"}, "invalid_api_key"),
@@ -440,7 +506,9 @@ def test_serving_beyond_loopback_needs_keys_or_a_stated_choice(folder: Path) -> 
 
     from specdec.cli.main import app
 
-    refused = CliRunner().invoke(app, ["serve", "--target", str(folder), "--host", "0.0.0.0"], env={"SPECDEC_API_KEYS": ""})
+    refused = CliRunner().invoke(
+        app, ["serve", "--target", str(folder), "--host", "0.0.0.0"], env={"SPECDEC_API_KEYS": ""}
+    )
     assert refused.exit_code == 2 and "--insecure-no-auth" in refused.output and "Traceback" not in refused.output
 
 
@@ -488,7 +556,9 @@ def test_admission_fills_free_slots_before_refusing(folder: Path) -> None:
     from specdec.serving.metrics import Metrics
 
     generator = Generator(str(folder), "prompt-lookup")
-    batcher = Batcher(generator, max_batch=4, max_queue=2, metrics=Metrics())  # not started: submitted jobs all stay waiting
+    batcher = Batcher(
+        generator, max_batch=4, max_queue=2, metrics=Metrics()
+    )  # not started: submitted jobs all stay waiting
     batcher._thread.is_alive = lambda: True  # noqa: SLF001 - as if its engine thread ran but were busy with a long step
     loop = asyncio.new_event_loop()
     try:
@@ -512,14 +582,18 @@ def test_large_bodies_are_refused_and_tokenizing_never_blocks_health(tmp_path: P
         response = server.http.post("/v1/completions", json=too_big)
         assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
         chunked = server.http.post(
-            "/v1/completions", content=iter([json.dumps(too_big).encode()]), headers={"content-type": "application/json"}
+            "/v1/completions",
+            content=iter([json.dumps(too_big).encode()]),
+            headers={"content-type": "application/json"},
         )
         assert chunked.status_code == 413
         answers: list[int] = []
         sender = threading.Thread(
             # 1 million characters: about the most Gemma-3-270M's context can hold (32,768 tokens x 31 characters),
             # the largest prompt the character bound lets through to the tokenizer on a real model.
-            target=lambda: answers.append(server.http.post("/v1/completions", json={"prompt": "ab " * 350_000}).status_code)
+            target=lambda: answers.append(
+                server.http.post("/v1/completions", json={"prompt": "ab " * 350_000}).status_code
+            )
         )
         sender.start()
         latencies = []
@@ -529,8 +603,12 @@ def test_large_bodies_are_refused_and_tokenizing_never_blocks_health(tmp_path: P
             latencies.append(time.perf_counter() - start)
             time.sleep(0.02)
         sender.join()
-        assert answers == [400] and len(latencies) >= 5  # too long for the context, found by tokenizing (which took a while)
-        assert sorted(latencies)[-2] < 0.1, latencies  # the worst but one: a single scheduling hiccup of this shared machine aside
+        assert (
+            answers == [400] and len(latencies) >= 5
+        )  # too long for the context, found by tokenizing (which took a while)
+        assert sorted(latencies)[-2] < 0.1, (
+            latencies
+        )  # the worst but one: a single scheduling hiccup of this shared machine aside
     finally:
         server.stop()
 
@@ -570,7 +648,11 @@ def test_every_error_has_openai_shape(
     response = server.http.request(method, path, content=body, headers=JSON)
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error" and error["message"]
+    assert (
+        set(error) == {"message", "type", "param", "code"}
+        and error["type"] == "invalid_request_error"
+        and error["message"]
+    )
     assert (error["param"], error["code"]) == (param, code), error
     assert response.headers["x-specdec-replica"], "error answers name their replica too"
     assert server.health()["status"] == "ok"
@@ -615,7 +697,9 @@ def _fuzzed_requests(count: int, seed: int) -> Iterator[tuple[str, str, bytes]]:
                 body[name] = rng.choice(weird)
             elif chat:
                 body["messages"] = [{"role": rng.choice(["user", "wizard", 7]), "content": rng.choice(weird)}]
-        raw = json.dumps(body).encode()  # ensure_ascii: a lone surrogate travels as an escape, as a client would send it
+        raw = json.dumps(
+            body
+        ).encode()  # ensure_ascii: a lone surrogate travels as an escape, as a client would send it
         cut = rng.random()
         if cut < 0.1:
             raw = raw[: rng.randint(0, len(raw))]
@@ -636,7 +720,9 @@ def test_fuzzed_requests_never_get_a_server_error(server: Server, request: pytes
         if response.status_code >= 400:
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text[:300]
         elif response.headers["content-type"].startswith("text/event-stream"):
-            assert "server_error" not in response.text and response.text.endswith("data: [DONE]\n\n"), response.text[-300:]
+            assert "server_error" not in response.text and response.text.endswith("data: [DONE]\n\n"), response.text[
+                -300:
+            ]
     health = server.health()
     assert (health["status"], health["running"], health["waiting"]) == ("ok", 0, 0)
 
@@ -681,7 +767,9 @@ def test_slow_and_idle_connections_are_cut_off(folder: Path) -> None:
             slow_body.sendall(head.encode() + b'{"prompt": ')
             slow_body.settimeout(5)
             answer = b""
-            while b"request_timeout" not in answer and (chunk := slow_body.recv(65536)):  # headers and body may come apart
+            while b"request_timeout" not in answer and (
+                chunk := slow_body.recv(65536)
+            ):  # headers and body may come apart
                 answer += chunk
             assert answer.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in answer, answer[:300]
             stop = threading.Event()
@@ -705,14 +793,18 @@ def test_slow_and_idle_connections_are_cut_off(folder: Path) -> None:
         answer = server.http.get("/health")
         replica = answer.headers["x-specdec-replica"]
         assert socket.gethostname() not in replica and str(server.process.pid) not in replica
-        assert f"replica {replica}: pid {server.process.pid}" in "".join(server.lines), "the log maps the id to the process"
+        assert f"replica {replica}: pid {server.process.pid}" in "".join(server.lines), (
+            "the log maps the id to the process"
+        )
         for host in ("attacker.example", "127.0.0.1.attacker.example", "localhost"):
             refused = server.http.get("/v1/models", headers={"Host": host})
             assert refused.status_code == 400 and refused.json()["error"]["code"] == "host_not_allowed", host
             assert "127.0.0.1" not in refused.text, "the refusal does not list the allowed names"
         for host in (f"127.0.0.1:{server.port}", "127.0.0.1", "127.0.0.1."):
             assert server.http.get("/v1/models", headers={"Host": host}).status_code == 200, host
-        assert server.http.get("/health", headers={"Host": "10.0.0.7:8000"}).status_code == 200, "probes by address stay open"
+        assert server.http.get("/health", headers={"Host": "10.0.0.7:8000"}).status_code == 200, (
+            "probes by address stay open"
+        )
     finally:
         server.stop()
 
@@ -732,7 +824,9 @@ def test_sigterm_ends_every_request_in_its_protocol_and_exits_0(slow_folder: Pat
         response = server.http.post("/v1/completions", json=long)
         answers["whole"] = (response.status_code, [response.text])
 
-    clients = [threading.Thread(target=streamed, args=(f"stream {i}",)) for i in range(3)] + [threading.Thread(target=whole)]
+    clients = [threading.Thread(target=streamed, args=(f"stream {i}",)) for i in range(3)] + [
+        threading.Thread(target=whole)
+    ]
     for client in clients:
         client.start()
     deadline = time.monotonic() + 30
@@ -745,7 +839,9 @@ def test_sigterm_ends_every_request_in_its_protocol_and_exits_0(slow_folder: Pat
     for name in ("stream 0", "stream 1", "stream 2"):
         status, lines = answers[name]
         assert status == 200 and lines[-1] == "data: [DONE]", (name, lines[-3:])
-        assert json.loads(lines[-2].removeprefix("data: "))["error"]["message"].startswith("the server shut down"), lines[-2]
+        assert json.loads(lines[-2].removeprefix("data: "))["error"]["message"].startswith("the server shut down"), (
+            lines[-2]
+        )
     status, (text,) = answers["whole"]
     assert status == 503 and json.loads(text)["error"]["type"] == "server_error", text
     with pytest.raises(httpx.ConnectError):
@@ -755,7 +851,20 @@ def test_sigterm_ends_every_request_in_its_protocol_and_exits_0(slow_folder: Pat
 def test_tree_drafts_through_the_server(folder: Path, local: Generator) -> None:
     """`serve --branches 3`: concurrent rows carry trees of their own sizes in one batch; output is the target's own,
     and a request with guards (which trees do not combine with) decodes with chains."""
-    args = ["--draft", "prompt-lookup", "--k", "6", "--k-policy", "fixed", "--window", "fixed", "--branches", "3", "--max-batch", "8"]
+    args = [
+        "--draft",
+        "prompt-lookup",
+        "--k",
+        "6",
+        "--k-policy",
+        "fixed",
+        "--window",
+        "fixed",
+        "--branches",
+        "3",
+        "--max-batch",
+        "8",
+    ]
     server = Server(str(folder), *args)
     try:
         model = server.client.models.list().data[0].id
@@ -763,13 +872,19 @@ def test_tree_drafts_through_the_server(folder: Path, local: Generator) -> None:
         expected = [local.generate(p, max_new_tokens=20 + i).text for i, p in enumerate(prompts)]
 
         def ask(i: int) -> str:
-            return server.client.completions.create(model=model, prompt=prompts[i], max_tokens=20 + i, temperature=0).choices[0].text
+            return (
+                server.client.completions.create(model=model, prompt=prompts[i], max_tokens=20 + i, temperature=0)
+                .choices[0]
+                .text
+            )
 
         with ThreadPoolExecutor(8) as pool:
             assert list(pool.map(ask, range(8))) == expected
         guarded = {"guards": {"repetition": True, "loop_repeats": 2, "loop_min_span": 4}}
         config = GenerationConfig(k=6, k_policy="fixed", max_new_tokens=30, guards=GuardConfig(**guarded["guards"]))
-        got = server.client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=30, temperature=0, extra_body=guarded)
+        got = server.client.completions.create(
+            model=model, prompt=PROMPTS[0], max_tokens=30, temperature=0, extra_body=guarded
+        )
         assert got.choices[0].text == local.generate(PROMPTS[0], config).text
     finally:
         server.stop()

@@ -44,7 +44,9 @@ async def _all(messages: AsyncIterator[dict]) -> list[dict]:
 
 
 def test_call_asgi_answers_whole_and_streamed(server) -> None:
-    whole = asyncio.run(_all(call_asgi(server, _post("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}))))
+    whole = asyncio.run(
+        _all(call_asgi(server, _post("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0})))
+    )
     assert whole[0]["type"] == "http.response.start" and whole[0]["status"] == 200
     assert {m["type"] for m in whole[1:]} == {"http.response.body"} and not whole[-1].get("more_body", False)
     assert json.loads(b"".join(m["body"] for m in whole[1:]))["usage"]["completion_tokens"] == 6
@@ -119,7 +121,9 @@ def test_relay_starts_again_on_another_replica_when_one_dies_before_answering() 
     assert (_count(failures, "retried"), _count(failures, "failed")) == (2, 0)
     stream = [STREAM, ReplicaDied()]  # died before the stream's first event
     response, body, failures = _relay(_replicas(stream, [STREAM, part, end]))
-    assert isinstance(response, StreamingResponse) and body == [b'{"ok": ', b"true}"] and _count(failures, "retried") == 1
+    assert (
+        isinstance(response, StreamingResponse) and body == [b'{"ok": ', b"true}"] and _count(failures, "retried") == 1
+    )
 
 
 def test_relay_ends_a_stream_whose_replica_dies_with_an_error_event() -> None:
@@ -159,7 +163,9 @@ def _tiny_app():
     return create_app(Generator(loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer), "prompt-lookup", GenerationConfig(k=4, k_policy="fixed")))  # fmt: skip
 
 
-@pytest.mark.parametrize("method", ["take", "close"])  # bugs outside the model's step: handing out text, retiring a finished row
+@pytest.mark.parametrize(
+    "method", ["take", "close"]
+)  # bugs outside the model's step: handing out text, retiring a finished row
 def test_a_failing_step_fails_its_request_and_the_engine_goes_on(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from specdec.engine.generator import Completion
 
@@ -195,7 +201,9 @@ def test_a_stopped_engine_thread_fails_health_and_refuses_requests() -> None:
     assert refused.status_code == 503 and "engine thread has stopped" in refused.json()["error"]["message"]
 
 
-def test_a_bug_in_a_handler_is_a_500_in_openai_shape_and_a_stream_still_ends_with_done(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bug_in_a_handler_is_a_500_in_openai_shape_and_a_stream_still_ends_with_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Whole answers: OpenAI's 500 with the replica header, the traceback only in the log. Streams whose 200 is sent:
     an error event and [DONE]."""
     from specdec.serving import protocol
@@ -212,7 +220,9 @@ def test_a_bug_in_a_handler_is_a_500_in_openai_shape_and_a_stream_still_ends_wit
         assert failed.status_code == 500 and failed.headers["x-specdec-replica"]
         assert failed.json()["error"]["type"] == "server_error" and "secret" not in failed.text
         monkeypatch.setattr(protocol, "completion_chunk", broken)
-        streamed = _ask(app, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "stream": True})
+        streamed = _ask(
+            app, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "stream": True}
+        )
         events = [line for line in streamed.text.split("\n\n") if line]
         assert streamed.status_code == 200 and events[-1] == "data: [DONE]"
         assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "server_error"

@@ -31,7 +31,11 @@ from specdec.verification.seeds import rng_on
 from specdec.verification.shaping import to_probs
 from specdec.verification.tree import verify_tree_greedy
 
-PROMPTS = ["the cat sat on the mat. the cat sat on the", "abc abd abc abd abc", "Hello, world! Hello, there! Hello, world!"]
+PROMPTS = [
+    "the cat sat on the mat. the cat sat on the",
+    "abc abd abc abd abc",
+    "Hello, world! Hello, there! Hello, world!",
+]
 
 
 def test_a_tree_merges_shared_prefixes_within_its_budget() -> None:
@@ -69,7 +73,9 @@ def test_prompt_lookup_proposes_several_matches_as_a_tree() -> None:
     assert proposal.tokens.tolist() == [3, 4, 5, 1, 2, 7]  # the latest match first, whole, then the earlier one
     assert proposal.parents.tolist() == [-1, 0, 1, 2, 3, -1]
     chain = drafter.propose(context, 6)
-    assert not chain.is_tree and proposal.tokens[: len(chain)].tolist() == chain.tokens.tolist()  # the chain is the tree's first branch
+    assert (
+        not chain.is_tree and proposal.tokens[: len(chain)].tolist() == chain.tokens.tolist()
+    )  # the chain is the tree's first branch
     assert not drafter.propose(context, 4, branches=3).is_tree  # no room left beside it: the chain
 
 
@@ -102,7 +108,9 @@ def test_greedy_trees_give_the_target_only_tokens(monkeypatch: pytest.MonkeyPatc
 def test_greedy_trees_in_a_batch_give_the_target_only_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows with trees of different sizes, chains and plain steps in one batched forward (sliding window 6)."""
     tokenizer, model = models()[0], models()[1]["gemma3"]
-    gen = Generator(loaded(model, tokenizer=tokenizer), "prompt-lookup", batch=FIXED)  # k as configured, whatever the timings
+    gen = Generator(
+        loaded(model, tokenizer=tokenizer), "prompt-lookup", batch=FIXED
+    )  # k as configured, whatever the timings
     expected = [gen.generate(p, max_new_tokens=30, k=1, k_policy="fixed", stop_on_eos=False).token_ids for p in PROMPTS]
     configs = [
         GenerationConfig(k=16, k_policy="fixed", branches=4, max_new_tokens=30, stop_on_eos=False),
@@ -161,7 +169,9 @@ class ShapedTreeDrafter:
         pass
 
     def fork(self) -> ShapedTreeDrafter:
-        return ShapedTreeDrafter(self.model, self.shape, self.sampled, self.chains, self.sibling_heat, self.unshaped_report)
+        return ShapedTreeDrafter(
+            self.model, self.shape, self.sampled, self.chains, self.sibling_heat, self.unshaped_report
+        )
 
     @torch.no_grad()
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
@@ -173,7 +183,10 @@ class ShapedTreeDrafter:
             deeper = []
             for parent, path in level:
                 logits, sampling = self.model(torch.tensor([path])).logits[0, -1], self.settings.sampling
-                heats = [replace(sampling, temperature=sampling.temperature * (1 + self.sibling_heat * j)) for j in range(width)]
+                heats = [
+                    replace(sampling, temperature=sampling.temperature * (1 + self.sibling_heat * j))
+                    for j in range(width)
+                ]
                 qs = torch.stack([to_probs(logits, heat) for heat in heats])
                 children = draw(qs, rng) if self.sampled else qs[0].topk(width).indices
                 if self.unshaped_report:
@@ -191,9 +204,13 @@ class ShapedTreeDrafter:
         return Proposal(torch.tensor(tokens), torch.stack(probs) if self.sampled else None, torch.tensor(parents))
 
 
-def _sample(gen: Generator, sampling: SamplingConfig, n: int, batched: bool, k_policy: str = "fixed") -> list[tuple[int, ...]]:
+def _sample(
+    gen: Generator, sampling: SamplingConfig, n: int, batched: bool, k_policy: str = "fixed"
+) -> list[tuple[int, ...]]:
     configs = [
-        GenerationConfig(k=8, k_policy=k_policy, branches=4, max_new_tokens=NEW, stop_on_eos=False, sampling=sampling, seed=s)
+        GenerationConfig(
+            k=8, k_policy=k_policy, branches=4, max_new_tokens=NEW, stop_on_eos=False, sampling=sampling, seed=s
+        )
         for s in range(n)
     ]
     if not batched:
@@ -254,9 +271,13 @@ def test_tree_rows_that_draft_chains_while_chains_are_faster_keep_the_target_law
     chain, then the faster way): sampled siblings, both kinds of step, the target's law."""
     target = tiny_llama(3, vocab=VOCAB, scale=0.15)
     drafter = ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["binary"], True)
-    gen = Generator(loaded(target), drafter, batch=BatchConfig(window="fixed"))  # every row drafts its own k, whatever the load
+    gen = Generator(
+        loaded(target), drafter, batch=BatchConfig(window="fixed")
+    )  # every row drafts its own k, whatever the load
     samples = _sample(gen, SAMPLINGS["plain"], 2000, batched=True, k_policy="cost-model")
-    assert drafter.chains[0] > 300, drafter.chains  # the second step of every sequence, and later ones while chains are faster
+    assert drafter.chains[0] > 300, (
+        drafter.chains
+    )  # the second step of every sequence, and later ones while chains are faster
     pvalue, dof = sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["plain"]))
     assert dof > 50
     assert pvalue > MIN_PVALUE
@@ -271,27 +292,49 @@ def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
         tree = policy.use_tree()
         accepted = tree_accepts if tree else chain_accepts
         policy.observe(
-            StepOutcome(4, accepted, 0.001, 10, torch.zeros(accepted + 1, 4), torch.zeros(accepted + 1, dtype=torch.long), 8 if tree else 4)
+            StepOutcome(
+                4,
+                accepted,
+                0.001,
+                10,
+                torch.zeros(accepted + 1, 4),
+                torch.zeros(accepted + 1, dtype=torch.long),
+                8 if tree else 4,
+            )
         )
         return tree
 
     assert [step(1, 3), step(1, 3)] == [True, False]
     chains_win = [step(1, 3) for _ in range(4 * TREE_TRIAL_EVERY)]  # steps 3 to 34
-    assert [i + 3 for i, tree in enumerate(chains_win) if tree] == [8, 24]  # a tree only on trial steps: after 8, then 16 more
+    assert [i + 3 for i, tree in enumerate(chains_win) if tree] == [
+        8,
+        24,
+    ]  # a tree only on trial steps: after 8, then 16 more
     later = [step(7, 0) for _ in range(6 * TREE_TRIAL_EVERY)]  # now trees win
-    assert sum(later[-2 * TREE_TRIAL_EVERY :]) == 2 * TREE_TRIAL_EVERY - 1  # a chain again after 8 steps: the ways swapped
+    assert (
+        sum(later[-2 * TREE_TRIAL_EVERY :]) == 2 * TREE_TRIAL_EVERY - 1
+    )  # a chain again after 8 steps: the ways swapped
     seeded = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.0)
     seeded.use_tree()
     seeded.observe(StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8))
-    assert seeded.ways.rates[True] == pytest.approx((2, 0.02))  # a seeded run prices drafting, never times it: the choices repeat
+    assert seeded.ways.rates[True] == pytest.approx(
+        (2, 0.02)
+    )  # a seeded run prices drafting, never times it: the choices repeat
     overhead = CostCurve({1: 0.0, 9: 0.008})  # a tree forward's seconds over a chain's
-    for branched, seconds in ((False, 0.024), (True, 0.032)):  # a tree step whose drafts happened not to branch costs a chain's forward
+    for branched, seconds in (
+        (False, 0.024),
+        (True, 0.032),
+    ):  # a tree step whose drafts happened not to branch costs a chain's forward
         # 4 levels drafted (a draft step each) for 8 nodes verified
         priced = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.001, tree_overhead=overhead)
         assert priced.use_tree()
-        priced.observe(StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, branched=branched))
+        priced.observe(
+            StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, branched=branched)
+        )
         assert priced.ways.rates[True] == pytest.approx((2, seconds))
-        assert (priced.acceptance == CostModelK(8, CostCurve({1: 0.010})).acceptance) == branched  # only a chain-shaped step teaches k
+        assert (
+            priced.acceptance == CostModelK(8, CostCurve({1: 0.010})).acceptance
+        ) == branched  # only a chain-shaped step teaches k
     timed = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}))
     timed.use_tree()
     timed.observe(StepOutcome(4, 1, 0.5, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, verify_s=0.25))
@@ -312,7 +355,11 @@ def test_a_timed_tree_row_starts_from_its_generators_earlier_rows() -> None:
         for _ in range(n):
             tree = policy.use_tree()
             accepted = tree_accepts if tree else chain_accepts
-            policy.observe(StepOutcome(4, accepted, 0.001, 10, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), 8 if tree else 4))
+            policy.observe(
+                StepOutcome(
+                    4, accepted, 0.001, 10, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), 8 if tree else 4
+                )
+            )
             drafted.append(tree)
         return drafted
 
@@ -320,9 +367,15 @@ def test_a_timed_tree_row_starts_from_its_generators_earlier_rows() -> None:
     assert steps(gen.k_policy(config), 2, 7, 0) == [False, False], "chains were faster for the first row"
     assert steps(gen.k_policy(config), TREE_TRIAL_EVERY, 7, 0)[-4:] == [True] * 4, "trees win once a trial shows it"
     assert steps(gen.k_policy(config), 2, 7, 0) == [True, True], "a fresh row would draft a chain on its second step"
-    for fresh in (replace(config, seed=0), replace(config, k=6), replace(config, sampling=SamplingConfig(temperature=0.7))):
+    for fresh in (
+        replace(config, seed=0),
+        replace(config, k=6),
+        replace(config, sampling=SamplingConfig(temperature=0.7)),
+    ):
         assert steps(gen.k_policy(fresh), 2, 7, 0) == [True, False]
-    assert steps(gen.k_policy(config, batched=True), 2, 7, 0) == [True, False], "a batch row's steps are timed with the batch"
+    assert steps(gen.k_policy(config, batched=True), 2, 7, 0) == [True, False], (
+        "a batch row's steps are timed with the batch"
+    )
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["drawn siblings", "deterministic siblings"])
@@ -366,7 +419,9 @@ def test_siblings_drawn_from_different_laws_keep_the_target_law(monkeypatch: pyt
 def test_a_tree_reporting_its_q_before_shaping_fails() -> None:
     """Negative control: drawn siblings sampled from the shaped distribution but reported before top-k/top-p."""
     target = tiny_llama(3, vocab=VOCAB, scale=0.15)
-    draft = ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["binary"], sampled=True, unshaped_report=True)
+    draft = ShapedTreeDrafter(
+        perturbed(target, noise=0.6, seed=1), SHAPES["binary"], sampled=True, unshaped_report=True
+    )
     samples = _sample(Generator(loaded(target), draft), SAMPLINGS["shaped"], 5000, batched=True)
     assert sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["shaped"]))[0] < MIN_PVALUE
 
@@ -388,7 +443,9 @@ def test_model_drafts_as_trees_give_the_target_only_tokens() -> None:
     trees = [gen.generate(p, max_new_tokens=30, k=6, k_policy="fixed", branches=3, stop_on_eos=False) for p in PROMPTS]
     assert [r.token_ids for r in trees] == expected == [r.token_ids for r in chains]
     assert sum(r.stats.draft_tokens_accepted for r in trees) > sum(r.stats.draft_tokens_accepted for r in chains)
-    configs = [GenerationConfig(k=6, k_policy="fixed", branches=b, max_new_tokens=30, stop_on_eos=False) for b in (3, 1, 2)]
+    configs = [
+        GenerationConfig(k=6, k_policy="fixed", branches=b, max_new_tokens=30, stop_on_eos=False) for b in (3, 1, 2)
+    ]
     assert [r.token_ids for r in gen.generate_batch(PROMPTS, configs)] == expected
 
 

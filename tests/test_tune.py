@@ -33,12 +33,16 @@ def prompts_file(tmp_path: Path) -> Path:
         ("code", "x = 1; x = 1; x ="),
         ("chat", "the cat the cat"),
     ]
-    path.write_text("".join(json.dumps({"id": f"p{i}", "category": c, "prompt": p}) + "\n" for i, (c, p) in enumerate(items)))
+    path.write_text(
+        "".join(json.dumps({"id": f"p{i}", "category": c, "prompt": p}) + "\n" for i, (c, p) in enumerate(items))
+    )
     return path
 
 
 def profile_of(target: str, **changes: object) -> Profile:
-    profile = Profile(target, "prompt-lookup", RuntimeConfig(precision=PRESETS["cpu"]), GenerationConfig(k=3, k_policy="fixed"))
+    profile = Profile(
+        target, "prompt-lookup", RuntimeConfig(precision=PRESETS["cpu"]), GenerationConfig(k=3, k_policy="fixed")
+    )
     return replace(profile, **changes)
 
 
@@ -48,7 +52,9 @@ def test_a_profile_survives_json_and_reads_from_toml(tmp_path: Path) -> None:
     assert Profile.load(tmp_path / "p.json") == profile
     data = profile.to_dict()
     toml = ['version = 1\ntarget = "some-model"\ndrafter = "prompt-lookup"']
-    toml.append('[runtime]\nbackend = "transformers"\ndtype = "float32"\nprecision = "' + data["runtime"]["precision"] + '"')
+    toml.append(
+        '[runtime]\nbackend = "transformers"\ndtype = "float32"\nprecision = "' + data["runtime"]["precision"] + '"'
+    )
     toml.append('[generation]\nk = 3\nk_policy = "fixed"\nbranches = 1\ntemperature = 0.0')
     toml.append("[machine]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in profile.machine.items()))
     (tmp_path / "p.toml").write_text("\n".join(toml) + "\n")
@@ -102,7 +108,10 @@ def test_a_profile_naming_what_is_not_installed_is_refused(monkeypatch: pytest.M
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
-    with pytest.raises(ProfileError, match=r"backend runs on llama.cpp, which cannot run here: llama-cpp-python is not installed: run `pip install"):
+    with pytest.raises(
+        ProfileError,
+        match=r"backend runs on llama.cpp, which cannot run here: llama-cpp-python is not installed: run `pip install",
+    ):
         profile_of("x", runtime=RuntimeConfig(backend="llama.cpp")).check_installed()
     with pytest.raises(ProfileError, match="names '.*table.ngram', which does not exist here"):
         profile_of("x", drafter=f"ngram:{tmp_path / 'table.ngram'}").check_installed()
@@ -114,7 +123,9 @@ def test_generator_from_profile_runs_the_profiles_configuration(tiny_folder: Pat
     generator = Generator.from_profile(profile)
     assert isinstance(generator.drafter, PromptLookupDrafter)
     assert (generator.config.k, generator.config.k_policy) == (3, "fixed")
-    expected = Generator(str(tiny_folder), "none", runtime=profile.runtime).generate("abcabcabc", max_new_tokens=12).token_ids
+    expected = (
+        Generator(str(tiny_folder), "none", runtime=profile.runtime).generate("abcabcabc", max_new_tokens=12).token_ids
+    )
     assert generator.generate("abcabcabc", max_new_tokens=12).token_ids == expected
     moved = replace(profile, machine=profile.machine | {"cores": 999})
     with pytest.warns(ProfileWarning, match="another machine"):
@@ -128,7 +139,11 @@ def test_the_oracle_is_right_at_the_asked_rate_and_output_stays_exact() -> None:
     right = sum(a == b for a, b in zip(proposal, oracle.reference[1:], strict=True))
     assert abs(right / len(proposal) - 0.7) < 0.04  # 1,999 draws: the standard error is 0.01
     assert proposal == oracle.propose(torch.tensor([1]), 1999).tokens.tolist()  # seeded by position
-    assert oracle_accuracy("oracle") == 1.0 and oracle_accuracy("oracle:0.5") == 0.5 and oracle_accuracy("prompt-lookup") is None
+    assert (
+        oracle_accuracy("oracle") == 1.0
+        and oracle_accuracy("oracle:0.5") == 0.5
+        and oracle_accuracy("prompt-lookup") is None
+    )
     assert check_method("oracle:0.9", "gemma-3-270m") is None
     with pytest.raises(ConfigError, match="probability in \\(0, 1\\]"):
         check_method("oracle:1.5", "gemma-3-270m")
@@ -142,7 +157,9 @@ def test_the_oracle_is_right_at_the_asked_rate_and_output_stays_exact() -> None:
     assert 0.2 < result.stats.acceptance_rate < 0.8
 
 
-def test_tuning_budgets_drafters_and_prompts_are_checked(tmp_path: Path, tiny_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tuning_budgets_drafters_and_prompts_are_checked(
+    tmp_path: Path, tiny_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(ConfigError, match="too small to measure anything"):
         TuneConfig(budget_s=5)
     with pytest.raises(ConfigError, match="cannot run"):
@@ -154,7 +171,9 @@ def test_tuning_budgets_drafters_and_prompts_are_checked(tmp_path: Path, tiny_fo
         plan(TuneConfig(target=str(tiny_folder), drafters=("promptlookup",)))
     import specdec.tuning.search as search
 
-    monkeypatch.setattr(search, "open_target", lambda *a: pytest.fail("a bad prompts file must fail before any model loads"))
+    monkeypatch.setattr(
+        search, "open_target", lambda *a: pytest.fail("a bad prompts file must fail before any model loads")
+    )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(ConfigError, match="has no prompts"):
@@ -176,8 +195,12 @@ def test_the_prediction_replays_sampled_steps_on_each_runtimes_curve() -> None:
     from specdec.scheduling import CostCurve
     from specdec.tuning.search import DrafterSample, RuntimeFigures, _confirmation_set, _predict
 
-    flat = RuntimeFigures("flat", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.011}), 1 / 0.011, 0.001, 0.0)  # verifying is nearly free
-    steep = RuntimeFigures("steep", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.090}), 95.0, 0.001, 0.0)  # each position costs a step
+    flat = RuntimeFigures(
+        "flat", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.011}), 1 / 0.011, 0.001, 0.0
+    )  # verifying is nearly free
+    steep = RuntimeFigures(
+        "steep", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.090}), 95.0, 0.001, 0.0
+    )  # each position costs a step
     steps = [(8, 8, 0.0008), (8, 0, 0.0008)]  # one step accepted all 8, one none
     sample = DrafterSample("prompt-lookup", ["flat", "steep"], steps)
     tree = DrafterSample("prompt-lookup+tree", ["flat"], steps)
@@ -208,13 +231,17 @@ def test_sampled_prompts_cover_every_category() -> None:
     assert len(round_robin(prompts)) == 15
 
 
-def test_tune_measures_predicts_confirms_and_never_picks_slower_than_target_only(tmp_path: Path, prompts_file: Path) -> None:
+def test_tune_measures_predicts_confirms_and_never_picks_slower_than_target_only(
+    tmp_path: Path, prompts_file: Path
+) -> None:
     tokenizer = char_tokenizer()
     folder = tmp_path / "model"
     tiny_llama(1, vocab=len(tokenizer)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     seen: list[str] = []
-    config = TuneConfig(target=str(folder), prompts=str(prompts_file), budget_s=40, runtimes=RUNTIMES, drafters=("prompt-lookup",))
+    config = TuneConfig(
+        target=str(folder), prompts=str(prompts_file), budget_s=40, runtimes=RUNTIMES, drafters=("prompt-lookup",)
+    )
     profile, results = tune(config, seen.append)
     assert len(seen) == plan(config)[2]  # one progress unit per runtime, per drafter, and the confirmation
     assert set(results["runtimes"]) == set(RUNTIMES)
@@ -247,21 +274,30 @@ def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path
     report = (out / "report.md").read_text()
     assert "| candidate | predicted | measured | measured / predicted |" in report and "## Runtimes" in report
     profile = out / "profile.json"
-    generated = runner.invoke(app, ["generate", "abc abc", "--profile", str(profile), "--max-new-tokens", "6", "--json"])
+    generated = runner.invoke(
+        app, ["generate", "abc abc", "--profile", str(profile), "--max-new-tokens", "6", "--json"]
+    )
     assert generated.exit_code == 0, generated.output
     assert json.loads(generated.stdout.strip().splitlines()[-1])["stats"]["new_tokens"] == 6
     data = json.loads(profile.read_text())
     data["machine"]["cpu"] = "Another CPU"
     data["generation"]["k"] = 8  # so that --k 2 below is seen to win
     profile.write_text(json.dumps(data))
-    warned = runner.invoke(app, ["generate", "abc", "--profile", str(profile), "--max-new-tokens", "12", "--k", "2", "--json"])
+    warned = runner.invoke(
+        app, ["generate", "abc", "--profile", str(profile), "--max-new-tokens", "12", "--k", "2", "--json"]
+    )
     assert warned.exit_code == 0 and "tuned on another machine" in warned.output
     stats = json.loads(warned.stdout.strip().splitlines()[-1])["stats"]
     assert max(stats["k_per_step"]) <= 2  # --k given: the drafter group (draft, k, k policy) is the command line's
-    switched = runner.invoke(app, ["generate", "abc", "--profile", str(profile), "--max-new-tokens", "2", "--dtype", "bfloat16"])
-    assert switched.exit_code == 0, switched.output  # --dtype given: the profile's precision plan is not applied with it
+    switched = runner.invoke(
+        app, ["generate", "abc", "--profile", str(profile), "--max-new-tokens", "2", "--dtype", "bfloat16"]
+    )
+    assert switched.exit_code == 0, (
+        switched.output
+    )  # --dtype given: the profile's precision plan is not applied with it
     benched = runner.invoke(
-        app, ["bench", "--profile", str(profile), "--prompts", str(prompts_file), "--quick", "--out", str(tmp_path / "b")]
+        app,
+        ["bench", "--profile", str(profile), "--prompts", str(prompts_file), "--quick", "--out", str(tmp_path / "b")],
     )
     assert benched.exit_code == 0, benched.output
     methods = json.loads((tmp_path / "b" / "results.json").read_text())["methods"]
@@ -271,7 +307,9 @@ def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path
         ["bench", "--profile", str(profile), "--prompts", str(prompts_file), "--quick", "--out", str(tmp_path / "c")]
         + ["--methods", "none,prompt-lookup"],
     )
-    assert chosen.exit_code == 0, chosen.output  # --methods given: the profile's k = 8 (tuned for its drafter) is not taken
+    assert chosen.exit_code == 0, (
+        chosen.output
+    )  # --methods given: the profile's k = 8 (tuned for its drafter) is not taken
     assert set(json.loads((tmp_path / "c" / "results.json").read_text())["methods"]) == {"none", "prompt-lookup@k4"}
     profile.write_text("{broken")
     broken = runner.invoke(app, ["generate", "abc", "--profile", str(profile)])
@@ -284,10 +322,14 @@ def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path
 
 @pytest.mark.real_model
 def test_tune_on_the_real_gemma_picks_a_configuration_at_least_as_fast_as_target_only(tmp_path: Path) -> None:
-    config = TuneConfig(prompts="core", budget_s=45, runtimes=("transformers/cpu",), drafters=("prompt-lookup",), temperature=0.7)
+    config = TuneConfig(
+        prompts="core", budget_s=45, runtimes=("transformers/cpu",), drafters=("prompt-lookup",), temperature=0.7
+    )
     profile, results = tune(config)
     sampled = results["drafters"]["prompt-lookup"]
-    assert sampled["steps"] > 10 and sampled["acceptance"] > 0  # the core prompts repeat themselves: some drafts are accepted
+    assert (
+        sampled["steps"] > 10 and sampled["acceptance"] > 0
+    )  # the core prompts repeat themselves: some drafts are accepted
     target_only = [c for c in results["confirmed"] if c["drafter"] == "none"][0]
     assert profile.measured["tokens_per_s"] >= target_only["measured_tokens_per_s"]
     assert profile.generation.sampling == SamplingConfig(0.7)

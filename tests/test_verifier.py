@@ -38,7 +38,9 @@ def _first_token_samples(p: torch.Tensor, q: torch.Tensor | None, draft: torch.T
     logits = p.log().expand(batch, 2, vocab)
     probs = None if q is None else q.expand(batch, 1, vocab)
     gen = torch.Generator().manual_seed(seed)
-    verdict = verify(draft[:, None], torch.ones(batch, dtype=torch.long), logits, probs, SamplingConfig(temperature=1.0), gen)
+    verdict = verify(
+        draft[:, None], torch.ones(batch, dtype=torch.long), logits, probs, SamplingConfig(temperature=1.0), gen
+    )
     return torch.where(verdict.accepted > 0, draft, verdict.next_token)
 
 
@@ -99,7 +101,9 @@ def test_inverse_cdf_draws_follow_the_distribution_and_never_a_zero() -> None:
     unnormalised = draw(probs[:1] * 7.0, torch.Generator().manual_seed(5))
     assert torch.equal(unnormalised, draw(probs[:1], torch.Generator().manual_seed(5)))  # any positive total
     assert draw(probs[0], rng).shape == () and draw(probs[None], rng).shape == (1, 2)
-    big = torch.softmax(3 * torch.randn(262_144, generator=torch.Generator().manual_seed(1)), dim=0)  # Gemma's vocabulary size
+    big = torch.softmax(
+        3 * torch.randn(262_144, generator=torch.Generator().manual_seed(1)), dim=0
+    )  # Gemma's vocabulary size
     top, mass = int(big.argmax()), float(big.max())
     assert mass > 0.02  # a token with visible mass among 262,144: float rounding of the sum must not shift it
     hits = sum(int(draw(big, rng)) == top for _ in range(4000))

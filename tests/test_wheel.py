@@ -34,23 +34,42 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     that is a virtual environment or not. That folder's .pth files are not run, so an editable specdec there is not seen."""
     base = tmp_path_factory.mktemp("wheel")
     source = base / "source"  # a copy, so that building leaves no build/ or egg-info in the checkout
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "results", ".venv"))
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "results", ".venv"),
+    )
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(base / "dist")],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(source),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(base / "dist"),
+        ],
         check=True,
     )
     (wheel,) = (base / "dist").glob("specdec-*.whl")
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     ours = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
-    (Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"]) / "test-env.pth").write_text("\n".join(ours) + "\n")
+    (Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"]) / "test-env.pth").write_text(
+        "\n".join(ours) + "\n"
+    )
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True)
     return venv / "bin"
 
 
 def run(bin_folder: Path, folder: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": f"{bin_folder}{os.pathsep}{os.environ['PATH']}"}
-    return subprocess.run([str(bin_folder / args[0]), *args[1:]], cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(bin_folder / args[0]), *args[1:]], cwd=folder, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_the_wheel_runs_every_command_from_an_empty_folder(installed: Path, tmp_path: Path) -> None:
@@ -68,10 +87,24 @@ def test_the_wheel_runs_every_command_from_an_empty_folder(installed: Path, tmp_
     assert generated.returncode == 0, generated.stderr
     assert json.loads(generated.stdout)["stats"]["new_tokens"] == 6
 
-    bench = run(installed, empty, "specdec", "bench", "--prompts", "core", "--methods", "none,prompt-lookup", "--quick", "--out", "out")
+    bench = run(
+        installed,
+        empty,
+        "specdec",
+        "bench",
+        "--prompts",
+        "core",
+        "--methods",
+        "none,prompt-lookup",
+        "--quick",
+        "--out",
+        "out",
+    )
     assert bench.returncode == 0, bench.stderr
     results = json.loads((empty / "out" / "results.json").read_text())
-    assert "none" in results["methods"] and any(m.startswith("prompt-lookup") for m in results["methods"]), results["methods"].keys()
+    assert "none" in results["methods"] and any(m.startswith("prompt-lookup") for m in results["methods"]), results[
+        "methods"
+    ].keys()
     assert results["config"]["prompt_count"] == 2  # --quick: two of the core set's prompts
 
     port = _free_port()

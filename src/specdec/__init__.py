@@ -5,5 +5,14 @@ from specdec.engine import DecodeStats, GenerationResult, Generator
 from specdec.errors import SpecDecError
 from specdec.profile import Profile
 
-__all__ = ["DecodeStats", "GenerationConfig", "GenerationResult", "Generator", "Profile", "RuntimeConfig", "SamplingConfig", "SpecDecError"]
+__all__ = [
+    "DecodeStats",
+    "GenerationConfig",
+    "GenerationResult",
+    "Generator",
+    "Profile",
+    "RuntimeConfig",
+    "SamplingConfig",
+    "SpecDecError",
+]
 __version__ = "0.1.0"

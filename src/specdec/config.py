@@ -12,7 +12,9 @@ TREE_SUFFIX = "+tree"  # "prompt-lookup+tree" (bench methods, profiles): the dra
 TREE_BRANCHES = 4
 MIN_TEMPERATURE = 1e-6  # below it, logits / temperature overflow float32 to inf (and probabilities to NaN)
 K_POLICIES = ("fixed", "heuristic", "perplexity", "confidence", "cost-model")
-DEFAULT_DRAFT = "auto"  # every command's drafter: the fastest measured for the target (drafters.build_drafter says which)
+DEFAULT_DRAFT = (
+    "auto"  # every command's drafter: the fastest measured for the target (drafters.build_drafter says which)
+)
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,9 @@ class GuardConfig:
     loop_max_unit: int = 64  # longest unit looked for, in tokens
     loop_cooldown: int = 32  # tokens after a detected loop during which repeated n-grams stay blocked
     block_ngram: int = 4  # n of the blocked n-grams
-    temperature_schedule: tuple[float, float] | None = None  # (start, end): temperature over the output, e.g. (0.7, 1.2)
+    temperature_schedule: tuple[float, float] | None = (
+        None  # (start, end): temperature over the output, e.g. (0.7, 1.2)
+    )
     schedule_tokens: int = 512  # the schedule reaches its end temperature after this many new tokens
     anchor_every: int | None = None  # one target-only step (and a drafter resync) every N new tokens
     drift_threshold: float | None = None  # report a drift event when a window's similarity to the prompt falls below
@@ -59,14 +63,22 @@ class GuardConfig:
     drift_anchor: bool = False  # a drift event also triggers an anchor step
 
     def __post_init__(self) -> None:
-        if self.loop_repeats < 2 or self.loop_min_span < 2 or self.loop_max_unit < 1 or self.loop_cooldown < 1 or self.block_ngram < 1:
+        if (
+            self.loop_repeats < 2
+            or self.loop_min_span < 2
+            or self.loop_max_unit < 1
+            or self.loop_cooldown < 1
+            or self.block_ngram < 1
+        ):
             raise ConfigError(
                 "loop detection needs loop_repeats >= 2, loop_min_span >= 2, loop_max_unit, loop_cooldown and block_ngram >= 1"
             )
         if self.temperature_schedule is not None and (
             len(self.temperature_schedule) != 2 or min(self.temperature_schedule) < MIN_TEMPERATURE
         ):
-            raise ConfigError(f"temperature_schedule is (start, end) with both >= {MIN_TEMPERATURE}, got {self.temperature_schedule}")
+            raise ConfigError(
+                f"temperature_schedule is (start, end) with both >= {MIN_TEMPERATURE}, got {self.temperature_schedule}"
+            )
         if self.schedule_tokens < 1 or self.drift_window < 1:
             raise ConfigError("schedule_tokens and drift_window must be >= 1")
         if self.anchor_every is not None and self.anchor_every < 1:
@@ -74,12 +86,19 @@ class GuardConfig:
         if self.drift_threshold is not None and not -1 <= self.drift_threshold <= 1:
             raise ConfigError(f"drift_threshold is a cosine similarity in [-1, 1], got {self.drift_threshold}")
         if self.drift_anchor and self.drift_threshold is None:
-            raise ConfigError("drift_anchor needs a drift_threshold (the similarity below which a window counts as drift)")
+            raise ConfigError(
+                "drift_anchor needs a drift_threshold (the similarity below which a window counts as drift)"
+            )
 
     @property
     def active(self) -> bool:
         """Whether any guard is on (the other fields are their parameters)."""
-        return self.repetition or self.temperature_schedule is not None or self.anchor_every is not None or self.drift_threshold is not None
+        return (
+            self.repetition
+            or self.temperature_schedule is not None
+            or self.anchor_every is not None
+            or self.drift_threshold is not None
+        )
 
 
 @dataclass(frozen=True)
@@ -92,7 +111,9 @@ class TypicalAcceptance:
 
     def __post_init__(self) -> None:
         if not 0 < self.epsilon <= 1 or not 0 < self.alpha <= 1:
-            raise ConfigError(f"typical acceptance needs 0 < epsilon <= 1 and 0 < alpha <= 1, got {self.epsilon}, {self.alpha}")
+            raise ConfigError(
+                f"typical acceptance needs 0 < epsilon <= 1 and 0 < alpha <= 1, got {self.epsilon}, {self.alpha}"
+            )
 
 
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit integers (torch's generators take no more)
@@ -119,9 +140,13 @@ class GenerationConfig:
         if not 1 <= self.k <= MAX_K:
             raise ConfigError(f"k (draft tokens per step) must be between 1 and {MAX_K}, got {self.k}")
         if not 1 <= self.branches <= MAX_BRANCHES:
-            raise ConfigError(f"branches (children per draft node) must be between 1 and {MAX_BRANCHES}, got {self.branches}")
+            raise ConfigError(
+                f"branches (children per draft node) must be between 1 and {MAX_BRANCHES}, got {self.branches}"
+            )
         if self.branches > 1 and (self.guards.active or self.typical_acceptance is not None):
-            raise ConfigError("tree drafts (branches > 1) do not combine with guards or typical acceptance yet: set branches to 1")
+            raise ConfigError(
+                "tree drafts (branches > 1) do not combine with guards or typical acceptance yet: set branches to 1"
+            )
         if self.k_policy not in K_POLICIES:
             raise ConfigError(f"unknown k policy '{self.k_policy}': use one of {', '.join(K_POLICIES)}")
         if self.max_new_tokens < 1:
@@ -145,7 +170,9 @@ class BatchConfig:
 
     window: str = "dynamic"
     memory_threshold: float = 0.8  # share of memory in use above which the dynamic window turns speculation off
-    cuda_graphs: bool = True  # replay captured CUDA graphs for steps over the whole batch (CUDA only; nothing changes on a CPU)
+    cuda_graphs: bool = (
+        True  # replay captured CUDA graphs for steps over the whole batch (CUDA only; nothing changes on a CPU)
+    )
 
     def __post_init__(self) -> None:
         if self.window not in WINDOWS:
@@ -163,12 +190,18 @@ class ServeConfig:
     max_batch: int = 16  # sequences decoded together; more requests wait in the queue
     max_queue: int = 64  # waiting requests; beyond this a request gets 429 with Retry-After
     default_max_tokens: int = 256  # when a request does not say
-    shutdown_timeout_s: float = 30.0  # on SIGTERM/SIGINT, how long requests in flight may take to finish before they are ended
+    shutdown_timeout_s: float = (
+        30.0  # on SIGTERM/SIGINT, how long requests in flight may take to finish before they are ended
+    )
     api_keys: tuple[str, ...] = ()  # set: every /v1 route needs `Authorization: Bearer KEY` with one of them
     open_metrics: bool = False  # with keys set, /metrics and the API docs stay open (a scraper without the key)
     max_request_bytes: int = 4 * 2**20  # a larger request body gets a 413 before it is parsed
-    allowed_hosts: tuple[str, ...] = ()  # set: a request whose Host header names none of these is refused (DNS rebinding)
-    header_timeout_s: float = 10.0  # a connection must send a request's headers within this long (slow clients are cut off)
+    allowed_hosts: tuple[
+        str, ...
+    ] = ()  # set: a request whose Host header names none of these is refused (DNS rebinding)
+    header_timeout_s: float = (
+        10.0  # a connection must send a request's headers within this long (slow clients are cut off)
+    )
     body_timeout_s: float = 30.0  # ... and its body within this long after the headers (408 beyond)
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this long
 
@@ -214,9 +247,13 @@ class RayConfig:
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ingress_replicas < 1:
-            raise ConfigError(f"replicas and ingress_replicas must be >= 1, got {self.replicas} and {self.ingress_replicas}")
+            raise ConfigError(
+                f"replicas and ingress_replicas must be >= 1, got {self.replicas} and {self.ingress_replicas}"
+            )
         if self.max_replicas is not None and self.max_replicas < self.replicas:
-            raise ConfigError(f"max_replicas ({self.max_replicas}) must be >= replicas ({self.replicas}), the autoscaling minimum")
+            raise ConfigError(
+                f"max_replicas ({self.max_replicas}) must be >= replicas ({self.replicas}), the autoscaling minimum"
+            )
         if self.target_ongoing_requests <= 0 or self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
             raise ConfigError("target_ongoing_requests must be > 0, and cpus/gpus per replica >= 0")
         if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
@@ -324,7 +361,9 @@ class RuntimeConfig:
         if self.native_format != "auto" and self.backend not in ("native", "auto"):
             raise ConfigError("--native-format applies to the native backend: use --backend native or auto, or drop it")
         if self.dtype != "float32" and self.backend == "native":
-            raise ConfigError("--dtype applies to the transformers backend; the native backend's is --native-format: drop --dtype")
+            raise ConfigError(
+                "--dtype applies to the transformers backend; the native backend's is --native-format: drop --dtype"
+            )
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p")

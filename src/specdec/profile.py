@@ -37,7 +37,9 @@ class Profile:
     generation: GenerationConfig
     batch: BatchConfig = BatchConfig()
     machine: dict[str, str | int] = field(default_factory=fingerprint)
-    measured: dict[str, float] = field(default_factory=dict)  # tokens/s of this configuration and of target-only, when tuned
+    measured: dict[str, float] = field(
+        default_factory=dict
+    )  # tokens/s of this configuration and of target-only, when tuned
 
     def to_dict(self) -> dict[str, object]:
         g = self.generation
@@ -46,7 +48,12 @@ class Profile:
             "target": self.target,
             "drafter": self.drafter,
             "runtime": runtime_dict(self.runtime),
-            "generation": {"k": g.k, "k_policy": g.k_policy, "branches": g.branches, "temperature": g.sampling.temperature},
+            "generation": {
+                "k": g.k,
+                "k_policy": g.k_policy,
+                "branches": g.branches,
+                "temperature": g.sampling.temperature,
+            },
             "batch": asdict(self.batch),
             "machine": self.machine,
             "measured": self.measured,
@@ -64,12 +71,16 @@ class Profile:
         """Read a profile written by `specdec tune` (JSON, or the same keys in TOML); errors name the file and the problem."""
         path = Path(path)
         if not path.is_file():
-            raise ProfileError(f"profile '{path}' does not exist: write one with `specdec tune --out DIR` (it writes DIR/profile.json)")
+            raise ProfileError(
+                f"profile '{path}' does not exist: write one with `specdec tune --out DIR` (it writes DIR/profile.json)"
+            )
         try:
             text = path.read_text(encoding="utf-8")
             data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
         except OSError as exc:
-            raise ProfileError(f"profile '{path}' cannot be read ({exc.strerror}): check the path and its permissions") from None
+            raise ProfileError(
+                f"profile '{path}' cannot be read ({exc.strerror}): check the path and its permissions"
+            ) from None
         except (UnicodeDecodeError, json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ProfileError(
                 f"profile '{path}' is not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({exc}): rerun `specdec tune`"
@@ -80,13 +91,18 @@ class Profile:
     def from_dict(data: object, where: str = "profile") -> Profile:
         if not isinstance(data, dict) or data.get("version") != VERSION:
             version = data.get("version") if isinstance(data, dict) else None
-            raise ProfileError(f"'{where}' is not a specdec profile of version {VERSION} (version: {version}): rerun `specdec tune`")
+            raise ProfileError(
+                f"'{where}' is not a specdec profile of version {VERSION} (version: {version}): rerun `specdec tune`"
+            )
         try:
             runtime = dict(data["runtime"])
             plan = runtime.pop("precision", None)
             gen = data["generation"]
             generation = GenerationConfig(
-                k=gen["k"], k_policy=gen["k_policy"], branches=gen.get("branches", 1), sampling=SamplingConfig(gen.get("temperature", 0.0))
+                k=gen["k"],
+                k_policy=gen["k_policy"],
+                branches=gen.get("branches", 1),
+                sampling=SamplingConfig(gen.get("temperature", 0.0)),
             )
             return Profile(
                 target=str(data["target"]),
@@ -108,10 +124,14 @@ class Profile:
         """Why this profile may not be the fastest here: another target, another machine (one line each, with the fix)."""
         notes = []
         if target is not None and target != self.target:
-            notes.append(f"the profile was tuned for target '{self.target}', not '{target}': rerun `specdec tune --target {target}`")
+            notes.append(
+                f"the profile was tuned for target '{self.target}', not '{target}': rerun `specdec tune --target {target}`"
+            )
         here = fingerprint()
         changed = [
-            f"{key} {self.machine[key]!r} -> {value!r}" for key, value in here.items() if key in self.machine and self.machine[key] != value
+            f"{key} {self.machine[key]!r} -> {value!r}"
+            for key, value in here.items()
+            if key in self.machine and self.machine[key] != value
         ]
         if changed:
             notes.append(f"the profile was tuned on another machine ({'; '.join(changed)}): rerun `specdec tune` here")

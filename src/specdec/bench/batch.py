@@ -38,7 +38,9 @@ class BatchBenchConfig:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ConfigError(f"batch sizes must be positive integers, got {self.batch_sizes}")
         if self.draft == "none":
-            raise ConfigError("the batching benchmark compares speculation windows: pass a drafter (--draft prompt-lookup)")
+            raise ConfigError(
+                "the batching benchmark compares speculation windows: pass a drafter (--draft prompt-lookup)"
+            )
 
 
 METHODS = ("target-only", "fixed window", "dynamic window", "one at a time")
@@ -49,7 +51,10 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
     prompts = round_robin(load_prompts(config.prompts))
     target = open_target(config.target, config.runtime)
     sequential = Generator(
-        target, config.draft, GenerationConfig(k=config.k, k_policy="cost-model", max_new_tokens=config.max_new_tokens), config.runtime
+        target,
+        config.draft,
+        GenerationConfig(k=config.k, k_policy="cost-model", max_new_tokens=config.max_new_tokens),
+        config.runtime,
     )
     drafter = sequential.drafter  # ``auto`` made concrete once, shared by every method
     fixed = GenerationConfig(k=config.k, k_policy="fixed", max_new_tokens=config.max_new_tokens)
@@ -82,9 +87,15 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
         for entry in figures.values():
             entry["throughput_vs_target_only"] = entry["tokens_per_s"] / base if base else None
         fixed_latency = figures["fixed window"]["mean_latency_s"]
-        figures["dynamic window"]["latency_cut_vs_fixed"] = 1 - figures["dynamic window"]["mean_latency_s"] / fixed_latency
+        figures["dynamic window"]["latency_cut_vs_fixed"] = (
+            1 - figures["dynamic window"]["mean_latency_s"] / fixed_latency
+        )
         results[str(size)] = figures
-    return {"machine": machine_info(config.runtime), "config": asdict(config) | {"runtime": str(config.runtime)}, "batches": results}
+    return {
+        "machine": machine_info(config.runtime),
+        "config": asdict(config) | {"runtime": str(config.runtime)},
+        "batches": results,
+    }
 
 
 def _together(generator: Generator, batch: list[str]) -> tuple[list[GenerationResult], list[float], float, list[int]]:
@@ -96,7 +107,9 @@ def _together(generator: Generator, batch: list[str]) -> tuple[list[GenerationRe
     return outputs, [o.stats.wall_s for o in outputs], wall, windows
 
 
-def _one_at_a_time(generator: Generator, batch: list[str]) -> tuple[list[GenerationResult], list[float], float, list[int]]:
+def _one_at_a_time(
+    generator: Generator, batch: list[str]
+) -> tuple[list[GenerationResult], list[float], float, list[int]]:
     """Requests served in arrival order: each one's latency includes waiting for those before it."""
     start = time.perf_counter()
     outputs, latencies = [], []
@@ -124,7 +137,8 @@ def _figures(
         "tokens_per_s": tokens / wall,
         "mean_latency_s": statistics.fmean(latencies),
         "p95_latency_s": ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))],
-        "ms_per_token": 1000 * statistics.fmean(lat / max(len(o.token_ids), 1) for lat, o in zip(latencies, outputs, strict=True)),
+        "ms_per_token": 1000
+        * statistics.fmean(lat / max(len(o.token_ids), 1) for lat, o in zip(latencies, outputs, strict=True)),
         "acceptance_rate": sum(o.stats.draft_tokens_accepted for o in outputs) / proposed if proposed else None,
         "mean_window": statistics.fmean(windows) if windows else None,
         "steps_without_speculation": sum(w == 0 for w in windows) / len(windows) if windows else None,
@@ -159,5 +173,9 @@ def markdown(results: dict) -> str:
                 f"| {fmt(f['steps_without_speculation'], '{:.0%}')} | {f['identical_share']:.0%} |"
             )
         cut = figures["dynamic window"]["latency_cut_vs_fixed"]
-        lines += ["", f"The dynamic window cuts mean latency by {cut:.0%} against the fixed window (negative: it adds latency).", ""]
+        lines += [
+            "",
+            f"The dynamic window cuts mean latency by {cut:.0%} against the fixed window (negative: it adds latency).",
+            "",
+        ]
     return "\n".join(lines)

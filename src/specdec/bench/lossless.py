@@ -91,4 +91,6 @@ def chi_square_survival(stat: float, dof: int) -> float:
     """P(X >= stat) for X chi-square with ``dof`` degrees of freedom: the regularized upper incomplete gamma Q(dof/2, stat/2)."""
     if dof == 0:
         return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )

@@ -178,7 +178,12 @@ class TransformersMethod:
         sampling = self.config.sampling
         options: dict[str, object] = {"do_sample": False}
         if not sampling.greedy:
-            options = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0}
+            options = {
+                "do_sample": True,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k or 0,
+            }
         ids = torch.tensor([prompt_ids])
         clock = _FirstTokenClock()
         out = self.target.model.generate(
@@ -221,20 +226,29 @@ class LlamaCppMethod:
 
         llama_cpp = require_llama_cpp()  # probed before anything of llama.cpp loads in this process
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
         self.config = config
         self.k = config.k if spec == "llamacpp-prompt-lookup" else None
         self.name = spec if self.k is None else f"{spec}@k{self.k}"
         draft = LlamaPromptLookupDecoding(num_pred_tokens=config.k) if self.k else None
         threads = runtime.threads or os.cpu_count() or 1
         self.llama = llama_cpp.Llama(
-            model_path=gguf, n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False
+            model_path=gguf,
+            n_ctx=4096,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            draft_model=draft,
+            verbose=False,
         )
         self.eog = end_of_generation_ids(self.llama)
 
     def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
         sampling = self.config.sampling
         options = (
-            {"temp": 0.0} if sampling.greedy else {"temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0}
+            {"temp": 0.0}
+            if sampling.greedy
+            else {"temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0}
         )
         self.llama.reset()
         tokens: list[int] = []
@@ -248,7 +262,9 @@ class LlamaCppMethod:
         return RunRecord(token_ids=tokens, wall_s=time.perf_counter() - start, ttft_s=ttft)
 
 
-def build_method(spec: str, target: Target, hf_model: LoadedModel | None, config: GenerationConfig, runtime: RuntimeConfig) -> Method:
+def build_method(
+    spec: str, target: Target, hf_model: LoadedModel | None, config: GenerationConfig, runtime: RuntimeConfig
+) -> Method:
     """Build a method whose name :func:`check_method` accepted."""
     if spec.startswith(PEER_PREFIXES[0]):
         assert hf_model is not None
@@ -261,8 +277,12 @@ def build_method(spec: str, target: Target, hf_model: LoadedModel | None, config
 def check_method(spec: str, target: str) -> str | None:
     """Validate a method name before loading anything; return a note when it must be skipped."""
     drafter = spec.removesuffix(TREE_SUFFIX)
-    if drafter != spec and (drafter == "none" or oracle_accuracy(drafter) is not None or drafter.startswith(PEER_PREFIXES)):
-        raise ConfigError(f"'{spec}': {TREE_SUFFIX} goes after a specdec drafter (for example prompt-lookup{TREE_SUFFIX})")
+    if drafter != spec and (
+        drafter == "none" or oracle_accuracy(drafter) is not None or drafter.startswith(PEER_PREFIXES)
+    ):
+        raise ConfigError(
+            f"'{spec}': {TREE_SUFFIX} goes after a specdec drafter (for example prompt-lookup{TREE_SUFFIX})"
+        )
     spec = drafter
     kind, _, model = spec.partition(":")
     if oracle_accuracy(spec) is not None:
@@ -286,4 +306,6 @@ def check_method(spec: str, target: str) -> str | None:
             return f"{spec} skipped: llama.cpp runs GGUF files, and the target '{target}' is not one"
         problem = llama_cpp_problem()
         return None if problem is None else f"{spec} skipped: {problem}"
-    raise ConfigError(f"unknown method '{spec}': use a drafter ({DRAFT_SPECS}), oracle[:ACCURACY], or a peer ({PEER_METHODS})")
+    raise ConfigError(
+        f"unknown method '{spec}': use a drafter ({DRAFT_SPECS}), oracle[:ACCURACY], or a peer ({PEER_METHODS})"
+    )

@@ -71,13 +71,20 @@ def score(model: PreTrainedModel | Backend, tokens: list[int], window: int, prog
 
 
 def perplexity(
-    target: str, runtime: RuntimeConfig, data: str, max_tokens: int = 8192, window: int = 512, progress: Progress = lambda *a: None
+    target: str,
+    runtime: RuntimeConfig,
+    data: str,
+    max_tokens: int = 8192,
+    window: int = 512,
+    progress: Progress = lambda *a: None,
 ) -> PerplexityResult:
     """Perplexity of ``target`` in float32 and on ``runtime`` (a precision plan, or the native backend), on the same tokens.
 
     One model in memory at a time.
     """
-    if runtime.backend not in ("transformers", "native") or (runtime.backend == "transformers" and runtime.precision is None):
+    if runtime.backend not in ("transformers", "native") or (
+        runtime.backend == "transformers" and runtime.precision is None
+    ):
         raise ConfigError("perplexity compares a precision plan or the native backend with float32: pass one of them")
     if max_tokens < 2 or window < 2:
         raise ConfigError("perplexity needs max_tokens >= 2 and window >= 2")
@@ -92,7 +99,9 @@ def perplexity(
     gc.collect()
     label = runtime.precision.describe() if runtime.precision else runtime.backend
     scored = (
-        open_target(target, runtime).backend if runtime.backend == "native" else apply_plan(load_model(target).model, runtime.precision)
+        open_target(target, runtime).backend
+        if runtime.backend == "native"
+        else apply_plan(load_model(target).model, runtime.precision)
     )
     nll = score(scored, tokens, window, progress, label)
     return PerplexityResult(label, math.exp(nll), math.exp(reference), len(tokens))
@@ -102,7 +111,9 @@ NATIVE_CHECK_TOKENS = 1024  # of the shipped default prompt set: enough to tell 
 NATIVE_CHECK_MAX_WEIGHTS = 2 * 10**9  # larger models are not measured unasked (float32 copies of tens of GB)
 
 
-def native_perplexity(target: str, identity: str, format: str, progress: Progress = lambda *a: None) -> PerplexityResult:
+def native_perplexity(
+    target: str, identity: str, format: str, progress: Progress = lambda *a: None
+) -> PerplexityResult:
     """The native backend's perplexity against float32 on the shipped default prompts: measured once per model (its
     backend's ``identity``: name, weights, format, kernel version), then read from the cache (what `generate` and `demo` say
     when they run on native)."""
@@ -116,7 +127,12 @@ def native_perplexity(target: str, identity: str, format: str, progress: Progres
     except (OSError, ValueError, TypeError):
         pass
     result = perplexity(
-        target, RuntimeConfig(backend="native", native_format=format), str(prompt_sets()[DEFAULT_PROMPTS]), NATIVE_CHECK_TOKENS, 256, progress
+        target,
+        RuntimeConfig(backend="native", native_format=format),
+        str(prompt_sets()[DEFAULT_PROMPTS]),
+        NATIVE_CHECK_TOKENS,
+        256,
+        progress,
     )
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(asdict(result)))

@@ -36,16 +36,24 @@ def quality_configs(temperature: float, drift_threshold: float) -> dict[str, tup
         "greedy": ("greedy", GenerationConfig()),
         "greedy+repetition": ("greedy", GenerationConfig(guards=GuardConfig(repetition=True))),
         "greedy+anchor": ("greedy", GenerationConfig(guards=GuardConfig(anchor_every=100))),
-        "greedy+drift": ("greedy", GenerationConfig(guards=GuardConfig(drift_threshold=drift_threshold, drift_anchor=True))),
+        "greedy+drift": (
+            "greedy",
+            GenerationConfig(guards=GuardConfig(drift_threshold=drift_threshold, drift_anchor=True)),
+        ),
         "greedy+typical (lossy)": ("greedy", GenerationConfig(typical_acceptance=typical)),
         "sampled": ("sampled", GenerationConfig(sampling=sampled)),
         "sampled+repetition": ("sampled", GenerationConfig(sampling=sampled, guards=GuardConfig(repetition=True))),
-        "sampled+schedule": ("sampled", GenerationConfig(sampling=sampled, guards=GuardConfig(temperature_schedule=SCHEDULE))),
+        "sampled+schedule": (
+            "sampled",
+            GenerationConfig(sampling=sampled, guards=GuardConfig(temperature_schedule=SCHEDULE)),
+        ),
         "sampled+typical (lossy)": ("sampled", GenerationConfig(sampling=sampled, typical_acceptance=typical)),
         "sampled+typical+guards (lossy)": (
             "sampled",
             GenerationConfig(
-                sampling=sampled, typical_acceptance=typical, guards=GuardConfig(repetition=True, temperature_schedule=SCHEDULE)
+                sampling=sampled,
+                typical_acceptance=typical,
+                guards=GuardConfig(repetition=True, temperature_schedule=SCHEDULE),
             ),
         ),
         "sampled+typical+anchor (lossy)": (
@@ -76,7 +84,9 @@ class QualityBenchConfig:
         if unknown:
             raise ConfigError(f"unknown quality configuration(s) {', '.join(unknown)}: use some of {', '.join(known)}")
         if self.max_new_tokens < 100 or self.per_category < 1:
-            raise ConfigError("the quality benchmark needs max_new_tokens >= 100 (one drift window) and per_category >= 1")
+            raise ConfigError(
+                "the quality benchmark needs max_new_tokens >= 100 (one drift window) and per_category >= 1"
+            )
 
 
 def run_quality_benchmark(config: QualityBenchConfig, advance: Callable[[str], None] = lambda _: None) -> dict:
@@ -87,8 +97,14 @@ def run_quality_benchmark(config: QualityBenchConfig, advance: Callable[[str], N
         raise ConfigError("the quality benchmark measures text: the target needs a tokenizer")
     chosen = quality_configs(config.temperature, config.drift_threshold)
     names = configuration_names(config)
-    for sampling in (SamplingConfig(), SamplingConfig(temperature=config.temperature)):  # warm-up: first-use costs stay out of the figures
-        generator.generate(prompts[0].prompt, GenerationConfig(k=config.k, k_policy=config.k_policy, max_new_tokens=32, sampling=sampling))
+    for sampling in (
+        SamplingConfig(),
+        SamplingConfig(temperature=config.temperature),
+    ):  # warm-up: first-use costs stay out of the figures
+        generator.generate(
+            prompts[0].prompt,
+            GenerationConfig(k=config.k, k_policy=config.k_policy, max_new_tokens=32, sampling=sampling),
+        )
     runs = []
     for name in names:
         base = chosen[name][1]
@@ -99,7 +115,10 @@ def run_quality_benchmark(config: QualityBenchConfig, advance: Callable[[str], N
                 stop_on_eos=False, sampling=base.sampling, guards=base.guards, typical_acceptance=base.typical_acceptance,
             )  # fmt: skip
             result = generator.generate(prompt.prompt, settings)
-            runs.append({"config": name, "id": prompt.id, "category": prompt.category, "prompt": prompt.prompt} | result.to_dict())
+            runs.append(
+                {"config": name, "id": prompt.id, "category": prompt.category, "prompt": prompt.prompt}
+                | result.to_dict()
+            )
     advance("measuring")
     embedder, ignorable = generator.embedder(), generator.ignorable()
     decode = lambda ids: generator.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
@@ -126,7 +145,9 @@ def _select(prompts: list[BenchPrompt], categories: tuple[str, ...], per_categor
     for category in categories:
         found = [p for p in prompts if p.category == category][:per_category]
         if not found:
-            raise ConfigError(f"no prompt of category '{category}' in the prompt file: use --categories with some of its categories")
+            raise ConfigError(
+                f"no prompt of category '{category}' in the prompt file: use --categories with some of its categories"
+            )
         chosen += found
     return chosen
 
@@ -217,7 +238,9 @@ def plot(results: dict, out: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(categories), figsize=(6 * len(categories), 4), squeeze=False)
         for ax, category in zip(axes[0], categories, strict=True):
             for name in results["summary"]:
-                curves = [r["quality"][key] for r in results["runs"] if r["config"] == name and r["category"] == category]
+                curves = [
+                    r["quality"][key] for r in results["runs"] if r["config"] == name and r["category"] == category
+                ]
                 width = min(len(c) for c in curves)
                 ax.plot(
                     [100 * (i + 1) for i in range(width)],

@@ -68,7 +68,11 @@ def markdown(results: dict) -> str:
             )
         lines.append("")
     best = max(
-        (n for n, m in results["methods"].items() if m["family"] == "specdec" and n != "none" and not n.startswith("oracle")),
+        (
+            n
+            for n, m in results["methods"].items()
+            if m["family"] == "specdec" and n != "none" and not n.startswith("oracle")
+        ),
         key=lambda n: results["methods"][n]["categories"]["overall"]["speedup_vs_none"],
         default=None,
     )
@@ -167,7 +171,9 @@ def _plot_k(results: dict, path: Path) -> None:
     for name, points in series.items():
         points.sort()
         ax.plot([k for k, _ in points], [v for _, v in points], marker="o", label=name)
-    ax.axhline(results["methods"]["none"]["categories"]["overall"]["tokens_per_s"], color="black", linestyle="--", label="none")
+    ax.axhline(
+        results["methods"]["none"]["categories"]["overall"]["tokens_per_s"], color="black", linestyle="--", label="none"
+    )
     ax.set_xlabel("k (draft tokens per step)")
     ax.set_ylabel("tokens/s (overall)")
     ax.legend(fontsize=7)

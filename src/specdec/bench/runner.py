@@ -31,7 +31,15 @@ from specdec.errors import ConfigError, SpecDecError
 from specdec.machine import cpu_name
 from specdec.models import DEFAULT_TARGET, load_model, open_target
 
-DEFAULT_METHODS = ("none", "prompt-lookup", "oracle", "hf-greedy", "hf-prompt-lookup", "llamacpp-greedy", "llamacpp-prompt-lookup")
+DEFAULT_METHODS = (
+    "none",
+    "prompt-lookup",
+    "oracle",
+    "hf-greedy",
+    "hf-prompt-lookup",
+    "llamacpp-greedy",
+    "llamacpp-prompt-lookup",
+)
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,9 @@ def method_plan(config: BenchConfig, specs: list[str]) -> list[tuple[str, int, s
     plan = []
     for spec in specs:
         ks = config.ks[:1] if spec in K_FREE_METHODS else config.ks
-        policies = config.k_policies if spec not in K_FREE_METHODS and not spec.startswith(PEER_PREFIXES) else ("fixed",)
+        policies = (
+            config.k_policies if spec not in K_FREE_METHODS and not spec.startswith(PEER_PREFIXES) else ("fixed",)
+        )
         plan += [(spec, k, policy) for k in ks for policy in policies]
     return plan
 
@@ -94,7 +104,9 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
     runtime = config.runtime
     needs_hf = runtime.backend == "transformers" or any(s.startswith("hf-") for s in specs)
     hf_model = load_model(config.target, dtype="float32" if runtime.precision else runtime.dtype) if needs_hf else None
-    target = open_target(hf_model if hf_model is not None and runtime.backend == "transformers" else config.target, runtime)
+    target = open_target(
+        hf_model if hf_model is not None and runtime.backend == "transformers" else config.target, runtime
+    )
     if target.tokenizer is None:
         raise ConfigError(f"target '{config.target}' has no tokenizer; the benchmark needs one to encode prompts")
     prompt_ids = {p.id: target.tokenizer(p.prompt)["input_ids"] for p in prompts}
@@ -147,7 +159,11 @@ def machine_info(runtime: RuntimeConfig) -> dict[str, object]:
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "dtype": runtime.precision.describe() if runtime.precision else "int8a8" if runtime.backend == "native" else runtime.dtype,
+        "dtype": runtime.precision.describe()
+        if runtime.precision
+        else "int8a8"
+        if runtime.backend == "native"
+        else runtime.dtype,
         "backend": runtime.backend,
         "threads": runtime.threads,
         "python": platform.python_version(),
@@ -208,7 +224,9 @@ def _predicted(row: dict, base: dict) -> tuple[float | None, float | None]:
     return expected / (k * c + 1), expected / (k * c + verify_ratio)
 
 
-def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchPrompt], max_new: int, loaded_bytes: int) -> dict:
+def _aggregate(
+    config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchPrompt], max_new: int, loaded_bytes: int
+) -> dict:
     categories = {"overall": {p.id for p in prompts}}
     for p in prompts:
         categories.setdefault(p.category, set()).add(p.id)
@@ -222,10 +240,14 @@ def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchP
         peer_rows = summaries.get(own_greedy.get(m.family, ""))
         for category, row in rows.items():
             row["speedup_vs_none"] = row["tokens_per_s"] / base_rows[category]["tokens_per_s"]
-            row["speedup_vs_own_greedy"] = row["tokens_per_s"] / peer_rows[category]["tokens_per_s"] if peer_rows else None
+            row["speedup_vs_own_greedy"] = (
+                row["tokens_per_s"] / peer_rows[category]["tokens_per_s"] if peer_rows else None
+            )
             row["predicted_speedup"], row["predicted_speedup_measured_costs"] = _predicted(row, base_rows[category])
         histogram = Counter(n for records in entry.records.values() for _, r in records for n in r.accepted_per_step)
-        k_histogram = Counter(n for records in entry.records.values() for _, r in records for n in r.k_per_step if m.k is not None)
+        k_histogram = Counter(
+            n for records in entry.records.values() for _, r in records for n in r.k_per_step if m.k is not None
+        )
         peak = loaded_bytes + entry.static_bytes + entry.peak_bytes
         base_peak = loaded_bytes + base.static_bytes + base.peak_bytes
         methods[m.name] = {
@@ -248,11 +270,14 @@ def _aggregate(config: BenchConfig, runs: list[MethodRuns], prompts: list[BenchP
             if r.token_ids != expected:
                 differing.add(p.id)
                 diff = next(
-                    (i for i, (a, b) in enumerate(zip(r.token_ids, expected, strict=False)) if a != b), min(len(r.token_ids), len(expected))
+                    (i for i, (a, b) in enumerate(zip(r.token_ids, expected, strict=False)) if a != b),
+                    min(len(r.token_ids), len(expected)),
                 )
                 mismatches.append({"method": entry.method.name, "prompt": p.id, "first_difference": diff})
         for category, items in categories.items():
-            methods[entry.method.name]["categories"][category]["identical_share"] = 1 - len(differing & items) / len(items)
+            methods[entry.method.name]["categories"][category]["identical_share"] = 1 - len(differing & items) / len(
+                items
+            )
     return {
         "config": asdict(config) | {"max_new_tokens_used": max_new, "prompt_count": len(prompts)},
         "machine": machine_info(config.runtime),

@@ -45,7 +45,9 @@ class LoadConfig:
         if self.clients < 1 or self.duration_s <= 0 or self.max_tokens < 1:
             raise ConfigError("clients, duration and max_tokens must be positive")
         if self.draft == "none":
-            raise ConfigError("the load benchmark compares speculation on and off: pass a drafter (--draft prompt-lookup)")
+            raise ConfigError(
+                "the load benchmark compares speculation on and off: pass a drafter (--draft prompt-lookup)"
+            )
 
 
 @dataclass
@@ -71,7 +73,9 @@ def run_load_benchmark(config: LoadConfig, say: Callable[[str], None] = print) -
     return {"config": asdict(config), "results": results}
 
 
-async def _load(url: str, key: str | None, prompts: list[str], clients: int, duration_s: float, max_tokens: int) -> Outcome:
+async def _load(
+    url: str, key: str | None, prompts: list[str], clients: int, duration_s: float, max_tokens: int
+) -> Outcome:
     outcome = Outcome()
     deadline = time.perf_counter() + duration_s
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -88,7 +92,13 @@ async def _load(url: str, key: str | None, prompts: list[str], clients: int, dur
 
 
 async def _request(client: httpx.AsyncClient, prompt: str, max_tokens: int, outcome: Outcome) -> None:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     first = None
     try:

@@ -86,9 +86,9 @@ def bench(
     temperature: Annotated[float, typer.Option(help="0 = greedy (outputs are compared with none's).")] = default(
         BenchConfig, "temperature"
     ),
-    repeats: Annotated[int, typer.Option(help="Timed passes over all prompts (methods take turns per prompt, order rotated).")] = default(
-        BenchConfig, "repeats"
-    ),
+    repeats: Annotated[
+        int, typer.Option(help="Timed passes over all prompts (methods take turns per prompt, order rotated).")
+    ] = default(BenchConfig, "repeats"),
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = default(BenchConfig, "seed"),
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
@@ -98,7 +98,9 @@ def bench(
     ubatch: Ubatch = default(RuntimeConfig, "ubatch"),
     out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and plots.")] = Path("bench-out"),
     overwrite: Overwrite = False,
-    strict: Annotated[bool, typer.Option(help="Fail (exit 1) if any greedy output differs from none's.")] = default(BenchConfig, "strict"),
+    strict: Annotated[bool, typer.Option(help="Fail (exit 1) if any greedy output differs from none's.")] = default(
+        BenchConfig, "strict"
+    ),
     quick: Annotated[bool, typer.Option(help="Two prompts, 16 tokens: a smoke test.")] = default(BenchConfig, "quick"),
     profile: Annotated[
         Path | None,
@@ -116,10 +118,21 @@ def bench(
     from specdec.bench.runner import BenchConfig, GreedyMismatchError, method_plan, run_benchmark
 
     fresh_output(out, overwrite)
-    options = dict(target=target, k=k, k_policy=k_policy, backend=backend, dtype=dtype, precision=precision, threads=threads, ubatch=ubatch)
+    options = dict(
+        target=target,
+        k=k,
+        k_policy=k_policy,
+        backend=backend,
+        dtype=dtype,
+        precision=precision,
+        threads=threads,
+        ubatch=ubatch,
+    )
     options["native_format"] = native_format
     methods_given = ctx.get_parameter_source("methods").name == "COMMANDLINE"
-    options = with_profile(ctx, profile, options | dict(temperature=temperature), frozenset({"draft"} if methods_given else ()))
+    options = with_profile(
+        ctx, profile, options | dict(temperature=temperature), frozenset({"draft"} if methods_given else ())
+    )
     if profile is not None and not methods_given:
         tuned = Profile.load(profile)
         methods = f"none,{tuned.drafter}{TREE_SUFFIX if tuned.generation.branches > 1 else ''}"
@@ -167,7 +180,7 @@ def bench(
             "note:",
             "yellow",
             "llama.cpp's many-token forward rounds differently from its one-token forward at its "
-            "default micro-batch, so near-ties can flip: --ubatch 1 makes speculative output identical (slower)"
+            "default micro-batch, so near-ties can flip: --ubatch 1 makes speculative output identical (slower)",
         )
     console.print(f"report: {out / 'report.md'}")
 
@@ -192,9 +205,9 @@ def bench_batch(
             help=f"Most new tokens per request; deliberately the length of the other benchmarks (the library's default is {default(GenerationConfig, 'max_new_tokens')})."
         ),
     ] = default(BatchBenchConfig, "max_new_tokens"),
-    sequential: Annotated[bool, typer.Option(help="Also decode the requests one at a time (the baseline batching must beat).")] = default(
-        BatchBenchConfig, "sequential"
-    ),
+    sequential: Annotated[
+        bool, typer.Option(help="Also decode the requests one at a time (the baseline batching must beat).")
+    ] = default(BatchBenchConfig, "sequential"),
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
     out: Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")] = Path("bench-batch-out"),
@@ -207,7 +220,14 @@ def bench_batch(
     fresh_output(out, overwrite)
     sizes = int_list("--batch-sizes", batch_sizes)
     config = BatchBenchConfig(
-        prompts, target, draft, sizes, k, max_new_tokens, sequential, runtime_config("transformers", dtype, None, None, precision)
+        prompts,
+        target,
+        draft,
+        sizes,
+        k,
+        max_new_tokens,
+        sequential,
+        runtime_config("transformers", dtype, None, None, precision),
     )
     with progress(len(sizes) * (len(METHODS) - (not sequential))) as advance:
         results = run_batch_benchmark(config, advance)
@@ -235,7 +255,9 @@ def bench_serve(
     target: Target = DEFAULT_TARGET,
     draft: Draft = default(LoadConfig, "draft"),
     clients: Annotated[int, typer.Option(help="Concurrent streaming clients.")] = default(LoadConfig, "clients"),
-    duration: Annotated[float, typer.Option(help="Seconds of load per configuration.")] = default(LoadConfig, "duration_s"),
+    duration: Annotated[float, typer.Option(help="Seconds of load per configuration.")] = default(
+        LoadConfig, "duration_s"
+    ),
     max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = default(LoadConfig, "max_tokens"),
     server_args: Annotated[
         str, typer.Option(help="More `specdec serve` options for both servers, e.g. '--precision cpu --max-batch 8'.")
@@ -266,7 +288,9 @@ def quality(
     categories: Annotated[str, typer.Option(help="Comma-separated prompt categories to generate from.")] = ",".join(
         default(QualityBenchConfig, "categories")
     ),
-    per_category: Annotated[int, typer.Option(help="Prompts taken from each category.")] = default(QualityBenchConfig, "per_category"),
+    per_category: Annotated[int, typer.Option(help="Prompts taken from each category.")] = default(
+        QualityBenchConfig, "per_category"
+    ),
     max_new_tokens: Annotated[
         int,
         typer.Option(
@@ -287,10 +311,14 @@ def quality(
             help=f"The drift monitor's threshold (cosine similarity to the prompt); deliberately set, the benchmark measures the monitor (the library's default is {default(GuardConfig, 'drift_threshold')}, off)."
         ),
     ] = default(QualityBenchConfig, "drift_threshold"),
-    configs: Annotated[str | None, typer.Option(help="Comma-separated configurations (default: all; see the report).")] = None,
+    configs: Annotated[
+        str | None, typer.Option(help="Comma-separated configurations (default: all; see the report).")
+    ] = None,
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
-    out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and the plots.")] = Path("quality-out"),
+    out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and the plots.")] = Path(
+        "quality-out"
+    ),
     overwrite: Overwrite = False,
 ) -> None:
     """Long generations under each guard and the lossy mode: repetition, loops, diversity, drift, contradictions, speed."""
@@ -307,7 +335,9 @@ def quality(
     with progress(runs + 1) as advance:
         results = run_quality_benchmark(config, advance)
     write(results, out)
-    table = Table("configuration", "tok/s", "vs baseline", "repeated 4-grams", "in a loop", "drift sim.", "contradictions")
+    table = Table(
+        "configuration", "tok/s", "vs baseline", "repeated 4-grams", "in a loop", "drift sim.", "contradictions"
+    )
     for name, per_category in results["summary"].items():
         f = per_category["all"]
         table.add_row(
@@ -334,7 +364,11 @@ def ppl(
         ),
     ] = "bf16",
     backend: Annotated[
-        str, typer.Option("--backend", help="transformers (under --precision) or native (under --native-format; --precision is ignored).")
+        str,
+        typer.Option(
+            "--backend",
+            help="transformers (under --precision) or native (under --native-format; --precision is ignored).",
+        ),
     ] = default(RuntimeConfig, "backend"),
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     max_tokens: Annotated[int, typer.Option(help="Tokens of the file to score.")] = 8192,

@@ -50,7 +50,9 @@ def native_kernels() -> Check:
         )
     compiler = shlex.split(os.environ.get("CXX") or "c++")[0]
     if shutil.which(compiler) is None:
-        return Check("native kernels", "problem", f"no C++ compiler ({compiler}) on PATH", "install g++ (apt install g++)")
+        return Check(
+            "native kernels", "problem", f"no C++ compiler ({compiler}) on PATH", "install g++ (apt install g++)"
+        )
     built = cpu_kernels.is_built()
     with status("building the native kernels (once; under a minute)" if not built else "loading the native kernels"):
         try:
@@ -94,7 +96,9 @@ def cost_cache() -> Check:
 
     folder = cache_root() / "costs"
     curves = sorted(folder.glob("*.json")) if folder.is_dir() else []
-    detail = f"{len(curves)} measured cost curve(s) in {folder}" if curves else f"empty ({folder}): measured on first use"
+    detail = (
+        f"{len(curves)} measured cost curve(s) in {folder}" if curves else f"empty ({folder}): measured on first use"
+    )
     return Check("cost cache", "ok", detail)
 
 
@@ -108,7 +112,9 @@ def extras() -> list[Check]:
         absent = [name for name in names if not _installed(name)]
         if absent:
             fix = f'pip install -c tested-constraints.txt -e ".[{extra}]"'
-            checks.append(Check(f"extra [{extra}]", "missing", f"for {purpose}; not installed: {', '.join(absent)}", fix))
+            checks.append(
+                Check(f"extra [{extra}]", "missing", f"for {purpose}; not installed: {', '.join(absent)}", fix)
+            )
         else:
             checks.append(Check(f"extra [{extra}]", "ok", f"installed: {purpose}"))
     return checks
@@ -151,7 +157,9 @@ def diagnose() -> list[Check]:
 
 
 @user_errors
-def doctor(as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")] = False) -> None:
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")] = False,
+) -> None:
     """Say what this machine can run: CPU features and the native kernel path, torch, the native kernels' build,
     whether llama.cpp runs, the bundled models, the cost cache and the extras installed; each problem with its fix.
     Exits with 1 when something that should work does not."""

@@ -50,16 +50,24 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="Text to continue.")],
     target: Target = DEFAULT_TARGET,
     draft: Draft = DEFAULT_DRAFT,
-    k: Annotated[int, typer.Option(help="Draft tokens per step (1-32); the most per step for an adaptive --k-policy.")] = default(
-        GenerationConfig, "k"
-    ),
+    k: Annotated[
+        int, typer.Option(help="Draft tokens per step (1-32); the most per step for an adaptive --k-policy.")
+    ] = default(GenerationConfig, "k"),
     k_policy: KPolicyOpt = default(GenerationConfig, "k_policy"),
     branches: Branches = default(GenerationConfig, "branches"),
-    max_new_tokens: Annotated[int, typer.Option(help="Most new tokens to generate.")] = default(GenerationConfig, "max_new_tokens"),
-    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = default(SamplingConfig, "temperature"),
-    top_k: Annotated[int | None, typer.Option(help="Keep only the k most likely tokens.")] = default(SamplingConfig, "top_k"),
+    max_new_tokens: Annotated[int, typer.Option(help="Most new tokens to generate.")] = default(
+        GenerationConfig, "max_new_tokens"
+    ),
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = default(
+        SamplingConfig, "temperature"
+    ),
+    top_k: Annotated[int | None, typer.Option(help="Keep only the k most likely tokens.")] = default(
+        SamplingConfig, "top_k"
+    ),
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = default(SamplingConfig, "top_p"),
-    seed: Annotated[int | None, typer.Option(help="Random seed, for reproducible sampling.")] = default(GenerationConfig, "seed"),
+    seed: Annotated[int | None, typer.Option(help="Random seed, for reproducible sampling.")] = default(
+        GenerationConfig, "seed"
+    ),
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
@@ -68,7 +76,9 @@ def generate(
     threads: Threads = default(RuntimeConfig, "threads"),
     ubatch: Ubatch = default(RuntimeConfig, "ubatch"),
     stream: Annotated[bool, typer.Option(help="Print text as it is accepted.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text, token_ids and stats.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object with text, token_ids and stats.")
+    ] = False,
     repetition_guard: Annotated[
         bool, typer.Option(help="Guard: while the output ends in a loop, block the token that continues it.")
     ] = default(GuardConfig, "repetition"),
@@ -87,9 +97,14 @@ def generate(
             help=f"Guard: report drift when a {default(GuardConfig, 'drift_window')}-token window's similarity to the prompt falls below this."
         ),
     ] = default(GuardConfig, "drift_threshold"),
-    drift_anchor: Annotated[bool, typer.Option(help="A drift event also triggers an anchor step.")] = default(GuardConfig, "drift_anchor"),
+    drift_anchor: Annotated[bool, typer.Option(help="A drift event also triggers an anchor step.")] = default(
+        GuardConfig, "drift_anchor"
+    ),
     typical_acceptance: Annotated[
-        bool, typer.Option(help="LOSSY: accept any plausible draft token (typical acceptance); output is no longer the target's own.")
+        bool,
+        typer.Option(
+            help="LOSSY: accept any plausible draft token (typical acceptance); output is no longer the target's own."
+        ),
     ] = False,
     profile: ProfileOpt = None,
 ) -> None:
@@ -127,7 +142,9 @@ def generate(
     if not prompt.strip():
         raise SpecDecError("the prompt is empty: pass some text to continue")
     with status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
-        generator = Generator(target, draft, config, runtime_config(backend, dtype, threads, ubatch, precision, native_format))
+        generator = Generator(
+            target, draft, config, runtime_config(backend, dtype, threads, ubatch, precision, native_format)
+        )
     announce_runtime(generator.target)
     if stream and not as_json:
         run = generator.stream(prompt)
@@ -160,7 +177,9 @@ DEMO_PROMPT = (
 @user_errors
 def demo(
     target: Target = DEFAULT_TARGET,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate in each run.")] = default(GenerationConfig, "max_new_tokens"),
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate in each run.")] = default(
+        GenerationConfig, "max_new_tokens"
+    ),
     k: Annotated[int, typer.Option(help="Draft tokens per step.")] = default(GenerationConfig, "k"),
     backend: FastBackendOpt = FAST_BACKEND,
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
@@ -186,7 +205,9 @@ def demo(
     table = Table("draft", "tokens", "tok/s", "target forwards", "acceptance")
     for spec, r in runs.items():
         s = r.stats
-        table.add_row(spec, str(s.new_tokens), f"{s.tokens_per_s:.1f}", str(s.target_forwards), f"{s.acceptance_rate:.0%}")
+        table.add_row(
+            spec, str(s.new_tokens), f"{s.tokens_per_s:.1f}", str(s.target_forwards), f"{s.acceptance_rate:.0%}"
+        )
     console.print(table)
     same = "identical" if base.token_ids == spec_run.token_ids else "DIFFERENT"
     speedup = spec_run.stats.tokens_per_s / base.stats.tokens_per_s

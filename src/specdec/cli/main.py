@@ -12,7 +12,9 @@ from specdec.cli import bench, doctor, generate, serve, train, tune
 from specdec.cli.options import console
 from specdec.models import ALIASES
 
-app = typer.Typer(help="Lossless speculative decoding for LLM text generation.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="Lossless speculative decoding for LLM text generation.", no_args_is_help=True, add_completion=False
+)
 app.command()(generate.generate)
 app.command()(generate.demo)
 app.command()(bench.bench)
@@ -40,7 +42,9 @@ def models() -> None:
         source = resolve(alias.name)
         cached = f"cached: {converted_path(source)}" if is_cached(source) else "not yet (converted on first use)"
         draft = "--draft lookup-then-draft" if bundled_draft(alias.name) else "-"
-        table.add_row(alias.name, alias.description, "installed" if installed else f"missing: {alias.install}", cached, draft)
+        table.add_row(
+            alias.name, alias.description, "installed" if installed else f"missing: {alias.install}", cached, draft
+        )
     console.print(table)
     console.print(f"cache folder: {cache_root()} (set SPECDEC_CACHE to move it)")
 

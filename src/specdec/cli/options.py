@@ -78,7 +78,8 @@ Prompts = Annotated[
 ]
 Dtype = Annotated[str, typer.Option(help=f"Weights dtype (transformers backend): {', '.join(DTYPES)}.")]
 BackendOpt = Annotated[
-    str, typer.Option("--backend", help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases).")
+    str,
+    typer.Option("--backend", help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases)."),
 ]
 NativeFormatOpt = Annotated[
     str,
@@ -91,7 +92,10 @@ NativeFormatOpt = Annotated[
 ]
 Threads = Annotated[int | None, typer.Option(help="CPU threads for llama.cpp (default: all cores).")]
 KPolicyOpt = Annotated[
-    str, typer.Option(help=f"How k is chosen per step: {', '.join(K_POLICIES)} (cost-model prices this machine's target forwards).")
+    str,
+    typer.Option(
+        help=f"How k is chosen per step: {', '.join(K_POLICIES)} (cost-model prices this machine's target forwards)."
+    ),
 ]
 Branches = Annotated[
     int,
@@ -108,7 +112,10 @@ Precision = Annotated[
 ]
 Overwrite = Annotated[bool, typer.Option(help="Replace an existing output folder.")]
 Ubatch = Annotated[
-    int | None, typer.Option(help="llama.cpp micro-batch; 1 makes greedy verification bit-identical to one-token decoding (slower).")
+    int | None,
+    typer.Option(
+        help="llama.cpp micro-batch; 1 makes greedy verification bit-identical to one-token decoding (slower)."
+    ),
 ]
 
 
@@ -126,7 +133,9 @@ def int_list(option: str, value: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in value.split(","))
     except ValueError:
-        raise SpecDecError(f"{option} must be an integer or a comma-separated list of integers, got '{value}'") from None
+        raise SpecDecError(
+            f"{option} must be an integer or a comma-separated list of integers, got '{value}'"
+        ) from None
 
 
 def float_pair(option: str, value: str | None) -> tuple[float, float] | None:
@@ -191,9 +200,16 @@ def announce_runtime(target: ModelTarget) -> None:
 
 
 def runtime_config(
-    backend: str, dtype: str, threads: int | None, ubatch: int | None, precision: str | None, native_format: str = "auto"
+    backend: str,
+    dtype: str,
+    threads: int | None,
+    ubatch: int | None,
+    precision: str | None,
+    native_format: str = "auto",
 ) -> RuntimeConfig:
-    return RuntimeConfig(backend, dtype, threads, ubatch, PrecisionPlan.parse(precision) if precision else None, native_format)
+    return RuntimeConfig(
+        backend, dtype, threads, ubatch, PrecisionPlan.parse(precision) if precision else None, native_format
+    )
 
 
 @contextmanager
@@ -227,14 +243,23 @@ ProfileOpt = Annotated[
 
 PROFILE_GROUPS = (
     ("target",),
-    ("backend", "dtype", "precision", "threads", "ubatch", "native_format"),  # one runtime: a plan tuned for transformers means nothing on llama.cpp
+    (
+        "backend",
+        "dtype",
+        "precision",
+        "threads",
+        "ubatch",
+        "native_format",
+    ),  # one runtime: a plan tuned for transformers means nothing on llama.cpp
     ("draft", "branches", "k", "k_policy"),  # k settings tuned for one drafter
     ("temperature",),
     ("window",),
 )
 
 
-def with_profile(ctx: typer.Context, path: Path | None, options: dict[str, Any], given: frozenset[str] = frozenset()) -> dict[str, Any]:
+def with_profile(
+    ctx: typer.Context, path: Path | None, options: dict[str, Any], given: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """``options`` (a command's parameters by name) with a profile's settings in place of those not given on the command line.
 
     Settings go in groups: when any option of a group (the runtime; the drafter and its k settings) is given, the
@@ -262,8 +287,12 @@ def with_profile(ctx: typer.Context, path: Path | None, options: dict[str, Any],
         "native_format": runtime.native_format,
         "window": profile.batch.window,
     }
-    sources = {name: ctx.get_parameter_source(name) for name in options}  # compared by name: typer may bring its own click
-    given = given | {name for name, source in sources.items() if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")}
+    sources = {
+        name: ctx.get_parameter_source(name) for name in options
+    }  # compared by name: typer may bring its own click
+    given = given | {
+        name for name, source in sources.items() if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+    }
 
     merged = dict(options)
     for group in PROFILE_GROUPS:

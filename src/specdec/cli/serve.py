@@ -50,24 +50,24 @@ def serve(
             help=DRAFT_HELP,
         ),
     ] = DEFAULT_DRAFT,
-    host: Annotated[str, typer.Option(envvar="SPECDEC_HOST", help="Address to listen on (0.0.0.0 for every interface).")] = default(
-        ServeConfig, "host"
-    ),
+    host: Annotated[
+        str, typer.Option(envvar="SPECDEC_HOST", help="Address to listen on (0.0.0.0 for every interface).")
+    ] = default(ServeConfig, "host"),
     port: Annotated[int, typer.Option(envvar="SPECDEC_PORT", help="TCP port.")] = default(ServeConfig, "port"),
-    k: Annotated[int, typer.Option(help="Draft tokens per step (the most per step for an adaptive --k-policy).")] = default(
-        GenerationConfig, "k"
-    ),
+    k: Annotated[
+        int, typer.Option(help="Draft tokens per step (the most per step for an adaptive --k-policy).")
+    ] = default(GenerationConfig, "k"),
     k_policy: KPolicyOpt = default(GenerationConfig, "k_policy"),
     branches: Branches = default(GenerationConfig, "branches"),
     window: Annotated[str, typer.Option(help="Batch speculation window: dynamic (capped by load) or fixed.")] = default(
         BatchConfig, "window"
     ),
-    max_batch: Annotated[int, typer.Option(envvar="SPECDEC_MAX_BATCH", help="Sequences decoded together; more requests wait.")] = default(
-        ServeConfig, "max_batch"
-    ),
-    max_queue: Annotated[int, typer.Option(envvar="SPECDEC_MAX_QUEUE", help="Waiting requests before new ones get 429.")] = default(
-        ServeConfig, "max_queue"
-    ),
+    max_batch: Annotated[
+        int, typer.Option(envvar="SPECDEC_MAX_BATCH", help="Sequences decoded together; more requests wait.")
+    ] = default(ServeConfig, "max_batch"),
+    max_queue: Annotated[
+        int, typer.Option(envvar="SPECDEC_MAX_QUEUE", help="Waiting requests before new ones get 429.")
+    ] = default(ServeConfig, "max_queue"),
     default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request does not set it.")] = default(
         ServeConfig, "default_max_tokens"
     ),
@@ -78,7 +78,8 @@ def serve(
         ),
     ] = default(ServeConfig, "shutdown_timeout_s"),
     header_timeout: Annotated[
-        float, typer.Option(help="Seconds a connection has to send a request's headers (slow or silent clients are cut off).")
+        float,
+        typer.Option(help="Seconds a connection has to send a request's headers (slow or silent clients are cut off)."),
     ] = default(ServeConfig, "header_timeout_s"),
     body_timeout: Annotated[
         float, typer.Option(help="Seconds a request's body may take to arrive after its headers (408 beyond).")
@@ -88,7 +89,9 @@ def serve(
     ),
     allowed_host: Annotated[
         list[str] | None,
-        typer.Option(help="Answer only requests whose Host header names this host (repeatable; against DNS rebinding of a local server)."),
+        typer.Option(
+            help="Answer only requests whose Host header names this host (repeatable; against DNS rebinding of a local server)."
+        ),
     ] = None,
     api_key: Annotated[
         list[str] | None,
@@ -96,15 +99,18 @@ def serve(
             help="An API key clients must send as `Authorization: Bearer KEY` (repeatable; also SPECDEC_API_KEYS, comma-separated)."
         ),
     ] = None,
-    max_request_bytes: Annotated[int, typer.Option(help="Largest request body accepted (413 beyond it, before parsing).")] = default(
-        ServeConfig, "max_request_bytes"
-    ),
-    api_key_file: Annotated[Path | None, typer.Option(help="A file of API keys, one per line (# starts a comment).")] = None,
+    max_request_bytes: Annotated[
+        int, typer.Option(help="Largest request body accepted (413 beyond it, before parsing).")
+    ] = default(ServeConfig, "max_request_bytes"),
+    api_key_file: Annotated[
+        Path | None, typer.Option(help="A file of API keys, one per line (# starts a comment).")
+    ] = None,
     open_metrics: Annotated[
         bool, typer.Option(help="With keys set, leave /metrics and the API docs open (for a scraper without the key).")
     ] = default(ServeConfig, "open_metrics"),
     insecure_no_auth: Annotated[
-        bool, typer.Option(help="Serve on a non-loopback address without API keys (anyone who can reach it can use it).")
+        bool,
+        typer.Option(help="Serve on a non-loopback address without API keys (anyone who can reach it can use it)."),
     ] = False,
     backend: Annotated[
         str,
@@ -117,15 +123,20 @@ def serve(
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Annotated[
-        str | None, typer.Option(envvar="SPECDEC_PRECISION", help="Precision plan: a preset or parts (see `specdec generate --help`).")
+        str | None,
+        typer.Option(
+            envvar="SPECDEC_PRECISION", help="Precision plan: a preset or parts (see `specdec generate --help`)."
+        ),
     ] = None,
-    ray: Annotated[bool, typer.Option("--ray", help="Run replicas on Ray Serve behind one endpoint (needs the ray extra).")] = False,
-    replicas: Annotated[int, typer.Option(envvar="SPECDEC_REPLICAS", help="With --ray: replicas (the autoscaling minimum).")] = default(
-        RayConfig, "replicas"
-    ),
-    max_replicas: Annotated[int | None, typer.Option(help="With --ray: autoscale up to this many replicas on load.")] = default(
-        RayConfig, "max_replicas"
-    ),
+    ray: Annotated[
+        bool, typer.Option("--ray", help="Run replicas on Ray Serve behind one endpoint (needs the ray extra).")
+    ] = False,
+    replicas: Annotated[
+        int, typer.Option(envvar="SPECDEC_REPLICAS", help="With --ray: replicas (the autoscaling minimum).")
+    ] = default(RayConfig, "replicas"),
+    max_replicas: Annotated[
+        int | None, typer.Option(help="With --ray: autoscale up to this many replicas on load.")
+    ] = default(RayConfig, "max_replicas"),
     target_ongoing_requests: Annotated[
         float, typer.Option(help="With --ray and --max-replicas: requests in flight per replica to aim at.")
     ] = default(RayConfig, "target_ongoing_requests"),
@@ -142,11 +153,17 @@ def serve(
         RayConfig, "gpus_per_replica"
     ),
     ingress_replicas: Annotated[
-        int, typer.Option(help="With --ray: replicas of the ingress that relays requests (on many nodes, about one per node).")
+        int,
+        typer.Option(
+            help="With --ray: replicas of the ingress that relays requests (on many nodes, about one per node)."
+        ),
     ] = default(RayConfig, "ingress_replicas"),
     ray_address: Annotated[
         str | None,
-        typer.Option(envvar="RAY_ADDRESS", help="With --ray: a running cluster (auto, ray://host:10001); default starts one here."),
+        typer.Option(
+            envvar="RAY_ADDRESS",
+            help="With --ray: a running cluster (auto, ray://host:10001); default starts one here.",
+        ),
     ] = default(RayConfig, "address"),
     profile: ProfileOpt = None,
 ) -> None:
@@ -155,8 +172,12 @@ def serve(
     from specdec.serving import serve as run_server
 
     options = dict(target=target, draft=draft, k=k, k_policy=k_policy, branches=branches, window=window)
-    options = with_profile(context, profile, options | dict(backend=backend, dtype=dtype, precision=precision, native_format=native_format))
-    target, draft, k, k_policy, branches, window = (options[n] for n in ("target", "draft", "k", "k_policy", "branches", "window"))
+    options = with_profile(
+        context, profile, options | dict(backend=backend, dtype=dtype, precision=precision, native_format=native_format)
+    )
+    target, draft, k, k_policy, branches, window = (
+        options[n] for n in ("target", "draft", "k", "k_policy", "branches", "window")
+    )
     backend, dtype, precision, native_format = (options[n] for n in ("backend", "dtype", "precision", "native_format"))
 
     _refuse_options_of_the_other_mode(context, ray)
@@ -167,7 +188,11 @@ def serve(
                 f"--host {host} serves beyond this machine without API keys: set --api-key (or SPECDEC_API_KEYS, --api-key-file), "
                 "or pass --insecure-no-auth to accept that anyone who can reach it can use it"
             )
-        say("warning:", "yellow", f"serving on {host} without API keys (--insecure-no-auth): anyone who can reach it can use it")
+        say(
+            "warning:",
+            "yellow",
+            f"serving on {host} without API keys (--insecure-no-auth): anyone who can reach it can use it",
+        )
     serve_config = ServeConfig(
         host=host,
         port=port,
@@ -185,7 +210,9 @@ def serve(
     )
     config = GenerationConfig(k=k, k_policy=k_policy, branches=branches)
     if backend == "llama.cpp":
-        raise ConfigError("the server runs transformers or native targets (--backend transformers|native|auto), not llama.cpp")
+        raise ConfigError(
+            "the server runs transformers or native targets (--backend transformers|native|auto), not llama.cpp"
+        )
     runtime = runtime_config(backend, dtype, None, None, precision, native_format)
     if ray:
         from specdec.config import RayConfig
@@ -248,8 +275,12 @@ PROCESS_OPTIONS = ("header_timeout", "body_timeout", "keep_alive")
 def _refuse_options_of_the_other_mode(context: typer.Context, ray: bool) -> None:
     """Options typed on the command line that this mode would ignore: say so (set from the environment, they are)."""
     names, needs = (PROCESS_OPTIONS, "without --ray") if ray else (RAY_OPTIONS, "with --ray")
-    typed = [f"--{name.replace('_', '-')}" for name in names if context.get_parameter_source(name).name == "COMMANDLINE"]
+    typed = [
+        f"--{name.replace('_', '-')}" for name in names if context.get_parameter_source(name).name == "COMMANDLINE"
+    ]
     if typed:
         verb = "applies" if len(typed) == 1 else "apply"
         fix = "drop --ray" if ray else "add --ray"
-        raise ConfigError(f"{', '.join(typed)} {verb} only {needs}: {fix}, or drop {'it' if len(typed) == 1 else 'them'}")
+        raise ConfigError(
+            f"{', '.join(typed)} {verb} only {needs}: {fix}, or drop {'it' if len(typed) == 1 else 'them'}"
+        )

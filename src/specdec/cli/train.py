@@ -24,9 +24,14 @@ from specdec.training.ngram import NgramBuildConfig
 @user_errors
 def distill(
     data: Annotated[
-        list[str], typer.Option(help="Training text: files, folders, JSONL (prompt-only records are continued by the target). Repeatable.")
+        list[str],
+        typer.Option(
+            help="Training text: files, folders, JSONL (prompt-only records are continued by the target). Repeatable."
+        ),
     ],
-    out: Annotated[Path, typer.Option(help="Folder for the draft (loads as --draft model:DIR), its teacher data and checkpoints.")],
+    out: Annotated[
+        Path, typer.Option(help="Folder for the draft (loads as --draft model:DIR), its teacher data and checkpoints.")
+    ],
     target: Target = DEFAULT_TARGET,
     arch: Annotated[
         str,
@@ -37,12 +42,17 @@ def distill(
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = default(DistillConfig, "steps"),
     batch: Annotated[int, typer.Option(help="Chunks per step.")] = default(DistillConfig, "batch"),
     seq_len: Annotated[int, typer.Option(help="Tokens per chunk.")] = default(DistillConfig, "seq_len"),
-    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine schedule).")] = default(DistillConfig, "lr"),
+    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine schedule).")] = default(
+        DistillConfig, "lr"
+    ),
     teacher_tokens: Annotated[int, typer.Option(help="Tokens of data the target scores once (top-k kept).")] = default(
         DistillConfig, "teacher_tokens"
     ),
     on_policy_tokens: Annotated[
-        int, typer.Option(help="Of those, tokens the target writes itself, continuing prompts drawn from the data (on-policy).")
+        int,
+        typer.Option(
+            help="Of those, tokens the target writes itself, continuing prompts drawn from the data (on-policy)."
+        ),
     ] = default(DistillConfig, "on_policy_tokens"),
     general_prompts: Annotated[
         float,
@@ -53,10 +63,16 @@ def distill(
     continue_tokens: Annotated[int, typer.Option(help="Longest continuation the target writes per prompt.")] = default(
         DistillConfig, "continue_tokens"
     ),
-    generate_batch: Annotated[int, typer.Option(help="Prompts the target continues at once.")] = default(DistillConfig, "generate_batch"),
+    generate_batch: Annotated[int, typer.Option(help="Prompts the target continues at once.")] = default(
+        DistillConfig, "generate_batch"
+    ),
     top_k: Annotated[int, typer.Option(help="Teacher entries kept per position.")] = default(DistillConfig, "top_k"),
-    eval_every: Annotated[int, typer.Option(help="Steps between held-out acceptance evaluations.")] = default(DistillConfig, "eval_every"),
-    checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints.")] = default(DistillConfig, "checkpoint_every"),
+    eval_every: Annotated[int, typer.Option(help="Steps between held-out acceptance evaluations.")] = default(
+        DistillConfig, "eval_every"
+    ),
+    checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints.")] = default(
+        DistillConfig, "checkpoint_every"
+    ),
     init_from: Annotated[
         Path | None,
         typer.Option(
@@ -120,16 +136,19 @@ def distill(
 @user_errors
 def ngram_build(
     sources: Annotated[
-        list[str], typer.Argument(help="Text files, folders (searched for text and code), or JSONL files with prompt/continuation fields.")
+        list[str],
+        typer.Argument(
+            help="Text files, folders (searched for text and code), or JSONL files with prompt/continuation fields."
+        ),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="The table file to write.")],
     target: Target = DEFAULT_TARGET,
-    order: Annotated[int, typer.Option(help="Longest context, in tokens (contexts of 1..ORDER tokens are counted).")] = default(
-        NgramBuildConfig, "order"
-    ),
-    max_mb: Annotated[float, typer.Option(help="Size limit of the table; the rarest n-grams are dropped to fit.")] = default(
-        NgramBuildConfig, "max_mb"
-    ),
+    order: Annotated[
+        int, typer.Option(help="Longest context, in tokens (contexts of 1..ORDER tokens are counted).")
+    ] = default(NgramBuildConfig, "order"),
+    max_mb: Annotated[
+        float, typer.Option(help="Size limit of the table; the rarest n-grams are dropped to fit.")
+    ] = default(NgramBuildConfig, "max_mb"),
     overwrite: Annotated[bool, typer.Option(help="Replace an existing table.")] = False,
 ) -> None:
     """Tokenize a corpus with the target's tokenizer and save an n-gram table for the target."""
@@ -146,7 +165,13 @@ def ngram_build(
     if model.tokenizer is None:
         raise SpecDecError(f"model '{target}' has no tokenizer to tokenize the corpus with")
     tokenizer = model.tokenizer
-    columns = (TextColumn("counting n-grams"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    columns = (
+        TextColumn("counting n-grams"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=err) as progress:
         task = progress.add_task("corpus", total=None)
         table = build_ngram_table(

@@ -8,7 +8,18 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from specdec.cli.options import Overwrite, Prompts, Target, console, default, fresh_output, name_list, progress, say, user_errors
+from specdec.cli.options import (
+    Overwrite,
+    Prompts,
+    Target,
+    console,
+    default,
+    fresh_output,
+    name_list,
+    progress,
+    say,
+    user_errors,
+)
 from specdec.errors import ConfigError
 from specdec.tuning.search import TuneConfig
 
@@ -18,7 +29,11 @@ def tune(
     target: Target = default(TuneConfig, "target"),
     prompts: Prompts = default(TuneConfig, "prompts"),
     budget_s: Annotated[
-        float, typer.Option("--budget-s", help="Seconds the search may take, model loading included (the last short run may overrun it).")
+        float,
+        typer.Option(
+            "--budget-s",
+            help="Seconds the search may take, model loading included (the last short run may overrun it).",
+        ),
     ] = default(TuneConfig, "budget_s"),
     sampling_mode: Annotated[
         str, typer.Option("--sampling", help="greedy, or a temperature (like 0.7) to tune sampled decoding.")
@@ -36,13 +51,15 @@ def tune(
             help="Comma-separated drafters to sample (any --draft spec, DRAFTER+tree for trees); default: prompt-lookup and the drafts shipped for the target."
         ),
     ] = None,
-    new_tokens: Annotated[int, typer.Option(help="New tokens per prompt in the sampling and confirmation runs.")] = default(
-        TuneConfig, "new_tokens"
+    new_tokens: Annotated[
+        int, typer.Option(help="New tokens per prompt in the sampling and confirmation runs.")
+    ] = default(TuneConfig, "new_tokens"),
+    confirm: Annotated[
+        int, typer.Option(help="Best predicted runtime-and-drafter pairs confirmed by a real run.")
+    ] = default(TuneConfig, "confirm"),
+    out: Annotated[Path, typer.Option(help="Output folder: profile.json, report.md, results.json and a plot.")] = Path(
+        "tune-out"
     ),
-    confirm: Annotated[int, typer.Option(help="Best predicted runtime-and-drafter pairs confirmed by a real run.")] = default(
-        TuneConfig, "confirm"
-    ),
-    out: Annotated[Path, typer.Option(help="Output folder: profile.json, report.md, results.json and a plot.")] = Path("tune-out"),
     overwrite: Overwrite = False,
 ) -> None:
     """Find the fastest exact configuration (runtime, precision, drafter, k) for this machine, target and prompts."""

@@ -24,7 +24,9 @@ from specdec.models import Target, TransformersBackend, open_target
 from specdec.models.precision import convert_draft
 from specdec.models.registry import bundled_draft
 
-AUTO_HEAD_MAX_VERIFY = 1.15  # ``auto`` drafts with the eagle head where verifying 3 tokens costs at most this many steps
+AUTO_HEAD_MAX_VERIFY = (
+    1.15  # ``auto`` drafts with the eagle head where verifying 3 tokens costs at most this many steps
+)
 DRAFT_SPECS = (
     "auto (the default: lookup-then-eagle where an eagle head ships for the target and verifying 3 tokens costs about one step, otherwise prompt-lookup), none, prompt-lookup, lookup-then-draft (prompt lookup, then the distilled draft shipped for the target), eagle (the eagle head shipped for the target), lookup-then-eagle (prompt lookup, then the eagle head; with branches both, merged into one tree), ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
     "model:MODEL (transformers; a model with another tokenizer is re-tokenized; a folder from `specdec distill`), "
@@ -79,7 +81,9 @@ def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeCon
     if kind == "model" and is_distilled_draft(arg):
         return _eagle(arg, target) if read_meta(arg)["arch"].get("eagle") else _distilled(arg, target, runtime)
     if kind in ("model", "gguf") and arg:
-        draft = open_target(arg, replace(runtime, backend="transformers" if kind == "model" else "llama.cpp", precision=None))
+        draft = open_target(
+            arg, replace(runtime, backend="transformers" if kind == "model" else "llama.cpp", precision=None)
+        )
         if runtime.precision is not None and kind == "model":
             convert_draft(draft.backend.model, runtime.precision.draft)
         if draft.backend.vocab_size == target.backend.vocab_size or draft.tokenizer is None or target.tokenizer is None:
@@ -109,14 +113,18 @@ def _eagle(folder: str, target: Target) -> EagleDrafter:
         raise ConfigError(
             "an eagle head drafts from the target's hidden states and embedding: use --backend native, transformers or llama.cpp"
         )
-    return load_eagle(folder, embeddings(), target.backend.vocab_size, getattr(target.backend, "device", torch.device("cpu")))
+    return load_eagle(
+        folder, embeddings(), target.backend.vocab_size, getattr(target.backend, "device", torch.device("cpu"))
+    )
 
 
 def _distilled(folder: str, target: Target, runtime: RuntimeConfig) -> ModelDrafter:
     if not isinstance(target.backend, TransformersBackend):
         raise ConfigError("a distilled draft runs on the target's own embedding in torch: use --backend transformers")
     draft = load_draft(folder, target.backend.model)
-    if runtime.precision is not None and not read_meta(folder)["arch"].get("exit"):  # an exit draft's layers are the target's
+    if runtime.precision is not None and not read_meta(folder)["arch"].get(
+        "exit"
+    ):  # an exit draft's layers are the target's
         convert_draft(draft, runtime.precision.draft)
     backend = ReducedVocabBackend(draft, target.backend.vocab_size)
     return ModelDrafter(backend, min_confidence=read_meta(folder).get("min_confidence", 0.0))

@@ -54,7 +54,9 @@ class Proposal:
     tokens: torch.Tensor  # [n] long
     probs: torch.Tensor | None = None  # [n, V] float
     parents: torch.Tensor | None = None  # [n] long, each < its own index; None: a chain
-    scores: torch.Tensor | None = None  # [n] float: the drafter's estimate that each node is accepted, nodes listed best first
+    scores: torch.Tensor | None = (
+        None  # [n] float: the drafter's estimate that each node is accepted, nodes listed best first
+    )
     steps: int | None = None  # forwards of a drafting model it took; None: its depth
 
     def __post_init__(self) -> None:
@@ -115,7 +117,9 @@ class Proposal:
                         break
                     node = trie.add(parent, token)
                 parent = node
-        return Proposal(torch.tensor(trie.tokens, dtype=torch.long), None, torch.tensor(trie.parents, dtype=torch.long), steps=steps)
+        return Proposal(
+            torch.tensor(trie.tokens, dtype=torch.long), None, torch.tensor(trie.parents, dtype=torch.long), steps=steps
+        )
 
 
 class TokenTrie:

@@ -24,7 +24,9 @@ from specdec.models.target import Tokenizer
 class CrossTokenizerDrafter:
     vocab_size = None  # proposes target tokens, whatever its own vocabulary
 
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, target_tokenizer: Tokenizer, eos_ids: frozenset[int]) -> None:
+    def __init__(
+        self, backend: Backend, tokenizer: Tokenizer, target_tokenizer: Tokenizer, eos_ids: frozenset[int]
+    ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.target_tokenizer = target_tokenizer
@@ -88,7 +90,11 @@ class CrossTokenizerDrafter:
         """The text ``drafted`` adds after ``draft_ids``, decoded in context (some tokenizers drop a leading space alone)."""
         before = self.tokenizer.decode(draft_ids, skip_special_tokens=True)
         after = self.tokenizer.decode(draft_ids + drafted, skip_special_tokens=True)
-        added = after[len(before) :] if after.startswith(before) else self.tokenizer.decode(drafted, skip_special_tokens=True)
+        added = (
+            after[len(before) :]
+            if after.startswith(before)
+            else self.tokenizer.decode(drafted, skip_special_tokens=True)
+        )
         return added.rstrip("\ufffd")  # a character cut in the middle of its bytes
 
     def _target_tokens(self, target_ids: list[int], added: str) -> list[int]:

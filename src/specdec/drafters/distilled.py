@@ -98,7 +98,9 @@ def save_draft(draft: PreTrainedModel, folder: str | Path, meta: dict, dtype: to
     folder.mkdir(parents=True, exist_ok=True)
     draft.config.save_pretrained(folder)
     stored = own_parameters(draft)
-    if hasattr(draft, "eagle_fc"):  # an eagle head keeps its output rows: it may run where the target's full head is not at hand
+    if hasattr(
+        draft, "eagle_fc"
+    ):  # an eagle head keeps its output rows: it may run where the target's full head is not at hand
         stored["lm_head.weight"] = draft.lm_head.weight
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in stored.items()}
     save_file(tensors | {"keep_ids": draft.keep_ids.to(torch.int64)}, str(folder / "model.safetensors"))
@@ -118,7 +120,9 @@ def load_draft(folder: str | Path, target: PreTrainedModel) -> PreTrainedModel:
     tensors = load_file(str(folder / "model.safetensors"))
     keep_ids = tensors.pop("keep_ids")
     if int(keep_ids.max()) >= target.get_output_embeddings().weight.shape[0]:
-        raise ConfigError(f"draft '{folder}' was distilled for '{meta.get('target')}', whose vocabulary differs from this target's")
+        raise ConfigError(
+            f"draft '{folder}' was distilled for '{meta.get('target')}', whose vocabulary differs from this target's"
+        )
     if meta.get("arch", {}).get("exit"):
         draft = build_exit_draft(target, meta["arch"]["exit"], keep_ids)
     else:
@@ -128,7 +132,9 @@ def load_draft(folder: str | Path, target: PreTrainedModel) -> PreTrainedModel:
     missing, unexpected = draft.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if k in own]
     if missing or unexpected:
-        raise ConfigError(f"draft '{folder}' does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ConfigError(
+            f"draft '{folder}' does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     return draft.eval()
 
 

@@ -50,7 +50,9 @@ MIN_SCORE = 0.02  # a node the head gives less than this chance of being reached
 MEASURE_CONTEXT, MEASURE_LEVELS = 64, 4  # a step's cost is measured after a context this long, on chains this long
 
 
-Embed = Callable[[torch.Tensor], torch.Tensor]  # the target's input embedding, scale included (Backend.token_embeddings)
+Embed = Callable[
+    [torch.Tensor], torch.Tensor
+]  # the target's input embedding, scale included (Backend.token_embeddings)
 
 
 def build_eagle(target: PreTrainedModel, keep_ids: torch.Tensor, layers: int) -> PreTrainedModel:
@@ -69,7 +71,9 @@ def build_eagle(target: PreTrainedModel, keep_ids: torch.Tensor, layers: int) ->
     return head.to(device=target.device, dtype=target.dtype)
 
 
-def eagle_skeleton(config: PretrainedConfig, rows: torch.Tensor, keep_ids: torch.Tensor, layers: int) -> PreTrainedModel:
+def eagle_skeleton(
+    config: PretrainedConfig, rows: torch.Tensor, keep_ids: torch.Tensor, layers: int
+) -> PreTrainedModel:
     """The head's modules in ``config``'s family (weights to be loaded), with ``rows`` [N, H] as its frozen output head."""
     config = copy.deepcopy(config)
     config.num_hidden_layers = layers
@@ -78,7 +82,9 @@ def eagle_skeleton(config: PretrainedConfig, rows: torch.Tensor, keep_ids: torch
     config.vocab_size = len(keep_ids)
     config.tie_word_embeddings = False
     head = AutoModelForCausalLM.from_config(config).to(dtype=rows.dtype)
-    head.model.embed_tokens = nn.Identity()  # tokens are embedded by the target's own embedding (head_forward's ``embed``)
+    head.model.embed_tokens = (
+        nn.Identity()
+    )  # tokens are embedded by the target's own embedding (head_forward's ``embed``)
     head.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype)
     head.lm_head.weight = nn.Parameter(rows, requires_grad=False)
     head.eagle_fc = nn.Linear(2 * rows.shape[1], rows.shape[1], bias=False, dtype=rows.dtype)
@@ -104,7 +110,12 @@ def head_forward(
     if mask is not None and getattr(head.config, "layer_types", None):
         mask = {"full_attention": mask, "sliding_attention": mask}  # type: ignore[assignment]
     out = head(
-        inputs_embeds=x, position_ids=positions, cache=cache, use_cache=cache is not None, attention_mask=mask, output_hidden_states=True
+        inputs_embeds=x,
+        position_ids=positions,
+        cache=cache,
+        use_cache=cache is not None,
+        attention_mask=mask,
+        output_hidden_states=True,
     )
     return out.logits, out.hidden_states[-1]
 
@@ -142,7 +153,9 @@ class ModuleHead:
             mask = torch.zeros(n, start + n, device=self.device, dtype=self.module.dtype)
             mask[:, start:].masked_fill_(~visible, torch.finfo(self.module.dtype).min)
             mask = mask[None, None]
-        logits, out = head_forward(self.module, self.embed, tokens[None].to(self.device), features[None], positions[None], cache, mask)
+        logits, out = head_forward(
+            self.module, self.embed, tokens[None].to(self.device), features[None], positions[None], cache, mask
+        )
         return logits[0], out[0]
 
 
@@ -187,18 +200,26 @@ def why_not_native(module: PreTrainedModel) -> str | None:
     """Why ``module`` cannot run as a :class:`NativeHead` here (a CPU with the kernels, a family the native runtime runs,
     widths the int8 kernel takes), or None when it can."""
     config = module.config
-    widths = (config.hidden_size, config.intermediate_size, config.num_attention_heads * module.model.layers[0].self_attn.head_dim)
+    widths = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads * module.model.layers[0].self_attn.head_dim,
+    )
     if module.eagle_fc.weight.device.type != "cpu":
         return "the native runtime runs on the CPU"
     if reason := native.unsupported(config.get_text_config()):
         return reason
-    return None if all(w % 32 == 0 for w in widths) else f"the int8 kernels need widths in multiples of 32, not {widths}"
+    return (
+        None if all(w % 32 == 0 for w in widths) else f"the int8 kernels need widths in multiples of 32, not {widths}"
+    )
 
 
 class EagleDrafter:
     """Drafts trees (or chains) with a feature-conditioned head; the engine hands it the target's hidden states every step."""
 
-    backend = None  # the head is not a Backend: timed runs learn its cost from drafting time, seeded runs price measure_step
+    backend = (
+        None  # the head is not a Backend: timed runs learn its cost from drafting time, seeded runs price measure_step
+    )
     wants_features = True
     scored = True  # its proposals carry scores: the engine asks for the most nodes and keeps the ones worth verifying
 
@@ -210,7 +231,9 @@ class EagleDrafter:
         max_depth: int = MAX_DEPTH,
         min_score: float = MIN_SCORE,
     ) -> None:
-        self.runner: ModuleHead | NativeHead = head if isinstance(head, (ModuleHead, NativeHead)) else ModuleHead(head, embed)
+        self.runner: ModuleHead | NativeHead = (
+            head if isinstance(head, (ModuleHead, NativeHead)) else ModuleHead(head, embed)
+        )
         self.vocab_size: int | None = full_vocab
         self.max_depth, self.min_score = max_depth, min_score
         self.settings = DraftSettings()
@@ -219,9 +242,13 @@ class EagleDrafter:
     def begin(self, settings: DraftSettings) -> None:
         self.settings = settings
         self.cache = self.runner.new_cache()
-        self.read = 0  # context positions read: the head's cache holds their pairs (or, begun mid-sequence, the last of them)
+        self.read = (
+            0  # context positions read: the head's cache holds their pairs (or, begun mid-sequence, the last of them)
+        )
         self.cached = 0  # entries of the head's cache that are context, not drafts
-        self.features: list[torch.Tensor] = []  # the target's, one [n, H] piece per step, for the positions after ``read``
+        self.features: list[
+            torch.Tensor
+        ] = []  # the target's, one [n, H] piece per step, for the positions after ``read``
         self.known = 0  # context positions whose target features arrived
 
     @property
@@ -235,7 +262,9 @@ class EagleDrafter:
         a MEASURE_CONTEXT-token context, drafting as the engine asks (the context's new pairs read, every level grown): a
         chain of MEASURE_LEVELS, or with ``branches`` a tree of that many nodes a level, as deep as the head grows trees
         (``max_depth``). What a seeded run prices a step at."""
-        probe = EagleDrafter(self.runner, self.runner.embed, self.vocab_size, self.max_depth, min_score=0.0)  # every level grows
+        probe = EagleDrafter(
+            self.runner, self.runner.embed, self.vocab_size, self.max_depth, min_score=0.0
+        )  # every level grows
         tokens = self.runner.keep_ids[: MEASURE_CONTEXT + repeats + 1].cpu()
         width = self.runner.embed(tokens[:1].to(self.runner.device)).shape[-1]
         probe.observe_features(torch.zeros(MEASURE_CONTEXT, width))
@@ -244,8 +273,12 @@ class EagleDrafter:
         for length in range(MEASURE_CONTEXT + 2, MEASURE_CONTEXT + repeats + 2):
             probe.observe_features(torch.zeros(1, width))
             start = time.perf_counter()
-            proposal = probe.propose(tokens[:length], MEASURE_LEVELS if branches == 1 else MEASURE_LEVELS * branches, branches)
-            times.append((time.perf_counter() - start) / proposal.draft_steps)  # its tokens reach the host: the work is done
+            proposal = probe.propose(
+                tokens[:length], MEASURE_LEVELS if branches == 1 else MEASURE_LEVELS * branches, branches
+            )
+            times.append(
+                (time.perf_counter() - start) / proposal.draft_steps
+            )  # its tokens reach the host: the work is done
         return statistics.median(times)
 
     def observe_features(self, features: torch.Tensor) -> None:
@@ -262,7 +295,9 @@ class EagleDrafter:
     @torch.inference_mode()
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         length = context.shape[0]
-        if self.read == 0 and 0 < self.known < length - 1:  # begun mid-sequence (a guard's anchor): read from the first position it has
+        if (
+            self.read == 0 and 0 < self.known < length - 1
+        ):  # begun mid-sequence (a guard's anchor): read from the first position it has
             self.read = length - 1 - self.known
         if self.known == 0 or k < 1:  # the first step: the target has not read the prompt yet
             return Proposal.empty()
@@ -278,7 +313,9 @@ class EagleDrafter:
         sampling = self.settings.sampling
         shape = (lambda z: torch.softmax(z.float(), dim=-1)) if sampling.greedy else (lambda z: to_probs(z, sampling))
         nodes: list[tuple[float, int, int]] = []  # (score, kept-vocabulary token, parent node), level by level
-        after = {-1: (shape(logits), feature)}  # node -> the head's distribution after it and its output feature (-1: the context)
+        after = {
+            -1: (shape(logits), feature)
+        }  # node -> the head's distribution after it and its output feature (-1: the context)
         frontier = [-1]
         steps = 1  # runs of the head: the context's, then one per level expanded
         depth_limit = min(self.max_depth, k, self.runner.max_position - length)
@@ -286,7 +323,9 @@ class EagleDrafter:
             children = []
             for node in frontier:
                 score, top = nodes[node][0] if node >= 0 else 1.0, after[node][0].topk(width)
-                children += [(score * p, t, node) for p, t in zip(top.values.tolist(), top.indices.tolist(), strict=True)]
+                children += [
+                    (score * p, t, node) for p, t in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+                ]
             children = [c for c in children if c[0] >= self.min_score]
             if not children:
                 break
@@ -344,7 +383,9 @@ def load_eagle(
     tensors = load_file(str(Path(folder) / "model.safetensors"))
     keep_ids, rows = tensors.pop("keep_ids"), tensors.pop("lm_head.weight").to(dtype)
     if int(keep_ids.max()) >= full_vocab:
-        raise ConfigError(f"eagle head '{folder}' was distilled for a target with another vocabulary: use it with its own target")
+        raise ConfigError(
+            f"eagle head '{folder}' was distilled for a target with another vocabulary: use it with its own target"
+        )
     config = AutoConfig.from_pretrained(folder)
     head = eagle_skeleton(config, rows, keep_ids, config.num_hidden_layers)
     expected = {name for name, p in head.named_parameters() if p.requires_grad}
@@ -357,7 +398,9 @@ def load_eagle(
     head.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
     head.to(device)
     if embed(torch.zeros(1, dtype=torch.long, device=device)).shape[-1] != rows.shape[1]:
-        raise ConfigError(f"eagle head '{folder}' has hidden size {rows.shape[1]}, unlike this target: use it with its own target")
+        raise ConfigError(
+            f"eagle head '{folder}' has hidden size {rows.shape[1]}, unlike this target: use it with its own target"
+        )
     head.eval()
     reason = why_not_native(head)
     if kernels and reason:

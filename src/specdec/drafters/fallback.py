@@ -30,12 +30,21 @@ class FallbackDrafter:
     def __init__(self, first: Drafter, second: Drafter) -> None:
         self.first, self.second = first, second
         self.vocab_size = second.vocab_size if second.vocab_size is not None else first.vocab_size
-        self.backend = second.backend if second.backend is not None else first.backend  # the costlier one prices a draft token
+        self.backend = (
+            second.backend if second.backend is not None else first.backend
+        )  # the costlier one prices a draft token
         if self.backend is None and (priced := next((d for d in (second, first) if hasattr(d, "measure_step")), None)):
-            self.identity, self.measure_step = priced.identity, priced.measure_step  # a model outside a Backend (the eagle head)
-        self._readers = [d for d in (first, second) if getattr(d, "wants_features", False)]  # drafters of the target's hidden states
+            self.identity, self.measure_step = (
+                priced.identity,
+                priced.measure_step,
+            )  # a model outside a Backend (the eagle head)
+        self._readers = [
+            d for d in (first, second) if getattr(d, "wants_features", False)
+        ]  # drafters of the target's hidden states
         self.wants_features = bool(self._readers)
-        self.scored = getattr(second, "scored", False)  # its proposals may carry scores (the first's are cut to the policy's k)
+        self.scored = getattr(
+            second, "scored", False
+        )  # its proposals may carry scores (the first's are cut to the policy's k)
         self._proposed: list[Drafter] = [first]
         self._forget()
 
@@ -47,7 +56,9 @@ class FallbackDrafter:
 
     def _forget(self) -> None:
         self.first_rate = AcceptanceEstimate(prior=FIRST_NODE_SCORE)  # how often the first drafter's tokens come true
-        self._copy: tuple[int, list[int]] | None = None  # (context length, the first drafter's best run) awaiting the text
+        self._copy: tuple[int, list[int]] | None = (
+            None  # (context length, the first drafter's best run) awaiting the text
+        )
 
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         self._check_copy(context)
@@ -60,8 +71,13 @@ class FallbackDrafter:
             steps = proposal.draft_steps + theirs.draft_steps  # both drafted, whichever proposal is kept
             if not len(proposal):
                 proposal, self._proposed = replace(theirs, steps=steps), [self.second]
-            elif proposal.probs is None and theirs.probs is None:  # deterministic trees merge; drawn ones keep their own law
-                proposal, self._proposed = merge_trees(proposal, theirs, k, self.first_rate.value), [self.first, self.second]
+            elif (
+                proposal.probs is None and theirs.probs is None
+            ):  # deterministic trees merge; drawn ones keep their own law
+                proposal, self._proposed = (
+                    merge_trees(proposal, theirs, k, self.first_rate.value),
+                    [self.first, self.second],
+                )
             else:
                 proposal = replace(proposal, steps=steps)
         return proposal

@@ -24,7 +24,9 @@ class ModelDrafter:
         self.vocab_size: int | None = backend.vocab_size
         self.settings = DraftSettings()
         self._context_length = 0
-        self._branched = False  # the last proposal was a tree: its last accepted node may be a leaf the cache never read
+        self._branched = (
+            False  # the last proposal was a tree: its last accepted node may be a leaf the cache never read
+        )
 
     def begin(self, settings: DraftSettings) -> None:
         self.settings = settings

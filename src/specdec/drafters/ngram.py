@@ -108,7 +108,9 @@ class NgramTable:
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigError(f"'{path}' is not an n-gram table written by `specdec ngram build` ({exc})") from None
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise ConfigError(f"'{path}' is not a version-{VERSION} specdec n-gram table: rebuild it with `specdec ngram build`")
+            raise ConfigError(
+                f"'{path}' is not a version-{VERSION} specdec n-gram table: rebuild it with `specdec ngram build`"
+            )
         return NgramTable(keys, counts, meta["order"], meta["vocab_size"], meta)
 
 
@@ -140,7 +142,9 @@ class NgramDrafter:
         return NgramDrafter(self.table, self.min_share)  # shares the table; its settings are its own sequence's
 
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
-        copied = self.lookup.propose(context, k, branches)  # its copies (a tree of several with branches), else the table's chain
+        copied = self.lookup.propose(
+            context, k, branches
+        )  # its copies (a tree of several with branches), else the table's chain
         if len(copied):
             return copied
         sampling, min_confidence = self.settings.sampling, self.settings.min_confidence

@@ -25,12 +25,16 @@ from specdec.scheduling import BatchCostCurve, CostCurve
 
 DEFAULT_SIZES = (1, 2, 3, 5, 9, 13, 17)  # k + 1 for k = 0, 1, 2, 4, 8, 12, 16
 TREE_SIZES = (3, 5, 9, 13, 17)  # the pending token and 2 .. 16 tree nodes
-TREE_CONTEXT = 256  # a tree's extra cost grows with the context its nodes see; this is about a benchmark prompt and its answer
+TREE_CONTEXT = (
+    256  # a tree's extra cost grows with the context its nodes see; this is about a benchmark prompt and its answer
+)
 BATCH_ROWS = (1, 2, 4, 8, 16, 32)
 BATCH_SIZES = (1, 2, 3, 5, 9)
 
 
-def forward_cost_curve(backend: Backend, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 64, repeats: int = 5) -> dict[int, float]:
+def forward_cost_curve(
+    backend: Backend, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 64, repeats: int = 5
+) -> dict[int, float]:
     """Median seconds of a forward over n new tokens (logits for all n) after ``context`` cached tokens.
 
     The sizes take turns, one forward each per round: a stretch of load from elsewhere (a compiler, another process)
@@ -95,7 +99,9 @@ def batch_cost_curve(
         backend.add_rows(count)
         ids = list(range(count))
         backend.forward(ids, [tokens[:context]] * count, last=1)
-        backend.forward(ids, [tokens[context : context + max(sizes)]] * count, last=1)  # warm-up, and the cache grown to its widest
+        backend.forward(
+            ids, [tokens[context : context + max(sizes)]] * count, last=1
+        )  # warm-up, and the cache grown to its widest
         for row in ids:
             backend.truncate(row, context)
         seconds = {}
@@ -121,7 +127,9 @@ def machine_cost_curve(backend: Backend) -> CostCurve:
 
 def machine_tree_overhead(rows: RowBackend) -> CostCurve:
     """What a tree costs beyond a chain on this runtime (``tree_overhead_curve``): measured once (about 20 s for a real model), then cached."""
-    stored = _cached(f"{rows.identity}|tree overhead", lambda: {str(n): s for n, s in tree_overhead_curve(rows).items()})
+    stored = _cached(
+        f"{rows.identity}|tree overhead", lambda: {str(n): s for n, s in tree_overhead_curve(rows).items()}
+    )
     return CostCurve({int(n): s for n, s in stored.items()})
 
 

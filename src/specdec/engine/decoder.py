@@ -72,8 +72,18 @@ class Decoder:
         if run in self.rows:
             raise ValueError("this completion is already decoding here: a completion joins a decoder once")
         if len(run.prompt_ids) >= self.backend.max_context:
-            raise ContextLengthError(f"a prompt of {len(run.prompt_ids)} tokens does not fit the context of {self.backend.max_context}")
-        row = Row(torch.tensor(run.prompt_ids, dtype=torch.long), run.config, drafter, policy, run.seeds, run.stats, run.guards)
+            raise ContextLengthError(
+                f"a prompt of {len(run.prompt_ids)} tokens does not fit the context of {self.backend.max_context}"
+            )
+        row = Row(
+            torch.tensor(run.prompt_ids, dtype=torch.long),
+            run.config,
+            drafter,
+            policy,
+            run.seeds,
+            run.stats,
+            run.guards,
+        )
         row.stats.lossy = run.config.typical_acceptance is not None
         drafter.begin(row.draft_settings)
         self.backend.add_rows(1)
@@ -109,7 +119,9 @@ class Decoder:
         updates = []
         for run, row in list(self.rows.items()):
             text = run.take(new[row].tolist())
-            done = run.ended or row.stats.new_tokens >= row.config.max_new_tokens or row.length >= self.backend.max_context
+            done = (
+                run.ended or row.stats.new_tokens >= row.config.max_new_tokens or row.length >= self.backend.max_context
+            )
             if done:
                 text += run.close()
                 self.leave(run)

@@ -72,11 +72,15 @@ class Generator:
         self.backend = self.target.backend
         self._costs: CostCurve | None = None
         self._tree_overhead: CostCurve | None = None
-        self._ways: dict[tuple[int, int, bool, bool], WayRates] = {}  # timed tree rows': by k, branches, greedy, batched
+        self._ways: dict[
+            tuple[int, int, bool, bool], WayRates
+        ] = {}  # timed tree rows': by k, branches, greedy, batched
         self._measuring = threading.Lock()
         if drafter == "auto":
             drafter = auto_draft(self.target, self.costs)
-        self.draft_name = drafter if isinstance(drafter, str) else type(drafter).__name__  # what drafts (``auto`` resolved)
+        self.draft_name = (
+            drafter if isinstance(drafter, str) else type(drafter).__name__
+        )  # what drafts (``auto`` resolved)
         self.drafter = build_drafter(drafter, self.target, runtime) if isinstance(drafter, str) else drafter
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != self.backend.vocab_size:
             raise VocabularyMismatchError(
@@ -105,7 +109,13 @@ class Generator:
         name = target if isinstance(target, str) else profile.target if target is None else target.name
         for note in profile.differences(name):
             warnings.warn(note, ProfileWarning, stacklevel=2)
-        return cls(profile.target if target is None else target, profile.drafter, profile.generation, profile.runtime, profile.batch)
+        return cls(
+            profile.target if target is None else target,
+            profile.drafter,
+            profile.generation,
+            profile.runtime,
+            profile.batch,
+        )
 
     def ignorable(self) -> frozenset[int]:
         """Token ids that are only whitespace or punctuation (never a loop on their own); computed on first use."""
@@ -145,10 +155,14 @@ class Generator:
         model's one-token forward, the drafter's own measure for a model outside a Backend (the eagle head, whose tree
         levels cost more than a chain's), 0 for model-free drafters."""
         measured = hasattr(self.drafter, "measure_step")
-        branches = branches if measured else 1  # a draft model's step is its one-token forward, however many nodes a level
+        branches = (
+            branches if measured else 1
+        )  # a draft model's step is its one-token forward, however many nodes a level
         with self._measuring:
             if branches not in self._draft_cost:
-                backend = getattr(self.drafter, "backend", None)  # drafters written before the attribute existed count as free
+                backend = getattr(
+                    self.drafter, "backend", None
+                )  # drafters written before the attribute existed count as free
                 if backend is not None:
                     self._draft_cost[branches] = machine_cost_curve(_quiet_copy(backend))(1)
                 elif measured:
@@ -169,7 +183,13 @@ class Generator:
         if trees and config.seed is None:
             ways = self._ways.setdefault((config.k, config.branches, config.sampling.greedy, batched), WayRates())
         return build_k_policy(
-            config.k_policy, config.k, self.costs, draft_cost, self.tree_overhead if trees else None, ways, tree_draft_cost
+            config.k_policy,
+            config.k,
+            self.costs,
+            draft_cost,
+            self.tree_overhead if trees else None,
+            ways,
+            tree_draft_cost,
         )
 
     def acquire(self) -> tuple[Backend, Drafter]:
@@ -195,18 +215,24 @@ class Generator:
             with self._lock:
                 self._busy = False
 
-    def completion(self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object) -> Completion:
+    def completion(
+        self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object
+    ) -> Completion:
         """A generation of ``prompt`` (text, or token ids), checked and encoded, not yet decoded."""
         return Completion(self, prompt, with_overrides(config or self.config, **overrides))
 
-    def generate(self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object) -> GenerationResult:
+    def generate(
+        self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object
+    ) -> GenerationResult:
         """Generate a completion of ``prompt`` (text, or token ids) and return it with stats."""
         run = self.completion(prompt, config, **overrides)
         for _ in run:
             pass
         return run.result()
 
-    def stream(self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object) -> Iterator[str]:
+    def stream(
+        self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object
+    ) -> Iterator[str]:
         """Yield pieces of text as the target accepts tokens."""
         yield from self.completion(prompt, config, **overrides)
 
@@ -226,7 +252,9 @@ class Generator:
         """
         configs = list(config) if isinstance(config, Sequence) else [config or self.config] * len(prompts)
         if len(configs) != len(prompts):
-            raise ConfigError(f"got {len(configs)} configs for {len(prompts)} prompts: pass one config, or one per prompt")
+            raise ConfigError(
+                f"got {len(configs)} configs for {len(prompts)} prompts: pass one config, or one per prompt"
+            )
         if len(prompts) > 1 and not isinstance(self.backend, TransformersBackend):
             raise ConfigError(
                 "batched generation runs on the transformers backend: use --backend transformers, or generate one prompt at a time"
@@ -282,10 +310,15 @@ class Generator:
         """Chat ``messages`` (OpenAI's role/content dicts, content as text) in the target's chat template, tokenized and checked."""
         tokenizer = self._tokenizer_for("chat messages")
         if not getattr(tokenizer, "chat_template", None):
-            raise PromptError(f"model '{self.target.name}' has no chat template: send a plain prompt (a completion) instead")
+            raise PromptError(
+                f"model '{self.target.name}' has no chat template: send a plain prompt (a completion) instead"
+            )
         for i, message in enumerate(messages):
             for field, value in message.items():  # content, and whatever else the template reads (name, tool fields)
-                self._check_text(json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value, f"message {i}'s {field}")
+                self._check_text(
+                    json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value,
+                    f"message {i}'s {field}",
+                )
         self._check_text("".join(str(m.get("content", "")) for m in messages), "the messages together")
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -48,7 +48,15 @@ class DecodeStats:
         return self.new_tokens / self.wall_s if self.wall_s else 0.0
 
     def record_step(
-        self, chosen: int, k: int, proposed: int, accepted: int, produced: int, draft_s: float, target_s: float, wall_s: float
+        self,
+        chosen: int,
+        k: int,
+        proposed: int,
+        accepted: int,
+        produced: int,
+        draft_s: float,
+        target_s: float,
+        wall_s: float,
     ) -> None:
         """Count one step: the policy chose ``chosen``, the drafter was asked for ``k`` tokens and gave ``proposed``; the first step's target time is the prefill."""
         self.steps += 1

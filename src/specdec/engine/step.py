@@ -88,12 +88,19 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
     drafts = [_draft(row, window, target.max_context) for row in rows]
     t1 = time.perf_counter()
     lengths = [len(d.proposal) for d in drafts]
-    feeds = [torch.cat([row.tokens[target.lengths[slot] :], d.proposal.tokens]) for row, slot, d in zip(rows, slots, drafts, strict=True)]
+    feeds = [
+        torch.cat([row.tokens[target.lengths[slot] :], d.proposal.tokens])
+        for row, slot, d in zip(rows, slots, drafts, strict=True)
+    ]
     trees = [d.proposal.parents if d.proposal.is_tree else None for d in drafts]
     for row, tree in zip(rows, trees, strict=True):
         if tree is not None and (row.config.guards.active or row.config.typical_acceptance is not None):
-            raise ConfigError("a tree row cannot use guards or typical acceptance (neither is tree-aware): set branches to 1")
-    features = [getattr(row.drafter, "wants_features", False) for row in rows]  # a drafter that reads the target's hidden states
+            raise ConfigError(
+                "a tree row cannot use guards or typical acceptance (neither is tree-aware): set branches to 1"
+            )
+    features = [
+        getattr(row.drafter, "wants_features", False) for row in rows
+    ]  # a drafter that reads the target's hidden states
     extra = {"trees": trees} if any(t is not None for t in trees) else {}
     extra |= {"features": True} if any(features) else {}
     logits = _align(target.forward(slots, feeds, last=max(lengths) + 1, **extra), lengths)
@@ -110,12 +117,18 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
             row.drafter.accept(accepted)
         if features[i]:  # the hidden states of the positions kept in the cache: the fed context, then the accepted path
             fed, context = target.last_features[i], len(feeds[i]) - lengths[i]
-            row.drafter.observe_features(torch.cat([fed[:context], fed[context + torch.tensor(path, dtype=torch.long)]]))
+            row.drafter.observe_features(
+                torch.cat([fed[:context], fed[context + torch.tensor(path, dtype=torch.long)]])
+            )
         tokens = torch.cat([d.proposal.tokens[path], torch.tensor([next_token])])
-        scored = logits[i, : accepted + 1] if trees[i] is None else logits[i, [0] + [j + 1 for j in path]]  # along the kept path
+        scored = (
+            logits[i, : accepted + 1] if trees[i] is None else logits[i, [0] + [j + 1 for j in path]]
+        )  # along the kept path
         row.tokens = torch.cat([row.tokens, tokens])
         depth = d.proposal.depth  # what a chain reaching as deep would have proposed: acceptance stays per position
-        read_prompt = len(feeds[i]) - lengths[i] > 1  # more than the pending token: the step's time is mostly the prompt's
+        read_prompt = (
+            len(feeds[i]) - lengths[i] > 1
+        )  # more than the pending token: the step's time is mostly the prompt's
         row.policy.observe(
             StepOutcome(
                 depth,
@@ -131,7 +144,9 @@ def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], wind
             )
         )
         row.acceptance.observe(depth, accepted)
-        row.stats.record_step(d.chosen, d.k, lengths[i], accepted, len(tokens), d.seconds, t2 - t1, time.perf_counter() - row.started)
+        row.stats.record_step(
+            d.chosen, d.k, lengths[i], accepted, len(tokens), d.seconds, t2 - t1, time.perf_counter() - row.started
+        )
         row.stats.events += row.guards.settle(row.stats.new_tokens - len(tokens), accepted, d.anchored)
         if d.anchored:
             row.stats.anchors += 1
@@ -222,7 +237,9 @@ def _verify(
         rng, temperature = rows[i].seeds.on(device), temperatures[i]
         probs = None if p.probs is None else p.probs.to(device)
         if trees[i] is not None:
-            verdict = verify_tree_sampled(tokens[i, :n], parents[i, :n], logits[i, : n + 1], probs, config.sampling, rng, temperature)
+            verdict = verify_tree_sampled(
+                tokens[i, :n], parents[i, :n], logits[i, : n + 1], probs, config.sampling, rng, temperature
+            )
             out[i] = (verdict.paths[0], verdict.next_tokens[0])
             continue
         args = (tokens[i : i + 1, :n], counts[i : i + 1], logits[i : i + 1, : n + 1])

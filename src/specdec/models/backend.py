@@ -15,7 +15,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from specdec.errors import ConfigError
 
-TREES_UNSUPPORTED = "this backend scores chains of drafts only: trees (branches > 1) run on --backend native or transformers"
+TREES_UNSUPPORTED = (
+    "this backend scores chains of drafts only: trees (branches > 1) run on --backend native or transformers"
+)
 
 
 class Backend(Protocol):
@@ -24,7 +26,9 @@ class Backend(Protocol):
     vocab_size: int
     max_context: int
     trees: bool  # forward scores a tree of drafts (``tree``) and truncate keeps its accepted branch
-    last_features: torch.Tensor | None  # after a forward with ``features``: the final hidden state of each fed position [B, n, H]
+    last_features: (
+        torch.Tensor | None
+    )  # after a forward with ``features``: the final hidden state of each fed position [B, n, H]
 
     @property
     def identity(self) -> str:
@@ -70,7 +74,9 @@ class RowBackend(Protocol):
     max_context: int
     trees: bool  # see Backend.trees
     lengths: list[int]  # cached positions of each row
-    last_features: list[torch.Tensor]  # after a forward with ``features``: per fed row, its positions' final hidden states [len(feed), H]
+    last_features: list[
+        torch.Tensor
+    ]  # after a forward with ``features``: per fed row, its positions' final hidden states [len(feed), H]
 
     @property
     def identity(self) -> str:
@@ -107,7 +113,10 @@ class RowBackend(Protocol):
 
 def keep_branch(cache: torch.Tensor, dim: int, length: int, branch: list[int]) -> None:
     """Move the cached entries at positions ``branch`` (along ``dim``) to positions length - len(branch) .. length - 1, in place."""
-    source, target = torch.tensor(branch, device=cache.device), torch.arange(length - len(branch), length, device=cache.device)
+    source, target = (
+        torch.tensor(branch, device=cache.device),
+        torch.arange(length - len(branch), length, device=cache.device),
+    )
     cache.index_copy_(dim, target, cache.index_select(dim, source))
 
 
@@ -159,7 +168,9 @@ class OneRow:
 
     def add_rows(self, count: int) -> None:
         if self._rows + count > 1:
-            raise ConfigError("this backend decodes one sequence at a time: use the batched transformers backend for more")
+            raise ConfigError(
+                "this backend decodes one sequence at a time: use the batched transformers backend for more"
+            )
         self.backend.reset()
         self._rows += count
 
@@ -183,7 +194,9 @@ class OneRow:
         logits = self.backend.forward(feed[None], last=last, **extra)
         if features:
             if self.backend.last_features is None:
-                raise ConfigError(f"{type(self.backend).__name__} does not return hidden states: use a drafter that does not need them")
+                raise ConfigError(
+                    f"{type(self.backend).__name__} does not return hidden states: use a drafter that does not need them"
+                )
             self.last_features = [self.backend.last_features[0]]
         return logits
 
@@ -250,7 +263,9 @@ class TransformersBackend:
             output_hidden_states=features,
         )
         self._length += n
-        self.last_features = out.hidden_states[-1] if features else None  # the last is after the final norm: the head's input
+        self.last_features = (
+            out.hidden_states[-1] if features else None
+        )  # the last is after the final norm: the head's input
         return out.logits
 
     def truncate(self, length: int, branch: list[int] | None = None) -> None:

@@ -98,9 +98,13 @@ class BatchedTransformersBackend:
                 "decode its prompts one at a time with Generator.generate"
             )
         if model.config._attn_implementation not in ("eager", "sdpa", PADDED_ATTENTION):
-            raise ConfigError(f"batched decoding needs eager or sdpa attention, not {model.config._attn_implementation}")
+            raise ConfigError(
+                f"batched decoding needs eager or sdpa attention, not {model.config._attn_implementation}"
+            )
         self.model = model
-        self.sliding_window: int | None = getattr(config, "sliding_window", None) if "sliding_attention" in kinds else None
+        self.sliding_window: int | None = (
+            getattr(config, "sliding_window", None) if "sliding_attention" in kinds else None
+        )
         self.layer_kinds = kinds
         self.vocab_size: int = model.get_output_embeddings().out_features
         self.max_context: int = getattr(config, "max_position_embeddings", None) or 2**31
@@ -237,13 +241,20 @@ class BatchedTransformersBackend:
         column = fed.clamp(0, n - 1)
         sees = visible.gather(2, column.expand(-1, n, -1))
         causal = (~inside | sees) & (slot <= slots[:, :, None]) & real[:, :, None]
-        causal |= ~real[:, :, None] & (slot == 0)  # padding queries attend to slot 0 only, so no row of the softmax is empty
+        causal |= ~real[:, :, None] & (
+            slot == 0
+        )  # padding queries attend to slot 0 only, so no row of the softmax is empty
         masks = {"full_attention": causal}
         if "sliding_attention" in self.layer_kinds:  # by positions in the text: a tree node's slot is past its position
             key_position = torch.where(inside, positions.gather(1, column[:, 0])[:, None, :], slot)
-            masks["sliding_attention"] = causal & ((key_position > positions[:, :, None] - self.sliding_window) | ~real[:, :, None])
+            masks["sliding_attention"] = causal & (
+                (key_position > positions[:, :, None] - self.sliding_window) | ~real[:, :, None]
+            )
         low = torch.finfo(self.mask_dtype).min
-        return {kind: torch.zeros(mask.shape, dtype=self.mask_dtype).masked_fill_(~mask, low)[:, None] for kind, mask in masks.items()}
+        return {
+            kind: torch.zeros(mask.shape, dtype=self.mask_dtype).masked_fill_(~mask, low)[:, None]
+            for kind, mask in masks.items()
+        }
 
 
 def _round_up(value: int, step: int) -> int:

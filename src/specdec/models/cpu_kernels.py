@@ -40,7 +40,9 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = "specdec_cpu_kernels_v20"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+BUILD = (
+    "specdec_cpu_kernels_v20"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
+)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -845,7 +847,9 @@ class Packed(torch.nn.Module, abc.ABC):
         """Set what the buffers imply (after ``restore``)."""
 
 
-CHUNK = 4096  # weight rows quantized at a time (a multiple of BLOCK): a layer's temporaries stay small, whatever its size
+CHUNK = (
+    4096  # weight rows quantized at a time (a multiple of BLOCK): a layer's temporaries stay small, whatever its size
+)
 
 
 class _Packer(Packed):
@@ -855,7 +859,9 @@ class _Packer(Packed):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         if weight.dim() != 2 or 0 in weight.shape:
-            raise ValueError(f"an {self.format} layer's weight must be a non-empty matrix, not of shape {tuple(weight.shape)}")
+            raise ValueError(
+                f"an {self.format} layer's weight must be a non-empty matrix, not of shape {tuple(weight.shape)}"
+            )
         self.out_features, self.in_features = weight.shape
         self.check_width(self.in_features)
         blocks = -(-self.out_features // BLOCK)
@@ -863,7 +869,9 @@ class _Packer(Packed):
         for start in range(0, self.out_features, CHUNK):
             chunk = weight[start : start + CHUNK].detach().float()
             if not bool(torch.isfinite(chunk).all()):
-                raise ValueError(f"an {self.format} layer's weight holds NaN or infinite values: the model file is damaged")
+                raise ValueError(
+                    f"an {self.format} layer's weight holds NaN or infinite values: the model file is damaged"
+                )
             pad = -len(chunk) % BLOCK  # zero outputs up to a whole block, cut off again by linear()
             for name, part in self.pack(torch.nn.functional.pad(chunk, (0, 0, 0, pad))).items():
                 if name not in buffers:
@@ -948,8 +956,11 @@ class PackedInt4(_Packer):
         def per_block(values: torch.Tensor) -> torch.Tensor:
             return values.to(torch.float16).reshape(blocks, BLOCK, groups).transpose(1, 2)
 
-        return {"packed": nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256), "steps": per_block(step),
-                "minima": per_block(least)}
+        return {
+            "packed": nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256),
+            "steps": per_block(step),
+            "minima": per_block(least),
+        }
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The integers u [out, in] (uint8) and the steps and minima [out, in / 32] (float32)."""
@@ -1022,7 +1033,9 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
 def linear(x: torch.Tensor, weights: Packed) -> torch.Tensor:
     """``x @ W.T`` in float32 with packed weights and int8 activations (see the module's docstring), for x [..., in]."""
     if x.shape[-1] != weights.in_features:
-        raise ValueError(f"an {weights.format} layer of {weights.in_features} inputs got activations of width {x.shape[-1]}")
+        raise ValueError(
+            f"an {weights.format} layer of {weights.in_features} inputs got activations of width {x.shape[-1]}"
+        )
     rows = x.reshape(-1, weights.in_features).float().contiguous()
     kernel = compiled() if rows.device.type == "cpu" else None
     if kernel is not None:
@@ -1058,8 +1071,10 @@ def attention(
         raise RuntimeError("the attention kernel is not built on this machine")
     _on_cpu(q, k, v)
     if k.shape[1:] != (cache.kv_heads, cache.head_dim) or v.shape != k.shape:
-        raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} do not fit the cache's pages "
-                         f"([n, {cache.kv_heads}, {cache.head_dim}])")
+        raise ValueError(
+            f"keys {tuple(k.shape)} and values {tuple(v.shape)} do not fit the cache's pages "
+            f"([n, {cache.kv_heads}, {cache.head_dim}])"
+        )
     chain = visible is None  # the kernel reads empty tensors as a chain
     mask = torch.empty(0, dtype=torch.uint8) if chain else visible.to(torch.uint8).contiguous()
     where = torch.empty(0, dtype=torch.long) if chain else positions.to(torch.long).contiguous()
@@ -1117,7 +1132,9 @@ class PagedCache:
         last len(branch) of them are the states at those indices."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
-        if branch and (len(branch) > length or branch != sorted(set(branch)) or branch[-1] >= self.length or branch[0] < 0):
+        if branch and (
+            len(branch) > length or branch != sorted(set(branch)) or branch[-1] >= self.length or branch[0] < 0
+        ):
             raise ValueError(
                 f"a tree path {branch} cannot end a cache of {length} positions: its cached positions ascend, "
                 f"below {self.length}"
@@ -1174,7 +1191,9 @@ NON_FINITE = (
 
 def _on_cpu(*tensors: torch.Tensor) -> None:
     if any(t.device.type != "cpu" for t in tensors):
-        raise ValueError("the native kernels compute on the CPU: pass CPU tensors (elsewhere use --backend transformers)")
+        raise ValueError(
+            "the native kernels compute on the CPU: pass CPU tensors (elsewhere use --backend transformers)"
+        )
 
 
 def _call(function, *args):
@@ -1208,7 +1227,9 @@ def variant() -> str | None:
     if forced:
         if forced not in VARIANTS or not set(VARIANTS[forced][0]) <= flags:
             runs = [name for name, (needs, _) in VARIANTS.items() if set(needs) <= flags]
-            log.warning("%s=%s is not a kernel build this CPU runs (%s): ignored", FORCE, forced, ", ".join(runs) or "none")
+            log.warning(
+                "%s=%s is not a kernel build this CPU runs (%s): ignored", FORCE, forced, ", ".join(runs) or "none"
+            )
         else:
             return forced
     return next((name for name, (needs, _) in VARIANTS.items() if set(needs) <= flags), None)
@@ -1230,7 +1251,11 @@ def build_folder(name: str | None = None) -> Path:
     from specdec.models.registry import cache_root
 
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return cache_root() / "kernels" / f"{module_name(name or variant() or 'avx512')}-torch{torch.__version__.split('+')[0]}-{python}"
+    return (
+        cache_root()
+        / "kernels"
+        / f"{module_name(name or variant() or 'avx512')}-torch{torch.__version__.split('+')[0]}-{python}"
+    )
 
 
 def is_built(name: str | None = None) -> bool:
@@ -1260,7 +1285,9 @@ def _load():
             return build(name=name), None
         except KernelBuildError as exc:  # unwritable cache, no compiler, a compile error
             failures.append(f"{name}: {exc}")
-    log.warning("specdec's CPU kernels are not available, so native layers use their exact float64 reference: %s", failures[0])
+    log.warning(
+        "specdec's CPU kernels are not available, so native layers use their exact float64 reference: %s", failures[0]
+    )
     return None, f"the kernels' build failed: {'; '.join(failures)}"
 
 
@@ -1276,7 +1303,9 @@ def build(wait_s: float = BUILD_WAIT_S, name: str | None = None):
 
     name = name or variant()
     if name is None:
-        raise KernelBuildError("this CPU lacks AVX2, FMA and F16C (x86) or SDOT (ARM): the native kernels cannot run here")
+        raise KernelBuildError(
+            "this CPU lacks AVX2, FMA and F16C (x86) or SDOT (ARM): the native kernels cannot run here"
+        )
     folder = build_folder(name)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -1290,7 +1319,11 @@ def build(wait_s: float = BUILD_WAIT_S, name: str | None = None):
                 log.warning("removing %s, left by a kernel build that was stopped midway", stale)
                 stale.unlink()
         if not is_built(name):
-            log.warning("compiling specdec's CPU kernels (%s) for this machine, once (under a minute; cached in %s)", name, folder)
+            log.warning(
+                "compiling specdec's CPU kernels (%s) for this machine, once (under a minute; cached in %s)",
+                name,
+                folder,
+            )
         try:
             return load_inline(
                 module_name(name),

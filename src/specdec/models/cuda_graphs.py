@@ -36,7 +36,9 @@ class CudaGraphs:
     def clear(self) -> None:
         self.graphs.clear()
 
-    def run(self, shape: tuple[int, ...], inputs: Inputs, forward: Callable[[Inputs], torch.Tensor]) -> torch.Tensor | None:
+    def run(
+        self, shape: tuple[int, ...], inputs: Inputs, forward: Callable[[Inputs], torch.Tensor]
+    ) -> torch.Tensor | None:
         """The forward's output through the graph of ``shape`` (recorded now if new); None if graphs cannot be used here."""
         if self.failed:
             return None
@@ -53,14 +55,20 @@ class CudaGraphs:
         self.replays += 1
         return output.clone()  # the next replay overwrites the graph's output buffer
 
-    def _record(self, inputs: Inputs, forward: Callable[[Inputs], torch.Tensor]) -> tuple[Replayable, Inputs, torch.Tensor] | None:
+    def _record(
+        self, inputs: Inputs, forward: Callable[[Inputs], torch.Tensor]
+    ) -> tuple[Replayable, Inputs, torch.Tensor] | None:
         # The graph reads only these static copies (refreshed in place before each replay) and buffers that outlive it.
         static = {name: tensor.clone() for name, tensor in inputs.items()}
         try:
             graph, output = self.capture(partial(forward, static))
         except RuntimeError as exc:  # an operation that cannot be captured (a host sync in the model's code)
             self.failed = True
-            warnings.warn(f"CUDA graph capture failed ({exc}); the batched backend runs without graphs", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"CUDA graph capture failed ({exc}); the batched backend runs without graphs",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             return None
         return graph, static, output
 

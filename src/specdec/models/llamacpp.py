@@ -171,7 +171,9 @@ class LlamaCppBackend:
     decoding computes (bit-identical greedy output) at the price of the batching speed-up.
     """
 
-    def __init__(self, gguf: str, threads: int | None = None, context: int = 4096, batch: int = 512, ubatch: int | None = None) -> None:
+    def __init__(
+        self, gguf: str, threads: int | None = None, context: int = 4096, batch: int = 512, ubatch: int | None = None
+    ) -> None:
         llama_cpp = require_llama_cpp()
         threads = threads or os.cpu_count() or 1
         self._lib = llama_cpp
@@ -188,7 +190,9 @@ class LlamaCppBackend:
         )
         self.threads = threads
         self.trees = False
-        self.identity = f"llama.cpp|{os.path.abspath(gguf)}|{os.path.getsize(gguf)}|threads={threads}|ubatch={ubatch or batch}"
+        self.identity = (
+            f"llama.cpp|{os.path.abspath(gguf)}|{os.path.getsize(gguf)}|threads={threads}|ubatch={ubatch or batch}"
+        )
         self.vocab_size: int = self.llama.n_vocab()
         self.max_context: int = self.llama.n_ctx()
         self._batch_size = batch
@@ -229,7 +233,9 @@ class LlamaCppBackend:
 
             tensor = next(t for t in GGUFReader(self.gguf).tensors if t.name == "token_embd.weight")
             rows = dequantize(tensor.data, tensor.tensor_type).reshape(self.vocab_size, -1)
-            scale = self.llama.n_embd() ** 0.5 if "gemma" in self.llama.metadata.get("general.architecture", "") else 1.0
+            scale = (
+                self.llama.n_embd() ** 0.5 if "gemma" in self.llama.metadata.get("general.architecture", "") else 1.0
+            )
             self._embedding = (torch.from_numpy(np.ascontiguousarray(rows)).to(torch.bfloat16), scale)
         table, scale = self._embedding
         return lambda ids: table[ids.cpu()].float() * scale
@@ -251,16 +257,22 @@ class LlamaCppBackend:
         if features != self._embeddings:
             self._lib.llama_set_embeddings(self.llama.ctx, features)
             self._embeddings = features
-        kept = count if last is None else min(last, count)  # logits rows returned: with features every row is computed, few kept
+        kept = (
+            count if last is None else min(last, count)
+        )  # logits rows returned: with features every row is computed, few kept
         pieces, states = [], []
         for start in range(0, count, self._batch_size):
             outputs = self._decode(ids[start : start + self._batch_size], start, first_output=count - wanted)
             if outputs:
                 pointer = self._lib.llama_get_logits(self.llama.ctx)
                 if not pointer:
-                    raise RuntimeError("this llama.cpp build returns no logits while it returns hidden states: upgrade llama-cpp-python")
+                    raise RuntimeError(
+                        "this llama.cpp build returns no logits while it returns hidden states: upgrade llama-cpp-python"
+                    )
                 first_row = max(count - wanted, start)  # the position of this chunk's first logits row
-                view = np.ctypeslib.as_array(pointer, shape=(outputs, self.vocab_size))[max(0, count - kept - first_row) :]
+                view = np.ctypeslib.as_array(pointer, shape=(outputs, self.vocab_size))[
+                    max(0, count - kept - first_row) :
+                ]
                 final = start + self._batch_size >= count
                 if len(view):
                     pieces.append(view if final else view.copy())  # the next chunk's decode overwrites the buffer

@@ -61,7 +61,12 @@ class Layer:
     biases: dict[str, torch.Tensor]  # float32, for the linear layers that have one (Qwen2's qkv)
 
 
-LINEARS = {"qkv": ("q_proj", "k_proj", "v_proj"), "out": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+LINEARS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "out": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 Tensors = Callable[[str], "torch.Tensor | None"]  # a checkpoint's tensor by its transformers name, None if it has none
 
 
@@ -92,7 +97,9 @@ class NativeModel:
         self._rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
-    def convert(cls, config, tensors: Tensors, format: str = "int8", progress: Callable[[int, int], None] | None = None):
+    def convert(
+        cls, config, tensors: Tensors, format: str = "int8", progress: Callable[[int, int], None] | None = None
+    ):
         """Pack a checkpoint's weights (``tensors``, fetched one at a time) into ``format`` (int8 or int4). The output
         head stays int8 in either (as llama.cpp's 4-bit mixes keep theirs at 6-8 bits): 4-bit logits cost too much."""
         if format not in FORMATS:
@@ -113,7 +120,9 @@ class NativeModel:
         source = fetch("model.embed_tokens.weight", required=False)  # an eagle head has none: it is fed vectors
         head = fetch("lm_head.weight", required=not config.tie_word_embeddings)
         if head is None and source is None:
-            raise ConfigError("the checkpoint has neither an output head nor an input embedding: use --backend transformers")
+            raise ConfigError(
+                "the checkpoint has neither an output head nor an input embedding: use --backend transformers"
+            )
         head = PackedInt8(source if head is None else head)  # tied: the output head is the input embedding
         embedding = None if source is None else source.to(torch.bfloat16)
         del source  # packed first, so only one copy of the largest matrix is ever held
@@ -139,7 +148,9 @@ class NativeModel:
                 progress(index + 1, config.num_hidden_layers)
         final_norm = fetch("model.norm.weight").float() + offset
         name = f"{config.name_or_path or config.model_type}"
-        return cls(shape, name, embedding, layers, final_norm, head, counted[0], _rotary_frequencies(config, shape), format)
+        return cls(
+            shape, name, embedding, layers, final_norm, head, counted[0], _rotary_frequencies(config, shape), format
+        )
 
     @classmethod
     def from_module(cls, model: PreTrainedModel, format: str = "int8") -> NativeModel:
@@ -171,15 +182,24 @@ class NativeModel:
         are derived from the config again, the weights come from the state."""
         shape = _shape(config)
         layers = [
-            Layer(**{part: Packed.restore(layer[part]) for part in LINEARS}, norms=layer["norms"], biases=layer["biases"])
+            Layer(
+                **{part: Packed.restore(layer[part]) for part in LINEARS}, norms=layer["norms"], biases=layer["biases"]
+            )
             for layer in state["layers"]
         ]
         head, inverse = Packed.restore(state["head"]), _rotary_frequencies(config, shape)
         weights, format = state["weights"], state["format"]
-        return cls(shape, state["name"], state["embedding"], layers, state["final_norm"], head, weights, inverse, format)
+        return cls(
+            shape, state["name"], state["embedding"], layers, state["final_norm"], head, weights, inverse, format
+        )
 
     def forward(
-        self, tokens: torch.Tensor, cache: PagedCache, last: int, visible: torch.Tensor | None = None, features: bool = False
+        self,
+        tokens: torch.Tensor,
+        cache: PagedCache,
+        last: int,
+        visible: torch.Tensor | None = None,
+        features: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [last, V] of the last ``last`` of ``tokens`` [n], appended to ``cache`` at its length; with ``features``
         also every position's final hidden state [n, H] (what the output head reads), else None. ``tokens`` may also be
@@ -202,7 +222,10 @@ class NativeModel:
             q, k, v = qkv.split([q_width, kv_width, kv_width], dim=1)
             q, k, v = q.view(n, shape.heads, -1), k.view(n, shape.kv_heads, -1), v.view(n, shape.kv_heads, -1)
             if "q_norm" in norms:
-                q, k = cpu_kernels.rms_norm(q, norms["q_norm"], shape.eps), cpu_kernels.rms_norm(k, norms["k_norm"], shape.eps)
+                q, k = (
+                    cpu_kernels.rms_norm(q, norms["q_norm"], shape.eps),
+                    cpu_kernels.rms_norm(k, norms["k_norm"], shape.eps),
+                )
             cos, sin = rotary[shape.rotary[index]]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             window = shape.windows[index]
@@ -268,7 +291,9 @@ class NativeBackend:
     def identity(self) -> str:
         model = self.model
         cache, threads = self.cache.dtype, torch.get_num_threads()
-        return f"native|{model.name}|{model.weights}|{model.format}|kv={cache}|{cpu_kernels.BUILD}|cpu|threads={threads}"
+        return (
+            f"native|{model.name}|{model.weights}|{model.format}|kv={cache}|{cpu_kernels.BUILD}|cpu|threads={threads}"
+        )
 
     @property
     def cached_length(self) -> int:
@@ -290,7 +315,9 @@ class NativeBackend:
     ) -> torch.Tensor:
         batch, n = tokens.shape
         if batch != 1:
-            raise ConfigError("the native backend decodes one sequence at a time: use --backend transformers for batches")
+            raise ConfigError(
+                "the native backend decodes one sequence at a time: use --backend transformers for batches"
+            )
         if self.cache.length + n > self.max_context:
             raise ValueError(f"{self.cache.length + n} positions exceed the model's context of {self.max_context}")
         visible = None if tree is None else tree_mask(n, tree)
@@ -346,11 +373,19 @@ def _shape(config) -> Shape:
     for rope in ropes.values():
         if (kind := rope.get("rope_type", "default")) not in ROPE_TYPES:
             kinds = ", ".join(ROPE_TYPES)
-            raise ConfigError(f"the native backend's rotary embeddings are {kinds}, not {kind!r}: use --backend transformers")
+            raise ConfigError(
+                f"the native backend's rotary embeddings are {kinds}, not {kind!r}: use --backend transformers"
+            )
         if (part := rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ConfigError(f"the native backend rotates whole heads, not a share of {part}: use --backend transformers")
+            raise ConfigError(
+                f"the native backend rotates whole heads, not a share of {part}: use --backend transformers"
+            )
     if gemma:
-        scale, embed_scale, softcap = config.query_pre_attn_scalar**-0.5, config.hidden_size**0.5, config.final_logit_softcapping
+        scale, embed_scale, softcap = (
+            config.query_pre_attn_scalar**-0.5,
+            config.hidden_size**0.5,
+            config.final_logit_softcapping,
+        )
         if config.attn_logit_softcapping is not None:
             raise ConfigError("the native backend does not cap attention logits: use --backend transformers")
     else:
@@ -359,8 +394,14 @@ def _shape(config) -> Shape:
             raise ConfigError(f"the native backend's MLP is SwiGLU, not {act!r}: use --backend transformers")
         scale, embed_scale, softcap = head_dim**-0.5, 1.0, None
     if head_dim % 16:
-        raise ConfigError(f"the native backend needs a head size that is a multiple of 16, not {head_dim}: use --backend transformers")
-    widths = {"hidden": config.hidden_size, "FFN": config.intermediate_size, "attention": config.num_attention_heads * head_dim}
+        raise ConfigError(
+            f"the native backend needs a head size that is a multiple of 16, not {head_dim}: use --backend transformers"
+        )
+    widths = {
+        "hidden": config.hidden_size,
+        "FFN": config.intermediate_size,
+        "attention": config.num_attention_heads * head_dim,
+    }
     if odd := {name: width for name, width in widths.items() if width % 32}:
         shown = ", ".join(f"{name} {width}" for name, width in odd.items())
         raise ConfigError(f"the native formats need widths in multiples of 32, not {shown}: use --backend transformers")

@@ -125,7 +125,9 @@ def gguf_reader(path: Path, config) -> Tensors:
         raise ConfigError(f"the tensors of {path} ({architecture}) cannot be mapped to the model's ({exc})") from None
     names = {ours: theirs for theirs, ours in mapped.items()}
     # Where each tensor lies and how it is laid out; the reader's arrays map the whole file, so none is kept.
-    entries = {e.name: (int(e.data_offset), int(e.n_bytes), e.data.dtype, e.data.shape, e.tensor_type) for e in reader.tensors}
+    entries = {
+        e.name: (int(e.data_offset), int(e.n_bytes), e.data.dtype, e.data.shape, e.tensor_type) for e in reader.tensors
+    }
     del reader, skeleton
 
     def read(name: str) -> torch.Tensor | None:
@@ -145,7 +147,9 @@ def gguf_reader(path: Path, config) -> Tensors:
         try:
             values = _dequantized(raw.view(dtype).reshape(shape), kind)
         except NotImplementedError:
-            raise ConfigError(f"tensor {gguf_name} is {kind.name}, which gguf cannot de-quantize: use --backend llama.cpp") from None
+            raise ConfigError(
+                f"tensor {gguf_name} is {kind.name}, which gguf cannot de-quantize: use --backend llama.cpp"
+            ) from None
         values = processor.process(weights=values, name=gguf_name).weights
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
@@ -184,7 +188,10 @@ def gguf_metadata(path: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # noqa: BLE001 - any failure of transformers' conversion of a GGUF vocabulary
         log.warning("no tokenizer could be built from %s (%s): the model runs on token ids", path, exc)
-        tokenizer, folder = None, Path(tempfile.mkdtemp(prefix="specdec-gguf-config-"))  # not kept: tried again next time
+        tokenizer, folder = (
+            None,
+            Path(tempfile.mkdtemp(prefix="specdec-gguf-config-")),
+        )  # not kept: tried again next time
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     try:

@@ -57,10 +57,10 @@ from specdec.models import cpu_kernels
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PADDED_ATTENTION = "specdec_padded_eager"
-KEY_BLOCK = 64  # keys are padded to a multiple of this and weigh values this many at a time (float16 needs a multiple of 4)
-ROW_BLOCK = (
-    16  # rows per 16-bit matmul call: with AMX, bfloat16 products of about 32 rows and more take a kernel that rounds rows otherwise
+KEY_BLOCK = (
+    64  # keys are padded to a multiple of this and weigh values this many at a time (float16 needs a multiple of 4)
 )
+ROW_BLOCK = 16  # rows per 16-bit matmul call: with AMX, bfloat16 products of about 32 rows and more take a kernel that rounds rows otherwise
 
 
 def padded_eager_attention(
@@ -89,7 +89,9 @@ def padded_eager_attention(
     key, kv_values = (F.pad(x, (0, 0, 0, pad)) for x in (key, value))  # kv_values: one per key-value head
     key, value = key.repeat_interleave(groups, dim=1), kv_values.repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    given = torch.zeros(1, 1, 1, 1, dtype=query.dtype, device=query.device) if attention_mask is None else attention_mask
+    given = (
+        torch.zeros(1, 1, 1, 1, dtype=query.dtype, device=query.device) if attention_mask is None else attention_mask
+    )
     mask = given.expand(query.shape[0], 1, query.shape[2], keys)  # broadcast dims made whole
     # Decoding (one query) and no mask: one run of keys.
     nodes = [] if query.shape[2] == 1 or attention_mask is None else _tree_nodes(attention_mask, mask)
@@ -145,9 +147,14 @@ def _tree_nodes(given: torch.Tensor, mask: torch.Tensor) -> list[_NodeGroup]:
             inside = torch.arange(width, device=mask.device) < lengths[:, None]
             in_place = (order == torch.arange(width, device=mask.device)) | ~inside  # a key where decoding has it too
             shared = int(in_place.all(0).int().cumprod(0).sum()) // KEY_BLOCK
-            padding = torch.zeros(inside.shape, dtype=mask.dtype, device=mask.device).masked_fill_(~inside, torch.finfo(mask.dtype).min)
+            padding = torch.zeros(inside.shape, dtype=mask.dtype, device=mask.device).masked_fill_(
+                ~inside, torch.finfo(mask.dtype).min
+            )
             groups.append(_NodeGroup(row, start, queries, order.where(inside, 0), padding, shared))
-    _LAYOUTS[:] = [(weakref.ref(given), groups), *[entry for entry in _LAYOUTS if entry[0]() is not None][: LAYOUTS_KEPT - 1]]
+    _LAYOUTS[:] = [
+        (weakref.ref(given), groups),
+        *[entry for entry in _LAYOUTS if entry[0]() is not None][: LAYOUTS_KEPT - 1],
+    ]
     return groups
 
 
@@ -177,8 +184,12 @@ def _attend(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     weights = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(query.dtype)
-    rows = [torch.arange(2, device=query.device) if lone else g.queries for g in nodes]  # a lone node is both rows of its pair
-    layouts = [(g.keys.repeat(2, 1), g.mask.repeat(2, 1)) if lone else (g.keys, g.mask) for g in nodes]  # per row: keys, padding
+    rows = [
+        torch.arange(2, device=query.device) if lone else g.queries for g in nodes
+    ]  # a lone node is both rows of its pair
+    layouts = [
+        (g.keys.repeat(2, 1), g.mask.repeat(2, 1)) if lone else (g.keys, g.mask) for g in nodes
+    ]  # per row: keys, padding
     in_order = []  # each group's weights over its keys in order [heads, nodes, width]
     for g, r, (order, padding) in zip(nodes, rows, layouts, strict=True):
         node_scores = scores[g.row][:, r].gather(-1, order.expand(scores.shape[1], -1, -1))
@@ -197,10 +208,16 @@ def _attend(
         for k in range(g.shared * KEY_BLOCK, g.keys.shape[1], KEY_BLOCK):
             # Per node and key-value head: the weights of the heads sharing it [rows, block] times its values [block, dim],
             # the heads as rows of one product (a node alone as two rows, as decoding computes a lone query).
-            gathered = kv_values[g.row].index_select(1, g.keys[:, k : k + KEY_BLOCK].flatten()).unflatten(1, (n, KEY_BLOCK))
-            node_weights = in_order[i][:, :n, k : k + KEY_BLOCK].unflatten(0, (kv_heads, -1)).transpose(1, 2)  # [kv, n, heads/kv, block]
+            gathered = (
+                kv_values[g.row].index_select(1, g.keys[:, k : k + KEY_BLOCK].flatten()).unflatten(1, (n, KEY_BLOCK))
+            )
+            node_weights = (
+                in_order[i][:, :n, k : k + KEY_BLOCK].unflatten(0, (kv_heads, -1)).transpose(1, 2)
+            )  # [kv, n, heads/kv, block]
             pair = node_weights.shape[2] == 1
-            part = torch.matmul(node_weights.repeat(1, 1, 2, 1) if pair else node_weights, gathered)  # [kv, n, rows, dim]
+            part = torch.matmul(
+                node_weights.repeat(1, 1, 2, 1) if pair else node_weights, gathered
+            )  # [kv, n, rows, dim]
             part = (part[:, :, :1] if pair else part).transpose(1, 2).reshape(heads, n, -1)
             node_out = node_out + (part.repeat(1, 2, 1) if lone else part).float()
         out[g.row][:, rows[i]] = node_out  # type: ignore[index]
@@ -243,7 +260,9 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         weight = linear.weight.detach().float()
         self.format = fmt
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = (
+            None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
+        )
         self.in_features, self.out_features = linear.in_features, linear.out_features
         if fmt == "int8a8":
             self.packed = cpu_kernels.PackedInt8(weight)
@@ -260,7 +279,9 @@ class QuantizedLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The dequantised weight (a bfloat16 copy: for inspection and slicing rows, not for the forward pass)."""
         if self.format == "int8a8":
-            return (self.packed.unpacked().float() * self.packed.scale.reshape(-1)[: self.out_features, None]).to(torch.bfloat16)
+            return (self.packed.unpacked().float() * self.packed.scale.reshape(-1)[: self.out_features, None]).to(
+                torch.bfloat16
+            )
         return (self.weight_q.to(torch.bfloat16) * self.scale[:, None]).to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -287,7 +308,9 @@ def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
     if getattr(model, "specdec_precision", None) == plan.describe():
         return model  # already converted (a model shared between specdec and transformers' own methods)
     if hasattr(model, "specdec_precision"):
-        raise ConfigError(f"this model already runs the precision plan {model.specdec_precision}: load it again for another plan")
+        raise ConfigError(
+            f"this model already runs the precision plan {model.specdec_precision}: load it again for another plan"
+        )
     if "int8a8" in (plan.attention, plan.ffn, plan.head):
         cpu_kernels.compiled()  # built now (about 30 s the first time), not inside the first request
     residual = torch.float32 if "float32" in (plan.attention, plan.ffn, plan.head) else torch.bfloat16

@@ -91,7 +91,9 @@ DRAFTS_FOLDER = Path(__file__).resolve().parent.parent / "data" / "drafts"  # di
 
 def bundled_draft(target: str, kind: str = "") -> Path | None:
     """The draft distilled for a bundled target and shipped with specdec, if there is one; ``kind`` "eagle": its eagle head."""
-    if target not in ALIASES:  # a folder or file name; never joined onto the drafts folder (an absolute path would replace it)
+    if (
+        target not in ALIASES
+    ):  # a folder or file name; never joined onto the drafts folder (an absolute path would replace it)
         return None
     folder = DRAFTS_FOLDER / (f"{target}-{kind}" if kind else target)
     return folder if (folder / "config.json").is_file() else None
@@ -115,7 +117,9 @@ def is_cached(source: ModelSource) -> bool:
 def resolve(name: str) -> ModelSource:
     """Turn a user-given model name into a source, or raise a clear error."""
     if not name or not name.strip():
-        raise ModelNotFoundError("model name is empty: pass a bundled alias (see `specdec models`), a folder, a .gguf file or a hub id")
+        raise ModelNotFoundError(
+            "model name is empty: pass a bundled alias (see `specdec models`), a folder, a .gguf file or a hub id"
+        )
     if name in ALIASES:
         alias = ALIASES[name]
         return ModelSource(name, "alias", name, alias.cache_key)

@@ -59,7 +59,9 @@ def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig
         fallback = opened
         if runtime.backend == "native":
             raise ConfigError(fallback)
-    loaded = load_model(model, dtype="float32" if runtime.precision else runtime.dtype) if isinstance(model, str) else model
+    loaded = (
+        load_model(model, dtype="float32" if runtime.precision else runtime.dtype) if isinstance(model, str) else model
+    )
     if runtime.precision is not None:
         apply_plan(loaded.model, runtime.precision)
     return Target(loaded.name, TransformersBackend(loaded.model), loaded.tokenizer, eos_ids(loaded), fallback=fallback)
@@ -140,7 +142,9 @@ def gguf_path(name: str) -> str:
         return str(ALIASES[source.location].locate_gguf())
     if source.kind == "gguf":
         return source.location
-    raise ConfigError(f"the llama.cpp backend reads GGUF files: '{name}' is a {source.kind}; pass a .gguf file or a bundled alias")
+    raise ConfigError(
+        f"the llama.cpp backend reads GGUF files: '{name}' is a {source.kind}; pass a .gguf file or a bundled alias"
+    )
 
 
 def eos_ids(model: LoadedModel) -> frozenset[int]:

@@ -31,7 +31,11 @@ class Loop:
 
 
 def find_loop(
-    tokens: Sequence[int], repeats: int = 3, min_span: int = 24, max_unit: int = 64, ignorable: frozenset[int] = frozenset()
+    tokens: Sequence[int],
+    repeats: int = 3,
+    min_span: int = 24,
+    max_unit: int = 64,
+    ignorable: frozenset[int] = frozenset(),
 ) -> Loop | None:
     """The loop ``tokens`` ends in, or None.
 
@@ -185,6 +189,8 @@ class Guards:
 
     def settle(self, at: int, accepted: int, anchored: bool) -> list[dict[str, object]]:
         """Events of the step just decided, whose first new token is output token ``at``: loops blocked where output was kept, an anchor."""
-        events: list[dict[str, object]] = [{"kind": "loop_blocked", "at": at + i} for i in self._blocked if i <= accepted]
+        events: list[dict[str, object]] = [
+            {"kind": "loop_blocked", "at": at + i} for i in self._blocked if i <= accepted
+        ]
         self._blocked = []
         return events + ([{"kind": "anchor", "at": at}] if anchored else [])

@@ -36,7 +36,9 @@ def repeated_ngram_share(tokens: Sequence[int], n: int = 4, start: int = 0, end:
     return repeated / (end - start) if end > start else 0.0
 
 
-def looping(tokens: Sequence[int], guards: GuardConfig = GuardConfig(), ignorable: frozenset[int] = frozenset()) -> list[bool]:
+def looping(
+    tokens: Sequence[int], guards: GuardConfig = GuardConfig(), ignorable: frozenset[int] = frozenset()
+) -> list[bool]:
     """For each prefix length 1..len(tokens): whether the output up to there ends in a loop."""
     return [
         find_loop(tokens[:i], guards.loop_repeats, guards.loop_min_span, guards.loop_max_unit, ignorable) is not None
@@ -44,7 +46,9 @@ def looping(tokens: Sequence[int], guards: GuardConfig = GuardConfig(), ignorabl
     ]
 
 
-def loop_onsets(tokens: Sequence[int], guards: GuardConfig = GuardConfig(), ignorable: frozenset[int] = frozenset()) -> list[int]:
+def loop_onsets(
+    tokens: Sequence[int], guards: GuardConfig = GuardConfig(), ignorable: frozenset[int] = frozenset()
+) -> list[int]:
     """Positions where the output starts ending in a loop (find_loop turns from None to a loop)."""
     return onsets(looping(tokens, guards, ignorable))
 
@@ -63,7 +67,9 @@ def negated(sentence: str) -> bool:
     return any(w in NEGATIONS or w.endswith("n't") for w in words)
 
 
-def contradiction_pairs(embedder: SentenceEmbedder, text: str, min_similarity: float = 0.8) -> list[tuple[str, str, float]]:
+def contradiction_pairs(
+    embedder: SentenceEmbedder, text: str, min_similarity: float = 0.8
+) -> list[tuple[str, str, float]]:
     """Sentence pairs that say nearly the same thing (cosine >= min_similarity) where exactly one is negated.
 
     A proxy: it finds "X is Y" against "X is not Y" stated in similar words. It

@@ -32,8 +32,12 @@ class StepOutcome:
     verify_s: float | None = (
         None  # seconds of the step's target forward and verification (the whole batch's); None: not timed, or the step also read the prompt
     )
-    branched: bool = False  # the draft was a tree (some node had two children): its forward cost a tree's, not a chain's
-    draft_steps: int | None = None  # forwards of a drafting model the draft took (Proposal.draft_steps); None: ``proposed``
+    branched: bool = (
+        False  # the draft was a tree (some node had two children): its forward cost a tree's, not a chain's
+    )
+    draft_steps: int | None = (
+        None  # forwards of a drafting model the draft took (Proposal.draft_steps); None: ``proposed``
+    )
 
     def token_nll(self) -> torch.Tensor:
         """Negative log-likelihood of each new token under the target (computed only when asked: it reads the full vocabulary)."""
@@ -279,14 +283,20 @@ class CostModelK:
         self.max_k = max_k
         self._verify_s = [costs(k + 1) for k in range(max_k + 1)]  # the curve is fixed: price each k once
         extra = [tree_overhead(k + 1) if tree_overhead is not None and k >= 2 else 0.0 for k in range(max_k + 1)]
-        self._tree_verify_s = [chain + more for chain, more in zip(self._verify_s, extra, strict=True)]  # k nodes as a tree
+        self._tree_verify_s = [
+            chain + more for chain, more in zip(self._verify_s, extra, strict=True)
+        ]  # k nodes as a tree
         self.estimate = AcceptanceEstimate(decay, prior, prior_weight)
         self._learn_draft_cost = draft_s_per_token is None
         self._draft_s_per_token = draft_s_per_token or 0.0
-        self._tree_draft_s_per_step = self._draft_s_per_token if tree_draft_s_per_step is None else tree_draft_s_per_step
+        self._tree_draft_s_per_step = (
+            self._draft_s_per_token if tree_draft_s_per_step is None else tree_draft_s_per_step
+        )
         self._chosen = 0
         self.min_confidence = 0.0
-        self.calibration = 1.0  # accepted nodes over the drafter's summed scores of the nodes verified: how far to trust its scores
+        self.calibration = (
+            1.0  # accepted nodes over the drafter's summed scores of the nodes verified: how far to trust its scores
+        )
         self._predicted: float | None = None
         self.ways = ways or WayRates()
         self._drafting_tree: bool | None = None  # what this step of a tree row drafts; None: not asked
@@ -307,7 +317,9 @@ class CostModelK:
             draft_s = steps * self._step_price(bool(self._drafting_tree))
         gains = torch.cat([torch.zeros(1), scores.float().cpu().cumsum(0)])[: self.max_k + 1]
         n = len(gains)
-        chain = torch.cat([torch.ones(1, dtype=torch.bool), (parents.cpu()[: n - 1] == torch.arange(-1, n - 2)).cummin(0).values])
+        chain = torch.cat(
+            [torch.ones(1, dtype=torch.bool), (parents.cpu()[: n - 1] == torch.arange(-1, n - 2)).cummin(0).values]
+        )
         verify = torch.where(chain, torch.tensor(self._verify_s[:n]), torch.tensor(self._tree_verify_s[:n]))
         rates = (1 + self.calibration * gains) / (verify + draft_s)
         best = int(rates.argmax())
@@ -354,7 +366,9 @@ class CostModelK:
             priced = (self._tree_verify_s if outcome.branched else self._verify_s)[n]
             verify_s = outcome.verify_s if self._learn_draft_cost and outcome.verify_s is not None else priced
             self.ways.record(tree, outcome.accepted + 1, draft_s + verify_s)
-        if self._predicted:  # the scores' calibration, bounded so that one surprise cannot switch trees off or blow them up
+        if (
+            self._predicted
+        ):  # the scores' calibration, bounded so that one surprise cannot switch trees off or blow them up
             ratio = outcome.accepted / self._predicted
             self.calibration = min(3.0, max(0.2, self.calibration + 0.2 * (ratio - self.calibration)))
         self._predicted = None

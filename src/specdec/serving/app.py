@@ -86,7 +86,8 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
         rid = api.new_id("cmpl")
         if body.stream:
             chunks = _Chunks(
-                lambda text: api.completion_chunk(rid, model, text), lambda finish: api.completion_chunk(rid, model, "", finish)
+                lambda text: api.completion_chunk(rid, model, text),
+                lambda finish: api.completion_chunk(rid, model, "", finish),
             )
             return _stream(job, chunks, prompt_tokens, body.stream_options)
         return JSONResponse(api.completion_body(rid, model, await _result(job, request), prompt_tokens))
@@ -111,7 +112,10 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
     def _check_model(name: str | None) -> None:
         if name not in (None, model):
             raise api.APIError(
-                404, f"The model {api.excerpt(name)} does not exist: this server serves '{model}'", param="model", code="model_not_found"
+                404,
+                f"The model {api.excerpt(name)} does not exist: this server serves '{model}'",
+                param="model",
+                code="model_not_found",
             )
 
     def _check_request(body: api.OpenAIRequest) -> None:
@@ -125,10 +129,14 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
             return await asyncio.to_thread(encode, prompt)
         except ContextLengthError as exc:
             raise api.APIError(400, str(exc), param=field, code="context_length_exceeded") from None
-        except SpecDecError as exc:  # an empty or malformed prompt, a setting this model cannot honour (stop strings without a tokenizer)
+        except (
+            SpecDecError
+        ) as exc:  # an empty or malformed prompt, a setting this model cannot honour (stop strings without a tokenizer)
             raise api.APIError(400, str(exc), param=field) from None
 
-    async def _submit(body: api.OpenAIRequest, prompt: str | list[int], field: str, budget: int | None) -> tuple[Job, int]:
+    async def _submit(
+        body: api.OpenAIRequest, prompt: str | list[int], field: str, budget: int | None
+    ) -> tuple[Job, int]:
         max_tokens = budget or config.default_max_tokens
         try:
             settings = body.generation_config(generator.config, max_tokens)
@@ -230,7 +238,9 @@ class _Gate:
                 await refusal.response(close=True)(scope, receive, tagged)
             else:
                 await self.app(scope, _replay(body, receive), tagged)
-        except Exception:  # a bug: answered here (Starlette's own handler sits outside this gate, so its answer would be untagged)
+        except (
+            Exception
+        ):  # a bug: answered here (Starlette's own handler sits outside this gate, so its answer would be untagged)
             log.exception("request %s %s failed", scope.get("method"), scope.get("path"))
             if status is None:
                 await api.INTERNAL_ERROR.response()(scope, receive, tagged)
@@ -242,9 +252,14 @@ class _Gate:
         headers = dict(scope["headers"])
         host = host_name(headers.get(b"host", b"").decode("latin-1"))
         if self.config.allowed_hosts and scope["path"] != "/health" and host not in self.config.allowed_hosts:
-            raise api.APIError(400, "this server does not answer for the host name in the Host header", code="host_not_allowed")
+            raise api.APIError(
+                400, "this server does not answer for the host name in the Host header", code="host_not_allowed"
+            )
         error = key_refusal(
-            self.config.api_keys, self.config.open_metrics, scope["path"], headers.get(b"authorization", b"").decode("latin-1")
+            self.config.api_keys,
+            self.config.open_metrics,
+            scope["path"],
+            headers.get(b"authorization", b"").decode("latin-1"),
         )
         if error is not None:
             raise error
@@ -256,7 +271,9 @@ class _Gate:
             async with asyncio.timeout(self.config.body_timeout_s):
                 while more:
                     message = await receive()
-                    if message["type"] != "http.request":  # the client left while sending: the app sees that at its next receive
+                    if (
+                        message["type"] != "http.request"
+                    ):  # the client left while sending: the app sees that at its next receive
                         break
                     chunks.append(message.get("body", b""))
                     size += len(chunks[-1])
@@ -269,7 +286,9 @@ class _Gate:
                     more = message.get("more_body", False)
         except TimeoutError:
             raise api.APIError(
-                408, f"the request body did not arrive within {self.config.body_timeout_s:g} s: send it at once", code="request_timeout"
+                408,
+                f"the request body did not arrive within {self.config.body_timeout_s:g} s: send it at once",
+                code="request_timeout",
             ) from None
         return b"".join(chunks)
 
@@ -313,7 +332,8 @@ def _stream(job: Job, chunks: _Chunks, prompt_tokens: int, options: api.StreamOp
                     yield api.sse(chunks.end(api.FINISH[payload.finish_reason]))
                     if options is not None and options.include_usage:
                         yield api.sse(
-                            chunks.end(api.FINISH[payload.finish_reason]) | {"choices": [], "usage": api.usage(prompt_tokens, payload)}
+                            chunks.end(api.FINISH[payload.finish_reason])
+                            | {"choices": [], "usage": api.usage(prompt_tokens, payload)}
                         )
                     yield api.DONE
                     return
@@ -361,16 +381,22 @@ def _validation_error(exc: RequestValidationError) -> api.APIError:
         return api.APIError(400, "the request body is not a valid JSON object")
     if error.get("type") == "missing":
         return api.APIError(400, f"'{path}' is required", param=field)
-    return api.APIError(400, f"'{path}': {error.get('msg', 'invalid value')} (got {api.excerpt(error.get('input'))})", param=field)
+    return api.APIError(
+        400, f"'{path}': {error.get('msg', 'invalid value')} (got {api.excerpt(error.get('input'))})", param=field
+    )
 
 
 def _http_error(request: Request, exc: HTTPException) -> api.APIError:
     if exc.status_code == 404:
-        return api.APIError(404, f"no route {request.method} {api.excerpt(request.url.path)}: the API is under /v1", code="unknown_url")
+        return api.APIError(
+            404, f"no route {request.method} {api.excerpt(request.url.path)}: the API is under /v1", code="unknown_url"
+        )
     if exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "another method")
         return api.APIError(
-            405, f"{request.method} is not allowed on {api.excerpt(request.url.path)}: use {allowed}", code="method_not_allowed"
+            405,
+            f"{request.method} is not allowed on {api.excerpt(request.url.path)}: use {allowed}",
+            code="method_not_allowed",
         )
     if exc.status_code == 400:  # FastAPI could not decode the body (not UTF-8, nested past Python's recursion limit)
         return api.APIError(400, "the request body is not valid JSON: send a UTF-8 JSON object")

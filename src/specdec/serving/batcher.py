@@ -162,7 +162,9 @@ class Batcher:
                 continue
             try:
                 self.generator.admit(self.decoder, job.completion)
-            except SpecDecError as exc:  # the request asks what this engine cannot do (e.g. sampling with a greedy-only drafter)
+            except (
+                SpecDecError
+            ) as exc:  # the request asks what this engine cannot do (e.g. sampling with a greedy-only drafter)
                 job.emit("error", (400, str(exc)))
                 continue
             except Exception as exc:  # noqa: BLE001 - a request the engine cannot take fails alone

@@ -20,18 +20,33 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("specdec_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "specdec_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
+        )
         self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generated_tokens = Counter("specdec_generated_tokens", "Tokens generated for finished requests", registry=r)
+        self.generated_tokens = Counter(
+            "specdec_generated_tokens", "Tokens generated for finished requests", registry=r
+        )
         self.proposed = Counter("specdec_draft_tokens_proposed", "Draft tokens the target judged", registry=r)
         self.accepted = Counter("specdec_draft_tokens_accepted", "Draft tokens the target accepted", registry=r)
-        self.acceptance = Gauge("specdec_acceptance_rate", "Accepted / proposed draft tokens since the server started", registry=r)
+        self.acceptance = Gauge(
+            "specdec_acceptance_rate", "Accepted / proposed draft tokens since the server started", registry=r
+        )
         self.k = Histogram("specdec_k", "Draft tokens chosen per sequence per step", buckets=K_BUCKETS, registry=r)
         self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting for a batch slot", registry=r)
         self.active = Gauge("specdec_active_sequences", "Sequences in the running batch", registry=r)
-        self.cancelled = Counter("specdec_cancelled_requests", "Requests dropped because the client went away", registry=r)
-        self.latency = Histogram("specdec_request_latency_seconds", "From arrival to the last token", buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("specdec_time_to_first_token_seconds", "From arrival to the first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.cancelled = Counter(
+            "specdec_cancelled_requests", "Requests dropped because the client went away", registry=r
+        )
+        self.latency = Histogram(
+            "specdec_request_latency_seconds", "From arrival to the last token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "specdec_time_to_first_token_seconds",
+            "From arrival to the first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self._totals = [0, 0]  # draft tokens proposed, accepted: the acceptance rate's parts
 
     def record(self, completion: Completion, latency_s: float, cancelled: bool) -> None:
@@ -78,9 +93,15 @@ def merge_replicas(snapshots: Mapping[str, bytes]) -> bytes:
     families: dict[str, Metric] = {}
     for replica, text in sorted(snapshots.items()):
         for family in text_string_to_metric_families(text.decode()):
-            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
-            merged.samples += [sample._replace(labels=sample.labels | {"replica": replica}) for sample in family.samples]
-    reporting = GaugeMetricFamily("specdec_replicas_reporting", "Replicas whose metrics this answer includes", value=len(snapshots))
+            merged = families.setdefault(
+                family.name, Metric(family.name, family.documentation, family.type, family.unit)
+            )
+            merged.samples += [
+                sample._replace(labels=sample.labels | {"replica": replica}) for sample in family.samples
+            ]
+    reporting = GaugeMetricFamily(
+        "specdec_replicas_reporting", "Replicas whose metrics this answer includes", value=len(snapshots)
+    )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families([*families.values(), reporting]))
     return generate_latest(registry)

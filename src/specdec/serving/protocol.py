@@ -31,7 +31,9 @@ EXCERPT_CHARS = 60  # an error message quotes at most this much of what the clie
 class APIError(Exception):
     """An error answered to the client in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
@@ -49,7 +51,9 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
-INTERNAL_ERROR = APIError(500, "internal server error (the server's log has the details)")  # a bug: details go to the log only
+INTERNAL_ERROR = APIError(
+    500, "internal server error (the server's log has the details)"
+)  # a bug: details go to the log only
 
 # The drift monitor runs a sentence-embedding model on the decoding thread, which would stall every request of the batch.
 SERVER_GUARDS = tuple(f.name for f in fields(GuardConfig) if not f.name.startswith("drift_"))
@@ -127,7 +131,9 @@ class OpenAIRequest(_Strict):
     def generation_config(self, defaults: GenerationConfig, max_tokens: int) -> GenerationConfig:
         """The library's config for this request; an invalid sampling, guard or acceptance setting raises ConfigError."""
         sampling = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-        plain = self.guards is None and self.typical_acceptance is None  # trees do not combine with guards or typical acceptance
+        plain = (
+            self.guards is None and self.typical_acceptance is None
+        )  # trees do not combine with guards or typical acceptance
         return GenerationConfig(
             k=defaults.k,
             k_policy=defaults.k_policy,
@@ -137,7 +143,9 @@ class OpenAIRequest(_Strict):
             stop=self.stops,
             seed=self.seed,
             stop_on_eos=not self.ignore_eos,
-            guards=_settings(GuardConfig, self.guards, "guards", SERVER_GUARDS) if self.guards is not None else GuardConfig(),
+            guards=_settings(GuardConfig, self.guards, "guards", SERVER_GUARDS)
+            if self.guards is not None
+            else GuardConfig(),
             typical_acceptance=_settings(TypicalAcceptance, self.typical_acceptance, "typical_acceptance")
             if self.typical_acceptance is not None
             else None,
@@ -156,10 +164,14 @@ def _settings(kind: type, given: dict[str, Any], param: str, allowed: tuple[str,
     unknown = sorted(set(given) - set(allowed))
     if unknown:
         raise APIError(
-            400, f"'{param}' has no field {clip(', '.join(repr(u) for u in unknown))} here: use {', '.join(allowed)}", param=param
+            400,
+            f"'{param}' has no field {clip(', '.join(repr(u) for u in unknown))} here: use {', '.join(allowed)}",
+            param=param,
         )
     try:
-        return _adapter(kind).validate_json(json.dumps(given), strict=True)  # JSON mode: arrays are tuples, 8.0 is no int
+        return _adapter(kind).validate_json(
+            json.dumps(given), strict=True
+        )  # JSON mode: arrays are tuples, 8.0 is no int
     except ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in (param, *error["loc"]))
@@ -174,7 +186,11 @@ class CompletionRequest(OpenAIRequest):
 
     def unsupported(self) -> None:
         super().unsupported()
-        for name, ok in (("echo", not self.echo), ("suffix", self.suffix is None), ("best_of", self.best_of in (None, 1))):
+        for name, ok in (
+            ("echo", not self.echo),
+            ("suffix", self.suffix is None),
+            ("best_of", self.best_of in (None, 1)),
+        ):
             if not ok:
                 raise APIError(400, f"'{name}' is not supported by this server: leave it at its default", param=name)
 
@@ -183,13 +199,17 @@ class ChatMessage(_Strict):
     model_config = ConfigDict(extra="allow", strict=True)  # name, tool fields: passed to the chat template as they are
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]  # text, or OpenAI's content parts ({"type": "text", "text": ...}; text parts only)
+    content: (
+        str | list[dict[str, Any]]
+    )  # text, or OpenAI's content parts ({"type": "text", "text": ...}; text parts only)
 
     def for_template(self, index: int) -> dict[str, Any]:
         """The message as a chat template takes it: content as one string (text parts joined)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            message["content"] = "".join(_text_part(part, f"messages.{index}.content.{j}") for j, part in enumerate(self.content))
+            message["content"] = "".join(
+                _text_part(part, f"messages.{index}.content.{j}") for j, part in enumerate(self.content)
+            )
         return message
 
 
@@ -226,7 +246,13 @@ def usage(prompt_tokens: int, result: GenerationResult) -> dict:
 
 def _envelope(rid: str, kind: str, model: str, choice: dict, usage_: dict | None = None) -> dict:
     """OpenAI's frame around one choice: id, object kind, creation time, model (and usage on whole responses)."""
-    body = {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [{"index": 0, **choice, "logprobs": None}]}
+    body = {
+        "id": rid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, **choice, "logprobs": None}],
+    }
     return body if usage_ is None else body | {"usage": usage_}
 
 

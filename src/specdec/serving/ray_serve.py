@@ -23,7 +23,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
-from specdec.config import DEFAULT_DRAFT, BatchConfig, GenerationConfig, PrecisionPlan, RayConfig, RuntimeConfig, ServeConfig
+from specdec.config import (
+    DEFAULT_DRAFT,
+    BatchConfig,
+    GenerationConfig,
+    PrecisionPlan,
+    RayConfig,
+    RuntimeConfig,
+    ServeConfig,
+)
 from specdec.errors import ConfigError, DeploymentError
 from specdec.serving.metrics import RelayMetrics, merge_replicas
 from specdec.serving.relay import Forwarded, call_asgi, relay
@@ -78,7 +86,9 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
             generator = Generator(spec.target, spec.draft, spec.generation, spec.runtime, batch=spec.batch)
             generator.batch_decoder()  # measure (or read the cached) batch costs before the first request
             self.name, self.server = REPLICA, create_app(generator, spec.serve)
-            self.batcher = self.server.state.batcher  # the engine thread: the app's lifespan would start it under a server
+            self.batcher = (
+                self.server.state.batcher
+            )  # the engine thread: the app's lifespan would start it under a server
             self.batcher.start()
 
         async def forward(self, request: Forwarded) -> AsyncIterator[dict]:
@@ -92,12 +102,17 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
             if not self.batcher.alive:
                 raise RuntimeError("the replica's engine thread has stopped")
 
-        def __del__(self) -> None:  # Serve calls it once the replica's requests have drained (or shutdown_timeout_s passed)
+        def __del__(
+            self,
+        ) -> None:  # Serve calls it once the replica's requests have drained (or shutdown_timeout_s passed)
             if hasattr(self, "batcher"):
                 self.batcher.stop(spec.serve.shutdown_timeout_s)
 
     @serve.deployment(
-        name=INGRESS, num_replicas=ray_config.ingress_replicas, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000
+        name=INGRESS,
+        num_replicas=ray_config.ingress_replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=100_000,
     )
     @serve.ingress()
     class Ingress:
@@ -108,7 +123,9 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
 
             self.name, self.metrics = f"ingress-{REPLICA}", RelayMetrics()
             failures = self.metrics.replica_failures
-            self.server = _ingress_app(engine.options(stream=True).forward.remote, replica_failure, overloaded, failures, spec.serve)
+            self.server = _ingress_app(
+                engine.options(stream=True).forward.remote, replica_failure, overloaded, failures, spec.serve
+            )
 
         def __serve_build_asgi_app__(self) -> FastAPI:
             return self.server
@@ -131,12 +148,16 @@ def _ingress_app(
 
     from specdec.serving.app import key_refusal, openai_errors
 
-    app = FastAPI(title="specdec ingress", docs_url=None, redoc_url=None, openapi_url=None)  # the engine's docs are relayed
+    app = FastAPI(
+        title="specdec ingress", docs_url=None, redoc_url=None, openapi_url=None
+    )  # the engine's docs are relayed
     openai_errors(app)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        refusal = key_refusal(config.api_keys, config.open_metrics, "/metrics", request.headers.get("authorization", ""))
+        refusal = key_refusal(
+            config.api_keys, config.open_metrics, "/metrics", request.headers.get("authorization", "")
+        )
         if refusal is not None:
             return refusal.response()
         context = serve.get_replica_context()
@@ -147,10 +168,14 @@ def _ingress_app(
             for deployment in (ENGINE, INGRESS)
         ]
         answers = [answer for answered in await asyncio.gather(*scrapes) for answer in answered]
-        snapshots = dict(answer for answer in answers if isinstance(answer, tuple))  # a replica that failed to answer is left out
+        snapshots = dict(
+            answer for answer in answers if isinstance(answer, tuple)
+        )  # a replica that failed to answer is left out
         return Response(merge_replicas(snapshots), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])  # the replica answers every method
+    @app.api_route(
+        "/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+    )  # the replica answers every method
     async def relayed(request: Request) -> Response:
         return await relay(await Forwarded.of(request), send, replica_failure, ATTEMPTS, failures, overloaded)
 
@@ -232,7 +257,9 @@ def app_builder(args: dict):
     }
     unknown = sorted(set(args) - {key for keys in known.values() for key in keys})
     if unknown:
-        raise ConfigError(f"unknown specdec setting(s) in the Serve config's args: {', '.join(unknown)}; known: {known}")
+        raise ConfigError(
+            f"unknown specdec setting(s) in the Serve config's args: {', '.join(unknown)}; known: {known}"
+        )
 
     def part(name: str) -> dict:
         return {key: args[key] for key in known[name] if key in args}
@@ -246,6 +273,8 @@ def app_builder(args: dict):
         generation=GenerationConfig(**part("generation")),
         runtime=RuntimeConfig(**runtime),
         batch=BatchConfig(**part("batch")),
-        serve=ServeConfig(**part("serve") | {name: tuple(args.get(name, ())) for name in ("api_keys", "allowed_hosts")}),
+        serve=ServeConfig(
+            **part("serve") | {name: tuple(args.get(name, ())) for name in ("api_keys", "allowed_hosts")}
+        ),
     )
     return application(spec, RayConfig(**part("ray")))

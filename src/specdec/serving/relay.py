@@ -113,7 +113,9 @@ async def relay(
         messages = send(request)
         try:  # a whole answer, or a stream's first event: until then, the request can start again elsewhere
             start = await anext(messages)
-            headers = {key.decode(): value.decode() for key, value in start["headers"] if key.lower() != b"content-length"}
+            headers = {
+                key.decode(): value.decode() for key, value in start["headers"] if key.lower() != b"content-length"
+            }
             if headers.get("content-type", "").startswith("text/event-stream"):
                 first = await anext(messages)
                 return StreamingResponse(_rest(first, messages, replica_failure, failures), start["status"], headers)

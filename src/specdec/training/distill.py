@@ -28,14 +28,27 @@ import torch
 from safetensors.torch import load_file
 
 from specdec.config import GenerationConfig
-from specdec.drafters.distilled import ReducedVocabBackend, build_draft, build_exit_draft, own_parameters, read_meta, save_draft
+from specdec.drafters.distilled import (
+    ReducedVocabBackend,
+    build_draft,
+    build_exit_draft,
+    own_parameters,
+    read_meta,
+    save_draft,
+)
 from specdec.drafters.eagle import EagleDrafter, build_eagle, head_forward
 from specdec.drafters.model import ModelDrafter
 from specdec.engine import Generator
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
 from specdec.training.ngram import JSONL_TEXT_FIELDS, corpus_files, documents, jsonl_records, record_text
-from specdec.training.on_policy import chat_template_of, continue_prompts, corpus_prompts, general_prompts, mixed_prompts
+from specdec.training.on_policy import (
+    chat_template_of,
+    continue_prompts,
+    corpus_prompts,
+    general_prompts,
+    mixed_prompts,
+)
 
 TEACHER_FILE = "teacher.pt"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -53,7 +66,9 @@ class DraftArch:
     keep: int = 16384
     init: str = "spread"  # "spread": target layers evenly from first to last; "first": the first ones
     exit: int = 0  # > 0: an exit draft on the target's first `exit` layers
-    eagle: bool = False  # a feature-conditioned head (drafters/eagle.py): `layers` decoder layers on the target's hidden states
+    eagle: bool = (
+        False  # a feature-conditioned head (drafters/eagle.py): `layers` decoder layers on the target's hidden states
+    )
 
     def __str__(self) -> str:
         """The spec :meth:`parse` reads back."""
@@ -87,7 +102,9 @@ class DraftArch:
 
     def layer_ids(self, target_layers: int) -> list[int]:
         if not 1 <= self.layers < target_layers:
-            raise ConfigError(f"a draft needs 1 <= layers < {target_layers} (the target's layer count), got {self.layers}")
+            raise ConfigError(
+                f"a draft needs 1 <= layers < {target_layers} (the target's layer count), got {self.layers}"
+            )
         if self.init == "first" or self.layers == 1:
             return list(range(self.layers))
         return [round(i * (target_layers - 1) / (self.layers - 1)) for i in range(self.layers)]
@@ -111,7 +128,9 @@ class DistillConfig:
     eval_every: int = 100
     checkpoint_every: int = 50
     seed: int = 0
-    init_from: str | None = None  # a draft folder of the same arch to start the draft's own weights from (its kept vocabulary may differ)
+    init_from: str | None = (
+        None  # a draft folder of the same arch to start the draft's own weights from (its kept vocabulary may differ)
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -128,11 +147,15 @@ class DistillConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.general_prompts <= 1.0:
-            raise ConfigError(f"general_prompts is a share of the on-policy prompts, between 0 and 1, got {self.general_prompts}")
+            raise ConfigError(
+                f"general_prompts is a share of the on-policy prompts, between 0 and 1, got {self.general_prompts}"
+            )
         if self.general_prompts and not self.on_policy_tokens:
             raise ConfigError("general_prompts share the on-policy prompts: pass --on-policy-tokens N (> 0) with it")
         if not 0 <= self.on_policy_tokens <= self.teacher_tokens:
-            raise ConfigError(f"on_policy_tokens must be between 0 and teacher_tokens ({self.teacher_tokens}), got {self.on_policy_tokens}")
+            raise ConfigError(
+                f"on_policy_tokens must be between 0 and teacher_tokens ({self.teacher_tokens}), got {self.on_policy_tokens}"
+            )
         if not self.data:
             raise ConfigError("no training data: pass --data with text files, folders or JSONL prompt files")
 
@@ -144,7 +167,9 @@ class TeacherData:
     top_logp: torch.Tensor  # [chunks, seq_len, top_k] float16
     keep_ids: torch.Tensor  # [N] int64
     held_out: int  # the last chunks, never trained on
-    hidden: torch.Tensor | None = None  # [chunks, seq_len, H] bfloat16: the target's final hidden states (eagle heads read them)
+    hidden: torch.Tensor | None = (
+        None  # [chunks, seq_len, H] bfloat16: the target's final hidden states (eagle heads read them)
+    )
 
 
 Progress = Callable[[str, float, float, dict], None]  # phase, done, total, figures
@@ -182,14 +207,22 @@ def collect_tokens(target: LoadedModel, config: DistillConfig, progress: Progres
         drawn = iter(())
         if config.on_policy_tokens:
             general = general_prompts(config.seed)
-            corpus = corpus_prompts(list(config.data), config.seed, chat_template_of(target)) if config.general_prompts < 1 else general
+            corpus = (
+                corpus_prompts(list(config.data), config.seed, chat_template_of(target))
+                if config.general_prompts < 1
+                else general
+            )
             drawn = mixed_prompts(corpus, general, config.general_prompts, config.seed)
         written, started = 0, time.perf_counter()
-        for ids, new in continue_prompts(target, itertools.chain(prompts, drawn), config.continue_tokens, config.generate_batch):
+        for ids, new in continue_prompts(
+            target, itertools.chain(prompts, drawn), config.continue_tokens, config.generate_batch
+        ):
             stream += ids[1:] + eos if ids[:1] == [tokenizer.bos_token_id] else ids + eos
             written += new
             rate = written / max(time.perf_counter() - started, 1e-9)
-            progress("target writing on-policy data", min(len(stream) - corpus_limit, wanted), wanted, {"tokens_per_s": rate})
+            progress(
+                "target writing on-policy data", min(len(stream) - corpus_limit, wanted), wanted, {"tokens_per_s": rate}
+            )
             if len(stream) >= config.teacher_tokens:
                 break
     return stream[: config.teacher_tokens]
@@ -208,16 +241,22 @@ def _texts(path: Path) -> Iterator[str | tuple[str]]:
 
 
 @torch.inference_mode()
-def score_with_teacher(target: LoadedModel, stream: list[int], config: DistillConfig, progress: Progress) -> TeacherData:
+def score_with_teacher(
+    target: LoadedModel, stream: list[int], config: DistillConfig, progress: Progress
+) -> TeacherData:
     """Cut ``stream`` into chunks and keep the target's top-k next-token distribution over the kept vocabulary."""
     chunks = len(stream) // (config.seq_len + 1)
     if chunks < 4:
-        raise ConfigError(f"only {len(stream)} tokens of data: need at least {4 * (config.seq_len + 1)} for --seq-len {config.seq_len}")
+        raise ConfigError(
+            f"only {len(stream)} tokens of data: need at least {4 * (config.seq_len + 1)} for --seq-len {config.seq_len}"
+        )
     counts = Counter(stream)
     keep = min(config.arch.keep, target.vocab_size)
     keep_ids = torch.tensor(sorted(t for t, _ in counts.most_common(keep)), dtype=torch.long)
     if len(keep_ids) < keep:  # a small corpus: fill the head with the lowest ids not yet kept
-        rest = torch.tensor([t for t in range(target.vocab_size) if t not in counts][: keep - len(keep_ids)], dtype=torch.long)
+        rest = torch.tensor(
+            [t for t in range(target.vocab_size) if t not in counts][: keep - len(keep_ids)], dtype=torch.long
+        )
         keep_ids = torch.sort(torch.cat([keep_ids, rest])).values
     data = torch.tensor(stream[: chunks * (config.seq_len + 1)]).view(chunks, config.seq_len + 1)
     tokens = data[:, :-1].contiguous()
@@ -246,14 +285,18 @@ def score_with_teacher(target: LoadedModel, stream: list[int], config: DistillCo
     return TeacherData(tokens, top_ids, top_logp, keep_ids, held_out=max(1, chunks // 20), hidden=states)
 
 
-def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, progress: Progress = lambda *a: None) -> dict:
+def distill(
+    target: LoadedModel, config: DistillConfig, resume: bool = False, progress: Progress = lambda *a: None
+) -> dict:
     """Build or continue a draft in ``config.out``; returns the training record saved with it."""
     out = Path(config.out)
     teacher_path, checkpoint_path = out / TEACHER_FILE, out / CHECKPOINT_FILE
     if resume and not checkpoint_path.exists():
         raise ConfigError(f"nothing to resume in '{out}': no {CHECKPOINT_FILE} (run without --resume to start)")
     if not resume and checkpoint_path.exists():
-        raise ConfigError(f"'{out}' already holds a distillation: pass --resume to continue it, or choose another --out")
+        raise ConfigError(
+            f"'{out}' already holds a distillation: pass --resume to continue it, or choose another --out"
+        )
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     teacher_s = None
@@ -267,7 +310,9 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
         teacher_s = time.perf_counter() - started
     model = target.model
     if config.arch.eagle != (teacher.hidden is not None):
-        raise ConfigError(f"'{out}' holds teacher data for another kind of draft: choose another --out for --arch {config.arch}")
+        raise ConfigError(
+            f"'{out}' holds teacher data for another kind of draft: choose another --out for --arch {config.arch}"
+        )
     if config.arch.eagle:
         draft = build_eagle(model, teacher.keep_ids, config.arch.layers)
     elif config.arch.exit:
@@ -278,7 +323,13 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
         start_from(draft, config.init_from, target.name)
     params = list(own_parameters(draft).values())
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
-    record: dict = {"target": target.name, "arch": asdict(config.arch), "config": asdict(config), "evaluations": [], "train_s": 0.0}
+    record: dict = {
+        "target": target.name,
+        "arch": asdict(config.arch),
+        "config": asdict(config),
+        "evaluations": [],
+        "train_s": 0.0,
+    }
     step = 0
     if resume:
         state = torch.load(checkpoint_path)
@@ -309,7 +360,10 @@ def distill(target: LoadedModel, config: DistillConfig, resume: bool = False, pr
         loss_value = float(loss.detach())
         elapsed = record["train_s"] + time.perf_counter() - started
         progress(
-            "training", step, config.steps, {"loss": loss_value, "tokens_per_s": step * config.batch * config.seq_len / max(elapsed, 1e-9)}
+            "training",
+            step,
+            config.steps,
+            {"loss": loss_value, "tokens_per_s": step * config.batch * config.seq_len / max(elapsed, 1e-9)},
         )
         if step % config.eval_every == 0 or step == config.steps:
             draft.eval()
@@ -340,9 +394,13 @@ def start_from(draft, folder: str, target: str) -> None:
     """Copy the own weights of the draft saved in ``folder`` into ``draft`` (same arch and target; output rows are the target's own)."""
     path = Path(folder) / "model.safetensors"
     if not path.is_file():
-        raise ConfigError(f"--init-from '{folder}' holds no draft (no model.safetensors): pass a folder written by `specdec distill`")
+        raise ConfigError(
+            f"--init-from '{folder}' holds no draft (no model.safetensors): pass a folder written by `specdec distill`"
+        )
     if (distilled_for := read_meta(folder).get("target")) != target:
-        raise ConfigError(f"--init-from '{folder}' was distilled for '{distilled_for}', not '{target}': start from a draft of this target")
+        raise ConfigError(
+            f"--init-from '{folder}' was distilled for '{distilled_for}', not '{target}': start from a draft of this target"
+        )
     saved = load_file(str(path))
     own = own_parameters(draft)
     mismatched = [name for name, p in own.items() if name not in saved or saved[name].shape != p.shape]
@@ -356,9 +414,7 @@ def start_from(draft, folder: str, target: str) -> None:
             p.copy_(saved[name].to(p.dtype))
 
 
-EAGLE_FEATURE_NOISE = (
-    0.2  # relative noise on the input features in training: drafting beyond one token reads the head's own, imperfect ones
-)
+EAGLE_FEATURE_NOISE = 0.2  # relative noise on the input features in training: drafting beyond one token reads the head's own, imperfect ones
 EAGLE_FEATURE_WEIGHT = 0.5  # of the feature regression against the cross-entropy
 
 
@@ -374,14 +430,18 @@ def batch_loss(
     tokens, top_ids, top_logp = teacher.tokens[rows], teacher.top_ids[rows], teacher.top_logp[rows]
     if teacher.hidden is None:
         logits = draft(input_ids=tokens).logits
-        return soft_cross_entropy(logits, top_ids, top_logp), (logits.argmax(-1) == top_ids[..., 0].long()).float().mean()
+        return soft_cross_entropy(logits, top_ids, top_logp), (
+            logits.argmax(-1) == top_ids[..., 0].long()
+        ).float().mean()
     states = teacher.hidden[rows].float()
     scale = states.pow(2).mean().sqrt()
     features = states[:, :-1] + noise * scale * torch.randn_like(states[:, :-1]) if noise else states[:, :-1]
     positions = torch.arange(tokens.shape[1] - 1)[None].expand(len(rows), -1)
     logits, predicted = head_forward(draft, target.model.get_input_embeddings(), tokens[:, 1:], features, positions)
     loss = soft_cross_entropy(logits, top_ids[:, 1:], top_logp[:, 1:])
-    loss = loss + EAGLE_FEATURE_WEIGHT * torch.nn.functional.smooth_l1_loss(predicted.float() / scale, states[:, 1:] / scale)
+    loss = loss + EAGLE_FEATURE_WEIGHT * torch.nn.functional.smooth_l1_loss(
+        predicted.float() / scale, states[:, 1:] / scale
+    )
     return loss, (logits.argmax(-1) == top_ids[:, 1:, 0].long()).float().mean()
 
 
@@ -429,12 +489,20 @@ def calibrate(draft, teacher: TeacherData, min_precision: float = 0.4, buckets: 
 
 @torch.inference_mode()
 def evaluate(
-    target: LoadedModel, draft, teacher: TeacherData, step: int, prompts: int = 4, prompt_len: int = 32, new_tokens: int = 24
+    target: LoadedModel,
+    draft,
+    teacher: TeacherData,
+    step: int,
+    prompts: int = 4,
+    prompt_len: int = 32,
+    new_tokens: int = 24,
 ) -> dict:
     """Held-out figures: loss, the draft's top-1 agreement with the teacher, its acceptance rate in the engine (greedy, k = 4)."""
     chunks = len(teacher.tokens)
     losses, agreements = [], []
-    for rows in torch.arange(chunks - teacher.held_out, chunks).split(8):  # bounded memory: logits are [rows, seq_len, kept vocabulary]
+    for rows in torch.arange(chunks - teacher.held_out, chunks).split(
+        8
+    ):  # bounded memory: logits are [rows, seq_len, kept vocabulary]
         loss, agree = batch_loss(target, draft, teacher, rows)
         losses.append(loss)
         agreements.append(agree)
@@ -450,4 +518,9 @@ def evaluate(
         stats = generator.generate(row[:prompt_len].tolist(), stop_on_eos=False).stats
         proposed += stats.draft_tokens_proposed
         accepted += stats.draft_tokens_accepted
-    return {"step": step, "held_out_loss": float(loss), "top1_agreement": float(agree), "acceptance_rate": accepted / max(proposed, 1)}
+    return {
+        "step": step,
+        "held_out_loss": float(loss),
+        "top1_agreement": float(agree),
+        "acceptance_rate": accepted / max(proposed, 1),
+    }

@@ -48,13 +48,17 @@ def corpus_files(sources: list[str]) -> list[Path]:
     for source in sources:
         path = Path(source)
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file() and (p.suffix in TEXT_SUFFIXES or p.suffix == ".jsonl"))
+            files += sorted(
+                p for p in path.rglob("*") if p.is_file() and (p.suffix in TEXT_SUFFIXES or p.suffix == ".jsonl")
+            )
         elif path.is_file():
             files.append(path)
         else:
             raise ConfigError(f"corpus source '{source}' does not exist: pass text files, folders or JSONL files")
     if not files:
-        raise ConfigError(f"no text files found in {', '.join(sources)} (looked for {', '.join(sorted(TEXT_SUFFIXES))}, .jsonl)")
+        raise ConfigError(
+            f"no text files found in {', '.join(sources)} (looked for {', '.join(sorted(TEXT_SUFFIXES))}, .jsonl)"
+        )
     return files
 
 
@@ -137,7 +141,9 @@ class NgramCounter:
         if len(self.keys) > self.max_entries:
             self._prune(self.max_entries)
         counts = np.minimum(self.counts, np.iinfo(np.uint32).max).astype(np.uint32)
-        return NgramTable(self.keys, counts, self.order, self.vocab_size, meta | {"tokens": self.tokens, "entries": len(self.keys)})
+        return NgramTable(
+            self.keys, counts, self.order, self.vocab_size, meta | {"tokens": self.tokens, "entries": len(self.keys)}
+        )
 
 
 def build_ngram_table(

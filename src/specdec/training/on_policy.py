@@ -75,11 +75,15 @@ def corpus_prompts(sources: list[str], seed: int, chat_template: Callable[[str],
 
 def general_prompts(seed: int) -> Iterator[str]:
     """An endless, seeded stream of general chat requests and writing openings (``data/training/general_prompts.json``)."""
-    table = json.loads(resources.files("specdec").joinpath("data/training/general_prompts.json").read_text(encoding="utf-8"))
+    table = json.loads(
+        resources.files("specdec").joinpath("data/training/general_prompts.json").read_text(encoding="utf-8")
+    )
     languages = [table[language] for language in ("en", "zh")]
     rng = random.Random(seed)
     while True:
-        language = rng.choices(languages, weights=[len(lang["topics"]) for lang in languages])[0]  # every topic equally likely
+        language = rng.choices(languages, weights=[len(lang["topics"]) for lang in languages])[
+            0
+        ]  # every topic equally likely
         templates = language["requests"] if rng.random() < 0.5 else language["openings"]
         template, topic = rng.choice(templates), rng.choice(language["topics"])
         yield template.format(topic=topic[0].upper() + topic[1:] if template.startswith("{topic}") else topic)
@@ -117,11 +121,15 @@ def chat_template_of(target: LoadedModel) -> Callable[[str], str] | None:
     tokenizer = target.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         return None
-    return lambda message: tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
+    return lambda message: tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+    )
 
 
 @torch.inference_mode()
-def continue_prompts(target: LoadedModel, prompts: Iterator[str], max_new_tokens: int, batch: int) -> Iterator[tuple[list[int], int]]:
+def continue_prompts(
+    target: LoadedModel, prompts: Iterator[str], max_new_tokens: int, batch: int
+) -> Iterator[tuple[list[int], int]]:
     """(prompt ids + the target's greedy continuation up to its end-of-sequence token, continuation length), ``batch`` prompts at a time."""
     tokenizer = target.tokenizer
     if tokenizer is None:
@@ -137,7 +145,12 @@ def continue_prompts(target: LoadedModel, prompts: Iterator[str], max_new_tokens
         mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = target.model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=stops
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=stops,
             )
         for prompt, row in zip(encoded, out[:, width:].tolist(), strict=True):
             ends = [i for i, t in enumerate(row) if t in stops]

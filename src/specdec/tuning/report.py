@@ -38,7 +38,9 @@ def markdown(results: dict) -> str:
     ]
     for label, r in results["runtimes"].items():
         cost = " / ".join(fmt(r["cost_ms"].get(n, r["cost_ms"].get(str(n))), "{:.1f}") for n in (1, 5, 9, 17))
-        lines.append(f"| {label} | {r['load_s']:.1f} | {cost} | {r['overhead_ms']:.1f} | {r['target_only_tokens_per_s']:.1f} |")
+        lines.append(
+            f"| {label} | {r['load_s']:.1f} | {cost} | {r['overhead_ms']:.1f} | {r['target_only_tokens_per_s']:.1f} |"
+        )
     lines += [
         "",
         "Cost curves are measured once per machine and runtime and cached (`$SPECDEC_CACHE/costs/`), as the cost-model policy reads them;",
@@ -65,8 +67,16 @@ def markdown(results: dict) -> str:
             f"| {c['label']} | {c['predicted_tokens_per_s']:.1f} | {fmt(c['measured_tokens_per_s'], '{:.1f}')} | {fmt(ratio)} | {by_category} |"
         )
     lines.append("")
-    lines.append("A cost-model candidate carries the best fixed k's prediction: the policy aims at that k step by step.")
-    lines += ["", "## Every candidate, predicted (best k of each runtime and drafter)", "", "| candidate | predicted tok/s |", "|---|---|"]
+    lines.append(
+        "A cost-model candidate carries the best fixed k's prediction: the policy aims at that k step by step."
+    )
+    lines += [
+        "",
+        "## Every candidate, predicted (best k of each runtime and drafter)",
+        "",
+        "| candidate | predicted tok/s |",
+        "|---|---|",
+    ]
     seen = set()
     for c in results["candidates"]:
         if (c["runtime"], c["drafter"]) not in seen:
@@ -83,12 +93,21 @@ def _plot(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 5))
     confirmed = [c for c in results["confirmed"] if c["measured_tokens_per_s"]]
     for c in confirmed:
-        ax.scatter(c["predicted_tokens_per_s"], c["measured_tokens_per_s"], marker="o" if c["drafter"] != "none" else "s")
+        ax.scatter(
+            c["predicted_tokens_per_s"], c["measured_tokens_per_s"], marker="o" if c["drafter"] != "none" else "s"
+        )
         ax.annotate(c["label"], (c["predicted_tokens_per_s"], c["measured_tokens_per_s"]), fontsize=6)
-    top = max([c["predicted_tokens_per_s"] for c in confirmed] + [c["measured_tokens_per_s"] for c in confirmed] + [1.0]) * 1.1
+    top = (
+        max([c["predicted_tokens_per_s"] for c in confirmed] + [c["measured_tokens_per_s"] for c in confirmed] + [1.0])
+        * 1.1
+    )
     ax.plot([0, top], [0, top], color="grey", linewidth=0.5)
     ax.set(
-        xlim=(0, top), ylim=(0, top), xlabel="predicted tokens/s", ylabel="measured tokens/s", title="specdec tune: confirmed candidates"
+        xlim=(0, top),
+        ylim=(0, top),
+        xlabel="predicted tokens/s",
+        ylabel="measured tokens/s",
+        title="specdec tune: confirmed candidates",
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)

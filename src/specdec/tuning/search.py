@@ -42,7 +42,12 @@ PHASE_ENDS = (0.3, 0.6)  # shares of the budget by which runtime measurement, th
 SECONDS_PER_PROMPT = 50.0  # the budget buys one sampled prompt per this many seconds (at least 2, at most the set)
 PROBE_PROMPTS = 2  # prompts of each runtime's target-only run
 MARGIN = 1.03  # speculation must beat the fastest target-only measured by this much to be chosen (short runs are noisy)
-OPEN_ERRORS = (SpecDecError, RuntimeError, OSError, MemoryError)  # a runtime that fails to open is skipped, with the reason
+OPEN_ERRORS = (
+    SpecDecError,
+    RuntimeError,
+    OSError,
+    MemoryError,
+)  # a runtime that fails to open is skipped, with the reason
 
 
 @dataclass(frozen=True)
@@ -165,12 +170,20 @@ def plan(config: TuneConfig) -> tuple[dict[str, RuntimeConfig], list[str], int]:
     if config.runtimes:
         unknown = [r for r in config.runtimes if r not in available]
         if unknown:
-            raise ConfigError(f"runtime(s) {', '.join(unknown)} cannot run '{config.target}' here: choose among {', '.join(available)}")
+            raise ConfigError(
+                f"runtime(s) {', '.join(unknown)} cannot run '{config.target}' here: choose among {', '.join(available)}"
+            )
         available = {r: available[r] for r in config.runtimes}
-    drafters = [d for d in dict.fromkeys(config.drafters or drafter_candidates(config.target)) if d != "none"]  # target-only always runs
+    drafters = [
+        d for d in dict.fromkeys(config.drafters or drafter_candidates(config.target)) if d != "none"
+    ]  # target-only always runs
     for spec in drafters:
         drafter = spec.removesuffix(TREE_SUFFIX)
-        if drafter.partition(":")[0] == "oracle" or drafter.startswith(PEER_PREFIXES) or check_method(spec, config.target) is not None:
+        if (
+            drafter.partition(":")[0] == "oracle"
+            or drafter.startswith(PEER_PREFIXES)
+            or check_method(spec, config.target) is not None
+        ):
             raise ConfigError(f"'{spec}' is not a drafter to tune: use a --draft spec, or DRAFTER{TREE_SUFFIX}")
     return available, drafters, len(available) + len(drafters) + 1
 
@@ -185,7 +198,9 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
     runtimes, drafters, _ = plan(config)
     texts = load_prompts(config.prompts)  # a missing or empty file fails here, before any model loads
     sampling = SamplingConfig(config.temperature)
-    base = GenerationConfig(k=1, k_policy="fixed", max_new_tokens=config.new_tokens, sampling=sampling, seed=config.seed)
+    base = GenerationConfig(
+        k=1, k_policy="fixed", max_new_tokens=config.new_tokens, sampling=sampling, seed=config.seed
+    )
     notes: list[str] = []
 
     measured: dict[str, RuntimeFigures] = {}
@@ -242,13 +257,20 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
     confirmed = [c for c in chosen_set if c.measured_tokens_per_s is not None]
     target_only = max((c for c in confirmed if c.drafter == "none"), key=lambda c: c.measured_tokens_per_s or 0.0)
     fastest = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0)
-    best = fastest if (fastest.measured_tokens_per_s or 0.0) >= MARGIN * (target_only.measured_tokens_per_s or 0.0) else target_only
+    best = (
+        fastest
+        if (fastest.measured_tokens_per_s or 0.0) >= MARGIN * (target_only.measured_tokens_per_s or 0.0)
+        else target_only
+    )
     profile = Profile(
         target=config.target,
         drafter=best.drafter.removesuffix(TREE_SUFFIX),
         runtime=measured[best.runtime].runtime,
         generation=GenerationConfig(
-            k=best.k, k_policy=best.k_policy, branches=TREE_BRANCHES if best.drafter.endswith(TREE_SUFFIX) else 1, sampling=sampling
+            k=best.k,
+            k_policy=best.k_policy,
+            branches=TREE_BRANCHES if best.drafter.endswith(TREE_SUFFIX) else 1,
+            sampling=sampling,
         ),
         measured={
             "tokens_per_s": best.measured_tokens_per_s or 0.0,
@@ -301,7 +323,9 @@ def _encode(config: TuneConfig, texts: list[BenchPrompt], target: Target) -> lis
     return [(p, ids) for p, ids in usable if ids][:count] or _nothing_usable(config, texts, "blank")
 
 
-def _fitting(prompts: list[tuple[BenchPrompt, list[int]]], target: Target, config: TuneConfig) -> list[tuple[BenchPrompt, list[int]]]:
+def _fitting(
+    prompts: list[tuple[BenchPrompt, list[int]]], target: Target, config: TuneConfig
+) -> list[tuple[BenchPrompt, list[int]]]:
     """The prompts that leave room for the new tokens and a draft in this runtime's context."""
     room = target.backend.max_context - config.new_tokens - config.max_k
     return [(p, ids) for p, ids in prompts if len(ids) < room] or _nothing_usable(
@@ -317,7 +341,12 @@ def _nothing_usable(config: TuneConfig, prompts: list[BenchPrompt], why: str) ->
 
 
 def _measure_runtime(
-    label: str, runtime: RuntimeConfig, target: Target, load_s: float, prompts: list[tuple[BenchPrompt, list[int]]], base: GenerationConfig
+    label: str,
+    runtime: RuntimeConfig,
+    target: Target,
+    load_s: float,
+    prompts: list[tuple[BenchPrompt, list[int]]],
+    base: GenerationConfig,
 ) -> RuntimeFigures:
     """The runtime's cost curve (measured once per machine and cached, as the cost-model policy reads it) and a short target-only run."""
     generator = Generator(target, "none", base)
@@ -353,7 +382,9 @@ def _sample_drafter(
     reasons = []
     for figures in by_speed:
         try:
-            built = Generator(figures.target, build_drafter(sample.drafter, figures.target, figures.runtime), gen_config)
+            built = Generator(
+                figures.target, build_drafter(sample.drafter, figures.target, figures.runtime), gen_config
+            )
             built.completion(prompts[0][1])  # refuses what this backend cannot verify (trees on llama.cpp)
         except OPEN_ERRORS as exc:
             reasons.append(f"{figures.label}: {exc}")
@@ -366,7 +397,9 @@ def _sample_drafter(
     generator.generate(prompts[0][1], max_new_tokens=4)  # warm-up
     for _, ids in prompts:
         if sample.steps and time.perf_counter() > deadline:
-            notes.append(f"drafter {spec} sampled on {len(sample.steps)} steps only: the budget's share for drafters was spent")
+            notes.append(
+                f"drafter {spec} sampled on {len(sample.steps)} steps only: the budget's share for drafters was spent"
+            )
             break
         s = generator.generate(ids).stats
         produced = 0
@@ -399,7 +432,9 @@ def _predict(measured: dict[str, RuntimeFigures], samples: list[DrafterSample], 
     return sorted(candidates, key=lambda c: -c.predicted_tokens_per_s)
 
 
-def _confirmation_set(candidates: list[Candidate], measured: dict[str, RuntimeFigures], count: int, max_k: int) -> list[Candidate]:
+def _confirmation_set(
+    candidates: list[Candidate], measured: dict[str, RuntimeFigures], count: int, max_k: int
+) -> list[Candidate]:
     """The best predicted k of the ``count`` best (runtime, drafter) pairs, the cost-model policy for the best, and target-only
     on each of their runtimes and on the fastest."""
     chosen: list[Candidate] = []
@@ -454,4 +489,6 @@ def _confirm(
     for i in generators:
         if sum(tokens[i].values()):
             chosen[i].measured_tokens_per_s = sum(tokens[i].values()) / sum(seconds[i].values())
-            chosen[i].measured_by_category = {category: tokens[i][category] / seconds[i][category] for category in tokens[i]}
+            chosen[i].measured_by_category = {
+                category: tokens[i][category] / seconds[i][category] for category in tokens[i]
+            }

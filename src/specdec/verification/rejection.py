@@ -63,7 +63,9 @@ def verify(
 
     p = to_probs(target_logits, sampling, temperature)
     p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
-    q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    q_draft = (
+        torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    )
     u = torch.rand(p_draft.shape, generator=rng, device=p.device)
     ok = (u * q_draft < p_draft) & in_range  # u < p/q without dividing by zero
     accepted = leading_true(ok)

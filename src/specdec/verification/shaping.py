@@ -11,7 +11,9 @@ import torch
 from specdec.config import SamplingConfig
 
 
-def shape_logits(logits: torch.Tensor, sampling: SamplingConfig, temperature: torch.Tensor | None = None) -> torch.Tensor:
+def shape_logits(
+    logits: torch.Tensor, sampling: SamplingConfig, temperature: torch.Tensor | None = None
+) -> torch.Tensor:
     """Return float32 logits divided by the temperature, with filtered entries at -inf.
 
     ``logits`` has the vocabulary as its last dimension; any leading shape is kept.

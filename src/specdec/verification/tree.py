@@ -34,7 +34,9 @@ class TreeVerdict:
     next_tokens: list[int]
 
 
-def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, counts: torch.Tensor, logits: torch.Tensor) -> TreeVerdict:
+def verify_tree_greedy(
+    tokens: torch.Tensor, parents: torch.Tensor, counts: torch.Tensor, logits: torch.Tensor
+) -> TreeVerdict:
     """Greedy verdicts for a batch of trees, vectorised over rows and nodes.
 
     Args:
@@ -49,7 +51,9 @@ def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, counts: torc
         keys = (parents + 1) * (int(tokens.max()) + 1) + tokens
         keys = torch.where(real, keys, -1 - torch.arange(n, device=tokens.device)[None, :]).sort(dim=1).values
         if bool((keys[:, 1:] == keys[:, :-1]).any()):
-            raise ValueError("a greedy tree has two siblings with the same token: a drafter must propose distinct siblings")
+            raise ValueError(
+                "a greedy tree has two siblings with the same token: a drafter must propose distinct siblings"
+            )
     match = (tokens == choice.gather(1, parents + 1)) & real  # the target would have chosen this node after its parent
     on_path = match
     for _ in range(n):  # a node is on the path when it and every ancestor match: one more level per pass
