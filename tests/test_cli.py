@@ -20,11 +20,10 @@ from specdec.config import (
     BatchConfig,
     GenerationConfig,
     GuardConfig,
-    RayConfig,
     RuntimeConfig,
     SamplingConfig,
-    ServeConfig,
 )
+from specdec.serving.config import RayConfig, ServeConfig
 from specdec.training.distill import DistillConfig, DraftArch
 from specdec.training.ngram import NgramBuildConfig
 from specdec.tuning.search import TuneConfig

@@ -19,8 +19,8 @@ from specdec.drafters.layer_skip import shallow_view
 from specdec.drafters.ngram import context_hash, context_hashes
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend, open_target
+from specdec.seeds import Seeds
 from specdec.training.ngram import NgramBuildConfig, build_ngram_table
-from specdec.verification.seeds import Seeds
 
 TOKENIZER = char_tokenizer()
 

@@ -25,7 +25,7 @@ from specdec.models.backend import OneRow
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.models.cuda_graphs import CudaGraphs
 from specdec.models.target import Target
-from specdec.verification.seeds import Seeds
+from specdec.seeds import Seeds
 
 PROMPT = [1, 5, 9, 5, 9, 5, 9, 12]
 

@@ -14,7 +14,8 @@ from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.cli.main import app
 from specdec.config import GuardConfig, TypicalAcceptance
 from specdec.errors import ConfigError
-from specdec.quality import Guards, NoGuards, SentenceEmbedder, find_loop
+from specdec.guards import Guards, NoGuards, find_loop
+from specdec.quality import SentenceEmbedder
 from specdec.quality.metrics import contradiction_pairs, distinct_n, loop_onsets, measure, repeated_ngram_share
 from specdec.verification import shape_logits, typical_verify
 
@@ -34,7 +35,7 @@ def test_find_loop_finds_planted_loops() -> None:
 
 def test_find_loop_ignores_indentation_and_rules() -> None:
     tokenizer = char_tokenizer()
-    from specdec.quality import ignorable_tokens
+    from specdec.guards import ignorable_tokens
 
     ignorable = ignorable_tokens(tokenizer)
     code = "def f(x):\n" + "".join(

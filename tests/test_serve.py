@@ -448,8 +448,8 @@ def test_ray_options_reach_the_typed_config(folder: Path, monkeypatch: pytest.Mo
     from typer.testing import CliRunner
 
     from specdec.cli.main import app
-    from specdec.config import RayConfig
     from specdec.serving import ray_serve
+    from specdec.serving.config import RayConfig
 
     started = []
     monkeypatch.setattr(ray_serve, "serve_on_ray", lambda spec, config, ready: started.append((spec, config)))

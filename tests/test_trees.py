@@ -26,8 +26,8 @@ from specdec.models import TransformersBackend, cpu_kernels
 from specdec.models.backend import tree_mask
 from specdec.scheduling import CostCurve, KPolicy
 from specdec.scheduling.k_policy import TREE_TRIAL_EVERY, CostModelK, StepOutcome
+from specdec.seeds import rng_on
 from specdec.verification.sampling import draw
-from specdec.verification.seeds import rng_on
 from specdec.verification.shaping import to_probs
 from specdec.verification.tree import verify_tree_greedy
 

@@ -40,7 +40,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """Long-generation guards (quality/guards.py), each off by default.
+    """Long-generation guards (guards.py), each off by default.
 
     Every guard is a function of the tokens so far, so the engine applies it to
     the target's logits at each verified position exactly as target-only
@@ -179,85 +179,6 @@ class BatchConfig:
             raise ConfigError(f"unknown window '{self.window}': use one of {', '.join(WINDOWS)}")
         if not 0 < self.memory_threshold <= 1:
             raise ConfigError(f"memory_threshold is a share of memory in (0, 1], got {self.memory_threshold}")
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """The HTTP server: where it listens, how many sequences it decodes together, how many requests may wait."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_batch: int = 16  # sequences decoded together; more requests wait in the queue
-    max_queue: int = 64  # waiting requests; beyond this a request gets 429 with Retry-After
-    default_max_tokens: int = 256  # when a request does not say
-    shutdown_timeout_s: float = (
-        30.0  # on SIGTERM/SIGINT, how long requests in flight may take to finish before they are ended
-    )
-    api_keys: tuple[str, ...] = ()  # set: every /v1 route needs `Authorization: Bearer KEY` with one of them
-    open_metrics: bool = False  # with keys set, /metrics and the API docs stay open (a scraper without the key)
-    max_request_bytes: int = 4 * 2**20  # a larger request body gets a 413 before it is parsed
-    allowed_hosts: tuple[
-        str, ...
-    ] = ()  # set: a request whose Host header names none of these is refused (DNS rebinding)
-    header_timeout_s: float = (
-        10.0  # a connection must send a request's headers within this long (slow clients are cut off)
-    )
-    body_timeout_s: float = 30.0  # ... and its body within this long after the headers (408 beyond)
-    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this long
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in 0..65535, got {self.port}")
-        object.__setattr__(self, "allowed_hosts", tuple(host_name(h) for h in self.allowed_hosts))
-        if any(not key or any(ch.isspace() for ch in key) for key in self.api_keys):
-            raise ConfigError("an API key must be a non-empty string without spaces")
-        for name in ("max_batch", "max_queue", "default_max_tokens", "max_request_bytes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.shutdown_timeout_s < 0:
-            raise ConfigError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-
-
-def host_name(host: str) -> str:
-    """A host as the Host allow-list compares it: lower case, without a port, brackets or a trailing dot ("[::1]:8000" is "::1")."""
-    host = host.strip().lower()
-    if host.startswith("["):
-        host = host[1 : host.find("]")]
-    elif host.count(":") == 1:
-        host = host.rpartition(":")[0]
-    return host.rstrip(".")
-
-
-@dataclass(frozen=True)
-class RayConfig:
-    """Scale-out on Ray Serve: how many server replicas, how they autoscale, what each one reserves."""
-
-    replicas: int = 2  # the replica count, or the autoscaling minimum when max_replicas is set
-    max_replicas: int | None = None  # set: autoscale between replicas and this on requests in flight per replica
-    target_ongoing_requests: float = 8.0  # autoscaling aims at this many requests in flight per replica
-    upscale_delay_s: float = 30.0  # load must stay above target this long before a replica is added (Serve's default)
-    downscale_delay_s: float = 600.0  # ... and below it this long before one is removed (Serve's default)
-    cpus_per_replica: float = 1.0
-    gpus_per_replica: float = 0.0
-    ingress_replicas: int = 1  # the relay in front of the replicas (no CPU reserved); on many nodes, about one per node
-    address: str | None = None  # a running Ray cluster ("auto", "ray://host:10001"); None starts one on this machine
-
-    def __post_init__(self) -> None:
-        if self.replicas < 1 or self.ingress_replicas < 1:
-            raise ConfigError(
-                f"replicas and ingress_replicas must be >= 1, got {self.replicas} and {self.ingress_replicas}"
-            )
-        if self.max_replicas is not None and self.max_replicas < self.replicas:
-            raise ConfigError(
-                f"max_replicas ({self.max_replicas}) must be >= replicas ({self.replicas}), the autoscaling minimum"
-            )
-        if self.target_ongoing_requests <= 0 or self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
-            raise ConfigError("target_ongoing_requests must be > 0, and cpus/gpus per replica >= 0")
-        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
-            raise ConfigError("upscale_delay_s and downscale_delay_s must be >= 0 seconds")
 
 
 FORMATS = ("float32", "bfloat16", "float16", "int8", "int8a8", "float8")

@@ -27,12 +27,11 @@ from specdec.config import (
     DEFAULT_DRAFT,
     BatchConfig,
     GenerationConfig,
-    RayConfig,
     RuntimeConfig,
-    ServeConfig,
 )
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET
+from specdec.serving.config import RayConfig, ServeConfig
 
 
 @user_errors
@@ -169,7 +168,7 @@ def serve(
 ) -> None:
     """Serve the target over an OpenAI-compatible HTTP API with speculative continuous batching."""
     from specdec import Generator
-    from specdec.serving import serve as run_server
+    from specdec.serving.server import serve as run_server
 
     options = dict(target=target, draft=draft, k=k, k_policy=k_policy, branches=branches, window=window)
     options = with_profile(
@@ -215,7 +214,7 @@ def serve(
         )
     runtime = runtime_config(backend, dtype, None, None, precision, native_format)
     if ray:
-        from specdec.config import RayConfig
+        from specdec.serving.config import RayConfig
         from specdec.serving.ray_serve import ReplicaSpec, require_ray, serve_on_ray
 
         ray_config = RayConfig(

@@ -15,7 +15,7 @@ import torch
 
 from specdec.config import SamplingConfig
 from specdec.models.backend import Backend
-from specdec.verification.seeds import Seeds
+from specdec.seeds import Seeds
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class DraftSettings:
     (The shape of a step's draft, chain or tree, is asked for with each proposal: the cost model may switch it per step.)"""
 
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    seeds: Seeds | None = None  # draw on device d with ``rng_on(seeds, d)`` (verification/seeds.py); None: unseeded
+    seeds: Seeds | None = None  # draw on device d with ``rng_on(seeds, d)`` (seeds.py); None: unseeded
     min_confidence: float = 0.0  # a drafter with probabilities stops before its first token below this
 
 

@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from specdec.drafters.layer_skip import shallow_view
 from specdec.errors import ConfigError
-from specdec.models.backend import TransformersBackend
+from specdec.models.transformers_backend import TransformersBackend
 
 DRAFT_META = "specdec_draft.json"
 

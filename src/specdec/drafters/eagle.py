@@ -40,9 +40,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Pretrai
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels, native
-from specdec.models.backend import model_identity, tree_mask, tree_positions
+from specdec.models.backend import tree_mask, tree_positions
 from specdec.models.cpu_kernels import PackedInt8, PagedCache
 from specdec.models.native import NativeModel
+from specdec.models.transformers_backend import model_identity
 from specdec.verification.shaping import to_probs
 
 MAX_DEPTH = 6  # levels of a tree: deeper nodes are rarely reached and each level costs a forward of the head

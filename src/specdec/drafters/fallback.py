@@ -20,8 +20,8 @@ from dataclasses import replace
 
 import torch
 
+from specdec.acceptance import AcceptanceEstimate
 from specdec.drafters.base import Drafter, DraftSettings, Proposal, TokenTrie
-from specdec.scheduling import AcceptanceEstimate
 
 FIRST_NODE_SCORE = 0.6  # before any evidence, the chance that each further token of the first drafter's draft is right
 

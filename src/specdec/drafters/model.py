@@ -6,8 +6,8 @@ import torch
 
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.models.backend import Backend
+from specdec.seeds import rng_on
 from specdec.verification.sampling import draw
-from specdec.verification.seeds import rng_on
 from specdec.verification.shaping import to_probs
 
 

@@ -20,8 +20,8 @@ import torch
 from specdec.drafters.base import DraftSettings, Proposal
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError, ModelNotFoundError
+from specdec.seeds import rng_on
 from specdec.verification.sampling import draw
-from specdec.verification.seeds import rng_on
 
 FORMAT = "specdec-ngram"
 VERSION = 1

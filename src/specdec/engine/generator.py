@@ -20,13 +20,14 @@ from specdec.engine.decoder import Decoder
 from specdec.engine.stats import DecodeStats
 from specdec.engine.text import TextTracker
 from specdec.errors import ConfigError, ContextLengthError, PromptError, VocabularyMismatchError
+from specdec.guards import Guards, NoGuards, ignorable_tokens
 from specdec.models import DEFAULT_TARGET, Backend, LoadedModel, Target, TransformersBackend, open_target
 from specdec.models.backend import TREES_UNSUPPORTED, OneRow, RowBackend
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.profile import Profile, ProfileWarning, load_profile
-from specdec.quality import Guards, NoGuards, SentenceEmbedder, ignorable_tokens
+from specdec.quality import SentenceEmbedder
 from specdec.scheduling import CostCurve, KPolicy, LoadWindow, WayRates, build_k_policy, memory_in_use
-from specdec.verification.seeds import Seeds
+from specdec.seeds import Seeds
 
 FinishReason = Literal["length", "eos", "stop", "context"]
 

@@ -28,15 +28,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from specdec.acceptance import AcceptanceEstimate
 from specdec.config import GenerationConfig
 from specdec.drafters.base import Drafter, DraftSettings, Proposal
 from specdec.engine.stats import DecodeStats
 from specdec.errors import ConfigError
+from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
-from specdec.quality.guards import Guards, NoGuards
-from specdec.scheduling import AcceptanceEstimate, KPolicy, StepOutcome
+from specdec.scheduling import KPolicy, StepOutcome
+from specdec.seeds import Seeds
 from specdec.verification import typical_verify, verify
-from specdec.verification.seeds import Seeds
 from specdec.verification.tree import verify_tree_greedy, verify_tree_sampled
 
 

@@ -22,9 +22,10 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from specdec.errors import ConfigError
-from specdec.models.backend import keep_branch, model_identity, tree_mask, tree_positions
+from specdec.models.backend import keep_branch, tree_mask, tree_positions
 from specdec.models.cuda_graphs import CudaGraphs
 from specdec.models.precision import PADDED_ATTENTION
+from specdec.models.transformers_backend import model_identity
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 

@@ -10,10 +10,11 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from specdec.config import RuntimeConfig
 from specdec.errors import ConfigError, ModelNotFoundError
-from specdec.models.backend import Backend, TransformersBackend
+from specdec.models.backend import Backend
 from specdec.models.loading import LoadedModel, first_line, load_model
 from specdec.models.precision import apply_plan
 from specdec.models.registry import ALIASES, resolve
+from specdec.models.transformers_backend import TransformersBackend
 
 
 class Tokenizer(Protocol):

@@ -1,6 +1,5 @@
-"""Long-generation quality: guards applied while decoding, and the measurements that judge them."""
+"""Long-generation quality measurements: how far text drifts, repeats or differs (guards are in specdec.guards)."""
 
 from specdec.quality.embedding import SentenceEmbedder
-from specdec.quality.guards import Guards, Loop, NoGuards, find_loop, ignorable_tokens
 
-__all__ = ["Guards", "Loop", "NoGuards", "SentenceEmbedder", "find_loop", "ignorable_tokens"]
+__all__ = ["SentenceEmbedder"]

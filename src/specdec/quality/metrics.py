@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from specdec.config import GuardConfig
+from specdec.guards import find_loop
 from specdec.quality.embedding import SentenceEmbedder
-from specdec.quality.guards import find_loop
 
 NEGATIONS = frozenset("not no never none nobody nothing neither nor cannot without".split())
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from specdec.acceptance import AcceptanceEstimate
 from specdec.config import K_POLICIES
 from specdec.errors import ConfigError
 from specdec.scheduling.k_policy import (
-    AcceptanceEstimate,
     ConfidenceK,
     CostCurve,
     CostModelK,

@@ -1,7 +1,2 @@
-"""The OpenAI-compatible server: HTTP routes (app), continuous batching (batcher), metrics, and running it (server)."""
-
-from __future__ import annotations
-
-from specdec.serving.server import serve
-
-__all__ = ["serve"]
+"""The OpenAI-compatible server: settings (config), HTTP routes (app), continuous batching (batcher), metrics, and
+running it (server.serve). Nothing is imported here, so reading the settings loads no web framework."""

@@ -24,11 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from specdec.config import ServeConfig, host_name
 from specdec.engine import GenerationResult, Generator
 from specdec.errors import ContextLengthError, SpecDecError
 from specdec.serving import protocol as api
 from specdec.serving.batcher import Batcher, Job, QueueFullError, ShuttingDownError
+from specdec.serving.config import ServeConfig, host_name
 from specdec.serving.metrics import Metrics
 
 log = logging.getLogger("specdec.serve")

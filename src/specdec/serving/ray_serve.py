@@ -28,11 +28,10 @@ from specdec.config import (
     BatchConfig,
     GenerationConfig,
     PrecisionPlan,
-    RayConfig,
     RuntimeConfig,
-    ServeConfig,
 )
 from specdec.errors import ConfigError, DeploymentError
+from specdec.serving.config import RayConfig, ServeConfig
 from specdec.serving.metrics import RelayMetrics, merge_replicas
 from specdec.serving.relay import Forwarded, call_asgi, relay
 

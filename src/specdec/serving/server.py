@@ -21,8 +21,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from specdec.config import ServeConfig
 from specdec.engine import Generator
+from specdec.serving.config import ServeConfig
 
 # After --shutdown-timeout the engine ends the last requests between two steps (a step can take seconds on a CPU, and
 # Batcher.stop waits up to 10 s for its thread); their handlers then send the final events. uvicorn waits this much longer.

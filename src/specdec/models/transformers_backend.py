@@ -1,0 +1,92 @@
+"""The transformers implementation of :class:`~specdec.models.backend.Backend`: any causal LM, one sequence."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from specdec.errors import ConfigError
+from specdec.models.backend import TREES_UNSUPPORTED
+
+
+class TransformersBackend:
+    """Runs any transformers causal LM with a DynamicCache that can be rolled back.
+
+    Chains only: a tree of drafts on transformers runs on the batched backend (its cache is addressed by slot).
+    """
+
+    trees = False
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.last_features: torch.Tensor | None = None
+        self.vocab_size: int = model.get_output_embeddings().out_features
+        self.max_context: int = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31
+        self.device = next(model.parameters()).device
+        self.reset()
+
+    @property
+    def identity(self) -> str:
+        return model_identity(self.model)
+
+    @property
+    def cached_length(self) -> int:
+        return self._length
+
+    def fork(self) -> TransformersBackend:
+        return TransformersBackend(self.model)
+
+    def token_embeddings(self):
+        """The model's input embedding as a function of token ids (a feature-conditioned draft embeds with it)."""
+        return self.model.get_input_embeddings()
+
+    def reset(self) -> None:
+        self._cache = DynamicCache(config=self.model.config)
+        for layer in self._cache.layers:
+            # Sliding-window layers drop old states unless told to keep them until the next crop.
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+        self._length = 0
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None, features: bool = False
+    ) -> torch.Tensor:
+        if tree is not None:
+            raise ConfigError(TREES_UNSUPPORTED)
+        batch, n = tokens.shape
+        positions = torch.arange(self._length, self._length + n, device=self.device).expand(batch, n)
+        out = self.model(
+            input_ids=tokens.to(self.device),
+            position_ids=positions,
+            cache=self._cache,
+            use_cache=True,
+            logits_to_keep=last or 0,  # the output head is costly: skip positions nobody reads
+            output_hidden_states=features,
+        )
+        self._length += n
+        self.last_features = (
+            out.hidden_states[-1] if features else None
+        )  # the last is after the final norm: the head's input
+        return out.logits
+
+    def truncate(self, length: int, branch: list[int] | None = None) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a cache of {self._length} positions to {length}")
+        if branch is not None and branch != list(range(length - len(branch), length)):
+            raise ConfigError(TREES_UNSUPPORTED)
+        if self._length == 0:
+            return  # an empty cache's layers cannot be cropped
+        # A negative count removes that many positions; even 0 trims sliding-window layers back to their window,
+        # which keep every position until cropped (so that a rejection can roll them back).
+        self._cache.crop(length - self._length)
+        self._length = length
+
+
+def model_identity(model: PreTrainedModel) -> str:
+    """What decides a transformers model's speed here (weights, precision, device, threads): the key of its measured costs."""
+    config = model.config
+    weights = sum(p.numel() for p in model.parameters())
+    precision = getattr(model, "specdec_precision", model.dtype)
+    device = next(model.parameters()).device
+    return f"transformers|{config.name_or_path or config.model_type}|{weights}|{precision}|{device}|threads={torch.get_num_threads()}"
