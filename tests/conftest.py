@@ -134,7 +134,7 @@ def gemma() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[str]:
-    """A one-node Ray cluster on loopback (address host:port), started for the tests that ask for it and stopped after them."""
+    """A one-node Ray cluster on loopback (host:port), started for the tests that ask for it and stopped after them."""
     pytest.importorskip("ray")
     import os
     import shutil
@@ -147,10 +147,9 @@ def ray_cluster() -> Iterator[str]:
     # that a token some other local cluster left in ~/.ray does not make the cluster and its clients disagree.
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray = shutil.which("ray")
-    subprocess.run(
-        [ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=6", "--include-dashboard=false", "--disable-usage-stats"],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+    command = [ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1"]
+    command += ["--num-cpus=6", "--include-dashboard=false", "--disable-usage-stats"]
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
     yield f"127.0.0.1:{port}"
     subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120)
 

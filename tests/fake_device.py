@@ -18,10 +18,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from specdec.models.backend import OneRow
+
 DEVICE = torch.device("meta")  # what the fake device's tensors report as their device
-FAKE_SEEDS = (
-    1 << 48
-)  # a generator of the fake device is a host generator seeded at or above this (dispatch hands out new wrappers)
+# a generator of the fake device is a host generator seeded at or above this (dispatch hands out new wrappers)
+FAKE_SEEDS = 1 << 48
 HOST_INDICES_ALLOWED = {
     torch.ops.aten.index.Tensor,
     torch.ops.aten.index_put.default,
@@ -64,7 +65,7 @@ class FakeDevice(TorchDispatchMode):
 
     @staticmethod
     def generator(seed: int) -> torch.Generator:
-        """A generator that draws on the fake device: it draws what a host generator seeded ``FAKE_SEEDS + seed`` draws."""
+        """A generator of the fake device: it draws what a host generator seeded ``FAKE_SEEDS + seed`` draws."""
         return torch.Generator().manual_seed(FAKE_SEEDS + seed)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -98,7 +99,7 @@ class FakeDevice(TorchDispatchMode):
 
 
 class OnFakeDevice:
-    """A backend (single-sequence or batched) whose model runs on the host and whose logits come back on the fake device."""
+    """A backend (single-sequence or batched) whose model runs on the host; its logits come back on the fake device."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -114,3 +115,7 @@ class OnFakeDevice:
 
     def fork(self) -> OnFakeDevice:
         return OnFakeDevice(self.inner.fork())
+
+    def row_backend(self, *, batch: bool, trees: bool = False, cuda_graphs: bool = True) -> OneRow:
+        """Rows over this wrapper, so that the logits of a single sequence's steps come back on the fake device too."""
+        return OneRow(self.fork() if batch else self)

@@ -62,7 +62,7 @@ def test_ragged_backend_matches_lone_sequences(make_target) -> None:
     for i, feed in enumerate(feeds):
         torch.testing.assert_close(out[i], alone(torch.cat([seqs[i], feed]), 1), atol=1e-4, rtol=1e-4)
     seqs = [torch.cat([s, f]) for s, f in zip(seqs, feeds, strict=True)]
-    assert batched.lengths == [s.shape[0] for s in seqs]
+    assert batched.cached_lengths == [s.shape[0] for s in seqs]
     order, feeds = [2, 0, 1], [torch.randint(3, 96, (n,), generator=gen) for n in (2, 3, 1)]  # every row, out of order
     out = batched.forward(order, feeds, last=1)
     for i, (row, feed) in enumerate(zip(order, feeds, strict=True)):
@@ -140,7 +140,7 @@ def test_rows_joining_and_leaving_do_not_disturb_the_others() -> None:
     assert (
         0 < len(runs[1].token_ids) < 30 and runs[1].token_ids == expected[tuple(PROMPTS[1])][: len(runs[1].token_ids)]
     )
-    assert decoder.backend.rows == 0
+    assert decoder.backend.cached_lengths == []
 
 
 class _GreedyOnlyDrafter(PromptLookupDrafter):
@@ -162,7 +162,7 @@ def test_an_invalid_request_fails_alone() -> None:
     gen.admit(decoder, good)
     with pytest.raises(ConfigError, match="greedy decoding only"):  # refused when it joins, before any step
         gen.admit(decoder, bad)
-    assert list(decoder.rows) == [good] and decoder.backend.rows == 1
+    assert list(decoder.rows) == [good] and len(decoder.backend.cached_lengths) == 1
     while decoder.rows:
         decoder.step()
     assert good.token_ids == Generator(target, NoDrafter()).generate(PROMPTS[0], GREEDY).token_ids

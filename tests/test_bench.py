@@ -204,7 +204,7 @@ def test_bench_runs_a_precision_plan(tiny_folder: Path, prompts: Path, tmp_path:
 def test_a_bench_in_a_log_says_where_it_is_and_sampled_identity_is_na(
     tiny_folder: Path, prompts: Path, tmp_path: Path
 ) -> None:
-    """Without a terminal (a CI log, a pipe) each finished unit prints a line with an ETA; a sampled run's identity reads n/a."""
+    """Without a terminal (a CI log, a pipe) each finished unit prints a line with an ETA; sampled identity is n/a."""
     result = _bench(tiny_folder, prompts, tmp_path / "out", "--methods", "none,prompt-lookup", "--temperature", "0.8")
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if " done: " in line]
@@ -248,9 +248,8 @@ def test_the_old_drafter_name_still_works_with_a_deprecation_warning(tiny_folder
 
     target = open_target(str(tiny_folder))
     with pytest.warns(FutureWarning, match="now called 'lookup-then-draft'"):
-        with pytest.raises(
-            ConfigError, match="no draft ships with specdec for"
-        ):  # the same drafter: none ships for a tiny model
+        # the same drafter: none ships for a tiny model
+        with pytest.raises(ConfigError, match="no draft ships with specdec for"):
             build_drafter("default", target)
     with pytest.raises(ConfigError, match="no draft ships with specdec for"):
         build_drafter("lookup-then-draft", target)

@@ -113,7 +113,7 @@ def _cli_value(value: object) -> object:
 
 
 def _same(cli: object, value: object) -> bool:
-    """A CLI default and a config default mean the same (None or False on the CLI and None or () in a config: unset, off)."""
+    """CLI and config defaults mean the same (None or False on the CLI and None or () in a config: unset, off)."""
     return cli == _cli_value(value) or (cli in (None, False) and value in (None, ()))
 
 
@@ -131,7 +131,7 @@ def _commands() -> Iterator[tuple[str, typer.core.TyperCommand]]:
 
 
 def test_every_cli_default_is_the_librarys_or_says_why() -> None:
-    """Each option's default comes from its command's config, and equals the library's own unless its help says why it differs."""
+    """Each option's default comes from its command's config and equals the library's unless its help says why not."""
     checked = 0
     for name, command in _commands():
         config = COMMAND_CONFIGS.get(name)

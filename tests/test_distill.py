@@ -1,4 +1,4 @@
-"""Distillation on a tiny model: loss falls and acceptance rises, save/load, resume, lossless reduced-vocabulary drafts."""
+"""Distillation on a tiny model: loss falls, acceptance rises; save/load, resume, lossless reduced-vocabulary drafts."""
 
 from __future__ import annotations
 
@@ -168,9 +168,8 @@ def test_on_policy_prompts_come_from_the_corpus_in_every_shape(target, tmp_path:
         itertools.islice(corpus_prompts([str(corpus)], seed=1, chat_template=lambda m: f"<chat>{m}</chat>"), 8)
     )
     assert any(p.startswith("Sorting") for p in prompts)  # plain continuation of a passage
-    assert any(
-        p.startswith("User: ") and "Sorting puts" in p and p.endswith("Assistant:") for p in prompts
-    )  # a request about a passage
+    # a request about a passage
+    assert any(p.startswith("User: ") and "Sorting puts" in p and p.endswith("Assistant:") for p in prompts)
     assert any(p.startswith("<chat>") for p in prompts)  # the model's own chat template
     assert any("Sorting lists" in p and p.startswith("User: ") for p in prompts)  # a question about a heading
     with pytest.raises(ConfigError, match="text files"):

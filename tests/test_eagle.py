@@ -15,7 +15,7 @@ from specdec import GenerationConfig, Generator, SamplingConfig, drafters
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig, RuntimeConfig
 from specdec.drafters import FallbackDrafter, PromptLookupDrafter, auto_draft, build_drafter
-from specdec.drafters.base import DraftSettings, Proposal
+from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.drafters.eagle import EagleDrafter, ModuleHead, NativeHead, build_eagle, load_eagle, why_not_native
 from specdec.drafters.fallback import merge_trees
 from specdec.errors import ConfigError
@@ -179,7 +179,7 @@ def test_lookup_then_eagle_keeps_the_head_fed() -> None:
             drafted.generate(prompt, max_new_tokens=30, k=6, k_policy="fixed", branches=2, stop_on_eos=False).token_ids
             == expected
         )
-    assert drafted.drafter.wants_features and head.known > 0
+    assert drafted.drafter.capabilities.features and head.known > 0
 
 
 def test_merged_trees_share_paths_and_list_parents_first() -> None:
@@ -199,12 +199,10 @@ def test_merged_trees_share_paths_and_list_parents_first() -> None:
     assert merged.is_tree and len(merge_trees(lookup, head, k=3)) == 3
 
 
-class OneScoredNode:
+class OneScoredNode(Drafter):
     """A scored second drafter that always guesses token 99 with score 0.5."""
 
-    vocab_size = None
-    backend = None
-    scored = True
+    capabilities = DrafterCapabilities(trees=True, scores=True)
 
     def begin(self, settings: DraftSettings) -> None:
         pass
@@ -429,10 +427,8 @@ def test_a_seeded_run_prices_the_heads_draft_steps(
         (2, 0.030),
         (3, 0.026),
     ):  # two tree levels at the tree's price; three chain steps at a chain's
-        way = priced.use_tree()  # a tree step first, then a chain step: each way records its own price
-        priced.observe(
-            StepOutcome(2, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, draft_steps=steps)
-        )
+        way = priced.choose_tree()  # a tree step first, then a chain step: each way records its own price
+        priced.observe(_outcome(depth=2, accepted=1, nodes=8, draft_steps=steps))
         assert priced.ways.rates[way] == pytest.approx((2, seconds))
 
 
@@ -456,7 +452,7 @@ def test_tree_size_follows_the_costs_and_learns_the_scores_calibration() -> None
     assert dear_trees.tree_size(scores, torch.arange(-1, 5), 0.0, 6) == 6  # a chain of six is never charged it
     before = cheap.calibration
     cheap.tree_size(scores, parents, 0.0, 4)
-    cheap.observe(StepOutcome(6, 0, 0.0, 10, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long)))
+    cheap.observe(_outcome(depth=6, accepted=0, nodes=6, draft_steps=6, draft_s=0.0))
     assert cheap.calibration < before
 
 
@@ -482,3 +478,23 @@ def test_eagle_survives_one_token_prompts_and_anchor_steps() -> None:
     assert got.token_ids == target.generate(PROMPTS[0], anchored).token_ids
     assert got.stats.anchors >= 3
     assert any(got.stats.proposed_per_step[-6:]), "the head drafts again after the anchors"
+
+
+def _outcome(depth: int, accepted: int, nodes: int, draft_steps: int, draft_s: float = 5.0) -> StepOutcome:
+    """A step that drafted ``depth`` levels in ``draft_steps`` model steps for ``nodes`` verified nodes, priced (its
+    target time not measured alone, ``draft_s`` of drafting as a timed run would have seen)."""
+    return StepOutcome(
+        chosen=depth,
+        asked=depth,
+        depth=depth,
+        nodes=nodes,
+        accepted=accepted,
+        branched=False,
+        draft_s=draft_s,
+        draft_steps=draft_steps,
+        target_s=0.0,
+        read_prompt=True,
+        context_length=10,
+        logits=torch.zeros(accepted + 1, 4),
+        new_tokens=torch.zeros(accepted + 1, dtype=torch.long),
+    )

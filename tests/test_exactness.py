@@ -25,6 +25,7 @@ from specdec.models.backend import OneRow
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.models.cuda_graphs import CudaGraphs
 from specdec.models.target import Target
+from specdec.scheduling import KPolicy
 from specdec.seeds import Seeds
 
 PROMPT = [1, 5, 9, 5, 9, 5, 9, 12]
@@ -187,10 +188,8 @@ class Recording:
         self.inner.reset()
 
 
-class Alternating:
+class Alternating(KPolicy):
     """k = 4, then a step without drafts, and so on."""
-
-    min_confidence = 0.0
 
     def __init__(self) -> None:
         self.ks = itertools.cycle([4, 0])

@@ -83,7 +83,8 @@ def test_greedy_on_llama_cpp_is_identical_with_exact_batches(exact_target) -> No
 @needs_llama_cpp
 @pytest.mark.real_model
 def test_cost_model_k_follows_the_measured_costs(exact_target, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """k follows the measured costs: ubatch=1 prices n tokens near n one-token forwards, so it never drafts more than batched."""
+    """k follows the measured costs: ubatch=1 prices n tokens near n one-token forwards, so it never drafts more
+    than batched."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     batched = open_target("gemma-3-270m", RuntimeConfig(backend="llama.cpp", threads=2))
     chosen, first_best = {}, {}
@@ -97,9 +98,8 @@ def test_cost_model_k_follows_the_measured_costs(exact_target, tmp_path, monkeyp
         # Before any observation the policy stands on its prior acceptance (0.8) and the measured curve alone.
         first_best[name] = max(range(9), key=lambda k, c=curve: (1 - 0.8 ** (k + 1)) / 0.2 / c(k + 1))
     assert len(list((tmp_path / "costs").glob("*.json"))) == 2  # one curve per runtime setting, cached
-    assert [chosen[name][0] for name in chosen] == [
-        first_best[name] for name in chosen
-    ]  # k follows this machine's costs
+    # k follows this machine's costs
+    assert [chosen[name][0] for name in chosen] == [first_best[name] for name in chosen]
     assert chosen["exact"][0] <= chosen["batched"][0]
     assert sum(chosen["exact"]) <= sum(chosen["batched"])
 

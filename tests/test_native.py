@@ -24,7 +24,7 @@ FAMILIES = ["llama", "gemma3", "llama3-rope", "mistral", "qwen2", "qwen3"]
 def tiny_family(family: str, vocab: int) -> torch.nn.Module:
     """A random model of ``family`` wide enough for the kernels (widths in multiples of 32, heads of 16), with what sets
     the family apart: Llama 3's rotary scaling, Mistral's sliding window on every layer, Qwen2's QKV biases (and a
-    sliding window on its second layer), Qwen3's norms over each head's queries and keys; biases and norms randomized."""
+    sliding window on its second layer), Qwen3's norms on each head's queries and keys; biases and norms randomized."""
     from transformers import (
         MistralConfig,
         MistralForCausalLM,
@@ -152,7 +152,7 @@ def test_speculative_greedy_equals_native_target_only(family: str) -> None:
 
 
 def test_sampling_on_native_keeps_the_targets_distribution() -> None:
-    """Chi-square of the first sampled token with a drafter against the target's own distribution, and a negative control."""
+    """Chi-square of the first sampled token with a drafter against the target's own law, and a negative control."""
     from scipy.stats import chisquare
 
     tokenizer, model = char_tokenizer(), models()[1]["llama"]
@@ -181,9 +181,8 @@ def test_unsupported_models_and_options_are_refused_clearly() -> None:
     narrow = loaded(tiny_llama(0), tokenizer=char_tokenizer())  # heads of 8: the attention kernel needs multiples of 16
     with pytest.raises(ConfigError, match="head size that is a multiple of 16.*--backend transformers"):
         open_target(narrow, NATIVE)
-    assert isinstance(
-        open_target(narrow, RuntimeConfig(backend="auto")).backend, TransformersBackend
-    )  # auto falls back
+    # auto falls back
+    assert isinstance(open_target(narrow, RuntimeConfig(backend="auto")).backend, TransformersBackend)
     with pytest.raises(ConfigError, match="--precision plans apply to the transformers backend"):
         RuntimeConfig(backend="native", precision=PRESETS["cpu"])
     with pytest.raises(ConfigError, match="--dtype applies to the transformers backend"):
@@ -195,7 +194,7 @@ def test_unsupported_models_and_options_are_refused_clearly() -> None:
 
 
 def test_the_server_runs_native_one_request_at_a_time(tmp_path) -> None:
-    """`specdec serve --backend native`: concurrent requests queue behind one row and all get the target's greedy text."""
+    """`specdec serve --backend native`: concurrent requests queue behind one row; all get the target's greedy text."""
     from concurrent.futures import ThreadPoolExecutor
 
     from test_serve import Server
@@ -222,8 +221,8 @@ def test_the_server_runs_native_one_request_at_a_time(tmp_path) -> None:
 
 
 def test_kernels_refuse_bad_input_as_the_reference_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    """NaN or inf activations: a ValueError from the kernel and from its float64 reference alike (the kernel's
-    quantizer used to turn NaN into 0); tensors off the CPU, empty weights and mismatched shapes: a ValueError, no crash."""
+    """NaN or inf activations: a ValueError from the kernel and from its float64 reference alike (the kernel's quantizer
+    used to turn NaN into 0); tensors off the CPU, empty weights and mismatched shapes: a ValueError, no crash."""
     weights = cpu_kernels.PackedInt8(torch.randn(48, 64))
     x = torch.randn(3, 64)
     assert cpu_kernels.linear(torch.empty(0, 64), weights).shape == (0, 48)
@@ -262,9 +261,8 @@ def test_kernels_refuse_bad_input_as_the_reference_does(monkeypatch: pytest.Monk
         cpu_kernels.rms_norm(torch.randn(2, 16), torch.ones(0), 1e-6)
 
 
-WIDE_FFN = (
-    14336  # an 8B Llama's: torch splits an activation over so many values across threads, at slice ends differently
-)
+# an 8B Llama's: torch splits an activation over so many values across threads, at slice ends differently
+WIDE_FFN = 14336
 
 
 @pytest.mark.parametrize("threads", [3, 4, 8], indirect=True)
@@ -276,9 +274,8 @@ def test_the_activation_of_a_row_does_not_depend_on_its_neighbours_or_threads(th
         for n in (5, 11, 13):
             assert torch.equal(cpu_kernels.gated(gate_up[:n], gelu), alone[:n]), (gelu, n)
         expected = (torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)) * up
-        torch.testing.assert_close(
-            alone, expected, rtol=2e-6, atol=2e-6
-        )  # torch's values to a few units in the last place
+        # torch's values to a few units in the last place
+        torch.testing.assert_close(alone, expected, rtol=2e-6, atol=2e-6)
     odd = torch.randn(3, 2 * 37)  # a width that ends in a partial vector: the masked tail
     g, u = odd.chunk(2, dim=1)
     torch.testing.assert_close(cpu_kernels.gated(odd, False), torch.nn.functional.silu(g) * u, rtol=2e-6, atol=2e-6)

@@ -16,7 +16,7 @@ TYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """Causal attention in float64 of q [n, heads, dim] after ``start`` cached positions over keys, values [m, kv, dim]."""
+    """Causal float64 attention of q [n, heads, dim] after ``start`` cached positions over keys, values [m, kv, dim]."""
     n, heads, _ = q.shape
     group = heads // keys.shape[1]
     k, v = keys.double().repeat_interleave(group, 1), values.double().repeat_interleave(group, 1)
@@ -97,8 +97,8 @@ def test_sliding_window_layers_hold_their_window_only(window: int) -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_trees_accepted_path_moves_across_a_page_edge(dtype: str) -> None:
-    """Either cache type: a tree verified from PAGE - 3 cached positions, its accepted path (nodes 1, 3, 5) kept: the next step's logits
-    equal those after decoding the path as a chain."""
+    """Either cache type: a tree verified from PAGE - 3 cached positions, its accepted path (nodes 1, 3, 5) kept: the
+    next step's logits equal those after decoding the path as a chain."""
     model = NativeModel.from_module(tiny_gemma3(4, vocab=64, hidden=64, head_dim=16, context=4096))
     prefix = torch.randint(3, 64, (1, PAGE - 3), generator=torch.Generator().manual_seed(2))
     nodes = torch.tensor([[10, 11, 12, 13, 14, 15]])

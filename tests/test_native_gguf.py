@@ -36,7 +36,7 @@ def tiny_llama():
 
 
 def write_gguf(model, path: Path, kind: str) -> Path:
-    """``model`` as a llama.cpp GGUF file: matrices in ``kind``, norms in F32, query and key rows in llama.cpp's order."""
+    """``model`` as a llama.cpp GGUF file: matrices in ``kind``, norms in F32, query and key rows in llama.cpp order."""
     import gguf
 
     config, qtype = model.config, gguf.GGMLQuantizationType[kind]

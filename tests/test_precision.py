@@ -51,9 +51,8 @@ def test_int8_and_float8_linears_stay_close_to_float() -> None:
         expected = linear(x)
     for fmt, tolerance in (("int8", 0.03), ("int8a8", 0.03), ("float8", 0.08)):
         quantized = QuantizedLinear(linear, fmt)
-        stored = (
-            quantized.packed.packed if fmt == "int8a8" else quantized.weight_q
-        )  # int8a8: packed for the VNNI kernel
+        # int8a8: packed for the VNNI kernel
+        stored = quantized.packed.packed if fmt == "int8a8" else quantized.weight_q
         assert stored.dtype == (torch.float8_e4m3fn if fmt == "float8" else torch.int8)
         got = quantized(x).float()
         assert got.shape == expected.shape
@@ -114,7 +113,7 @@ def test_int8a8_products_are_exact_and_row_independent(
 
 
 def test_cpu_vnni_greedy_identity_through_the_kernel() -> None:
-    """A model 64 wide, so that its int8a8 head runs the VNNI kernel (where this CPU has it) in decode and verification alike."""
+    """A model 64 wide: its int8a8 head runs the VNNI kernel (if this CPU has it) in decode and verification alike."""
     tokenizer = char_tokenizer()
     runtime = RuntimeConfig(precision=PRESETS["cpu-vnni"])
     target = Generator(
@@ -143,9 +142,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_and_keys_beside_it() -> None:
         queries, keys = 20, 150  # the context fills two key blocks before the queries
         q = torch.randn(1, 4, queries, 256, generator=gen).to(torch.bfloat16)
         k, v = (torch.randn(1, 1, keys, 256, generator=gen).to(torch.bfloat16) for _ in range(2))
-        visible = (
-            torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None]
-        )  # causal: query i sees keys 0..130 + i
+        # causal: query i sees keys 0..130 + i
+        visible = torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None]
         mask = torch.zeros(1, 1, queries, keys, dtype=torch.bfloat16).masked_fill(
             ~visible, torch.finfo(torch.bfloat16).min
         )

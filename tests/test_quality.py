@@ -38,9 +38,8 @@ def test_find_loop_ignores_indentation_and_rules() -> None:
     from specdec.guards import ignorable_tokens
 
     ignorable = ignorable_tokens(tokenizer)
-    code = "def f(x):\n" + "".join(
-        f"    {'    ' * 6}y{i} = x * {i}\n" for i in range(6)
-    )  # deep indentation, distinct lines
+    # deep indentation, distinct lines
+    code = "def f(x):\n" + "".join(f"    {'    ' * 6}y{i} = x * {i}\n" for i in range(6))
     table = ": a : b :\n" + ":---" * 12 + ":\n"  # a table border (the test tokenizer has no '|')
     for text in (code, table, "x" + " " * 40, "-" * 60):
         ids = tokenizer(text)["input_ids"]
@@ -222,9 +221,8 @@ def test_token_measures() -> None:
 def test_drift_monitor_reports_events_and_anchors_without_changing_greedy_output() -> None:
     tokenizer = char_tokenizer()
     target = loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)
-    always = GuardConfig(
-        drift_threshold=1.0, drift_window=10, drift_anchor=True
-    )  # no window is identical to the prompt
+    # no window is identical to the prompt
+    always = GuardConfig(drift_threshold=1.0, drift_window=10, drift_anchor=True)
     guarded = Generator(target, "prompt-lookup").generate(
         "the cat sat on the mat", max_new_tokens=40, stop_on_eos=False, guards=always
     )
@@ -236,7 +234,7 @@ def test_drift_monitor_reports_events_and_anchors_without_changing_greedy_output
 
 
 def test_embedding_measures_drift_and_negated_pairs() -> None:
-    """The bundled all-MiniLM-L6-v2 (a real model): on-topic text scores above off-topic text; one negation pair is found."""
+    """The bundled all-MiniLM-L6-v2 (a real model): on-topic text scores above off-topic; one negation pair is found."""
     embedder = SentenceEmbedder()
     on, off = embedder.similarity(
         "How do I bake sourdough bread?",
@@ -293,12 +291,8 @@ def test_quality_command_writes_report_and_plots(tiny_folder: Path, tmp_path: Pa
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
-    assert set(results["summary"]) == {
-        "greedy",
-        "sampled",
-        "greedy+repetition",
-        "sampled+typical (lossy)",
-    }  # baselines added
+    # baselines added
+    assert set(results["summary"]) == {"greedy", "sampled", "greedy+repetition", "sampled+typical (lossy)"}
     assert len(results["runs"]) == 8 and all(len(r["token_ids"]) == 100 for r in results["runs"])
     assert all(r["stats"]["lossy"] == ("typical" in r["config"]) for r in results["runs"])
     assert (out / "drift.png").stat().st_size > 0 and (out / "repetition.png").stat().st_size > 0

@@ -36,7 +36,12 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(
     ray_cluster: str,
     driver: None,  # noqa: F811
 ) -> None:
-    server = Server(str(folder), "--ray", "--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "1", "--upscale-delay", "1", "--downscale-delay", "3", "--ray-address", ray_cluster, "--draft", "prompt-lookup", "--max-batch", "8")  # fmt: skip
+    server = Server(
+        str(folder),
+        *["--ray", "--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "1"],
+        *["--upscale-delay", "1", "--downscale-delay", "3"],
+        *["--ray-address", ray_cluster, "--draft", "prompt-lookup", "--max-batch", "8"],
+    )
     body = {"prompt": "abc", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
     stop, statuses, served_by = threading.Event(), [], set()
 
@@ -66,7 +71,8 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(
 
 @pytest.mark.slow
 def test_replicas_that_cannot_start_are_a_one_line_error(ray_cluster: str) -> None:
-    command = [shutil.which("specdec"), "serve", "--ray", "--replicas", "1", "--ray-address", ray_cluster, "--target", "/no/such/model", "--port", str(_free_port())]  # fmt: skip
+    command = [shutil.which("specdec"), "serve", "--ray", "--replicas", "1", "--ray-address", ray_cluster]
+    command += ["--target", "/no/such/model", "--port", str(_free_port())]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
@@ -108,12 +114,15 @@ def test_the_serve_config_file_runs_with_serve_run(folder: Path, ray_cluster: st
 
 @pytest.mark.slow
 def test_a_full_deployment_answers_429_like_a_full_server(folder: Path, ray_cluster: str) -> None:  # noqa: F811
-    server = Server(str(folder), "--ray", "--replicas", "1", "--ray-address", ray_cluster, "--draft", "prompt-lookup", "--max-batch", "1", "--max-queue", "1")  # fmt: skip
+    server = Server(
+        str(folder),
+        *["--ray", "--replicas", "1", "--ray-address", ray_cluster],
+        *["--draft", "prompt-lookup", "--max-batch", "1", "--max-queue", "1"],
+    )
     body = {"prompt": "abc", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     try:
-        with ThreadPoolExecutor(
-            8
-        ) as pool:  # 1 running + 1 waiting in the replica + 1 waiting at the ingress; the rest 429
+        # 1 running + 1 waiting in the replica + 1 waiting at the ingress; the rest 429
+        with ThreadPoolExecutor(8) as pool:
             answers = list(
                 pool.map(lambda _: httpx.post(f"{server.url}/v1/completions", json=body, timeout=120), range(8))
             )

@@ -25,7 +25,11 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def ray_server(folder: Path, ray_cluster: str, driver: None) -> Iterator[Server]:  # noqa: F811
-    server = Server(str(folder), "--ray", "--replicas", "2", "--ray-address", ray_cluster, "--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--window", "fixed", "--max-batch", "8")  # fmt: skip
+    server = Server(
+        str(folder),
+        *["--ray", "--replicas", "2", "--ray-address", ray_cluster],
+        *["--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--window", "fixed", "--max-batch", "8"],
+    )
     deadline = time.monotonic() + 120  # the ingress answers once one replica is up; wait for both
     while _running() < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -79,8 +83,11 @@ def test_metrics_cover_every_replica(ray_server: Server, driver: None) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     before = ray_server.metric("specdec_generated_tokens_total")
+    body = {"prompt": "abc", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
     with ThreadPoolExecutor(8) as pool:  # enough at once that both replicas serve some
-        answers = list(pool.map(lambda _: httpx.post(f"{ray_server.url}/v1/completions", json={"prompt": "abc", "max_tokens": 16, "temperature": 0, "ignore_eos": True}, timeout=60), range(16)))  # fmt: skip
+        answers = list(
+            pool.map(lambda _: httpx.post(f"{ray_server.url}/v1/completions", json=body, timeout=60), range(16))
+        )
     served_by = {answer.headers["x-specdec-replica"] for answer in answers}
     assert [answer.status_code for answer in answers] == [200] * 16
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{ray_server.url}/metrics").text)}
@@ -94,7 +101,7 @@ def test_metrics_cover_every_replica(ray_server: Server, driver: None) -> None:
 
 @pytest.mark.slow
 def test_a_killed_replica_loses_no_request_silently_and_the_cluster_recovers(ray_server: Server, driver: None) -> None:
-    """SIGKILL one replica's process under 12 requests (streamed and not): each completes or fails visibly, and is counted."""
+    """SIGKILL a replica under 12 requests (streamed and not): each completes or fails visibly, and is counted."""
     counted_before = {o: ray_server.metric("specdec_replica_failures_total", outcome=o) for o in ("retried", "failed")}
 
     live: Counter[str] = Counter()  # streams under way (first token received, not yet ended) by replica

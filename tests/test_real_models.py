@@ -19,7 +19,8 @@ pytestmark = pytest.mark.real_model
 PROMPTS = [
     "def is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n"
     "        if n % d == 0:\n            return False\n    return True\n\n\ndef primes_below(limit):\n",
-    "The meeting is on Tuesday at 10am in room 4B. Attendees: Ana, Bo, Chen. Agenda: budget, hiring.\nSummary: The meeting is on",
+    "The meeting is on Tuesday at 10am in room 4B. Attendees: Ana, Bo, Chen. Agenda: budget, hiring.\n"
+    "Summary: The meeting is on",
     "Q: What is the capital of France?\nA: The capital of France is Paris.\nQ: What is the capital of Spain?\nA:",
 ]
 
@@ -101,7 +102,7 @@ def test_gemma_low_precision_speculation_equals_target_only_of_the_same_plan(pre
 @pytest.mark.parametrize("format", ["int8", "int4"])
 @pytest.mark.parametrize("target", ["gemma-3-270m", "smollm2-135m-instruct"])
 def test_native_backend_speculation_equals_its_own_target_only(target: str, format: str) -> None:
-    """Both bundled families in both native formats: prompt lookup and the cost model keep its target-only greedy text."""
+    """Both bundled families in both native formats: prompt lookup and the cost model keep target-only greedy text."""
     from specdec.config import RuntimeConfig
     from specdec.errors import ConfigError
     from specdec.models import cpu_kernels

@@ -30,7 +30,21 @@ def outcome(proposed: int, accepted: int, context_length: int = 100, nll: float 
     """A step's outcome whose new tokens each have negative log-likelihood ``nll`` under a 2-token target."""
     p = math.exp(-nll)
     logits = torch.tensor([[math.log(p), math.log1p(-p) if p < 1 else -50.0]]).repeat(accepted + 1, 1)
-    return StepOutcome(proposed, accepted, 0.0, context_length, logits, torch.zeros(accepted + 1, dtype=torch.long))
+    return StepOutcome(
+        chosen=proposed,
+        asked=proposed,
+        depth=proposed,
+        nodes=proposed,
+        accepted=accepted,
+        branched=False,
+        draft_s=0.0,
+        draft_steps=proposed,
+        target_s=0.0,
+        read_prompt=True,
+        context_length=context_length,
+        logits=logits,
+        new_tokens=torch.zeros(accepted + 1, dtype=torch.long),
+    )
 
 
 def simulate(policy, accept_rate, steps: int, rng: random.Random, costs: CostCurve) -> tuple[list[int], float, float]:
@@ -198,13 +212,13 @@ def test_tree_overhead_is_a_trees_time_over_a_chains_as_long(monkeypatch: pytest
     now = [0.0]
 
     class Rows:
-        vocab_size, lengths = 10, [0]
+        vocab_size, cached_lengths = 10, [0]
 
         def add_rows(self, count: int) -> None:
             pass
 
         def remove_rows(self, rows: list[int]) -> None:
-            self.lengths = []
+            self.cached_lengths = []
 
         def truncate(self, row: int, length: int) -> None:
             pass
@@ -219,7 +233,7 @@ def test_tree_overhead_is_a_trees_time_over_a_chains_as_long(monkeypatch: pytest
     monkeypatch.setattr(cost_module, "_clock", lambda: now[0])
     rows = Rows()
     curve = cost_module.tree_overhead_curve(rows, sizes=(3, 9), context=8, repeats=3)  # type: ignore[arg-type]
-    assert curve == pytest.approx({1: 0.0, 3: 0.004, 9: 0.016}) and rows.lengths == []
+    assert curve == pytest.approx({1: 0.0, 3: 0.004, 9: 0.016}) and rows.cached_lengths == []
 
 
 def test_generator_measures_tree_overhead_once_for_sequences_that_branch(
@@ -234,7 +248,7 @@ def test_generator_measures_tree_overhead_once_for_sequences_that_branch(
     monkeypatch.setattr(cost_module, "tree_overhead_curve", quick)
     gen = Generator(loaded(tiny_llama(0)), "prompt-lookup")
     policy = gen.k_policy(GenerationConfig(k=4, k_policy="cost-model", branches=3))
-    assert len(calls) == 1 and calls[0].lengths == []  # measured in a row of its own, freed afterwards
+    assert len(calls) == 1 and calls[0].cached_lengths == []  # measured in a row of its own, freed afterwards
     curve = gen.tree_overhead()
     assert len(calls) == 1 and set(curve.seconds) == {1, 3, 5} and min(curve.seconds.values()) >= 0
     assert (

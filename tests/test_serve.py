@@ -1,4 +1,5 @@
-"""The OpenAI-compatible server as users run it: a real `specdec serve` process on loopback, driven by the official openai client."""
+"""The OpenAI-compatible server as users run it: a real `specdec serve` process on loopback, driven by the
+official openai client."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdec import GenerationConfig, Generator
 from specdec.config import PRESETS, GuardConfig, RuntimeConfig, TypicalAcceptance
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 KEY = "sk-specdec-test-key"
 PROMPTS = ["abc abc abc", "hello there", "the cat sat on the mat. the cat", "1, 2, 3, 4, 5", "xyz", "Question: why?"]
 
@@ -80,7 +84,7 @@ class Server:
         return httpx.get(f"{self.url}/health").json()
 
     def metric(self, sample: str, **labels: str) -> float:
-        """A sample's value summed over its label sets that include ``labels`` (a Ray deployment labels each replica's)."""
+        """A sample's value summed over the label sets including ``labels`` (Ray deployments label each replica's)."""
         families = text_string_to_metric_families(self.http.get("/metrics").text)
         return sum(
             s.value for f in families for s in f.samples if s.name == sample and labels.items() <= s.labels.items()
@@ -101,7 +105,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module", params=["process", "ray"])
 def server(request: pytest.FixtureRequest, folder: Path) -> Iterator[Server]:
     """The single-process server, then the same server as a Ray Serve deployment (skipped without the ray extra)."""
-    # A timing-free k (fixed policy, fixed window) makes seeded sampling reproducible; greedy output is the target's either way.
+    # A timing-free k (fixed policy, fixed window) makes seeded sampling reproducible;
+    # greedy output is the target's either way.
     args = ["--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--window", "fixed", "--max-batch", "8"]
     if request.param == "ray":
         args += ["--ray", "--replicas", "1", "--ray-address", request.getfixturevalue("ray_cluster")]
@@ -201,9 +206,8 @@ def test_guards_and_typical_acceptance_through_the_server(server: Server, local:
         )
         for _ in range(2)
     ]
-    assert (
-        runs[0].choices[0].text == runs[1].choices[0].text
-    )  # a scheduled temperature samples, reproducibly with a seed
+    # a scheduled temperature samples, reproducibly with a seed
+    assert runs[0].choices[0].text == runs[1].choices[0].text
 
 
 def test_sixteen_concurrent_clients(server: Server, local: Generator) -> None:
@@ -399,9 +403,8 @@ def test_chat_on_the_bundled_chat_model() -> None:
 def test_gemma_is_served_with_its_eagle_head_by_default() -> None:
     """No --draft, on the `cpu` plan (verifying a few tokens costs one step): prompt lookup, then the eagle head shipped
     for Gemma; greedy output is the target's own on the same plan."""
-    server = Server(
-        "gemma-3-270m", "--precision", "cpu", "--k-policy", "fixed", "--k", "4"
-    )  # always draft: the cost model may not, under load
+    # always draft: the cost model may not, under load
+    server = Server("gemma-3-270m", "--precision", "cpu", "--k-policy", "fixed", "--k", "4")
     try:
         prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
         expected = Generator("gemma-3-270m", "none", runtime=RuntimeConfig(precision=PRESETS["cpu"])).generate(
@@ -453,7 +456,10 @@ def test_ray_options_reach_the_typed_config(folder: Path, monkeypatch: pytest.Mo
 
     started = []
     monkeypatch.setattr(ray_serve, "serve_on_ray", lambda spec, config, ready: started.append((spec, config)))
-    options = "--replicas 1 --max-replicas 3 --target-ongoing-requests 2 --upscale-delay 4 --downscale-delay 5 --cpus-per-replica 0.5 --gpus-per-replica 1 --ingress-replicas 2 --ray-address auto --max-batch 4 --port 9001"  # fmt: skip
+    options = (
+        "--replicas 1 --max-replicas 3 --target-ongoing-requests 2 --upscale-delay 4 --downscale-delay 5"
+        " --cpus-per-replica 0.5 --gpus-per-replica 1 --ingress-replicas 2 --ray-address auto --max-batch 4 --port 9001"
+    )
     result = CliRunner().invoke(
         app, ["serve", "--ray", "--target", str(folder), "--draft", "prompt-lookup", *options.split()]
     )
@@ -475,7 +481,8 @@ def test_ray_options_without_ray_are_a_one_line_error(folder: Path) -> None:
 
 
 def test_api_keys_guard_every_v1_route_and_the_metrics(server: Server) -> None:
-    """With a key set: /v1 routes, /metrics and the API docs answer OpenAI's 401 without it; /health stays open for load balancers."""
+    """With a key set: /v1 routes, /metrics and the API docs answer OpenAI's 401 without it; /health stays open
+    for load balancers."""
     assert httpx.get(f"{server.url}/health").status_code == 200
     for method, path in (
         ("GET", "/v1/models"),
@@ -523,11 +530,15 @@ def slow_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_non_streaming_client_that_disconnects_is_cancelled(slow_folder: Path) -> None:
-    """A raw socket sends a whole request and closes before the answer: the engine drops the sequence, not runs it to the end."""
+    """A raw socket sends a whole request and closes before the answer: the engine drops the sequence, not runs it
+    to the end."""
     server = Server(str(slow_folder), "--draft", "none", "--k-policy", "fixed", key=KEY)
     try:
         body = json.dumps({"prompt": "abc", "max_tokens": 250, "temperature": 0.7, "ignore_eos": True}).encode()
-        head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\n"
+        )
         for _ in range(3):  # a disconnect that reaches the engine after the request ended cancels nothing: ask again
             cancelled = server.metric("specdec_cancelled_requests_total")
             with socket.create_connection(("127.0.0.1", server.port)) as sock:
@@ -549,16 +560,15 @@ def test_a_non_streaming_client_that_disconnects_is_cancelled(slow_folder: Path)
 
 
 def test_admission_fills_free_slots_before_refusing(folder: Path) -> None:
-    """Capacity is max_batch running plus max_queue waiting, whether or not the engine thread has admitted the waiting ones yet."""
+    """Capacity is max_batch running plus max_queue waiting, whether or not the engine thread has admitted those yet."""
     import asyncio
 
     from specdec.serving.batcher import Batcher, Job, QueueFullError
     from specdec.serving.metrics import Metrics
 
     generator = Generator(str(folder), "prompt-lookup")
-    batcher = Batcher(
-        generator, max_batch=4, max_queue=2, metrics=Metrics()
-    )  # not started: submitted jobs all stay waiting
+    # not started: submitted jobs all stay waiting
+    batcher = Batcher(generator, max_batch=4, max_queue=2, metrics=Metrics())
     batcher._thread.is_alive = lambda: True  # noqa: SLF001 - as if its engine thread ran but were busy with a long step
     loop = asyncio.new_event_loop()
     try:
@@ -571,8 +581,9 @@ def test_admission_fills_free_slots_before_refusing(folder: Path) -> None:
 
 
 def test_large_bodies_are_refused_and_tokenizing_never_blocks_health(tmp_path: Path) -> None:
-    """Past --max-request-bytes: OpenAI's 413, announced or chunked. Below it, a huge prompt is tokenized off the event loop
-    (a model with a context of a million tokens, so that the character bound does not refuse the prompt before tokenizing)."""
+    """Past --max-request-bytes: OpenAI's 413, announced or chunked. Below it, a huge prompt is tokenized off the event
+    loop (a model with a context of a million tokens, so that the character bound does not refuse the prompt before
+    tokenizing)."""
     tokenizer = char_tokenizer()
     tiny_llama(0, vocab=len(tokenizer), context=1_000_000).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
@@ -603,12 +614,10 @@ def test_large_bodies_are_refused_and_tokenizing_never_blocks_health(tmp_path: P
             latencies.append(time.perf_counter() - start)
             time.sleep(0.02)
         sender.join()
-        assert (
-            answers == [400] and len(latencies) >= 5
-        )  # too long for the context, found by tokenizing (which took a while)
-        assert sorted(latencies)[-2] < 0.1, (
-            latencies
-        )  # the worst but one: a single scheduling hiccup of this shared machine aside
+        # too long for the context, found by tokenizing (which took a while)
+        assert answers == [400] and len(latencies) >= 5
+        # the worst but one: a single scheduling hiccup of this shared machine aside
+        assert sorted(latencies)[-2] < 0.1, latencies
     finally:
         server.stop()
 
@@ -622,29 +631,78 @@ JSON = {"content-type": "application/json"}
         ("POST", "/v1/completions", b'{"prompt": "hi", "seed": 18446744073709551616}', 400, "seed", None),
         ("POST", "/v1/completions", b'{"prompt": "hi", "seed": -1}', 400, "seed", None),
         ("POST", "/v1/completions", b'{"prompt": "hi \\ud800 there", "max_tokens": 2}', 400, "prompt", None),
-        ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\udfff"}]}', 400, "messages", None),
+        (
+            "POST",
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi \\udfff"}]}',
+            400,
+            "messages",
+            None,
+        ),
         ("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": "5"}', 400, "max_tokens", None),
         ("POST", "/v1/completions", b'{"prompt": "hi", "stream": "yes"}', 400, "stream", None),
         ("POST", "/v1/completions", b'{"prompt": "hi", "seed": 1000.0}', 400, "seed", None),
-        ("POST", "/v1/completions", b'{"prompt": "hi", "stream_options": {"include_usage": "yes"}}', 400, "stream_options", None),
+        (
+            "POST",
+            "/v1/completions",
+            b'{"prompt": "hi", "stream_options": {"include_usage": "yes"}}',
+            400,
+            "stream_options",
+            None,
+        ),
         ("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, None),
         ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None, None),
         ("POST", "/v1/completions", b"[]", 400, None, None),
         ("GET", "/v1/nothing-here", b"", 404, None, "unknown_url"),
         ("DELETE", "/v1/completions", b"", 405, None, "method_not_allowed"),
         ("POST", "/v1/completions", b'{"prompt": "hi", "model": "gpt-4"}', 404, "model", "model_not_found"),
-        ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}', 404, "model", "model_not_found"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}',
+            404,
+            "model",
+            "model_not_found",
+        ),
         ("GET", "/v1/models/gpt-4", b"", 404, "model", "model_not_found"),
-        ("POST", "/v1/completions", json.dumps({"prompt": "ab " * 100}).encode(), 400, "prompt", "context_length_exceeded"),
-        ("POST", "/v1/completions", json.dumps({"prompt": "ab " * 5000}).encode(), 400, "prompt", "context_length_exceeded"),
-        ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "ab " * 5000}]}).encode(), 400, "messages", "context_length_exceeded"),
-        ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}', 400, "messages", None),
+        (
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "ab " * 100}).encode(),
+            400,
+            "prompt",
+            "context_length_exceeded",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "ab " * 5000}).encode(),
+            400,
+            "prompt",
+            "context_length_exceeded",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": "ab " * 5000}]}).encode(),
+            400,
+            "messages",
+            "context_length_exceeded",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+            400,
+            "messages",
+            None,
+        ),
     ],
-)  # fmt: skip
+)
 def test_every_error_has_openai_shape(
     server: Server, method: str, path: str, body: bytes, status: int, param: str | None, code: str | None
 ) -> None:
-    """Bad values, unknown routes and methods, undecodable bodies: the right status, OpenAI's error object, never a 500."""
+    """Bad values, unknown routes and methods, undecodable bodies: the right status, OpenAI's error object, no 500."""
     response = server.http.request(method, path, content=body, headers=JSON)
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -682,8 +740,11 @@ def _fuzzed_requests(count: int, seed: int) -> Iterator[tuple[str, str, bytes]]:
     import random
 
     rng = random.Random(seed)
-    weird = [None, True, -1, 0, 2**64, 10**30, -(2**63), 1e308, 0.5, "", "5", "\ud800", "x" * 5000, [], [1, "a"], [-5, 10**9], {}, {"a": {"b": []}}, "ǅ\u202e\x00"]  # fmt: skip
-    fields = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop", "model", "n", "logprobs", "guards", "typical_acceptance", "stream_options", "ignore_eos", "user", "max_completion_tokens", "colour"]  # fmt: skip
+    weird = [None, True, -1, 0, 2**64, 10**30, -(2**63), 1e308, 0.5, "", "5", "\ud800", "x" * 5000]
+    weird += [[], [1, "a"], [-5, 10**9], {}, {"a": {"b": []}}, "ǅ\u202e\x00"]
+    fields = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop", "model"]
+    fields += ["n", "logprobs", "guards", "typical_acceptance", "stream_options", "ignore_eos", "user"]
+    fields += ["max_completion_tokens", "colour"]
     for _ in range(count):
         chat = rng.random() < 0.5
         path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -697,9 +758,8 @@ def _fuzzed_requests(count: int, seed: int) -> Iterator[tuple[str, str, bytes]]:
                 body[name] = rng.choice(weird)
             elif chat:
                 body["messages"] = [{"role": rng.choice(["user", "wizard", 7]), "content": rng.choice(weird)}]
-        raw = json.dumps(
-            body
-        ).encode()  # ensure_ascii: a lone surrogate travels as an escape, as a client would send it
+        # ensure_ascii: a lone surrogate travels as an escape, as a client would send it
+        raw = json.dumps(body).encode()
         cut = rng.random()
         if cut < 0.1:
             raw = raw[: rng.randint(0, len(raw))]
@@ -711,7 +771,8 @@ def _fuzzed_requests(count: int, seed: int) -> Iterator[tuple[str, str, bytes]]:
 
 
 def test_fuzzed_requests_never_get_a_server_error(server: Server, request: pytest.FixtureRequest) -> None:
-    """300 seeded malformed requests: every answer is below 500 and in OpenAI's shape (streams too), and the server stays healthy."""
+    """300 seeded malformed requests: every answer is below 500 and in OpenAI's shape (streams too), and the server
+    stays healthy."""
     if request.node.callspec.params["server"] != "process":
         pytest.skip("the error handling is the replica's own: once is enough")
     for method, path, raw in _fuzzed_requests(300, seed=22):
@@ -720,9 +781,8 @@ def test_fuzzed_requests_never_get_a_server_error(server: Server, request: pytes
         if response.status_code >= 400:
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text[:300]
         elif response.headers["content-type"].startswith("text/event-stream"):
-            assert "server_error" not in response.text and response.text.endswith("data: [DONE]\n\n"), response.text[
-                -300:
-            ]
+            text = response.text
+            assert "server_error" not in text and text.endswith("data: [DONE]\n\n"), text[-300:]
     health = server.health()
     assert (health["status"], health["running"], health["waiting"]) == ("ok", 0, 0)
 
@@ -742,7 +802,12 @@ def _closed_after(sock: socket.socket, limit: float = 10) -> tuple[float, bytes]
 def test_slow_and_idle_connections_are_cut_off(folder: Path) -> None:
     """Silent and slowloris connections close after --header-timeout, a dribbled body gets a 408, idle keep-alive
     connections close after --keep-alive; the Host allow-list; the replica header names no host or process."""
-    server = Server(str(folder), "--draft", "prompt-lookup", "--header-timeout", "1", "--body-timeout", "1", "--keep-alive", "1", "--allowed-host", "127.0.0.1", key=KEY)  # fmt: skip
+    server = Server(
+        str(folder),
+        *["--draft", "prompt-lookup"],
+        *["--header-timeout", "1", "--body-timeout", "1", "--keep-alive", "1", "--allowed-host", "127.0.0.1"],
+        key=KEY,
+    )
     address = ("127.0.0.1", server.port)
     try:
         with socket.create_connection(address) as silent:
@@ -763,13 +828,15 @@ def test_slow_and_idle_connections_are_cut_off(folder: Path) -> None:
             assert _closed_after(slowloris)[0] < 3
             sender.join()
         with socket.create_connection(address) as slow_body:
-            head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+            )
             slow_body.sendall(head.encode() + b'{"prompt": ')
             slow_body.settimeout(5)
             answer = b""
-            while b"request_timeout" not in answer and (
-                chunk := slow_body.recv(65536)
-            ):  # headers and body may come apart
+            # headers and body may come apart
+            while b"request_timeout" not in answer and (chunk := slow_body.recv(65536)):
                 answer += chunk
             assert answer.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in answer, answer[:300]
             stop = threading.Event()

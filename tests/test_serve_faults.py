@@ -160,12 +160,12 @@ def _ask(app, method: str, path: str, body: dict | None = None):
 
 def _tiny_app():
     tokenizer = char_tokenizer()
-    return create_app(Generator(loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer), "prompt-lookup", GenerationConfig(k=4, k_policy="fixed")))  # fmt: skip
+    target = loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)
+    return create_app(Generator(target, "prompt-lookup", GenerationConfig(k=4, k_policy="fixed")))
 
 
-@pytest.mark.parametrize(
-    "method", ["take", "close"]
-)  # bugs outside the model's step: handing out text, retiring a finished row
+# bugs outside the model's step: handing out text, retiring a finished row
+@pytest.mark.parametrize("method", ["take", "close"])
 def test_a_failing_step_fails_its_request_and_the_engine_goes_on(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from specdec.engine.generator import Completion
 

@@ -19,7 +19,7 @@ from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig, GuardConfig, RuntimeConfig, TypicalAcceptance
 from specdec.drafters import ModelDrafter
-from specdec.drafters.base import DraftSettings, Proposal
+from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend, cpu_kernels
@@ -60,8 +60,7 @@ def test_greedy_tree_verdicts_for_a_batch() -> None:
     argmax = torch.tensor([[7, 0, 8, 0, 0], [3, 0, 0, 0, 0], [6, 0, 0, 0, 0]])  # column j + 1 judges node j's children
     logits = torch.nn.functional.one_hot(argmax, vocab).float()
     verdict = verify_tree_greedy(tokens, parents, torch.tensor([4, 2, 0]), logits)
-    assert verdict.paths == [[1, 3], [], []]
-    assert verdict.next_tokens == [0, 3, 6]
+    assert verdict.per_row() == [([1, 3], 0), ([], 3), ([], 6)]
 
 
 def test_prompt_lookup_proposes_several_matches_as_a_tree() -> None:
@@ -143,13 +142,13 @@ SAMPLINGS = {"plain": SamplingConfig(temperature=1.0), "shaped": SamplingConfig(
 MIN_PVALUE = 1e-3
 
 
-class ShapedTreeDrafter:
+class ShapedTreeDrafter(Drafter):
     """Trees of a fixed shape from a draft model: a node's children are its top tokens (deterministic) or independent draws
     from its shaped distribution (sampled, the distribution reported for each). Asked for a chain (one branch), a chain
     as deep as the shape; ``chains`` counts those, over all its forks."""
 
     vocab_size = VOCAB
-    backend = None
+    capabilities = DrafterCapabilities(trees=True)
 
     def __init__(
         self, model, shape: tuple[int, ...], sampled: bool, chains: list[int] | None = None, sibling_heat: float = 0.0,
@@ -283,25 +282,37 @@ def test_tree_rows_that_draft_chains_while_chains_are_faster_keep_the_target_law
     assert pvalue > MIN_PVALUE
 
 
+def _outcome(
+    accepted: int, draft_s: float, nodes: int, branched: bool = False, verify_s: float | None = None
+) -> StepOutcome:
+    """A step of a row that chose k = 4 and drafted 4 levels (``nodes`` of them verified), 10 tokens long after it;
+    ``verify_s`` None: its target time was not its drafts' alone (it read the prompt)."""
+    return StepOutcome(
+        chosen=4,
+        asked=4,
+        depth=4,
+        nodes=nodes,
+        accepted=accepted,
+        branched=branched,
+        draft_s=draft_s,
+        draft_steps=4,
+        target_s=0.0 if verify_s is None else verify_s,
+        read_prompt=verify_s is None,
+        context_length=10,
+        logits=torch.zeros(accepted + 1, 4),
+        new_tokens=torch.zeros(accepted + 1, dtype=torch.long),
+    )
+
+
 def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
     """Trees first, then a chain; then the faster of the two, the other on trial steps that grow rarer while it stays
     slower (after 8 steps, then 16, then every 32), until they swap, when the other one is tried after 8 again."""
     policy = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}))
 
     def step(tree_accepts: int, chain_accepts: int) -> bool:
-        tree = policy.use_tree()
+        tree = policy.choose_tree()
         accepted = tree_accepts if tree else chain_accepts
-        policy.observe(
-            StepOutcome(
-                4,
-                accepted,
-                0.001,
-                10,
-                torch.zeros(accepted + 1, 4),
-                torch.zeros(accepted + 1, dtype=torch.long),
-                8 if tree else 4,
-            )
-        )
+        policy.observe(_outcome(accepted, 0.001, 8 if tree else 4))
         return tree
 
     assert [step(1, 3), step(1, 3)] == [True, False]
@@ -315,8 +326,8 @@ def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
         sum(later[-2 * TREE_TRIAL_EVERY :]) == 2 * TREE_TRIAL_EVERY - 1
     )  # a chain again after 8 steps: the ways swapped
     seeded = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.0)
-    seeded.use_tree()
-    seeded.observe(StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8))
+    seeded.choose_tree()
+    seeded.observe(_outcome(1, 5.0, 8))
     assert seeded.ways.rates[True] == pytest.approx(
         (2, 0.02)
     )  # a seeded run prices drafting, never times it: the choices repeat
@@ -327,17 +338,15 @@ def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
     ):  # a tree step whose drafts happened not to branch costs a chain's forward
         # 4 levels drafted (a draft step each) for 8 nodes verified
         priced = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.001, tree_overhead=overhead)
-        assert priced.use_tree()
-        priced.observe(
-            StepOutcome(4, 1, 5.0, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, branched=branched)
-        )
+        assert priced.choose_tree()
+        priced.observe(_outcome(1, 5.0, 8, branched=branched))
         assert priced.ways.rates[True] == pytest.approx((2, seconds))
         assert (
             priced.acceptance == CostModelK(8, CostCurve({1: 0.010})).acceptance
         ) == branched  # only a chain-shaped step teaches k
     timed = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}))
-    timed.use_tree()
-    timed.observe(StepOutcome(4, 1, 0.5, 10, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 8, verify_s=0.25))
+    timed.choose_tree()
+    timed.observe(_outcome(1, 0.5, 8, verify_s=0.25))
     # Otherwise the step's own time: a tree's forward costs more than the curve says.
     assert timed.ways.rates[True] == pytest.approx((2, 0.75))
 
@@ -353,13 +362,9 @@ def test_a_timed_tree_row_starts_from_its_generators_earlier_rows() -> None:
         assert isinstance(policy, CostModelK)
         drafted = []
         for _ in range(n):
-            tree = policy.use_tree()
+            tree = policy.choose_tree()
             accepted = tree_accepts if tree else chain_accepts
-            policy.observe(
-                StepOutcome(
-                    4, accepted, 0.001, 10, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), 8 if tree else 4
-                )
-            )
+            policy.observe(_outcome(accepted, 0.001, 8 if tree else 4))
             drafted.append(tree)
         return drafted
 

@@ -1,4 +1,4 @@
-"""`specdec tune` and profiles: the search on tiny and real models, profile files, their errors and warnings, the oracle."""
+"""`specdec tune` and profiles: search on tiny and real models, profile files, their errors and warnings, the oracle."""
 
 from __future__ import annotations
 
@@ -70,15 +70,18 @@ def test_a_profile_survives_json_and_reads_from_toml(tmp_path: Path) -> None:
         ('{"version": 9}', "not a specdec profile of version 1"),
         ('{"version": 1, "target": "x"}', "lacks the key 'runtime'"),
         (
-            '{"version": 1, "target": "x", "drafter": "none", "runtime": {"backend": "tpu"}, "generation": {"k": 2, "k_policy": "fixed"}}',
+            '{"version": 1, "target": "x", "drafter": "none", "runtime": {"backend": "tpu"}, '
+            '"generation": {"k": 2, "k_policy": "fixed"}}',
             "unknown backend 'tpu'",
         ),
         (
-            '{"version": 1, "target": "x", "drafter": "none", "runtime": {}, "generation": {"k": 0, "k_policy": "fixed"}}',
+            '{"version": 1, "target": "x", "drafter": "none", "runtime": {}, '
+            '"generation": {"k": 0, "k_policy": "fixed"}}',
             "k \\(draft tokens per step\\)",
         ),
         (
-            '{"version": 1, "target": "x", "drafter": "none", "runtime": {"colour": 1}, "generation": {"k": 2, "k_policy": "fixed"}}',
+            '{"version": 1, "target": "x", "drafter": "none", "runtime": {"colour": 1}, '
+            '"generation": {"k": 2, "k_policy": "fixed"}}',
             "malformed section",
         ),
     ],
@@ -195,12 +198,9 @@ def test_the_prediction_replays_sampled_steps_on_each_runtimes_curve() -> None:
     from specdec.scheduling import CostCurve
     from specdec.tuning.search import DrafterSample, RuntimeFigures, _confirmation_set, _predict
 
-    flat = RuntimeFigures(
-        "flat", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.011}), 1 / 0.011, 0.001, 0.0
-    )  # verifying is nearly free
-    steep = RuntimeFigures(
-        "steep", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.090}), 95.0, 0.001, 0.0
-    )  # each position costs a step
+    # on the flat curve verifying is nearly free; on the steep one each position costs a step
+    flat = RuntimeFigures("flat", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.011}), 1 / 0.011, 0.001, 0.0)
+    steep = RuntimeFigures("steep", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.090}), 95.0, 0.001, 0.0)
     steps = [(8, 8, 0.0008), (8, 0, 0.0008)]  # one step accepted all 8, one none
     sample = DrafterSample("prompt-lookup", ["flat", "steep"], steps)
     tree = DrafterSample("prompt-lookup+tree", ["flat"], steps)
@@ -211,7 +211,7 @@ def test_the_prediction_replays_sampled_steps_on_each_runtimes_curve() -> None:
     # at k = 2: min(8, 2) + 1 and 0 + 1 tokens; forwards over 3 tokens; drafting scaled by 2 / 8
     assert by_key[("flat", "prompt-lookup", 2)] == pytest.approx(4 / (2 * (0.01025 + 0.001 + 0.0002)))
     assert by_key[("flat", "none", 1)] == pytest.approx(1 / 0.011)
-    # steep's target-only ran at 95 tok/s where its curve and overhead say 1 / 11 ms: its predictions are scaled by 95 x 0.011
+    # steep's target-only ran at 95 tok/s where curve and overhead say 1 / 11 ms: its predictions scale by 95 x 0.011
     assert by_key[("steep", "none", 1)] == pytest.approx(95.0)
     assert by_key[("steep", "prompt-lookup", 1)] == pytest.approx(95 * 0.011 * 3 / (2 * (0.020 + 0.001 + 0.0001)))
     assert ("steep", "prompt-lookup+tree", 8) not in by_key  # the tree does not run there
@@ -292,9 +292,8 @@ def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path
     switched = runner.invoke(
         app, ["generate", "abc", "--profile", str(profile), "--max-new-tokens", "2", "--dtype", "bfloat16"]
     )
-    assert switched.exit_code == 0, (
-        switched.output
-    )  # --dtype given: the profile's precision plan is not applied with it
+    # --dtype given: the profile's precision plan is not applied with it
+    assert switched.exit_code == 0, switched.output
     benched = runner.invoke(
         app,
         ["bench", "--profile", str(profile), "--prompts", str(prompts_file), "--quick", "--out", str(tmp_path / "b")],
@@ -307,9 +306,8 @@ def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path
         ["bench", "--profile", str(profile), "--prompts", str(prompts_file), "--quick", "--out", str(tmp_path / "c")]
         + ["--methods", "none,prompt-lookup"],
     )
-    assert chosen.exit_code == 0, (
-        chosen.output
-    )  # --methods given: the profile's k = 8 (tuned for its drafter) is not taken
+    # --methods given: the profile's k = 8 (tuned for its drafter) is not taken
+    assert chosen.exit_code == 0, chosen.output
     assert set(json.loads((tmp_path / "c" / "results.json").read_text())["methods"]) == {"none", "prompt-lookup@k4"}
     profile.write_text("{broken")
     broken = runner.invoke(app, ["generate", "abc", "--profile", str(profile)])
@@ -327,9 +325,8 @@ def test_tune_on_the_real_gemma_picks_a_configuration_at_least_as_fast_as_target
     )
     profile, results = tune(config)
     sampled = results["drafters"]["prompt-lookup"]
-    assert (
-        sampled["steps"] > 10 and sampled["acceptance"] > 0
-    )  # the core prompts repeat themselves: some drafts are accepted
+    # the core prompts repeat themselves: some drafts are accepted
+    assert sampled["steps"] > 10 and sampled["acceptance"] > 0
     target_only = [c for c in results["confirmed"] if c["drafter"] == "none"][0]
     assert profile.measured["tokens_per_s"] >= target_only["measured_tokens_per_s"]
     assert profile.generation.sampling == SamplingConfig(0.7)

@@ -89,7 +89,8 @@ def test_all_accepted_gives_bonus_from_last_position() -> None:
 
 
 def test_inverse_cdf_draws_follow_the_distribution_and_never_a_zero() -> None:
-    """The sampler every draw uses (verification/sampling.py): the target's law exactly, zeros never, rows independent, seeds repeat."""
+    """The sampler every draw uses (verification/sampling.py): the target's law exactly, zeros never, rows
+    independent, seeds repeat."""
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.1, 0.0, 0.0, 0.0, 0.0, 0.9]])
     rng = torch.Generator().manual_seed(0)
     draws = torch.stack([draw(probs, rng) for _ in range(20_000)])  # [N, 2]
@@ -101,9 +102,8 @@ def test_inverse_cdf_draws_follow_the_distribution_and_never_a_zero() -> None:
     unnormalised = draw(probs[:1] * 7.0, torch.Generator().manual_seed(5))
     assert torch.equal(unnormalised, draw(probs[:1], torch.Generator().manual_seed(5)))  # any positive total
     assert draw(probs[0], rng).shape == () and draw(probs[None], rng).shape == (1, 2)
-    big = torch.softmax(
-        3 * torch.randn(262_144, generator=torch.Generator().manual_seed(1)), dim=0
-    )  # Gemma's vocabulary size
+    # Gemma's vocabulary size
+    big = torch.softmax(3 * torch.randn(262_144, generator=torch.Generator().manual_seed(1)), dim=0)
     top, mass = int(big.argmax()), float(big.max())
     assert mass > 0.02  # a token with visible mass among 262,144: float rounding of the sum must not shift it
     hits = sum(int(draw(big, rng)) == top for _ in range(4000))

@@ -31,7 +31,7 @@ def _free_port() -> int:
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bin folder of a fresh venv holding only the built wheel; its dependencies come from the environment running
     the tests (its site-packages on the path, after the venv's own: no second download of torch and the models), whether
-    that is a virtual environment or not. That folder's .pth files are not run, so an editable specdec there is not seen."""
+    that is a virtual environment or not. That folder's .pth files are not run: an editable specdec there is ignored."""
     base = tmp_path_factory.mktemp("wheel")
     source = base / "source"  # a copy, so that building leaves no build/ or egg-info in the checkout
     shutil.copytree(
@@ -102,9 +102,8 @@ def test_the_wheel_runs_every_command_from_an_empty_folder(installed: Path, tmp_
     )
     assert bench.returncode == 0, bench.stderr
     results = json.loads((empty / "out" / "results.json").read_text())
-    assert "none" in results["methods"] and any(m.startswith("prompt-lookup") for m in results["methods"]), results[
-        "methods"
-    ].keys()
+    methods = results["methods"]
+    assert "none" in methods and any(m.startswith("prompt-lookup") for m in methods), methods.keys()
     assert results["config"]["prompt_count"] == 2  # --quick: two of the core set's prompts
 
     port = _free_port()
