@@ -6,10 +6,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
-import torch
-
 from specdec.config import RuntimeConfig
-from specdec.drafters.base import Drafter, DraftSettings, Proposal
+from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdec.drafters.distilled import ReducedVocabBackend, is_distilled_draft, load_draft, read_meta
 from specdec.drafters.eagle import EagleDrafter, load_eagle
@@ -34,8 +32,21 @@ DRAFT_SPECS = (
 )
 
 
-def build_drafter(spec: str, target: Target, runtime: RuntimeConfig = RuntimeConfig()) -> Drafter:
-    """Build a drafter for ``target`` from its command-line spec (see DRAFT_SPECS); model drafts share the runtime settings."""
+def drafter_name(spec: str | Drafter) -> str:
+    """What drafts, in words: a spec as written, or a ready drafter's class."""
+    return spec if isinstance(spec, str) else type(spec).__name__
+
+
+def build_drafter(spec: str | Drafter, target: Target, runtime: RuntimeConfig = RuntimeConfig()) -> Drafter:
+    """Build a drafter for ``target`` from its command-line spec (see DRAFT_SPECS); model drafts share the runtime
+    settings. A ready :class:`Drafter` is returned as it is."""
+    if isinstance(spec, Drafter):
+        return spec
+    if not isinstance(spec, str):
+        raise ConfigError(
+            f"a drafter is a name (see --draft) or an instance of specdec.drafters.Drafter, not {type(spec).__name__}: "
+            "subclass Drafter (docs/writing-a-drafter.md)"
+        )
     kind, _, arg = spec.partition(":")
     if spec == "auto":
         raise ConfigError(
@@ -101,21 +112,20 @@ def auto_draft(target: Target, verify_cost: Callable[[], Callable[[int], float]]
     where verifying 3 tokens costs about as much as one, the head beats prompt lookup; where it costs more, it ties or
     loses and takes more memory.
     """
-    if getattr(target.backend, "token_embeddings", None) is None or bundled_draft(target.name, "eagle") is None:
+    if not target.backend.capabilities.features or bundled_draft(target.name, "eagle") is None:
         return "prompt-lookup"
     cost = verify_cost()
     return "lookup-then-eagle" if cost(3) <= AUTO_HEAD_MAX_VERIFY * cost(1) else "prompt-lookup"
 
 
 def _eagle(folder: str, target: Target) -> EagleDrafter:
-    embeddings = getattr(target.backend, "token_embeddings", None)
+    embeddings = target.backend.token_embeddings() if target.backend.capabilities.features else None
     if embeddings is None:
         raise ConfigError(
-            "an eagle head drafts from the target's hidden states and embedding: use --backend native, transformers or llama.cpp"
+            "an eagle head drafts from the target's hidden states and embedding: "
+            "use --backend native, transformers or llama.cpp"
         )
-    return load_eagle(
-        folder, embeddings(), target.backend.vocab_size, getattr(target.backend, "device", torch.device("cpu"))
-    )
+    return load_eagle(folder, embeddings, target.backend.vocab_size, target.backend.device)
 
 
 def _distilled(folder: str, target: Target, runtime: RuntimeConfig) -> ModelDrafter:
@@ -136,6 +146,7 @@ __all__ = [
     "EagleDrafter",
     "FallbackDrafter",
     "Drafter",
+    "DrafterCapabilities",
     "DraftSettings",
     "ModelDrafter",
     "NgramDrafter",
@@ -145,4 +156,5 @@ __all__ = [
     "Proposal",
     "auto_draft",
     "build_drafter",
+    "drafter_name",
 ]

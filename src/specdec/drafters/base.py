@@ -1,4 +1,4 @@
-"""The drafter protocol: propose candidate tokens; learn how many were accepted.
+"""The drafter contract: propose candidate tokens; learn how many were accepted.
 
 A drafter is told once, when a sequence begins, how that sequence samples
 (:class:`DraftSettings`); each step it is asked for up to k tokens after the
@@ -8,8 +8,8 @@ needs, so new drafters plug in without touching the decode step.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -144,39 +144,63 @@ class TokenTrie:
         return node
 
 
-class Drafter(Protocol):
+@dataclass(frozen=True)
+class DrafterCapabilities:
+    """What a drafter does beyond proposing chains. The engine reads this record, never the drafter's other attributes."""
+
+    trees: bool = False  # honours ``branches`` > 1 (a chain-only drafter is always asked for chains)
+    scores: bool = False  # its tree proposals carry ``scores``: the engine asks for the most nodes and keeps the best
+    features: bool = False  # reads the target's final hidden states: ``observe_features`` after every step
+    measures_steps: bool = False  # runs a model outside a Backend: ``measure_step`` prices one of its draft steps
+
+
+class Drafter(ABC):
     """Proposes up to k next tokens for the current context of one sequence.
 
-    Optional: a drafter with ``wants_features = True`` also gets ``observe_features(features)`` after every step, the
-    target's final hidden states [n, H] of the n positions its cache took in that step (drafters/eagle.py reads them).
-    A drafter that runs a model outside a ``backend`` (the eagle head) has ``measure_step()``, the seconds of one of
-    its draft steps on this machine, and ``identity``, what that measurement is kept under (Generator.draft_cost).
+    Every member the engine uses is declared here. A new drafter implements ``begin``, ``propose`` and ``fork``,
+    overrides ``accept`` if it keeps per-step state, and declares in ``capabilities`` what more it does; the methods a
+    capability names (``observe_features``, ``measure_step``) are called only when it is declared.
     """
 
     #: logits width for model drafters (checked against the target's); None for vocabulary-free drafters
-    vocab_size: int | None
-    #: the model that drafts, None for model-free drafters; its measured one-token cost prices a draft step in seeded runs
-    backend: Backend | None
+    vocab_size: int | None = None
+    #: the model that drafts, None for model-free drafters; its one-token cost prices a draft step in seeded runs
+    backend: Backend | None = None
+    capabilities: DrafterCapabilities = DrafterCapabilities()
 
+    @property
+    def identity(self) -> str:
+        """What ``measure_step``'s figure is cached under: the drafting model and how it runs."""
+        return type(self).__name__
+
+    @abstractmethod
     def begin(self, settings: DraftSettings) -> None:
         """Start a sequence (or start over on the same one): forget per-sequence state, keep ``settings`` for its steps.
 
         Raises ConfigError for settings this drafter cannot serve (for example sampling with a greedy-only drafter).
         """
-        ...
 
+    @abstractmethod
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         """Propose up to ``k`` tokens following ``context`` [T] (every token so far, on the host).
 
         ``branches``: the most children a draft node may have in this proposal; 1 asks for a chain, more lets a tree
-        drafter branch (drafters that only draft chains ignore it).
+        drafter (``capabilities.trees``) branch.
         """
-        ...
 
-    def accept(self, n: int) -> None:
-        """The target accepted the first ``n`` tokens of the last proposal. Called after every step that proposed, never after one that did not."""
-        ...
+    def accept(self, n: int) -> None:  # noqa: B027 - an optional hook: most drafters keep nothing per step
+        """The target accepted the first ``n`` tokens of the last proposal.
 
+        Called after every step that proposed, never after one that did not.
+        """
+
+    @abstractmethod
     def fork(self) -> Drafter:
-        """A drafter with the same knowledge (weights, tables) and its own per-sequence state, for a sequence decoded alongside."""
-        ...
+        """A drafter with the same knowledge (weights, tables) and its own per-sequence state, for another sequence."""
+
+    def observe_features(self, features: torch.Tensor) -> None:  # noqa: B027 - called only with capabilities.features
+        """The target's final hidden states [n, H] of the n positions its cache took in the last step."""
+
+    def measure_step(self, branches: int = 1) -> float:
+        """Seconds of one draft step drafting ``branches`` nodes a level, on this machine (capabilities.measures_steps)."""
+        raise NotImplementedError(f"{type(self).__name__} runs no model of its own to measure")

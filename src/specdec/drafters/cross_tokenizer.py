@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import DraftSettings, Proposal
+from specdec.drafters.base import Drafter, DraftSettings, Proposal
 from specdec.errors import ConfigError
 from specdec.models.backend import Backend
 from specdec.models.target import Tokenizer
 
 
-class CrossTokenizerDrafter:
+class CrossTokenizerDrafter(Drafter):
     vocab_size = None  # proposes target tokens, whatever its own vocabulary
 
     def __init__(

@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 
-from specdec.drafters.base import DraftSettings, Proposal
+from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels, native
 from specdec.models.backend import tree_mask, tree_positions
@@ -215,14 +215,14 @@ def why_not_native(module: PreTrainedModel) -> str | None:
     )
 
 
-class EagleDrafter:
-    """Drafts trees (or chains) with a feature-conditioned head; the engine hands it the target's hidden states every step."""
+class EagleDrafter(Drafter):
+    """Drafts trees (or chains) with a feature-conditioned head; the engine hands it the target's hidden states every step.
 
-    backend = (
-        None  # the head is not a Backend: timed runs learn its cost from drafting time, seeded runs price measure_step
-    )
-    wants_features = True
-    scored = True  # its proposals carry scores: the engine asks for the most nodes and keeps the ones worth verifying
+    The head is not a Backend: timed runs learn its cost from drafting time, seeded runs price ``measure_step``. Its
+    proposals carry scores, so the engine asks for the most nodes and keeps the ones worth verifying.
+    """
+
+    capabilities = DrafterCapabilities(trees=True, scores=True, features=True, measures_steps=True)
 
     def __init__(
         self,

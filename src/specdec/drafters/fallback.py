@@ -21,30 +21,27 @@ from dataclasses import replace
 import torch
 
 from specdec.acceptance import AcceptanceEstimate
-from specdec.drafters.base import Drafter, DraftSettings, Proposal, TokenTrie
+from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal, TokenTrie
 
 FIRST_NODE_SCORE = 0.6  # before any evidence, the chance that each further token of the first drafter's draft is right
 
 
-class FallbackDrafter:
+class FallbackDrafter(Drafter):
     def __init__(self, first: Drafter, second: Drafter) -> None:
         self.first, self.second = first, second
         self.vocab_size = second.vocab_size if second.vocab_size is not None else first.vocab_size
-        self.backend = (
-            second.backend if second.backend is not None else first.backend
-        )  # the costlier one prices a draft token
-        if self.backend is None and (priced := next((d for d in (second, first) if hasattr(d, "measure_step")), None)):
-            self.identity, self.measure_step = (
-                priced.identity,
-                priced.measure_step,
-            )  # a model outside a Backend (the eagle head)
+        # The costlier one prices a draft step: a drafting model's Backend, else a model outside one (the eagle head).
+        self.backend = second.backend if second.backend is not None else first.backend
+        self._priced = next((d for d in (second, first) if d.capabilities.measures_steps), None)
         self._readers = [
-            d for d in (first, second) if getattr(d, "wants_features", False)
+            d for d in (first, second) if d.capabilities.features
         ]  # drafters of the target's hidden states
-        self.wants_features = bool(self._readers)
-        self.scored = getattr(
-            second, "scored", False
-        )  # its proposals may carry scores (the first's are cut to the policy's k)
+        self.capabilities = DrafterCapabilities(
+            trees=first.capabilities.trees or second.capabilities.trees,
+            scores=second.capabilities.scores,  # the second's proposals may carry scores (the first's are cut to k)
+            features=bool(self._readers),
+            measures_steps=self.backend is None and self._priced is not None,
+        )
         self._proposed: list[Drafter] = [first]
         self._forget()
 
@@ -66,7 +63,7 @@ class FallbackDrafter:
         self._proposed = [self.first]
         if len(proposal):
             self._copy = (context.shape[0], proposal.tokens[: _first_run(proposal)].tolist())
-        if not len(proposal) or (self.scored and branches > 1):
+        if not len(proposal) or (self.capabilities.scores and branches > 1):
             theirs = self.second.propose(context, k, branches)
             steps = proposal.draft_steps + theirs.draft_steps  # both drafted, whichever proposal is kept
             if not len(proposal):
@@ -103,6 +100,15 @@ class FallbackDrafter:
     def observe_features(self, features: torch.Tensor) -> None:
         for drafter in self._readers:  # every step, whichever drafted: a reader must see every position
             drafter.observe_features(features)
+
+    @property
+    def identity(self) -> str:
+        return self._priced.identity if self._priced is not None else super().identity
+
+    def measure_step(self, branches: int = 1) -> float:
+        if self._priced is None:
+            return super().measure_step(branches)
+        return self._priced.measure_step(branches)
 
     def fork(self) -> FallbackDrafter:
         return FallbackDrafter(self.first.fork(), self.second.fork())

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import DraftSettings, Proposal
+from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.models.backend import Backend
 from specdec.seeds import rng_on
 from specdec.verification.sampling import draw
 from specdec.verification.shaping import to_probs
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
+    capabilities = DrafterCapabilities(trees=True)
     """Drafts k tokens with a small model; its cache keeps exactly the accepted prefix between steps.
 
     ``min_confidence`` is the draft's own floor (a distilled draft calibrates one

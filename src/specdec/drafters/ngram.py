@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.drafters.base import DraftSettings, Proposal
+from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError, ModelNotFoundError
 from specdec.seeds import rng_on
@@ -114,7 +114,8 @@ class NgramTable:
         return NgramTable(keys, counts, meta["order"], meta["vocab_size"], meta)
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
+    capabilities = DrafterCapabilities(trees=True)
     """Copy from the context when it repeats itself (prompt lookup); otherwise continue from the corpus table.
 
     From the table it drafts greedily (the most frequent follower) while that

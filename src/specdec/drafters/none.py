@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import DraftSettings, Proposal
+from specdec.drafters.base import Drafter, DraftSettings, Proposal
 
 
-class NoDrafter:
+class NoDrafter(Drafter):
     vocab_size = None
     backend = None  # no model drafts
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import DraftSettings, Proposal
+from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.errors import ConfigError
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
+    capabilities = DrafterCapabilities(trees=True)
     vocab_size = None
     backend = None  # no model drafts
 

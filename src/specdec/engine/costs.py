@@ -12,14 +12,15 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
 import torch
 
 from specdec.drafters.base import Drafter
+from specdec.errors import ConfigError
 from specdec.models.backend import Backend, RowBackend
-from specdec.models.batched import BatchedTransformersBackend
 from specdec.models.registry import cache_root
 from specdec.scheduling import BatchCostCurve, CostCurve
 
@@ -86,7 +87,7 @@ def tree_overhead_curve(
 
 
 def batch_cost_curve(
-    backend: BatchedTransformersBackend,
+    backend: RowBackend,
     rows: tuple[int, ...] = BATCH_ROWS,
     sizes: tuple[int, ...] = BATCH_SIZES,
     context: int = 64,
@@ -136,11 +137,11 @@ def machine_tree_overhead(rows: RowBackend) -> CostCurve:
 def machine_draft_step(drafter: Drafter, branches: int = 1) -> float:
     """Seconds of one draft step (a level of ``branches`` nodes) of a drafter that runs a model outside a Backend
     (``measure_step``, the eagle head): measured once (well under a second), then cached under its ``identity``."""
-    stored = _cached(f"{drafter.identity}|draft step|{branches}", lambda: {"1": drafter.measure_step(branches)})  # type: ignore[attr-defined]
+    stored = _cached(f"{drafter.identity}|draft step|{branches}", lambda: {"1": drafter.measure_step(branches)})
     return stored["1"]
 
 
-def machine_batch_cost_curve(backend: BatchedTransformersBackend) -> BatchCostCurve:
+def machine_batch_cost_curve(backend: RowBackend) -> BatchCostCurve:
     """The batched backend's cost over rows and tokens on this machine: measured once (tens of seconds for a real model), then cached."""
 
     def measure() -> dict[str, dict[str, float]]:
@@ -149,6 +150,60 @@ def machine_batch_cost_curve(backend: BatchedTransformersBackend) -> BatchCostCu
 
     stored = _cached(backend.identity, measure)
     return BatchCostCurve({int(rows): CostCurve({int(n): s for n, s in c.items()}) for rows, c in stored.items()})
+
+
+class MachineCosts:
+    """What one Generator's k policies price steps by on this machine: the target's forward cost curve, a tree's
+    overhead and a draft step's seconds, each measured on first use (once, whichever thread asks first, on a copy of
+    the model so no run's cache is disturbed), then kept in memory and on disk."""
+
+    def __init__(self, backend: Backend, cuda_graphs: bool = True) -> None:
+        self.backend, self.cuda_graphs = backend, cuda_graphs
+        self._lock = threading.Lock()
+        self._forward: CostCurve | None = None
+        self._tree_overhead: CostCurve | None = None
+        self._draft_step: dict[tuple[int, int], float] = {}  # by drafter and branches
+
+    def forward(self) -> CostCurve:
+        """The target's forward cost curve."""
+        with self._lock:
+            if self._forward is None:
+                self._forward = machine_cost_curve(quiet_copy(self.backend))
+        return self._forward
+
+    def tree_overhead(self) -> CostCurve:
+        """A tree forward's seconds over a chain's, on the rows a single sequence drafts trees in."""
+        with self._lock:
+            if self._tree_overhead is None:
+                rows = quiet_copy(self.backend).row_backend(batch=False, trees=True, cuda_graphs=self.cuda_graphs)
+                self._tree_overhead = machine_tree_overhead(rows)
+        return self._tree_overhead
+
+    def draft_step(self, drafter: Drafter, branches: int = 1) -> float:
+        """Seconds of one of ``drafter``'s steps drafting ``branches`` nodes a level: the draft model's one-token forward, the
+        drafter's own measure for a model outside a Backend (the eagle head, whose tree levels cost more than a
+        chain's), 0 for model-free drafters."""
+        measured = drafter.capabilities.measures_steps
+        branches = branches if measured else 1  # a draft model's step is its one-token forward, however wide
+        key = (id(drafter), branches)
+        with self._lock:
+            if key not in self._draft_step:
+                if drafter.backend is not None:
+                    self._draft_step[key] = machine_cost_curve(quiet_copy(drafter.backend))(1)
+                elif measured:
+                    self._draft_step[key] = machine_draft_step(drafter, branches)
+                else:
+                    self._draft_step[key] = 0.0
+        return self._draft_step[key]
+
+
+def quiet_copy(backend: Backend) -> Backend:
+    """A backend to measure costs on without touching ``backend``'s cache: a fork, or the backend itself where it
+    cannot fork (llama.cpp, which also refuses a second live completion, so nobody else is using it)."""
+    try:
+        return backend.fork()
+    except ConfigError:
+        return backend
 
 
 def _cached(identity: str, measure: Callable[[], dict]) -> dict:

@@ -19,7 +19,7 @@ import torch
 
 from specdec.drafters.base import Drafter
 from specdec.engine.step import Row, speculative_step
-from specdec.errors import ContextLengthError
+from specdec.errors import ConfigError, ContextLengthError
 from specdec.models.backend import RowBackend
 from specdec.scheduling import KPolicy, LoadWindow
 
@@ -71,6 +71,11 @@ class Decoder:
         """
         if run in self.rows:
             raise ValueError("this completion is already decoding here: a completion joins a decoder once")
+        if drafter.capabilities.features and not self.backend.capabilities.features:
+            raise ConfigError(
+                f"{type(drafter).__name__} drafts from the target's hidden states, which this runtime does not return: "
+                "use --backend native or transformers, or a drafter that does not read them"
+            )
         if len(run.prompt_ids) >= self.backend.max_context:
             raise ContextLengthError(
                 f"a prompt of {len(run.prompt_ids)} tokens does not fit the context of {self.backend.max_context}"
@@ -106,14 +111,16 @@ class Decoder:
         rows = list(self.rows.values())
         window = self._window(rows)
         slot = {row: i for i, row in enumerate(rows)}
-        joining = [row for row in rows if self.backend.lengths[slot[row]] == 0]
-        running = [row for row in rows if self.backend.lengths[slot[row]] > 0]
+        joining = [row for row in rows if self.backend.cached_lengths[slot[row]] == 0]
+        running = [row for row in rows if self.backend.cached_lengths[slot[row]] > 0]
         new: dict[Row, torch.Tensor] = {}
         for group in _by_length(joining) + ([running] if running else []):
-            result = speculative_step(self.backend, [slot[row] for row in group], group, window)
-            new.update(zip(group, result.new, strict=True))
-            if result.drafted:
-                self._draft_s_per_token += 0.5 * (result.draft_s / result.drafted - self._draft_s_per_token)
+            outcomes = speculative_step(self.backend, [slot[row] for row in group], group, window)
+            new.update((row, outcome.new_tokens) for row, outcome in zip(group, outcomes, strict=True))
+            drafted = sum(outcome.nodes for outcome in outcomes)
+            if drafted:
+                draft_s = sum(outcome.draft_s for outcome in outcomes)
+                self._draft_s_per_token += 0.5 * (draft_s / drafted - self._draft_s_per_token)
         self.reports.append(StepReport(len(rows), window, time.perf_counter() - start))
 
         updates = []

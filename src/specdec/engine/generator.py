@@ -2,50 +2,26 @@
 
 from __future__ import annotations
 
-import json
-import random
 import threading
-import time
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import partial
 from pathlib import Path
-from typing import Literal
 
 from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig, with_overrides
-from specdec.drafters import Drafter, auto_draft, build_drafter
-from specdec.engine.costs import machine_batch_cost_curve, machine_cost_curve, machine_draft_step, machine_tree_overhead
+from specdec.drafters import Drafter, auto_draft, build_drafter, drafter_name
+from specdec.engine.completion import Completion, GenerationResult
+from specdec.engine.costs import MachineCosts, machine_batch_cost_curve
 from specdec.engine.decoder import Decoder
-from specdec.engine.stats import DecodeStats
-from specdec.engine.text import TextTracker
-from specdec.errors import ConfigError, ContextLengthError, PromptError, VocabularyMismatchError
-from specdec.guards import Guards, NoGuards, ignorable_tokens
-from specdec.models import DEFAULT_TARGET, Backend, LoadedModel, Target, TransformersBackend, open_target
-from specdec.models.backend import TREES_UNSUPPORTED, OneRow, RowBackend
-from specdec.models.batched import BatchedTransformersBackend
+from specdec.engine.prompts import PromptEncoder
+from specdec.errors import ConfigError, VocabularyMismatchError
+from specdec.guards import ignorable_tokens
+from specdec.models import DEFAULT_TARGET, Backend, LoadedModel, Target, open_target
 from specdec.profile import Profile, ProfileWarning, load_profile
 from specdec.quality import SentenceEmbedder
 from specdec.scheduling import CostCurve, KPolicy, LoadWindow, WayRates, build_k_policy, memory_in_use
-from specdec.seeds import Seeds
 
-FinishReason = Literal["length", "eos", "stop", "context"]
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]  # the new tokens only
-    stats: DecodeStats
-    finish_reason: FinishReason
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason,
-            "stats": self.stats.as_dict(),
-        }
+__all__ = ["Completion", "GenerationResult", "Generator"]
 
 
 class Generator:
@@ -68,21 +44,19 @@ class Generator:
     ) -> None:
         self.config = config or GenerationConfig()
         self.batch = batch
-        self.target = target if isinstance(target, Target) else open_target(target, runtime)
+        self.target = open_target(target, runtime)
         self.tokenizer = self.target.tokenizer
         self.backend = self.target.backend
-        self._costs: CostCurve | None = None
-        self._tree_overhead: CostCurve | None = None
-        self._ways: dict[
-            tuple[int, int, bool, bool], WayRates
-        ] = {}  # timed tree rows': by k, branches, greedy, batched
-        self._measuring = threading.Lock()
+        self.prompts = PromptEncoder(
+            self.tokenizer, self.target.name, self.backend.vocab_size, self.backend.max_context
+        )
+        self.measured = MachineCosts(self.backend, self.batch.cuda_graphs)
+        # Timed tree rows' rates of tree and chain steps, by k, branches, greedy, batched.
+        self._ways: dict[tuple[int, int, bool, bool], WayRates] = {}
         if drafter == "auto":
             drafter = auto_draft(self.target, self.costs)
-        self.draft_name = (
-            drafter if isinstance(drafter, str) else type(drafter).__name__
-        )  # what drafts (``auto`` resolved)
-        self.drafter = build_drafter(drafter, self.target, runtime) if isinstance(drafter, str) else drafter
+        self.draft_name = drafter_name(drafter)  # what drafts (``auto`` resolved)
+        self.drafter = build_drafter(drafter, self.target, runtime)
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != self.backend.vocab_size:
             raise VocabularyMismatchError(
                 f"the draft's vocabulary has {self.drafter.vocab_size} tokens but the target's has "
@@ -92,7 +66,6 @@ class Generator:
         self.eos_ids = self.target.eos_ids
         self._ignorable: frozenset[int] | None = None
         self._embedder: SentenceEmbedder | None = None
-        self._draft_cost: dict[int, float] = {}  # by branches
         self._busy = False  # a single-sequence run is decoding on self.backend and self.drafter
         self._lock = threading.Lock()  # completions may start on several threads
 
@@ -132,45 +105,15 @@ class Generator:
 
     def costs(self) -> CostCurve:
         """The target's forward cost curve on this machine (measured on first use, cached on disk)."""
-        with self._measuring:  # completions starting together on several threads measure once, not against each other
-            if self._costs is None:
-                self._costs = machine_cost_curve(_quiet_copy(self.backend))
-        return self._costs
+        return self.measured.forward()
 
     def tree_overhead(self) -> CostCurve:
-        """A tree forward's seconds over a chain's on the backend single sequences draft trees on (measured on first use, cached on disk)."""
-        with self._measuring:
-            if self._tree_overhead is None:
-                self._tree_overhead = machine_tree_overhead(self.sequence_rows(_quiet_copy(self.backend), trees=True))
-        return self._tree_overhead
-
-    def sequence_rows(self, backend: Backend, trees: bool) -> RowBackend:
-        """The cache one sequence decodes in on ``backend``: its own; for trees on transformers' plain cache (which keeps
-        chains only), a batched cache of one row over the same weights."""
-        if trees and not getattr(backend, "trees", False):
-            return BatchedTransformersBackend(backend.model, cuda_graphs=self.batch.cuda_graphs)
-        return OneRow(backend)
+        """A tree forward's seconds over a chain's where single sequences draft trees (measured on first use)."""
+        return self.measured.tree_overhead()
 
     def draft_cost(self, branches: int = 1) -> float:
-        """Seconds of one draft step, drafting ``branches`` nodes a level (measured on first use, then cached): the draft
-        model's one-token forward, the drafter's own measure for a model outside a Backend (the eagle head, whose tree
-        levels cost more than a chain's), 0 for model-free drafters."""
-        measured = hasattr(self.drafter, "measure_step")
-        branches = (
-            branches if measured else 1
-        )  # a draft model's step is its one-token forward, however many nodes a level
-        with self._measuring:
-            if branches not in self._draft_cost:
-                backend = getattr(
-                    self.drafter, "backend", None
-                )  # drafters written before the attribute existed count as free
-                if backend is not None:
-                    self._draft_cost[branches] = machine_cost_curve(_quiet_copy(backend))(1)
-                elif measured:
-                    self._draft_cost[branches] = machine_draft_step(self.drafter, branches)
-                else:
-                    self._draft_cost[branches] = 0.0
-        return self._draft_cost[branches]
+        """Seconds of one of this Generator's draft steps drafting ``branches`` nodes a level (MachineCosts.draft_step)."""
+        return self.measured.draft_step(self.drafter, branches)
 
     def k_policy(self, config: GenerationConfig, batched: bool = False) -> KPolicy:
         """A fresh k policy for one sequence (a row of a batch decoder's, ``batched``). With a seed, the cost model prices
@@ -256,9 +199,10 @@ class Generator:
             raise ConfigError(
                 f"got {len(configs)} configs for {len(prompts)} prompts: pass one config, or one per prompt"
             )
-        if len(prompts) > 1 and not isinstance(self.backend, TransformersBackend):
+        if len(prompts) > 1 and self.backend.capabilities.max_rows == 1:
             raise ConfigError(
-                "batched generation runs on the transformers backend: use --backend transformers, or generate one prompt at a time"
+                "batched generation runs on the transformers backend: use --backend transformers, "
+                "or generate one prompt at a time"
             )
         runs = [self.completion(prompt, c, **overrides) for prompt, c in zip(prompts, configs, strict=True)]
         decoder = decoder if decoder is not None else self.batch_decoder()
@@ -275,16 +219,13 @@ class Generator:
     def batch_decoder(self) -> Decoder:
         """A decoder over this target's weights for sequences that join and leave between steps (the server's engine).
 
-        On a single-sequence backend (native, llama.cpp) it holds one row at a time (``OneRow``; its ``max_rows``).
+        On a single-sequence backend (native, llama.cpp) it holds one row at a time (``capabilities.max_rows``).
         """
-        if not isinstance(self.backend, TransformersBackend):
-            return Decoder(OneRow(self.backend.fork()))
-        backend = BatchedTransformersBackend(self.backend.model, cuda_graphs=self.batch.cuda_graphs)
-        if self.batch.window == "fixed":
-            return Decoder(backend)
-        memory = partial(memory_in_use, backend.device)
-        window = LoadWindow(machine_batch_cost_curve(backend), self.batch.memory_threshold, memory)
-        return Decoder(backend, window)
+        rows = self.backend.row_backend(batch=True, trees=True, cuda_graphs=self.batch.cuda_graphs)
+        if self.batch.window == "fixed" or rows.capabilities.max_rows == 1:
+            return Decoder(rows)
+        memory = partial(memory_in_use, rows.device)
+        return Decoder(rows, LoadWindow(machine_batch_cost_curve(rows), self.batch.memory_threshold, memory))
 
     def admit(self, decoder: Decoder, run: Completion) -> None:
         """Add ``run`` to a batch ``decoder`` with a forked drafter and a fresh k policy."""
@@ -293,179 +234,13 @@ class Generator:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """``prompt``'s token ids, checked: not empty, valid text or in-vocabulary ids, within the context."""
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise PromptError("the prompt is empty: pass some text to continue")
-            self._check_text(prompt, "the prompt")
-            ids = self._tokenizer_for("text")(prompt)["input_ids"]
-        else:
-            ids = list(prompt)
-            if not ids:
-                raise PromptError("the prompt is empty: pass at least one token id")
-            bad = [t for t in ids if not 0 <= t < self.backend.vocab_size]
-            if bad:
-                raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{self.backend.vocab_size - 1})")
-        return self._fits(ids, "prompt")
+        return self.prompts.encode(prompt)
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
-        """Chat ``messages`` (OpenAI's role/content dicts, content as text) in the target's chat template, tokenized and checked."""
-        tokenizer = self._tokenizer_for("chat messages")
-        if not getattr(tokenizer, "chat_template", None):
-            raise PromptError(
-                f"model '{self.target.name}' has no chat template: send a plain prompt (a completion) instead"
-            )
-        for i, message in enumerate(messages):
-            for field, value in message.items():  # content, and whatever else the template reads (name, tool fields)
-                self._check_text(
-                    json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value,
-                    f"message {i}'s {field}",
-                )
-        self._check_text("".join(str(m.get("content", "")) for m in messages), "the messages together")
-        try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (roles, order) raises what it likes
-            raise PromptError(f"the chat template rejected these messages: {str(exc)[:200]}") from None
-        return self._fits(list(ids), "messages")
-
-    def _tokenizer_for(self, what: str):
-        if self.tokenizer is None:
-            raise PromptError(f"model '{self.target.name}' has no tokenizer to encode {what}: pass token ids instead")
-        return self.tokenizer
-
-    def _check_text(self, text: str, what: str) -> None:
-        """Refuse text a tokenizer would choke on (lone surrogates) or that cannot fit the context, before spending time tokenizing it."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise PromptError(
-                f"{what} is not valid Unicode: a lone surrogate ({text[exc.start]!a}) at character {exc.start}: send well-formed text"
-            ) from None
-        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
-            raise ContextLengthError(
-                f"{what} has {len(text)} characters, more than model '{self.target.name}' can hold in its context of "
-                f"{self.backend.max_context} tokens (at most {self.max_prompt_chars}: no token is longer than "
-                f"{self.max_prompt_chars // self.backend.max_context} characters): shorten it"
-            )
-
-    @cached_property
-    def max_prompt_chars(self) -> int | None:
-        """The most characters a prompt can have and still fit the context: the context times the longest token's characters.
-
-        None where the tokenizer does not list its vocabulary (llama.cpp's): then only the token count is checked.
-        """
-        vocab = getattr(self.tokenizer, "get_vocab", None)
-        return None if vocab is None else self.backend.max_context * max(map(len, vocab()))
-
-    def _fits(self, ids: list[int], field: str) -> list[int]:
-        if len(ids) >= self.backend.max_context:
-            raise ContextLengthError(
-                f"the {field} has {len(ids)} tokens but model '{self.target.name}' has a context of "
-                f"{self.backend.max_context}: shorten the {field}"
-            )
-        return ids
-
-
-def _quiet_copy(backend: Backend) -> Backend:
-    """A backend to measure costs on without touching ``backend``'s cache: a fork, or the backend itself where it cannot fork
-    (llama.cpp, which also refuses a second live completion, so nobody else is using it)."""
-    try:
-        return backend.fork()
-    except ConfigError:
-        return backend
-
-
-class Completion:
-    """One generation: iterating decodes it alone and yields text deltas; :meth:`result` gives the outcome afterwards.
-
-    In a batch (:meth:`Generator.admit`) the decoder decodes it with others, handing
-    each step's tokens to :meth:`take` and calling :meth:`close` when it ends.
-    """
-
-    def __init__(self, generator: Generator, prompt: str | list[int], config: GenerationConfig) -> None:
-        if config.stop and generator.tokenizer is None:
-            raise ConfigError("stop strings need a tokenizer, and this model has none")
-        if (
-            config.branches > 1
-            and not getattr(generator.backend, "trees", False)
-            and not isinstance(generator.backend, TransformersBackend)
-        ):
-            raise ConfigError(TREES_UNSUPPORTED)
-        self.generator = generator
-        self.config = config
-        self.prompt_ids = generator.encode(prompt)
-        self.stats = DecodeStats()
-        self.token_ids: list[int] = []
-        self.finish_reason: FinishReason = "length"
-        self.text = TextTracker(generator.tokenizer, config.stop) if generator.tokenizer is not None else None
-        self.seeds = Seeds(config.seed if config.seed is not None else random.randrange(2**63))
-        guards = config.guards
-        ignorable = generator.ignorable() if guards.repetition else frozenset()
-        self.guards = Guards(guards, len(self.prompt_ids), ignorable) if guards.active else NoGuards()
-        if guards.drift_threshold is not None:
-            if generator.tokenizer is None:
-                raise ConfigError("the drift monitor compares text, and this model has no tokenizer")
-            self.embedder = generator.embedder()
-            self.prompt_text = generator.tokenizer.decode(self.prompt_ids, skip_special_tokens=True)
-
-    def __iter__(self) -> Iterator[str]:
-        """Decode alone: the same step as a batch, on this Generator's own (or a forked) single-sequence backend."""
-        gen = self.generator
-        backend, drafter = gen.acquire()
-        try:
-            decoder = Decoder(gen.sequence_rows(backend, trees=self.config.branches > 1))
-            decoder.join(
-                self, drafter, gen.k_policy(self.config)
-            )  # after acquiring: a first measurement must not disturb another run's cache
-            while decoder.rows:
-                for update in decoder.step():
-                    if update.text:
-                        yield update.text
-        finally:
-            gen.release(backend)
-
-    def take(self, ids: list[int]) -> str:
-        """Add the tokens one step accepted; return the text they complete. Ends the run at EOS or a stop string (the stats then count only what was kept)."""
-        if self.config.stop_on_eos:
-            eos_at = next((i for i, t in enumerate(ids) if t in self.generator.eos_ids), None)
-            if eos_at is not None:
-                ids = ids[: eos_at + 1]
-                self.finish_reason = "eos"
-        if self.text is not None:
-            ids = self.text.add(ids)
-            if self.text.stopped:
-                self.finish_reason = "stop"
-        self.stats.keep_emitted(len(ids))
-        before = len(self.token_ids)
-        self.token_ids += ids
-        if self.config.guards.drift_threshold is not None:
-            self._watch_drift(before)
-        return self.text.delta(final=self.ended) if self.text is not None else ""
-
-    def _watch_drift(self, before: int) -> None:
-        """Score each window completed since ``before`` tokens against the prompt; below the threshold, a drift event (and an anchor)."""
-        guards = self.config.guards
-        size = guards.drift_window
-        start = time.perf_counter()
-        for end in range(size * (before // size + 1), len(self.token_ids) + 1, size):
-            window = self.generator.tokenizer.decode(self.token_ids[end - size : end], skip_special_tokens=True)
-            similarity = self.embedder.similarity(self.prompt_text, [window])[0]
-            if similarity < guards.drift_threshold:  # type: ignore[operator]
-                self.stats.events.append({"kind": "drift", "at": end, "similarity": round(similarity, 4)})
-                if guards.drift_anchor:
-                    self.guards.anchor_requested = True  # type: ignore[union-attr]  # drift is a guard: self.guards is Guards
-        self.stats.guard_s += time.perf_counter() - start
+        """Chat ``messages`` (OpenAI's role/content dicts) in the target's chat template, tokenized and checked."""
+        return self.prompts.chat_ids(messages)
 
     @property
-    def ended(self) -> bool:
-        """EOS or a stop string ended the run (the token budget and the context are the decoder's limits)."""
-        return self.finish_reason != "length"
-
-    def close(self) -> str:
-        """Settle the outcome after the last step; return any text held back for a possible stop string."""
-        if not self.ended and len(self.token_ids) < self.config.max_new_tokens:
-            self.finish_reason = "context"
-        return self.text.delta(final=True) if self.text is not None else ""
-
-    def result(self) -> GenerationResult:
-        text = self.text.text if self.text is not None else ""
-        return GenerationResult(text, self.token_ids, self.stats, self.finish_reason)
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a prompt can have and still fit the context (None: only token counts are checked)."""
+        return self.prompts.max_prompt_chars

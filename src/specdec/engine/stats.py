@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.scheduling import StepOutcome
+
 
 @dataclass
 class DecodeStats:
@@ -47,34 +49,26 @@ class DecodeStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s else 0.0
 
-    def record_step(
-        self,
-        chosen: int,
-        k: int,
-        proposed: int,
-        accepted: int,
-        produced: int,
-        draft_s: float,
-        target_s: float,
-        wall_s: float,
-    ) -> None:
-        """Count one step: the policy chose ``chosen``, the drafter was asked for ``k`` tokens and gave ``proposed``; the first step's target time is the prefill."""
+    def record_step(self, outcome: StepOutcome, wall_s: float) -> None:
+        """Count one step (``wall_s``: seconds since the generation started); the first step's target time is the
+        prefill."""
         self.steps += 1
-        self.draft_tokens_proposed += proposed
-        self.draft_tokens_accepted += accepted
-        self.accepted_per_step.append(accepted)
-        self.proposed_per_step.append(proposed)
-        self.k_per_step.append(chosen)
-        if k:
-            self.draft_s_per_step.append(draft_s)
-        self.new_tokens += produced
-        self.draft_s += draft_s
+        self.draft_tokens_proposed += outcome.nodes
+        self.draft_tokens_accepted += outcome.accepted
+        self.accepted_per_step.append(outcome.accepted)
+        self.proposed_per_step.append(outcome.nodes)
+        self.k_per_step.append(outcome.chosen)
+        if outcome.asked:
+            self.draft_s_per_step.append(outcome.draft_s)
+        self.new_tokens += len(outcome.new_tokens)
+        self.draft_s += outcome.draft_s
+        self.anchors += outcome.anchored
         self.wall_s = wall_s
         if self.steps == 1:
             self.ttft_s = wall_s
-            self.prefill_s = target_s
+            self.prefill_s = outcome.target_s
         else:
-            self.verify_s += target_s
+            self.verify_s += outcome.target_s
 
     def keep_emitted(self, emitted: int) -> None:
         """Only the first ``emitted`` tokens of the last step were emitted (EOS or a stop string cut the rest): count only those.

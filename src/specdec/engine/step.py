@@ -1,22 +1,19 @@
-"""The speculative step: every row drafts, one target forward scores all drafts, each row keeps its accepted prefix.
+"""The speculative step in four phases: draft, score, verify, commit.
 
-One step, for rows of any number (batch 1 is a batch: single-sequence
-generation runs it on a :class:`~specdec.models.backend.OneRow` backend):
+One step, for rows of any number (batch 1 is a batch: one sequence decodes on a
+:class:`~specdec.models.backend.OneRow` backend):
 
-1. each row's k policy chooses k, capped by the batch's window and the row's
-   limits (a step yields the accepted drafts plus one target token, never past
-   max_new_tokens or the context), and its drafter proposes up to k tokens
-   (none on a guard's anchor step): a chain, or a tree of k nodes when the
-   row's config allows branches and its k policy finds trees faster this step;
-2. each row is fed the tokens its cache lacks (the whole prompt at its first
-   step, afterwards the pending token, the last one produced) followed by its
-   drafts, all rows in ONE target forward (a tree's nodes each see only their
-   ancestors);
-3. each row's guards adjust its logits, then the verifier judges the drafts:
-   exact greedy chains in one vectorised call, exact greedy trees in another,
-   every other row alone with its own random generator, on the device of the logits;
-4. each row's cache is rolled back to its accepted path (a tree's path is moved
-   next to the context), and its drafter, k policy and stats learn what happened.
+1. **draft**: each row's k policy chooses k, capped by the batch's window and the row's limits (a step yields the
+   accepted drafts plus one target token, never past max_new_tokens or the context), and its drafter proposes up to
+   k tokens (none on a guard's anchor step): a chain, or a tree when the row allows branches, its drafter drafts
+   trees and its k policy chooses a tree this step;
+2. **score**: each row is fed the tokens its cache lacks (the whole prompt at its first step, afterwards the pending
+   token, the last one produced) followed by its drafts, all rows in ONE target forward (a tree's nodes each see only
+   their ancestors);
+3. **verify**: each row's guards adjust its logits, then the verifier judges the drafts; rows judged alike (greedy or
+   sampled, chain or tree, exact or typical: ``VERIFIERS``) are judged together where the math allows;
+4. **commit**: each row's cache keeps its accepted path (a tree's moved next to the context), its tokens grow, and
+   its drafter, k policy, acceptance estimate, stats and guards observe the step's :class:`StepOutcome`.
 
 Invariant between steps: the target's cache holds every token of a row but the pending one.
 """
@@ -24,7 +21,9 @@ Invariant between steps: the target's cache holds every token of a row but the p
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -37,8 +36,27 @@ from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
 from specdec.scheduling import KPolicy, StepOutcome
 from specdec.seeds import Seeds
-from specdec.verification import typical_verify, verify
-from specdec.verification.tree import verify_tree_greedy, verify_tree_sampled
+from specdec.verification import typical_verify, verify, verify_tree_greedy, verify_tree_sampled
+
+
+class Timer:
+    """Seconds spent inside ``with`` blocks (they add up): the step's one clock."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __enter__(self) -> Timer:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds so far, read inside the block."""
+        return self.seconds + time.perf_counter() - self._start
 
 
 @dataclass(eq=False)
@@ -64,191 +82,265 @@ class Row:
         return DraftSettings(self.config.sampling, self.seeds, self.policy.min_confidence)
 
 
-@dataclass(frozen=True)
-class Draft:
-    """One row's part of a step before verification."""
+@dataclass(kw_only=True)
+class RowStep:
+    """One row's step as the phases fill it in: drafted, then fed to the target, then judged."""
 
+    row: Row
+    row_id: int  # the row's number in the RowBackend
     chosen: int  # the k policy's choice
-    k: int  # draft tokens requested: the choice within the window and the row's limits (0 on an anchor step)
-    proposal: Proposal
-    seconds: float
-    anchored: bool  # a guard made this a target-only step
-
-
-@dataclass(frozen=True)
-class StepResult:
-    new: list[torch.Tensor]  # per row: its accepted drafts and the target's next token, on the host
-    drafted: int  # draft tokens proposed over all rows
-    draft_s: float  # seconds spent drafting over all rows
+    asked: int = 0  # draft tokens asked of the drafter (0: none this step)
+    anchored: bool = False  # a guard made this a target-only step
+    proposal: Proposal = field(default_factory=Proposal.empty)
+    draft_s: float = 0.0
+    context: int = 0  # tokens fed ahead of the drafts: the pending token, or the whole prompt at the first step
+    path: list[int] = field(default_factory=list)  # accepted draft nodes, root first
+    next_token: int = -1  # the target's token after them, recovered or bonus
 
 
 @torch.inference_mode()
-def speculative_step(target: RowBackend, slots: list[int], rows: list[Row], window: int | None = None) -> StepResult:
-    """Advance ``rows`` (held in ``target``'s cache rows ``slots``) by one speculative step; ``window`` caps every row's k."""
-    t0 = time.perf_counter()
-    drafts = [_draft(row, window, target.max_context) for row in rows]
-    t1 = time.perf_counter()
-    lengths = [len(d.proposal) for d in drafts]
-    feeds = [
-        torch.cat([row.tokens[target.lengths[slot] :], d.proposal.tokens])
-        for row, slot, d in zip(rows, slots, drafts, strict=True)
+def speculative_step(
+    target: RowBackend, row_ids: list[int], rows: list[Row], window: int | None = None
+) -> list[StepOutcome]:
+    """Advance ``rows`` (held in ``target``'s rows ``row_ids``) by one speculative step; ``window`` caps every row's k."""
+    steps = [draft(row, row_id, window, target.max_context) for row, row_id in zip(rows, row_ids, strict=True)]
+    with Timer() as judging:
+        logits = score(target, steps)
+        verify_rows(steps, logits)
+    features = any(step.row.drafter.capabilities.features for step in steps)
+    return [
+        commit(target, step, logits[i], target.last_features[i] if features else None, judging.seconds)
+        for i, step in enumerate(steps)
     ]
-    trees = [d.proposal.parents if d.proposal.is_tree else None for d in drafts]
-    for row, tree in zip(rows, trees, strict=True):
-        if tree is not None and (row.config.guards.active or row.config.typical_acceptance is not None):
-            raise ConfigError(
-                "a tree row cannot use guards or typical acceptance (neither is tree-aware): set branches to 1"
-            )
-    features = [
-        getattr(row.drafter, "wants_features", False) for row in rows
-    ]  # a drafter that reads the target's hidden states
-    extra = {"trees": trees} if any(t is not None for t in trees) else {}
-    extra |= {"features": True} if any(features) else {}
-    logits = _align(target.forward(slots, feeds, last=max(lengths) + 1, **extra), lengths)
-    verdicts = _verify(rows, [d.proposal for d in drafts], trees, logits)
-    t2 = time.perf_counter()
-
-    new = []
-    for i, (row, slot, d) in enumerate(zip(rows, slots, drafts, strict=True)):
-        path, next_token = verdicts[i]
-        accepted = len(path)
-        # A tree's accepted path moves next to the context in the cache; a chain's is already there.
-        target.truncate(slot, row.length + accepted, [row.length + j for j in path] if trees[i] is not None else None)
-        if d.k:  # a step without drafts leaves the drafter's state as it was
-            row.drafter.accept(accepted)
-        if features[i]:  # the hidden states of the positions kept in the cache: the fed context, then the accepted path
-            fed, context = target.last_features[i], len(feeds[i]) - lengths[i]
-            row.drafter.observe_features(
-                torch.cat([fed[:context], fed[context + torch.tensor(path, dtype=torch.long)]])
-            )
-        tokens = torch.cat([d.proposal.tokens[path], torch.tensor([next_token])])
-        scored = (
-            logits[i, : accepted + 1] if trees[i] is None else logits[i, [0] + [j + 1 for j in path]]
-        )  # along the kept path
-        row.tokens = torch.cat([row.tokens, tokens])
-        depth = d.proposal.depth  # what a chain reaching as deep would have proposed: acceptance stays per position
-        read_prompt = (
-            len(feeds[i]) - lengths[i] > 1
-        )  # more than the pending token: the step's time is mostly the prompt's
-        row.policy.observe(
-            StepOutcome(
-                depth,
-                accepted,
-                d.seconds,
-                row.length,
-                scored,
-                tokens,
-                lengths[i],
-                None if read_prompt else t2 - t1,
-                trees[i] is not None,
-                d.proposal.draft_steps,
-            )
-        )
-        row.acceptance.observe(depth, accepted)
-        row.stats.record_step(
-            d.chosen, d.k, lengths[i], accepted, len(tokens), d.seconds, t2 - t1, time.perf_counter() - row.started
-        )
-        row.stats.events += row.guards.settle(row.stats.new_tokens - len(tokens), accepted, d.anchored)
-        if d.anchored:
-            row.stats.anchors += 1
-            row.drafter.begin(row.draft_settings)  # resynchronise the drafter on the whole context
-        new.append(tokens)
-    return StepResult(new, sum(lengths), t1 - t0)
 
 
-def _draft(row: Row, window: int | None, max_context: int) -> Draft:
-    chosen = row.policy.choose(row.length)
+def draft(row: Row, row_id: int, window: int | None, max_context: int) -> RowStep:
+    """Phase 1: the row's k, its chain or tree, and its drafter's proposal (cut to what its policy prices)."""
+    step = RowStep(row=row, row_id=row_id, chosen=row.policy.choose(row.length))
     limit = min(row.config.max_new_tokens - row.stats.new_tokens, max_context - row.length) - 1
-    anchored = row.guards.anchor_due(row.stats.new_tokens)
-    if anchored or limit <= 0 or window == 0:
-        return Draft(chosen, 0, Proposal.empty(), 0.0, anchored)
-    use_tree = getattr(row.policy, "use_tree", None)  # a policy that measures whether trees pay (cost-model)
-    branches = row.config.branches if row.config.branches > 1 and (use_tree is None or use_tree()) else 1
-    tree_size = getattr(row.policy, "tree_size", None)  # a policy that prices a scored proposal's nodes (cost-model)
-    # A tree step of a scoring drafter under a pricing policy asks for the most nodes: their scores (or, for a proposal
-    # without scores, the policy's choice) cut them after. Other steps draft what the policy chose.
-    scored = branches > 1 and tree_size is not None and getattr(row.drafter, "scored", False)
-    wanted = row.config.k if scored else chosen
-    k = max(0, min(wanted, limit, wanted if window is None else window))
-    if not k:
-        return Draft(chosen, 0, Proposal.empty(), 0.0, anchored)
-    start = time.perf_counter()
-    proposal = row.drafter.propose(row.tokens, k, branches)
-    if proposal.scores is not None and tree_size is not None:
-        parents = proposal.parents if proposal.parents is not None else torch.arange(-1, len(proposal) - 1)
-        proposal = proposal.cut(tree_size(proposal.scores, parents, time.perf_counter() - start, proposal.draft_steps))
-    elif wanted != chosen:
-        proposal = proposal.cut(chosen)
-    if proposal.probs is None:  # a deterministic draft token that a guard blocks would only be rejected
-        g0 = time.perf_counter()
-        proposal = proposal.cut(row.guards.trim(row.tokens, proposal.tokens))
-        row.stats.guard_s += time.perf_counter() - g0
-    # The context lives on the host: draft tokens cross once (probabilities stay where they are, for the verifier).
-    proposal = replace(proposal, tokens=proposal.tokens.cpu())
-    return Draft(chosen, k, proposal, time.perf_counter() - start, anchored)
+    step.anchored = row.guards.anchor_due(row.stats.new_tokens)
+    if step.anchored or limit <= 0 or window == 0:
+        return step
+    branches = 1
+    if row.config.branches > 1 and row.drafter.capabilities.trees:
+        drafts_tree = row.policy.choose_tree()
+        branches = row.config.branches if drafts_tree else 1
+    # A tree step of a scoring drafter under a pricing policy asks for the most nodes: their scores cut them after.
+    priced = branches > 1 and row.policy.prices_nodes and row.drafter.capabilities.scores
+    wanted = row.config.k if priced else step.chosen
+    step.asked = max(0, min(wanted, limit, wanted if window is None else window))
+    if not step.asked:
+        return step
+    with Timer() as drafting:
+        proposal = row.drafter.propose(row.tokens, step.asked, branches)
+        if proposal.scores is not None and row.policy.prices_nodes:
+            parents = proposal.parents if proposal.parents is not None else torch.arange(-1, len(proposal) - 1)
+            proposal = proposal.cut(
+                row.policy.tree_size(proposal.scores, parents, drafting.elapsed, proposal.draft_steps)
+            )
+        elif wanted != step.chosen:
+            proposal = proposal.cut(step.chosen)
+        if proposal.probs is None:  # a deterministic draft token that a guard blocks would only be rejected
+            with Timer() as guarding:
+                proposal = proposal.cut(row.guards.trim(row.tokens, proposal.tokens))
+            row.stats.guard_s += guarding.seconds
+        # The context lives on the host: draft tokens cross once (probabilities stay where they are, for the verifier).
+        step.proposal = replace(proposal, tokens=proposal.tokens.cpu())
+    step.draft_s = drafting.seconds
+    if step.proposal.is_tree and (row.config.guards.active or row.config.typical_acceptance is not None):
+        raise ConfigError(
+            "a tree row cannot use guards or typical acceptance (neither is tree-aware): set branches to 1"
+        )
+    return step
 
 
-def _align(logits: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Logits [B, width + 1, V] with position j of row i judging that row's draft j (feeds end in their drafts, so rows with fewer are shifted left)."""
+def score(target: RowBackend, steps: list[RowStep]) -> torch.Tensor:
+    """Phase 2: one target forward over every row's missing context and drafts; logits [B, width + 1, V] with
+    position j of row i judging that row's draft j."""
+    feeds = []
+    for step in steps:
+        missing = step.row.tokens[target.cached_lengths[step.row_id] :]
+        step.context = len(missing)
+        feeds.append(torch.cat([missing, step.proposal.tokens]))
+    trees = [step.proposal.parents if step.proposal.is_tree else None for step in steps]
+    sizes = [len(step.proposal) for step in steps]
+    features = any(step.row.drafter.capabilities.features for step in steps)
+    logits = target.forward([step.row_id for step in steps], feeds, max(sizes) + 1, trees, features)
+    return _align(logits, sizes)
+
+
+def _align(logits: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Shift each row's logits left by what it drafted less than the widest (feeds end in their drafts)."""
     width = logits.shape[1] - 1
-    if all(n == width for n in lengths):
+    if all(n == width for n in sizes):
         return logits
     device = logits.device
-    shift = torch.tensor([width - n for n in lengths]).to(device)
+    shift = torch.tensor([width - n for n in sizes]).to(device)
     columns = (torch.arange(width + 1, device=device)[None, :] + shift[:, None]).clamp(max=width)
     return logits.gather(1, columns[:, :, None].expand(-1, -1, logits.shape[-1]))
 
 
-def _verify(
-    rows: list[Row], proposals: list[Proposal], trees: list[torch.Tensor | None], logits: torch.Tensor
-) -> list[tuple[list[int], int]]:
-    """(accepted nodes, next token) per row: guards adjust the logits; exact greedy chains are judged together, exact
-    greedy trees together, other rows alone. ``trees[i]``: row i's tree (its parents), None for a chain."""
-    device = logits.device
-    lengths = [len(p) for p in proposals]
-    tokens = torch.zeros(len(rows), logits.shape[1] - 1, dtype=torch.long)
-    parents = torch.full_like(tokens, -1)
-    for i, p in enumerate(proposals):
-        if lengths[i]:
-            tokens[i, : lengths[i]] = p.tokens
-            parents[i, : lengths[i]] = p.parents if p.parents is not None else torch.arange(-1, lengths[i] - 1)
-    tokens, parents, counts = tokens.to(device), parents.to(device), torch.tensor(lengths).to(device)
-    temperatures = []
-    for i, (row, p) in enumerate(zip(rows, proposals, strict=True)):
-        g0 = time.perf_counter()
-        temperatures.append(row.guards.adjust(row.tokens, p.tokens, logits[i, : lengths[i] + 1]))
-        row.stats.guard_s += time.perf_counter() - g0
+class Drafts(NamedTuple):
+    """Every row's drafts as the verifiers read them, on the logits' device; row i's nodes are its first counts[i]."""
 
-    exact_greedy = [row.config.sampling.greedy and row.config.typical_acceptance is None for row in rows]
-    chains = [i for i, tree in enumerate(trees) if exact_greedy[i] and tree is None]
-    greedy_trees = [i for i, tree in enumerate(trees) if exact_greedy[i] and tree is not None]
-    out: dict[int, tuple[list[int], int]] = {}
-    if chains:
-        pick = slice(None) if len(chains) == len(rows) else torch.tensor(chains).to(device)
-        verdict = verify(tokens[pick], counts[pick], logits[pick], None, rows[chains[0]].config.sampling)
-        out.update((i, (list(range(n)), t)) for i, (n, t) in zip(chains, verdict.on_host().T.tolist(), strict=True))
-    if greedy_trees:
-        pick = torch.tensor(greedy_trees).to(device)
-        verdict = verify_tree_greedy(tokens[pick], parents[pick], counts[pick], logits[pick])
-        out.update(zip(greedy_trees, zip(verdict.paths, verdict.next_tokens, strict=True), strict=True))
-    for i in range(len(rows)):
-        if i in out:
-            continue
-        config, n, p = rows[i].config, lengths[i], proposals[i]
-        rng, temperature = rows[i].seeds.on(device), temperatures[i]
-        probs = None if p.probs is None else p.probs.to(device)
-        if trees[i] is not None:
-            verdict = verify_tree_sampled(
-                tokens[i, :n], parents[i, :n], logits[i, : n + 1], probs, config.sampling, rng, temperature
+    tokens: torch.Tensor  # [B, width]
+    parents: torch.Tensor  # [B, width]: a tree's parents, a chain's i - 1
+    counts: torch.Tensor  # [B]
+    logits: torch.Tensor  # [B, width + 1, V], after the guards
+    temperatures: list[torch.Tensor | None]  # per row: a guard's per-position temperatures
+
+
+Verifier = Callable[[list[int], list[RowStep], Drafts], list[tuple[list[int], int]]]
+
+
+def verify_rows(steps: list[RowStep], logits: torch.Tensor) -> None:
+    """Phase 3: each row's guards adjust its logits, then each group of rows judged alike gets its verdicts."""
+    device = logits.device
+    sizes = [len(step.proposal) for step in steps]
+    tokens = torch.zeros(len(steps), logits.shape[1] - 1, dtype=torch.long)
+    parents = torch.full_like(tokens, -1)
+    temperatures = []
+    for i, step in enumerate(steps):
+        proposal = step.proposal
+        if sizes[i]:
+            tokens[i, : sizes[i]] = proposal.tokens
+            parents[i, : sizes[i]] = (
+                proposal.parents if proposal.parents is not None else torch.arange(-1, sizes[i] - 1)
             )
-            out[i] = (verdict.paths[0], verdict.next_tokens[0])
-            continue
-        args = (tokens[i : i + 1, :n], counts[i : i + 1], logits[i : i + 1, : n + 1])
-        temperature = None if temperature is None else temperature[None]
-        if config.typical_acceptance is not None:
-            verdict = typical_verify(*args, config.sampling, config.typical_acceptance, rng, temperature)
-        else:
-            verdict = verify(*args, None if probs is None else probs[None], config.sampling, rng, temperature)
-        accepted, token = verdict.on_host()[:, 0].tolist()
-        out[i] = (list(range(accepted)), token)
-    return [out[i] for i in range(len(rows))]
+        with Timer() as guarding:
+            temperatures.append(step.row.guards.adjust(step.row.tokens, proposal.tokens, logits[i, : sizes[i] + 1]))
+        step.row.stats.guard_s += guarding.seconds
+    drafts = Drafts(tokens.to(device), parents.to(device), torch.tensor(sizes).to(device), logits, temperatures)
+    groups: dict[tuple[bool, bool, bool], list[int]] = {}
+    for i, step in enumerate(steps):
+        config = step.row.config
+        key = (config.sampling.greedy, step.proposal.is_tree, config.typical_acceptance is not None)
+        groups.setdefault(key, []).append(i)
+    for key, members in groups.items():
+        for i, (path, token) in zip(members, VERIFIERS[key](members, steps, drafts), strict=True):
+            steps[i].path, steps[i].next_token = path, token
+
+
+def _greedy_chains(members: list[int], steps: list[RowStep], d: Drafts) -> list[tuple[list[int], int]]:
+    """Exact greedy chains, all at once."""
+    pick = slice(None) if len(members) == len(steps) else torch.tensor(members).to(d.logits.device)
+    sampling = steps[members[0]].row.config.sampling
+    return verify(d.tokens[pick], d.counts[pick], d.logits[pick], None, sampling).per_row()
+
+
+def _greedy_trees(members: list[int], steps: list[RowStep], d: Drafts) -> list[tuple[list[int], int]]:
+    """Exact greedy trees, all at once."""
+    pick = torch.tensor(members).to(d.logits.device)
+    return verify_tree_greedy(d.tokens[pick], d.parents[pick], d.counts[pick], d.logits[pick]).per_row()
+
+
+def _sampled_chains(members: list[int], steps: list[RowStep], d: Drafts) -> list[tuple[list[int], int]]:
+    """Exact rejection sampling, each row with its own random generator (and guard temperatures)."""
+    verdicts = []
+    for i in members:
+        step, n = steps[i], int(d.counts[i])
+        temperature = d.temperatures[i]
+        probs = None if step.proposal.probs is None else step.proposal.probs.to(d.logits.device)[None]
+        verdict = verify(
+            d.tokens[i : i + 1, :n],
+            d.counts[i : i + 1],
+            d.logits[i : i + 1, : n + 1],
+            probs,
+            step.row.config.sampling,
+            step.row.seeds.on(d.logits.device),
+            None if temperature is None else temperature[None],
+        )
+        verdicts += verdict.per_row()
+    return verdicts
+
+
+def _sampled_trees(members: list[int], steps: list[RowStep], d: Drafts) -> list[tuple[list[int], int]]:
+    """Exact recursive rejection sampling over each row's tree."""
+    verdicts = []
+    for i in members:
+        step, n = steps[i], int(d.counts[i])
+        probs = None if step.proposal.probs is None else step.proposal.probs.to(d.logits.device)
+        verdict = verify_tree_sampled(
+            d.tokens[i, :n],
+            d.parents[i, :n],
+            d.logits[i, : n + 1],
+            probs,
+            step.row.config.sampling,
+            step.row.seeds.on(d.logits.device),
+            d.temperatures[i],
+        )
+        verdicts += verdict.per_row()
+    return verdicts
+
+
+def _typical_chains(members: list[int], steps: list[RowStep], d: Drafts) -> list[tuple[list[int], int]]:
+    """Typical acceptance (lossy, opted into), each row with its own random generator."""
+    verdicts = []
+    for i in members:
+        step, n = steps[i], int(d.counts[i])
+        config, temperature = step.row.config, d.temperatures[i]
+        verdict = typical_verify(
+            d.tokens[i : i + 1, :n],
+            d.counts[i : i + 1],
+            d.logits[i : i + 1, : n + 1],
+            config.sampling,
+            config.typical_acceptance,
+            step.row.seeds.on(d.logits.device),
+            None if temperature is None else temperature[None],
+        )
+        verdicts += verdict.per_row()
+    return verdicts
+
+
+#: How rows are judged, keyed by (greedy, tree, typical acceptance). A tree with typical acceptance has no verifier:
+#: the draft phase refuses it.
+VERIFIERS: dict[tuple[bool, bool, bool], Verifier] = {
+    (True, False, False): _greedy_chains,
+    (True, True, False): _greedy_trees,
+    (False, False, False): _sampled_chains,
+    (False, True, False): _sampled_trees,
+    (True, False, True): _typical_chains,
+    (False, False, True): _typical_chains,
+}
+
+
+def commit(
+    target: RowBackend, step: RowStep, logits: torch.Tensor, features: torch.Tensor | None, target_s: float
+) -> StepOutcome:
+    """Phase 4: keep the row's accepted path in the cache and its tokens; its drafter, policy, acceptance estimate,
+    stats and guards observe the outcome. ``logits``: the row's aligned logits; ``features``: its fed positions'
+    hidden states, when a drafter of the batch reads them."""
+    row, proposal, path = step.row, step.proposal, step.path
+    tree = proposal.is_tree
+    # A tree's accepted path moves next to the context in the cache; a chain's is already there.
+    target.truncate(step.row_id, row.length + len(path), [row.length + j for j in path] if tree else None)
+    if step.asked:  # a step without drafts leaves the drafter's state as it was
+        row.drafter.accept(len(path))
+    if features is not None and row.drafter.capabilities.features:  # the positions kept: the fed context, the path
+        kept = torch.cat([torch.arange(step.context), step.context + torch.tensor(path, dtype=torch.long)])
+        row.drafter.observe_features(features[kept])
+    new_tokens = torch.cat([proposal.tokens[path], torch.tensor([step.next_token])])
+    row.tokens = torch.cat([row.tokens, new_tokens])
+    outcome = StepOutcome(
+        chosen=step.chosen,
+        asked=step.asked,
+        depth=proposal.depth,  # what a chain reaching as deep would have proposed: acceptance stays per position
+        nodes=len(proposal),
+        accepted=len(path),
+        branched=tree,
+        draft_s=step.draft_s,
+        draft_steps=proposal.draft_steps,
+        target_s=target_s,
+        read_prompt=step.context > 1,
+        anchored=step.anchored,
+        context_length=row.length,
+        logits=logits[[0] + [j + 1 for j in path]] if tree else logits[: len(path) + 1],  # along the kept path
+        new_tokens=new_tokens,
+    )
+    row.policy.observe(outcome)
+    row.acceptance.observe(outcome.depth, outcome.accepted)
+    row.stats.record_step(outcome, time.perf_counter() - row.started)
+    row.stats.events += row.guards.settle(row.stats.new_tokens - len(new_tokens), outcome.accepted, step.anchored)
+    if step.anchored:
+        row.drafter.begin(row.draft_settings)  # resynchronise the drafter on the whole context
+    return outcome

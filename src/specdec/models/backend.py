@@ -1,14 +1,16 @@
-"""The narrow interface through which the engine runs a model, and its transformers implementation.
+"""The contracts through which the engine runs a model: a single-sequence Backend and a RowBackend of many rows.
 
-The engine needs two operations from a model runtime: score a run of new
-tokens (appending them to the KV cache) and return logits for each position;
-and keep only the first n cached positions after a rejection. Any runtime
-(transformers, llama.cpp, ...) that offers these plugs into the engine.
+The engine needs two operations from a model runtime: score a run of new tokens (appending them to the KV cache) and
+return logits for each position; and keep only the first n cached positions after a rejection. Any runtime that
+implements these classes (transformers, llama.cpp, the native kernels) plugs into the engine; what else it can do is
+declared in its ``capabilities``, never probed.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,96 +20,121 @@ TREES_UNSUPPORTED = (
     "this backend scores chains of drafts only: trees (branches > 1) run on --backend native or transformers"
 )
 
+Embed = Callable[[torch.Tensor], torch.Tensor]  # token ids -> the model's input embeddings, its scale included
 
-class Backend(Protocol):
-    """A model with a KV cache over one token sequence per batch row."""
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a runtime can do beyond scoring chains of one sequence."""
+
+    trees: bool = False  # its row backends score trees of drafts and keep a tree's accepted path
+    features: bool = False  # a forward can also return the final hidden states (what an eagle head reads)
+    max_rows: int | None = 1  # sequences one forward holds; None: as many as memory allows
+
+
+class Backend(ABC):
+    """A model with a KV cache over one token sequence."""
 
     vocab_size: int
     max_context: int
-    trees: bool  # forward scores a tree of drafts (``tree``) and truncate keeps its accepted branch
-    last_features: (
-        torch.Tensor | None
-    )  # after a forward with ``features``: the final hidden state of each fed position [B, n, H]
+    capabilities: BackendCapabilities = BackendCapabilities()
+    device: torch.device = torch.device("cpu")
+    #: after a forward with ``features``: the final hidden state of each fed position [1, n, H]
+    last_features: torch.Tensor | None = None
 
     @property
+    @abstractmethod
     def identity(self) -> str:
         """What decides this backend's speed (runtime, weights, dtype, threads): the key of its measured costs."""
-        ...
 
     @property
+    @abstractmethod
     def cached_length(self) -> int:
         """Positions currently held in the cache."""
-        ...
 
+    @abstractmethod
     def forward(
         self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None, features: bool = False
     ) -> torch.Tensor:
-        """Append ``tokens`` [B, n] to the cache; return logits [B, n, V], or only for the ``last`` positions.
+        """Append ``tokens`` [1, n] to the cache; return logits [1, n, V], or only for the ``last`` positions.
 
         ``tree``: the parents of the last len(tree) tokens, a tree of drafts as in ``Proposal`` (see :func:`tree_mask`).
-        ``features``: also keep every fed position's final hidden state (what the output head reads) in ``last_features``,
-        from the same forward.
+        ``features``: also keep every fed position's final hidden state (what the output head reads) in
+        ``last_features``, from the same forward.
         """
-        ...
 
+    @abstractmethod
     def truncate(self, length: int, branch: list[int] | None = None) -> None:
-        """Keep only the first ``length`` cached positions; with ``branch`` (cached positions, increasing), the last len(branch) of them are those positions' (a tree's accepted path)."""
-        ...
+        """Keep only the first ``length`` cached positions; with ``branch`` (cached positions, increasing), the last
+        len(branch) of them are those positions' (a tree's accepted path)."""
 
+    @abstractmethod
     def reset(self) -> None:
         """Empty the cache for a new sequence."""
-        ...
 
+    @abstractmethod
     def fork(self) -> Backend:
-        """A backend over the same weights with an empty cache of its own."""
-        ...
+        """A backend over the same weights with an empty cache of its own (ConfigError where the runtime cannot)."""
+
+    def token_embeddings(self) -> Embed | None:
+        """The model's input embedding as a function of token ids (a feature-conditioned draft embeds with it); None
+        where this runtime cannot give it."""
+        return None
+
+    def row_backend(self, *, batch: bool, trees: bool = False, cuda_graphs: bool = True) -> RowBackend:
+        """The rows sequences decode in: for one sequence (``batch`` False) this backend's own cache, for a batch a
+        cache of its own over the same weights. ``trees``: the rows may score trees (a runtime whose plain cache keeps
+        chains only then gives rows that keep trees). ``cuda_graphs``: replay captured CUDA graphs where it can."""
+        return OneRow(self.fork() if batch else self)
 
 
-class RowBackend(Protocol):
+class RowBackend(ABC):
     """A model with one cache row per sequence, each with its own length: what the decode step runs on.
 
-    Rows are numbered 0..rows-1 in the order they were added; removing rows renumbers the rest.
+    Rows are numbered 0..rows-1 in the order they were added (its row id); removing rows renumbers the
+    rest.
     """
 
     vocab_size: int
     max_context: int
-    trees: bool  # see Backend.trees
-    lengths: list[int]  # cached positions of each row
-    last_features: list[
-        torch.Tensor
-    ]  # after a forward with ``features``: per fed row, its positions' final hidden states [len(feed), H]
+    capabilities: BackendCapabilities
+    device: torch.device
+    cached_lengths: list[int]  # cached positions of each row
+    #: after a forward with ``features``: per fed row, its positions' final hidden states [len(feed), H]
+    last_features: list[torch.Tensor]
 
     @property
+    @abstractmethod
     def identity(self) -> str:
         """The model and runtime, as Backend.identity: what measured costs are cached under."""
-        ...
 
+    @abstractmethod
     def add_rows(self, count: int) -> None:
         """Append ``count`` empty rows."""
-        ...
 
-    def remove_rows(self, rows: list[int]) -> None:
+    @abstractmethod
+    def remove_rows(self, row_ids: list[int]) -> None:
         """Drop rows (their cache is freed)."""
-        ...
 
+    @abstractmethod
     def forward(
         self,
-        rows: list[int],
+        row_ids: list[int],
         feeds: list[torch.Tensor],
         last: int,
         trees: list[torch.Tensor | None] | None = None,
         features: bool = False,
     ) -> torch.Tensor:
-        """Append ``feeds[i]`` (1-D token ids) to row ``rows[i]``; logits [len(rows), last, V] of each feed's last ``last`` tokens, right-aligned.
+        """Append ``feeds[i]`` (1-D token ids) to row ``row_ids[i]``; logits [len(row_ids), last, V] of each feed's last
+        ``last`` tokens, right-aligned.
 
         ``trees[i]``, if given and not None, makes the end of feed i a tree; ``features``: see Backend.forward.
         The logits are the caller's until the next forward: the step masks them in place (guards).
         """
-        ...
 
-    def truncate(self, row: int, length: int, branch: list[int] | None = None) -> None:
-        """Keep only the first ``length`` cached positions of ``row`` (``branch``: see Backend.truncate)."""
-        ...
+    @abstractmethod
+    def truncate(self, row_id: int, length: int, branch: list[int] | None = None) -> None:
+        """Keep only the first ``length`` cached positions of row ``row_id`` (``branch``: see Backend.truncate)."""
 
 
 def keep_branch(cache: torch.Tensor, dim: int, length: int, branch: list[int]) -> None:
@@ -140,20 +167,19 @@ def tree_positions(start: int | torch.Tensor, visible: torch.Tensor) -> torch.Te
     return start + visible.sum(dim=-1) - 1
 
 
-class OneRow:
-    """A single-sequence :class:`Backend` seen as a :class:`RowBackend` of at most one row.
+class OneRow(RowBackend):
+    """A single-sequence :class:`Backend` seen as a :class:`RowBackend` of at most one row: the only adapter.
 
-    Runtimes without a batched implementation (llama.cpp), and single-sequence
-    generation, where the plain cache is the fastest, run the decode step this way.
+    Runtimes without a batched implementation (llama.cpp, native), and single-sequence generation, where the plain
+    cache is the fastest, run the decode step this way.
     """
-
-    max_rows = 1  # a server on this backend runs one request at a time; the rest queue
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.vocab_size = backend.vocab_size
         self.max_context = backend.max_context
-        self.trees = getattr(backend, "trees", False)
+        self.capabilities = replace(backend.capabilities, max_rows=1)
+        self.device = backend.device
         self.last_features: list[torch.Tensor] = []
         self._rows = 0
 
@@ -162,7 +188,7 @@ class OneRow:
         return self.backend.identity
 
     @property
-    def lengths(self) -> list[int]:
+    def cached_lengths(self) -> list[int]:  # type: ignore[override]
         return [self.backend.cached_length] * self._rows
 
     def add_rows(self, count: int) -> None:
@@ -173,34 +199,24 @@ class OneRow:
         self.backend.reset()
         self._rows += count
 
-    def remove_rows(self, rows: list[int]) -> None:
-        self._rows -= len(rows)
+    def remove_rows(self, row_ids: list[int]) -> None:
+        self._rows -= len(row_ids)
 
     def forward(
         self,
-        rows: list[int],
+        row_ids: list[int],
         feeds: list[torch.Tensor],
         last: int,
         trees: list[torch.Tensor | None] | None = None,
         features: bool = False,
     ) -> torch.Tensor:
         (feed,) = feeds
-        extra: dict[str, object] = {}  # a backend written before trees and features existed takes neither
-        if trees and trees[0] is not None:
-            extra["tree"] = trees[0]
+        tree = trees[0] if trees else None
+        logits = self.backend.forward(feed[None], last=last, tree=tree, features=features)
         if features:
-            extra["features"] = True
-        logits = self.backend.forward(feed[None], last=last, **extra)
-        if features:
-            if self.backend.last_features is None:
-                raise ConfigError(
-                    f"{type(self.backend).__name__} does not return hidden states: use a drafter that does not need them"
-                )
+            assert self.backend.last_features is not None  # declared by capabilities.features, checked at join
             self.last_features = [self.backend.last_features[0]]
         return logits
 
-    def truncate(self, row: int, length: int, branch: list[int] | None = None) -> None:
-        if branch is not None:
-            self.backend.truncate(length, branch)
-        else:
-            self.backend.truncate(length)
+    def truncate(self, row_id: int, length: int, branch: list[int] | None = None) -> None:
+        self.backend.truncate(length, branch)

@@ -22,7 +22,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from specdec.errors import ConfigError
-from specdec.models.backend import keep_branch, tree_mask, tree_positions
+from specdec.models.backend import BackendCapabilities, RowBackend, keep_branch, tree_mask, tree_positions
 from specdec.models.cuda_graphs import CudaGraphs
 from specdec.models.precision import PADDED_ATTENTION
 from specdec.models.transformers_backend import model_identity
@@ -79,7 +79,7 @@ class RowCache(Cache):
         self.capacity = capacity
 
 
-class BatchedTransformersBackend:
+class BatchedTransformersBackend(RowBackend):
     """Runs a transformers causal LM over rows that join, leave and roll back independently.
 
     Shares the weights of ``model``; holds its own cache. Rows are numbered
@@ -88,7 +88,7 @@ class BatchedTransformersBackend:
     captured graphs (models/cuda_graphs.py); elsewhere the flag does nothing.
     """
 
-    trees = True
+    capabilities = BackendCapabilities(trees=True, features=True, max_rows=None)
 
     def __init__(self, model: PreTrainedModel, cuda_graphs: bool = True) -> None:
         config = model.config.get_text_config()
@@ -112,7 +112,7 @@ class BatchedTransformersBackend:
         self.device = next(model.parameters()).device
         self.mask_dtype = model.get_input_embeddings().weight.dtype
         self.cache = RowCache()
-        self.lengths: list[int] = []
+        self.cached_lengths: list[int] = []
         self.last_features: list[torch.Tensor] = []
         self._hidden: torch.Tensor | None = None
         self.graphs = CudaGraphs() if cuda_graphs and self.device.type == "cuda" else None
@@ -122,60 +122,60 @@ class BatchedTransformersBackend:
         return f"batched|{model_identity(self.model)}"
 
     @property
-    def rows(self) -> int:
-        return len(self.lengths)
+    def row_count(self) -> int:
+        return len(self.cached_lengths)
 
     def add_rows(self, count: int) -> None:
         """Append ``count`` empty rows."""
-        keep = torch.cat([torch.arange(self.rows), torch.full((count,), -1)])
+        keep = torch.cat([torch.arange(self.row_count), torch.full((count,), -1)])
         self._resize(keep)
-        self.lengths += [0] * count
+        self.cached_lengths += [0] * count
 
-    def remove_rows(self, rows: list[int]) -> None:
-        """Drop rows (their slots are freed); the remaining rows keep their order."""
-        gone = set(rows)
-        keep = [i for i in range(self.rows) if i not in gone]
+    def remove_rows(self, row_ids: list[int]) -> None:
+        """Drop rows (their cache is freed); the remaining rows keep their order."""
+        gone = set(row_ids)
+        keep = [i for i in range(self.row_count) if i not in gone]
         self._resize(torch.tensor(keep, dtype=torch.long))
-        self.lengths = [self.lengths[i] for i in keep]
+        self.cached_lengths = [self.cached_lengths[i] for i in keep]
 
-    def truncate(self, row: int, length: int, branch: list[int] | None = None) -> None:
+    def truncate(self, row_id: int, length: int, branch: list[int] | None = None) -> None:
         """Keep only the first ``length`` positions of ``row``; with ``branch``, the last len(branch) of them are those slots' states."""
-        if not 0 <= length <= self.lengths[row]:
-            raise ValueError(f"cannot truncate row {row} of {self.lengths[row]} positions to {length}")
+        if not 0 <= length <= self.cached_lengths[row_id]:
+            raise ValueError(f"cannot truncate row {row_id} of {self.cached_lengths[row_id]} positions to {length}")
         if branch:  # a tree's accepted path moves next to the positions before it, so that slots equal positions again
             for buffer in self.cache.keys + self.cache.values:
-                keep_branch(buffer[row], 1, length, branch)
-        self.lengths[row] = length
+                keep_branch(buffer[row_id], 1, length, branch)
+        self.cached_lengths[row_id] = length
 
     @torch.inference_mode()
     def forward(
         self,
-        rows: list[int],
+        row_ids: list[int],
         feeds: list[torch.Tensor],
         last: int,
         trees: list[torch.Tensor | None] | None = None,
         features: bool = False,
     ) -> torch.Tensor:
-        """Append ``feeds[i]`` (1-D token ids) to row ``rows[i]``; return logits [len(rows), last, V] of each feed's last ``last`` tokens.
+        """Append ``feeds[i]`` (1-D token ids) to row ``row_ids[i]``; return logits [len(row_ids), last, V] of each feed's last ``last`` tokens.
 
         A feed shorter than ``last`` gets its logits right-aligned; the columns before them are padding. A feed ending in
         a tree (``trees[i]``) writes its nodes at consecutive slots, each at the position of its depth.
         """
         n = max(feed.shape[0] for feed in feeds)
         trees = trees or [None] * len(feeds)
-        starts = torch.tensor([self.lengths[r] for r in rows])
+        starts = torch.tensor([self.cached_lengths[r] for r in row_ids])
         sizes = torch.tensor([feed.shape[0] for feed in feeds])
         pads = n - sizes
         column = torch.arange(n)[None, :]
         real = column >= pads[:, None]
         # Padding columns write past their row's real tokens, where nothing reads them.
         slots = torch.where(real, starts[:, None] + column - pads[:, None], starts[:, None] + sizes[:, None] + column)
-        visible = (torch.arange(n)[None, :, None] >= torch.arange(n)[None, None, :]).expand(len(rows), n, n).clone()
+        visible = (torch.arange(n)[None, :, None] >= torch.arange(n)[None, None, :]).expand(len(row_ids), n, n).clone()
         for i, tree in enumerate(trees):  # within each feed: causal, or a tree at its end
             if tree is not None:
                 visible[i, pads[i] :, pads[i] :] = tree_mask(int(sizes[i]), tree)
         positions = torch.where(real, tree_positions(starts[:, None] - pads[:, None], visible), 0)
-        tokens = torch.zeros(len(rows), n, dtype=torch.long)
+        tokens = torch.zeros(len(row_ids), n, dtype=torch.long)
         for i, feed in enumerate(feeds):
             tokens[i, pads[i] :] = feed
         width = int((starts + n).max())
@@ -183,21 +183,21 @@ class BatchedTransformersBackend:
             width = max(64, 1 << (width - 1).bit_length())  # few distinct widths, so few graphs
         if width > self.cache.capacity:  # grow by half at least, so copies stay rare
             self._resize(capacity=max(_round_up(width, 64), self.cache.capacity * 3 // 2))
-        self.cache.every_row = rows == list(range(self.rows))
+        self.cache.every_row = row_ids == list(range(self.row_count))
         self.cache.width = width
-        active = torch.tensor(rows, dtype=torch.long)
+        active = torch.tensor(row_ids, dtype=torch.long)
         masks = self._masks(positions, slots, starts, pads, visible, real, width)
         inputs = {"tokens": tokens, "positions": positions, "slots": slots, "active": active} | masks
         inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
         logits = None
         if self.graphs is not None and self.cache.every_row and not features:
-            logits = self.graphs.run((len(rows), n, width, last), inputs, partial(self._run, last=last))
+            logits = self.graphs.run((len(row_ids), n, width, last), inputs, partial(self._run, last=last))
         if logits is None:
             logits = self._run(inputs, last, features)
         if features:  # each row's real columns
             self.last_features = [hidden[pad:] for hidden, pad in zip(self._hidden, pads.tolist(), strict=True)]
-        for row, size in zip(rows, sizes.tolist(), strict=True):
-            self.lengths[row] += size
+        for row_id, size in zip(row_ids, sizes.tolist(), strict=True):
+            self.cached_lengths[row_id] += size
         return logits
 
     def _run(self, inputs: dict[str, torch.Tensor], last: int, features: bool = False) -> torch.Tensor:

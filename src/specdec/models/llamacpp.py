@@ -23,7 +23,7 @@ import torch
 
 from specdec.errors import ConfigError, MissingPackageError
 from specdec.machine import cpu_flags, cpu_name
-from specdec.models.backend import TREES_UNSUPPORTED
+from specdec.models.backend import TREES_UNSUPPORTED, Backend, BackendCapabilities, Embed
 
 INSTALL = 'pip install -e ".[llamacpp]"  (builds llama.cpp from source: about 5-15 minutes on 2 cores)'
 PORTABLE_FLAGS = (  # llama.cpp built for AVX-512 without -march=native: no AMX, which faults in some VMs
@@ -161,7 +161,7 @@ class LlamaCppTokenizer:
         return self.llama.detokenize(ids, special=not skip_special_tokens).decode("utf-8", errors="replace")
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(Backend):
     """One sequence (id 0) in a llama.cpp context; rollback removes cache positions past the accepted prefix.
 
     ``ubatch`` is llama.cpp's micro-batch: the most tokens one kernel call
@@ -170,6 +170,8 @@ class LlamaCppBackend:
     decoding; ``ubatch=1`` makes verification compute exactly what one-token
     decoding computes (bit-identical greedy output) at the price of the batching speed-up.
     """
+
+    capabilities = BackendCapabilities(features=True)
 
     def __init__(
         self, gguf: str, threads: int | None = None, context: int = 4096, batch: int = 512, ubatch: int | None = None
@@ -189,8 +191,7 @@ class LlamaCppBackend:
             verbose=False,
         )
         self.threads = threads
-        self.trees = False
-        self.identity = (
+        self._identity = (
             f"llama.cpp|{os.path.abspath(gguf)}|{os.path.getsize(gguf)}|threads={threads}|ubatch={ubatch or batch}"
         )
         self.vocab_size: int = self.llama.n_vocab()
@@ -212,6 +213,10 @@ class LlamaCppBackend:
             self._batch = None
 
     @property
+    def identity(self) -> str:
+        return self._identity
+
+    @property
     def cached_length(self) -> int:
         return self._length
 
@@ -225,7 +230,7 @@ class LlamaCppBackend:
         self._lib.llama_memory_clear(self._memory, True)
         self._length = 0
 
-    def token_embeddings(self):
+    def token_embeddings(self) -> Embed:
         """The model's input embedding as a function of token ids, read once from the GGUF file (a feature-conditioned draft embeds with it)."""
         if self._embedding is None:
             from gguf import GGUFReader

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels
-from specdec.models.backend import tree_mask, tree_positions
+from specdec.models.backend import Backend, BackendCapabilities, Embed, tree_mask, tree_positions
 from specdec.models.cpu_kernels import FORMATS, Packed, PackedInt8, PagedCache
 
 log = logging.getLogger("specdec")
@@ -275,10 +275,10 @@ def new_cache(model: NativeModel, dtype: str | None = None) -> PagedCache:
     return PagedCache(shape.windows, shape.kv_heads, shape.head_dim, dtype)
 
 
-class NativeBackend:
+class NativeBackend(Backend):
     """A single-sequence :class:`~specdec.models.backend.Backend` over a :class:`NativeModel` (runs through OneRow)."""
 
-    trees = True
+    capabilities = BackendCapabilities(trees=True, features=True)
 
     def __init__(self, model: NativeModel, cache_dtype: str | None = None) -> None:
         self.model = model
@@ -302,7 +302,7 @@ class NativeBackend:
     def fork(self) -> NativeBackend:
         return NativeBackend(self.model, self.cache.dtype)
 
-    def token_embeddings(self):
+    def token_embeddings(self) -> Embed:
         """The model's input embedding as a function of token ids (a feature-conditioned draft embeds with it)."""
         return self.model.embed
 

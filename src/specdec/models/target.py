@@ -36,10 +36,12 @@ class Target:
     chosen: str | None = None  # how ``--native-format auto`` chose the native format
 
 
-def open_target(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
+def open_target(model: str | LoadedModel | Target, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
     """Open a model on a runtime: transformers (any causal LM), llama.cpp (GGUF files and bundled aliases), native
     (Gemma-3, Llama, Mistral and Qwen2/3 models on a CPU with AVX2 or ARM SDOT) or auto (native where it runs, else
-    transformers)."""
+    transformers). A target already open is returned as it is."""
+    if isinstance(model, Target):
+        return model
     if runtime.backend == "llama.cpp":
         from specdec.models.llamacpp import LlamaCppBackend
 

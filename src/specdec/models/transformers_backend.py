@@ -6,16 +6,16 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdec.errors import ConfigError
-from specdec.models.backend import TREES_UNSUPPORTED
+from specdec.models.backend import TREES_UNSUPPORTED, Backend, BackendCapabilities, Embed, OneRow, RowBackend
 
 
-class TransformersBackend:
+class TransformersBackend(Backend):
     """Runs any transformers causal LM with a DynamicCache that can be rolled back.
 
     Chains only: a tree of drafts on transformers runs on the batched backend (its cache is addressed by slot).
     """
 
-    trees = False
+    capabilities = BackendCapabilities(trees=True, features=True, max_rows=None)
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
@@ -36,9 +36,17 @@ class TransformersBackend:
     def fork(self) -> TransformersBackend:
         return TransformersBackend(self.model)
 
-    def token_embeddings(self):
+    def token_embeddings(self) -> Embed:
         """The model's input embedding as a function of token ids (a feature-conditioned draft embeds with it)."""
         return self.model.get_input_embeddings()
+
+    def row_backend(self, *, batch: bool, trees: bool = False, cuda_graphs: bool = True) -> RowBackend:
+        """The plain cache keeps one chain: a batch, or one sequence's trees, decode in a batched cache over these weights."""
+        if not batch and not trees:
+            return OneRow(self)
+        from specdec.models.batched import BatchedTransformersBackend  # it builds on this module
+
+        return BatchedTransformersBackend(self.model, cuda_graphs=cuda_graphs)
 
     def reset(self) -> None:
         self._cache = DynamicCache(config=self.model.config)

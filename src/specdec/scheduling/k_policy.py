@@ -11,59 +11,76 @@ from __future__ import annotations
 
 import math
 import threading
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from specdec.acceptance import AcceptanceEstimate
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepOutcome:
-    """What one decoding step did, as a policy sees it."""
+    """What one step did for one row: the record its k policy, stats and acceptance estimate read."""
 
-    proposed: int  # draft tokens the target judged
-    accepted: int  # of those, how many it accepted
+    chosen: int  # the k policy's choice
+    asked: int  # draft tokens asked of the drafter: the choice within the window and the row's limits (0: none)
+    depth: int  # nodes on the draft's longest path (a chain's length): what acceptance is judged against
+    nodes: int  # draft nodes the target scored (a tree's all; a chain's ``depth``)
+    accepted: int  # of those, how many it accepted (a path from the root)
+    branched: bool  # the draft was a tree (some node had two children): its forward cost a tree's, not a chain's
     draft_s: float  # seconds spent drafting
+    draft_steps: int  # forwards of a drafting model the draft took (Proposal.draft_steps)
+    target_s: float  # seconds of the step's target forward and verification (the whole batch's)
+    read_prompt: bool  # the row's feed held more than its pending token: ``target_s`` was mostly the prompt's
+    anchored: bool = False  # a guard made this a target-only step
     context_length: int  # tokens in the sequence after the step
     logits: torch.Tensor  # the target's raw logits [accepted + 1, V] at the positions of the new tokens
     new_tokens: torch.Tensor  # [accepted + 1]
-    verified: int | None = None  # draft nodes the target scored (a tree's nodes); None: a chain's, ``proposed``
-    verify_s: float | None = (
-        None  # seconds of the step's target forward and verification (the whole batch's); None: not timed, or the step also read the prompt
-    )
-    branched: bool = (
-        False  # the draft was a tree (some node had two children): its forward cost a tree's, not a chain's
-    )
-    draft_steps: int | None = (
-        None  # forwards of a drafting model the draft took (Proposal.draft_steps); None: ``proposed``
-    )
+
+    @property
+    def verify_s(self) -> float | None:
+        """The target's seconds for a step over drafts alone; None when it also read the prompt."""
+        return None if self.read_prompt else self.target_s
 
     def token_nll(self) -> torch.Tensor:
-        """Negative log-likelihood of each new token under the target (computed only when asked: it reads the full vocabulary)."""
+        """Negative log-likelihood of each new token under the target (computed only when asked: it reads the full
+        vocabulary)."""
         logp = torch.log_softmax(self.logits.float(), dim=-1)
         return -logp.gather(-1, self.new_tokens.to(logp.device)[:, None]).squeeze(-1).cpu()
 
 
-class KPolicy(Protocol):
-    """Chooses the draft length of each step of one sequence."""
+class KPolicy(ABC):
+    """Chooses the draft length of each step of one sequence, and for rows that may draft trees, whether to.
+
+    Every member the engine uses is declared here with its default; a policy overrides what it decides.
+    """
 
     #: drafters with probabilities stop at the first token below this (0 = never); see the confidence policy
-    min_confidence: float
+    min_confidence: float = 0.0
+    #: ``tree_size`` prices a scored proposal's nodes (the engine then asks a scoring drafter for the most nodes)
+    prices_nodes: bool = False
 
+    @abstractmethod
     def choose(self, context_length: int) -> int:
         """The number of tokens to draft now (0 = a plain target step)."""
-        ...
 
+    @abstractmethod
     def observe(self, outcome: StepOutcome) -> None:
         """Learn from the step just taken."""
-        ...
+
+    def choose_tree(self) -> bool:
+        """For a row that may draft trees, whether this step drafts one (else a chain); asked once per such step."""
+        return True
+
+    def tree_size(self, scores: torch.Tensor, parents: torch.Tensor, draft_s: float, steps: int) -> int:
+        """How many of a scored proposal's best nodes to verify (asked only where ``prices_nodes``)."""
+        return len(scores)
 
 
 @dataclass
-class FixedK:
+class FixedK(KPolicy):
     """Always the same k: the baseline every adaptive policy is measured against."""
 
     k: int
@@ -77,7 +94,7 @@ class FixedK:
 
 
 @dataclass
-class HeuristicK:
+class HeuristicK(KPolicy):
     """transformers' schedule: k + 2 after a step whose drafts were all accepted, k - 1 otherwise, within [1, max_k]."""
 
     max_k: int
@@ -91,13 +108,13 @@ class HeuristicK:
         return self.k
 
     def observe(self, outcome: StepOutcome) -> None:
-        if outcome.proposed:  # a step where the drafter found nothing says nothing about k
-            full = outcome.accepted == outcome.proposed
+        if outcome.depth:  # a step where the drafter found nothing says nothing about k
+            full = outcome.accepted == outcome.depth
             self.k = max(1, min(self.max_k, self.k + 2 if full else self.k - 1))
 
 
 @dataclass
-class PerplexityK:
+class PerplexityK(KPolicy):
     """The seed's rule, from the target's perplexity over the last ``window`` generated tokens.
 
     Below ``threshold``: k = min(``easy_k``, context // ``easy_divisor``); otherwise
@@ -137,7 +154,7 @@ class PerplexityK:
 
 
 @dataclass
-class ConfidenceK:
+class ConfidenceK(KPolicy):
     """Draft up to max_k tokens, stopping at the first whose draft probability is below ``threshold``.
 
     Drafters without probabilities (prompt lookup, cross-tokenizer drafts) draft max_k.
@@ -227,7 +244,7 @@ class WayRates:
             self.rates[tree] = (RATE_DECAY * past_tokens + tokens, RATE_DECAY * past_seconds + seconds)
 
 
-class CostModelK:
+class CostModelK(KPolicy):
     """Pick the k that maximises expected tokens per second under this machine's costs.
 
     The acceptance rate is estimated online (AcceptanceEstimate); a step with k
@@ -240,6 +257,8 @@ class CostModelK:
     ``ways``: a tree row's rates of tree and chain steps, when shared with other rows (its own otherwise).
     ``tree_draft_s_per_step``: a seeded run's price of a level of a tree's drafting (default: a chain step's).
     """
+
+    prices_nodes = True
 
     def __init__(
         self,
@@ -303,7 +322,7 @@ class CostModelK:
         """A seeded run's price of one draft step: a level of a tree's, or a chain's token."""
         return self._tree_draft_s_per_step if tree else self._draft_s_per_token
 
-    def use_tree(self) -> bool:
+    def choose_tree(self) -> bool:
         """Whether this step of a row allowed trees drafts one (else a chain, drafted as a chain row would).
 
         A tree verifies more nodes for more accepted tokens and costs more to draft; whether that pays depends on the
@@ -333,8 +352,8 @@ class CostModelK:
             # Timed, where the clock may be read; a seeded run prices both ways, so it repeats: the draft's steps (forwards
             # of its model: one per level of a tree, as per token of a chain; none for a copy), a forward over the nodes
             # (a tree's with its overhead).
-            n = min(outcome.proposed if outcome.verified is None else outcome.verified, self.max_k)
-            steps = outcome.proposed if outcome.draft_steps is None else outcome.draft_steps
+            n = min(outcome.nodes, self.max_k)
+            steps = outcome.draft_steps
             draft_s = outcome.draft_s if self._learn_draft_cost else steps * self._step_price(tree)
             priced = (self._tree_verify_s if outcome.branched else self._verify_s)[n]
             verify_s = outcome.verify_s if self._learn_draft_cost and outcome.verify_s is not None else priced
@@ -349,7 +368,7 @@ class CostModelK:
         # step whose drafts did not branch was a chain, so it teaches the acceptance (not the draft cost: it may draft more than k).
         if tree and outcome.branched:
             return
-        self.estimate.observe(outcome.proposed, outcome.accepted)
+        self.estimate.observe(outcome.depth, outcome.accepted)
         if self._chosen and self._learn_draft_cost and not tree:
             per_token = outcome.draft_s / self._chosen
             self._draft_s_per_token += 0.5 * (per_token - self._draft_s_per_token)

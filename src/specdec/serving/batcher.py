@@ -64,7 +64,9 @@ class Batcher:
         self.max_queue = max_queue
         self.metrics = metrics
         self.decoder = generator.batch_decoder()
-        self.max_batch = min(max_batch, getattr(self.decoder.backend, "max_rows", max_batch))  # one at a time on native
+        self.max_batch = min(
+            max_batch, self.decoder.backend.capabilities.max_rows or max_batch
+        )  # one at a time on native
         generator.drafter.fork()  # every request decodes with a fork: a drafter that cannot fork is refused now, not per request
         self.waiting: deque[Job] = deque()
         self.active: dict[Completion, Job] = {}

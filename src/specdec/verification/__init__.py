@@ -1,11 +1,30 @@
 """Verification: pure tensor math that decides which draft tokens the target accepts.
 
-It knows no model: it takes logits or probabilities as tensors and returns, per
-batch row, how many draft tokens were accepted and the target's next token.
+It knows no model: it takes logits or probabilities as tensors and returns a :class:`Verdict` per batch. The words,
+defined once:
+
+- **accepted** tokens: the draft's tokens (a chain's first ones, or a tree's nodes along one path from the root) that
+  the target keeps. Greedy: each equals the target's argmax after what precedes it. Sampled: each passes rejection
+  sampling (accepted with probability min(1, p / q)), so what is kept follows the target's distribution p exactly.
+- a **recovered** token: after the first rejected draft token, the target's own token in its place, drawn from the
+  residual norm(max(0, p - q)) (greedy: the argmax).
+- a **bonus** token: when every draft token of the path is accepted, the target's token after the last one, drawn
+  from p at the next position (greedy: the argmax).
+
+A step therefore yields its accepted tokens plus exactly one more, recovered or bonus: ``Verdict.next_token``.
 """
 
 from specdec.verification.rejection import Verdict, verify
 from specdec.verification.shaping import shape_logits, to_probs
+from specdec.verification.tree import verify_tree_greedy, verify_tree_sampled
 from specdec.verification.typical import typical_verify
 
-__all__ = ["Verdict", "verify", "typical_verify", "shape_logits", "to_probs"]
+__all__ = [
+    "Verdict",
+    "verify",
+    "verify_tree_greedy",
+    "verify_tree_sampled",
+    "typical_verify",
+    "shape_logits",
+    "to_probs",
+]

@@ -20,14 +20,26 @@ from specdec.verification.shaping import to_probs
 
 @dataclass(frozen=True)
 class Verdict:
-    """Per-row outcome of one verification step."""
+    """What verification decided for each row of a batch, chains and trees alike.
 
-    accepted: torch.Tensor  # [B] long: draft tokens accepted, 0..draft_lengths
-    next_token: torch.Tensor  # [B] long: the target's token after the accepted prefix
+    ``accepted`` [B]: the draft nodes accepted; ``next_token`` [B]: the target's own token after them (recovered or
+    bonus, see the package docstring). ``paths``: for trees, each row's accepted nodes from the root; None for chains,
+    whose accepted nodes are the first ``accepted`` ones.
+    """
+
+    accepted: torch.Tensor
+    next_token: torch.Tensor
+    paths: list[list[int]] | None = None
 
     def on_host(self) -> torch.Tensor:
         """[2, B] on the host, accepted counts then next tokens: one device-to-host transfer for the caller's bookkeeping."""
         return torch.stack([self.accepted, self.next_token]).cpu()
+
+    def per_row(self) -> list[tuple[list[int], int]]:
+        """Each row's accepted nodes and the next token, on the host."""
+        accepted, next_tokens = self.on_host().tolist()
+        paths = self.paths if self.paths is not None else [list(range(n)) for n in accepted]
+        return list(zip(paths, next_tokens, strict=True))
 
 
 def verify(

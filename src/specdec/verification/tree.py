@@ -16,27 +16,17 @@ of node j. Verification walks down from the root and keeps one path:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from specdec.config import SamplingConfig
-from specdec.verification.rejection import residual_distribution
+from specdec.verification.rejection import Verdict, residual_distribution
 from specdec.verification.sampling import draw
 from specdec.verification.shaping import to_probs
 
 
-@dataclass(frozen=True)
-class TreeVerdict:
-    """Per row: the accepted path's nodes (root first), and the target's token after it."""
-
-    paths: list[list[int]]
-    next_tokens: list[int]
-
-
 def verify_tree_greedy(
     tokens: torch.Tensor, parents: torch.Tensor, counts: torch.Tensor, logits: torch.Tensor
-) -> TreeVerdict:
+) -> Verdict:
     """Greedy verdicts for a batch of trees, vectorised over rows and nodes.
 
     Args:
@@ -65,8 +55,8 @@ def verify_tree_greedy(
     index = torch.arange(n, device=tokens.device).expand_as(on_path)
     last = torch.where(on_path, index, -1).max(dim=1).values if n else torch.full_like(counts, -1)
     next_tokens = choice.gather(1, (last + 1)[:, None]).squeeze(1)
-    host = on_path.cpu()
-    return TreeVerdict([row.nonzero().squeeze(1).tolist() for row in host], next_tokens.cpu().tolist())
+    paths = [row.nonzero().squeeze(1).tolist() for row in on_path.cpu()]
+    return Verdict(on_path.sum(dim=1), next_tokens, paths)
 
 
 def verify_tree_sampled(
@@ -77,7 +67,7 @@ def verify_tree_sampled(
     sampling: SamplingConfig,
     rng: torch.Generator | None = None,
     temperature: torch.Tensor | None = None,
-) -> TreeVerdict:
+) -> Verdict:
     """The sampled verdict for one tree: tokens, parents [n], logits [n + 1, V], draft_probs [n, V] or None (deterministic nodes)."""
     p = to_probs(logits[None], sampling, None if temperature is None else temperature[None])[0]
     children: dict[int, list[int]] = {}
@@ -102,4 +92,4 @@ def verify_tree_sampled(
                 break
             remaining = residual_distribution(remaining[None], q[None])[0]
         else:  # every child rejected (or none): the next token comes from what is left of p
-            return TreeVerdict([path], draw(remaining[None], rng).tolist())
+            return Verdict(torch.tensor([len(path)], device=p.device), draw(remaining[None], rng), [path])
