@@ -1,4 +1,4 @@
-"""What one level of eagle drafting costs: the head as its transformers module and on the native int8 kernels (issue 24).
+"""What one level of eagle drafting costs: the head as its transformers module and on native int8 kernels (issue 24).
 
 Usage: python benchmarks/eagle_head_cost.py [--head DIR] [--count 12] [--new-tokens 64] [--out FILE]
 
@@ -35,7 +35,7 @@ REPEATS = 21
 
 
 def level_times(drafter, hidden: torch.Tensor, tokens: torch.Tensor) -> dict[int, float]:
-    """Median ms of one level of n nodes (a root and its children) after the context, dropped again as the drafter does."""
+    """Median ms of one level of n nodes (root and children) after the context, dropped again as the drafter does."""
     runner = drafter.runner
     cache = runner.new_cache()
     with torch.inference_mode():

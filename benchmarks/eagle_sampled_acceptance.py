@@ -1,4 +1,5 @@
-"""How often the eagle head's first draft is accepted when sampling: its top token against a draw from its own law (issue 24).
+"""How often the eagle head's first draft is accepted when sampling: its top token against a draw from its own law
+(issue 24).
 
 Usage: python benchmarks/eagle_sampled_acceptance.py [--temperature 0.7] [--per-category 3] [--new-tokens 48]
 
@@ -79,12 +80,14 @@ def replay(gen: Generator, chosen: list[BenchPrompt], new_tokens: int, temperatu
     finally:
         eagle_module.EagleDrafter._grow, step_module._verify = grow, verify
     print(
-        f"temperature {temperature}: first draft accepted, the head's top token against a draw from its law, and a level of its b top tokens"
+        f"temperature {temperature}: first draft accepted, the head's top token against a draw from its law, "
+        "and a level of its b top tokens"
     )
     for category, s in stats.items():
         siblings = ", ".join(f"top {b} {s[f'top{b}'] / s['steps']:.3f}" for b in SIBLINGS)
         print(
-            f"{category}: {int(s['steps'])} steps, top token {s['top'] / s['steps']:.3f}, drawn {s['drawn'] / s['steps']:.3f}, {siblings}"
+            f"{category}: {int(s['steps'])} steps, top token {s['top'] / s['steps']:.3f}, "
+            f"drawn {s['drawn'] / s['steps']:.3f}, {siblings}"
         )
 
 

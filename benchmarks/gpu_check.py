@@ -83,7 +83,8 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=1))
     for name, result in checks.items():
         print(
-            f"{'ok    ' if result['ok'] else 'FAILED'} {name} ({result['seconds']} s): {result.get('error') or result['figures']}"
+            f"{'ok    ' if result['ok'] else 'FAILED'} {name} ({result['seconds']} s): "
+            f"{result.get('error') or result['figures']}"
         )
     print(f"{report['seconds']} s; results in {args.out}")
     raise SystemExit(0 if all(r["ok"] for r in checks.values()) else 1)
@@ -98,9 +99,8 @@ class Sizes:
         self.new_tokens = 8 if smoke else 48
         self.samples = 300 if smoke else 3000
         self.rows = (4,) if smoke else (8, 32)
-        self.window = (
-            "fixed" if smoke else "dynamic"
-        )  # the dynamic window first measures the batch cost curve (minutes on a CPU)
+        # The dynamic window first measures the batch cost curve (minutes on a CPU).
+        self.window = "fixed" if smoke else "dynamic"
 
 
 def run_check(check: Callable[[], dict]) -> dict:
@@ -118,9 +118,8 @@ def run_check(check: Callable[[], dict]) -> dict:
 def greedy_identity(plan: str, device: torch.device, texts: list[str], size: Sizes) -> dict:
     """Every drafter's greedy output against target-only on Gemma-3-270M under one precision; tokens/s of each."""
     runtime = RuntimeConfig(precision=PRESETS[plan])
-    target = open_target(
-        load_model("gemma-3-270m", "float32", str(device)), runtime
-    )  # the plan converts the float32 weights
+    # The plan converts the float32 weights.
+    target = open_target(load_model("gemma-3-270m", "float32", str(device)), runtime)
     config = GenerationConfig(max_new_tokens=size.new_tokens, stop_on_eos=False)
     drafters = {
         spec: build_drafter(spec, target, runtime) for spec in ("prompt-lookup", "lookup-then-draft", "layerskip:9")
@@ -185,10 +184,18 @@ def chi_square(device: torch.device, size: Sizes) -> dict:
 
 
 def _tiny_pair(device: torch.device, vocab: int = 8) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
-    """A tiny random target with flat-ish distributions and a noisy copy of it as its draft (agrees often, not always)."""
+    """A tiny random target with flat-ish distributions and a noisy copy of it as draft (agrees often, not always)."""
     torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, initializer_range=0.15, tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval().to(device)
     draft = copy.deepcopy(model)
     with torch.no_grad():
@@ -202,7 +209,8 @@ def _loaded(model) -> LoadedModel:
 
 
 def draft_on_host(device: torch.device) -> dict:
-    """A draft model on the host, the target on the device: greedy (alone and batched) equals the target alone; a seed repeats its sample."""
+    """A draft model on the host, the target on the device: greedy (alone and batched) equals the target alone; a seed
+    repeats its sample."""
     model, draft = _tiny_pair(device, vocab=64)
     gen = Generator(_loaded(model), ModelDrafter(TransformersBackend(draft.cpu())))
     settings = dict(max_new_tokens=24, k=4, k_policy="fixed", stop_on_eos=False)
@@ -247,7 +255,7 @@ def graphs_on_and_off(gemma: LoadedModel, texts: list[str], size: Sizes) -> dict
 
 
 def server_batcher(gemma: LoadedModel, texts: list[str], size: Sizes) -> dict:
-    """The server's engine thread serving a few concurrent requests: each answer equals the same request decoded alone."""
+    """The server's engine thread serving a few concurrent requests: each answer equals that request decoded alone."""
     config = GenerationConfig(max_new_tokens=size.new_tokens, stop_on_eos=False)
     gen = Generator(gemma, "prompt-lookup", config, batch=BatchConfig(window=size.window))
 
@@ -274,7 +282,8 @@ def server_batcher(gemma: LoadedModel, texts: list[str], size: Sizes) -> dict:
 
 
 def batched_throughput(gemma: LoadedModel, texts: list[str], size: Sizes) -> dict:
-    """Tokens/s of batches of 8 and 32 rows, target-only and with prompt lookup (the dynamic window; fixed in a smoke run)."""
+    """Tokens/s of batches of 8 and 32 rows, target-only and with prompt lookup
+    (the dynamic window; fixed in a smoke run)."""
     figures = {}
     for rows in size.rows:
         batch = (texts * rows)[:rows]

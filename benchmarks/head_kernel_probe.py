@@ -2,12 +2,12 @@
 
 Usage: python benchmarks/head_kernel_probe.py [--out FILE]
 
-The int8 AVX-512 VNNI kernel of the `int8a8` format and the native backend (specdec.models.cpu_kernels; needs
-g++, ninja and a CPU with avx512_vnni) computes Gemma-3-270M's head (262,144 x 640) in int8 with a scale per
-vocabulary row and per 128 inputs of a position, each block of weights loaded once and used for all n positions. Integer dot
-products are exact, so a row's logits do not depend on n (batch-invariant: a 9-token verification
-computes what nine one-token steps would). Compared with torch's bfloat16 and float32 products on the
-same shapes and with the measured roofline, and checked against a float32 reference of the same int8 values.
+The int8 AVX-512 VNNI kernel of the `int8a8` format and the native backend (specdec.models.cpu_kernels; needs g++, ninja
+and a CPU with avx512_vnni) computes Gemma-3-270M's head (262,144 x 640) in int8 with a scale per vocabulary row and per
+128 inputs of a position, each block of weights loaded once and used for all n positions. Integer dot products are
+exact, so a row's logits do not depend on n (batch-invariant: a 9-token verification computes what nine one-token steps
+would). Compared with torch's bfloat16 and float32 products on the same shapes and with the measured roofline, and
+checked against a float32 reference of the same int8 values.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def main() -> None:
         cells = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[n].items())
         print(f"n={n:2d}: {cells}", flush=True)
     print(
-        f"int8 head: {w8.numel() / 1e6:.0f} MB, bfloat16 {2 * w8.numel() / 1e6:.0f} MB, float32 {4 * w8.numel() / 1e6:.0f} MB"
+        f"int8 head: {w8.numel() / 1e6:.0f} MB, bfloat16 {2 * w8.numel() / 1e6:.0f} MB, "
+        f"float32 {4 * w8.numel() / 1e6:.0f} MB"
     )
     if args.out:
         Path(args.out).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))

@@ -88,7 +88,8 @@ def main() -> None:
         rows.append({"type": kind, "file_mb": path.stat().st_size / 2**20, "tokens_per_s": speeds, "perplexity": ppl})
         deltas = ", ".join(f"{n} {v['type']:.3f} ({v['type'] - v['float32']:+.3f})" for n, v in ppl.items())
         print(
-            f"{kind:18s} {rows[-1]['file_mb']:6.0f} MB  none {speeds['none']:6.1f} tok/s  prompt lookup {speeds['prompt-lookup']:6.1f} tok/s  ppl {deltas}",
+            f"{kind:18s} {rows[-1]['file_mb']:6.0f} MB  none {speeds['none']:6.1f} tok/s  "
+            f"prompt lookup {speeds['prompt-lookup']:6.1f} tok/s  ppl {deltas}",
             flush=True,
         )
     if args.out:

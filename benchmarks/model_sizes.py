@@ -1,8 +1,8 @@
 """Speed-up against model size: random-weight models in the shapes of real Llama-family models, on each backend.
 
 Usage: python benchmarks/model_sizes.py --work DIR --out FILE [--sizes 0.5b,1b,3b,8b]
-       [--backends llama.cpp,native-int8,native-int4,transformers] [--acceptance 0.5,0.7,0.9] [--prompts 2] [--tokens 32]
-       [--device cpu|cuda] [--llama-bench PATH]
+       [--backends llama.cpp,native-int8,native-int4,transformers] [--acceptance 0.5,0.7,0.9] [--prompts 2]
+       [--tokens 32] [--device cpu|cuda] [--llama-bench PATH]
 
 Why random weights: no real model of these sizes is available offline, and the timing of a forward does not depend
 on what the weights say. Each size is built once under --work: a transformers folder (bfloat16, the SmolLM2 tokenizer,
@@ -51,20 +51,66 @@ from specdec.scheduling import CostCurve, CostModelK, expected_tokens
 
 # Shapes of real Llama-family models (vocabulary, width, layers, heads, KV heads, FFN width, tied output head).
 SHAPES: dict[str, dict] = {
-    "0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, tie_word_embeddings=True, rope_theta=1000000.0, like="Qwen2.5-0.5B (without biases)"),
-    "1b": dict(vocab_size=128256, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=8192, tie_word_embeddings=True, rope_theta=500000.0, like="Llama-3.2-1B"),
-    "3b": dict(vocab_size=128256, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
-               intermediate_size=8192, tie_word_embeddings=True, rope_theta=500000.0, like="Llama-3.2-3B"),
-    "8b": dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=14336, tie_word_embeddings=False, rope_theta=500000.0, like="Llama-3.1-8B", embed_std=4.0),
-    "7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-               intermediate_size=11008, tie_word_embeddings=False, rope_theta=10000.0, like="Llama-2-7B", embed_std=4.0),
-}  # fmt: skip
-TOKENIZER_GGUF = ALIASES[
-    "smollm2-135m-instruct"
-]  # a Llama-architecture GGUF whose BPE tokenizer the files borrow (padded)
+    "0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        like="Qwen2.5-0.5B (without biases)",
+    ),
+    "1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        like="Llama-3.2-1B",
+    ),
+    "3b": dict(
+        vocab_size=128256,
+        hidden_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        like="Llama-3.2-3B",
+    ),
+    "8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        like="Llama-3.1-8B",
+        embed_std=4.0,
+    ),
+    "7b": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=11008,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        like="Llama-2-7B",
+        embed_std=4.0,
+    ),
+}
+# A Llama-architecture GGUF whose BPE tokenizer the files borrow (padded).
+TOKENIZER_GGUF = ALIASES["smollm2-135m-instruct"]
 CURVE_SIZES = (1, 2, 3, 5, 9, 13, 17)
 MAX_K = 16
 
@@ -77,15 +123,16 @@ def parameters(shape: dict) -> int:
 
 
 def random_model(shape: dict, seed: int = 0) -> torch.nn.Module:
-    """A LlamaForCausalLM of this shape in bfloat16 with N(0, 0.02) weights, unit norms and N(0, 1) embeddings (built on the meta device).
+    """A LlamaForCausalLM of this shape in bfloat16 with N(0, 0.02) weights, unit norms and N(0, 1) embeddings
+    (built on the meta device).
 
     Why the large embeddings: with every weight at 0.02 the logits of a random model are nearly flat, so near-ties are
     everywhere and a runtime whose many-token forward rounds differently from its one-token forward (llama.cpp at its
     default micro-batch) flips the greedy token at most positions: the oracle's reference would then be rejected for
     reasons that have nothing to do with its accuracy. Embeddings 50x larger dominate the residual stream, the output
     head (the same matrix, or a copy of it when untied) gives the current token a wide margin, and greedy decoding
-    becomes robust to rounding; every forward still computes every layer at full size, so the timings are unchanged.
-    The 7B shape (32 layers, no grouped-query attention) needs 4x that: its layers' sum outgrows a unit embedding, and at
+    becomes robust to rounding; every forward still computes every layer at full size, so the timings are unchanged. The
+    7B shape (32 layers, no grouped-query attention) needs 4x that: its layers' sum outgrows a unit embedding, and at
     1.0 its greedy tokens flipped under llama.cpp's rounding (accepted drafts per step fell to 0.3 at a = 0.9).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -121,9 +168,8 @@ def write_gguf(model: torch.nn.Module, shape: dict, path: Path) -> None:
 
     reader = gguf.GGUFReader(str(TOKENIZER_GGUF.locate_gguf()))
     vocab = shape["vocab_size"]
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()[
-        :vocab
-    ]  # cut to a smaller vocabulary, padded to a larger one
+    # Cut to a smaller vocabulary, padded to a larger one.
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()[:vocab]
     types = reader.fields["tokenizer.ggml.token_type"].contents()[:vocab]
     padding = vocab - len(tokens)
     tokens += [f"[PAD{i}]" for i in range(padding)]
@@ -155,14 +201,21 @@ def write_gguf(model: torch.nn.Module, shape: dict, path: Path) -> None:
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
 
-    def permute(
-        w: torch.Tensor, n: int
-    ) -> torch.Tensor:  # rotary halves (transformers) to interleaved pairs (llama.cpp)
+    # Rotary halves (transformers) to interleaved pairs (llama.cpp).
+    def permute(w: torch.Tensor, n: int) -> torch.Tensor:
         return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     tensors: list[tuple[str, torch.Tensor]] = [("token_embd.weight", model.model.embed_tokens.weight)]
     for i, layer in enumerate(model.model.layers):
         for source, target in names.items():
@@ -221,7 +274,8 @@ def build(size: str, work: Path, hf_max_params: float) -> dict[str, Path | None]
 
 
 def best_k(curve: CostCurve, a: float) -> tuple[int, float]:
-    """The k the formula prefers on this curve at acceptance a (at least 1; the oracle drafts for free), and its predicted speed-up.
+    """The k the formula prefers on this curve at acceptance a (at least 1; the oracle drafts for free), and its
+    predicted speed-up.
 
     The formula is the cost-model policy's: expected tokens (1 - a^(k+1)) / (1 - a) over a forward of k + 1 tokens.
     """
@@ -233,7 +287,7 @@ def best_k(curve: CostCurve, a: float) -> tuple[int, float]:
 def decode(
     generator: Generator, prompts: list[list[int]], oracle: OracleDrafter | None, references: list[list[int]]
 ) -> dict:
-    """Generate every prompt once (after a short warm-up); tokens per second over all of them, output and peak memory."""
+    """Generate every prompt once (after a short warm-up); tokens/s over all of them, output and peak memory."""
     if oracle is not None:
         oracle.reference = prompts[0] + references[0]
     generator.generate(prompts[0], max_new_tokens=4)
@@ -295,12 +349,16 @@ def run_backend(
         extra["bytes_per_token"] = weights + model.head.nbytes
         extra["model_bytes"] = extra["bytes_per_token"] + model.embedding.numel() * model.embedding.element_size()
     elif backend == "llama.cpp":
-        extra["bytes_per_token"] = extra["model_bytes"] = (
-            files["gguf"].stat().st_size
-        )  # every tensor once (embedding: one row)
-    row: dict = extra | {"load_s": load_s, "loaded_mb": loaded / 2**20, "cost_ms": {n: 1000 * s for n, s in curve.seconds.items()},
-                 "target_only_tokens_per_s": base["tokens_per_s"], "target_only_peak_increase_mb": base["peak_increase_mb"],
-                 "oracle": {}}  # fmt: skip
+        # Every tensor once (embedding: one row).
+        extra["bytes_per_token"] = extra["model_bytes"] = files["gguf"].stat().st_size
+    row: dict = extra | {
+        "load_s": load_s,
+        "loaded_mb": loaded / 2**20,
+        "cost_ms": {n: 1000 * s for n, s in curve.seconds.items()},
+        "target_only_tokens_per_s": base["tokens_per_s"],
+        "target_only_peak_increase_mb": base["peak_increase_mb"],
+        "oracle": {},
+    }
     for a in args.acceptance:
         k, predicted = best_k(curve, a)
         oracle = OracleDrafter(a, seed=0)
@@ -324,7 +382,8 @@ def run_backend(
 
 CHILD = (  # VmHWM: this process's peak RSS (ru_maxrss would keep the parent's from before exec)
     "import re, time; t = time.time(); from specdec import Generator; from specdec.models import open_target; "
-    "from specdec.config import RuntimeConfig; hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]); "
+    "from specdec.config import RuntimeConfig; "
+    "hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]); "
     "base = hwm(); target = open_target({source!r}, RuntimeConfig(backend={backend!r}, native_format={format!r})); "
     "{generate}print(base, hwm(), time.time() - t)"
 )
@@ -336,7 +395,7 @@ def child_code(source: str, backend: str, format: str = "auto", generate: bool =
 
 
 def child_peak(code: str) -> dict:
-    """Peak RSS (MiB) of a fresh Python running ``code`` (which prints its RSS after imports, its peak and its seconds)."""
+    """Peak RSS (MiB) of a fresh Python running ``code`` (which prints its RSS after imports, its peak and seconds)."""
     import subprocess
     import sys
 
@@ -436,8 +495,8 @@ def main() -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    """Speed-up over each backend's own target-only against parameters, measured (solid) and predicted (dashed), per acceptance;
-    and tokens/s of the best speculative backend against llama.cpp greedy."""
+    """Speed-up over each backend's own target-only against parameters, measured (solid) and predicted (dashed), per
+    acceptance; and tokens/s of the best speculative backend against llama.cpp greedy."""
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     sizes = list(results["sizes"].items())
@@ -493,7 +552,8 @@ def plot(results: dict, path: Path) -> None:
 
 
 def table(results: dict) -> str:
-    """Markdown: per size and backend, measured speed-up (formula's prediction) at each acceptance, and against llama.cpp greedy."""
+    """Markdown: per size and backend, measured speed-up (formula's prediction) at each acceptance, and against
+    llama.cpp greedy."""
     lines = [
         "| size | backend | target-only tok/s | "
         + " | ".join(f"a={a}: x own / (predicted) / x llama.cpp greedy" for a in _accs(results))

@@ -1,4 +1,4 @@
-"""Compile the kernels' NEON build for aarch64 on an x86 machine: proof that the source builds for ARM, not that it runs.
+"""Compile the kernels' NEON build for aarch64 on x86: proof that the source builds for ARM, not that it runs.
 
 Usage: pip install --target /tmp/zig ziglang; PYTHONPATH=/tmp/zig python benchmarks/neon_build.py [--objdump PATH]
 
@@ -36,8 +36,24 @@ def main() -> None:
     (work / "kernels.cpp").write_text(cpu_kernels.SOURCE)
     flags = ["-mcpu=generic+dotprod"]  # zig's spelling of VARIANTS["neon"]'s -march=armv8.2-a+dotprod
     includes = [f"-I{work}", *(f"-I{path}" for path in include_paths()), f"-I{sysconfig.get_paths()['include']}"]
-    command = [sys.executable, "-m", "ziglang", "c++", "-target", "aarch64-linux-gnu", *flags, "-O3", "-std=c++17",
-               "-ffp-contract=off", "-fopenmp", *includes, "-c", str(work / "kernels.cpp"), "-o", str(work / "kernels.o")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "ziglang",
+        "c++",
+        "-target",
+        "aarch64-linux-gnu",
+        *flags,
+        "-O3",
+        "-std=c++17",
+        "-ffp-contract=off",
+        "-fopenmp",
+        *includes,
+        "-c",
+        str(work / "kernels.cpp"),
+        "-o",
+        str(work / "kernels.o"),
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     errors = [line for line in done.stderr.splitlines() if "error" in line]
     print(

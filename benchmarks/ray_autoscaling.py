@@ -46,7 +46,20 @@ def main() -> None:
     parser.add_argument("serve_options", nargs="*")
     args = parser.parse_args()
     url = f"http://127.0.0.1:{args.port}"
-    command = [shutil.which("specdec"), "serve", "--port", str(args.port), "--ray", "--ray-address", args.ray_address, "--replicas", "1", "--max-replicas", "2", *args.serve_options]  # fmt: skip
+    command = [
+        shutil.which("specdec"),
+        "serve",
+        "--port",
+        str(args.port),
+        "--ray",
+        "--ray-address",
+        args.ray_address,
+        "--replicas",
+        "1",
+        "--max-replicas",
+        "2",
+        *args.serve_options,
+    ]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait(lambda: _up(url), "the server answering")

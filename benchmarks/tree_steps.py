@@ -62,8 +62,8 @@ def run(gen: Generator, chosen: list, sampling: SamplingConfig, branches: int) -
         draft_ms = 1e3 * sum(o.draft_s for o in outcomes) / n
         verify_ms = 1e3 * sum(o.verify_s for o in outcomes) / n
         print(
-            f"  {kind}: {n} steps, {verified:.2f} nodes verified, {accepted:.2f} accepted, {forwards:.2f} draft forwards, "
-            f"drafting {draft_ms:.1f} ms, verification {verify_ms:.1f} ms"
+            f"  {kind}: {n} steps, {verified:.2f} nodes verified, {accepted:.2f} accepted, "
+            f"{forwards:.2f} draft forwards, drafting {draft_ms:.1f} ms, verification {verify_ms:.1f} ms"
         )
 
 

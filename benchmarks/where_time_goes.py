@@ -77,7 +77,8 @@ def _category(name: str) -> str | None:
 
 
 class _Hooks:
-    """Forward hooks that add each component's wall time (outermost matching module only: q_norm inside attention is attention's)."""
+    """Forward hooks that add each component's wall time
+    (outermost matching module only: q_norm inside attention is attention's)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -123,9 +124,8 @@ def transformers_breakdown(backend) -> dict[int, dict[str, float]]:
         total = _timed(backend, n, n)
         hooks = _Hooks(backend.model)
         hooked = _timed(backend, n, n)
-        parts = {
-            k: v / REPEATS for k, v in hooks.seconds.items()
-        }  # REPEATS timed forwards (and as many prefills: removed below)
+        # REPEATS timed forwards (and as many prefills: removed below).
+        parts = {k: v / REPEATS for k, v in hooks.seconds.items()}
         hooks.remove()
         prefill_hooks = _Hooks(backend.model)
         for _ in range(REPEATS):
@@ -249,7 +249,8 @@ def main() -> None:
             "engine": overhead,
         }
         print(
-            f"\n{name}: {size / 1e6:.0f} MB of weights per step, roofline {roofline_ms:.1f} ms; engine {overhead['per_step_ms']:.2f} ms/step"
+            f"\n{name}: {size / 1e6:.0f} MB of weights per step, roofline {roofline_ms:.1f} ms; "
+            f"engine {overhead['per_step_ms']:.2f} ms/step"
         )
         for n, parts in rows.items():
             cells = "  ".join(f"{k} {1000 * v:.1f}" for k, v in parts.items())

@@ -32,7 +32,7 @@ class PromptError(SpecDecError):
 
 
 class ContextLengthError(PromptError):
-    """The prompt does not fit the model's context (counted in tokens, or bounded by its characters before tokenizing)."""
+    """The prompt does not fit the model's context (in tokens, or bounded by its characters before tokenizing)."""
 
 
 class DeploymentError(SpecDecError):

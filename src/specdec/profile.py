@@ -37,9 +37,8 @@ class Profile:
     generation: GenerationConfig
     batch: BatchConfig = BatchConfig()
     machine: dict[str, str | int] = field(default_factory=fingerprint)
-    measured: dict[str, float] = field(
-        default_factory=dict
-    )  # tokens/s of this configuration and of target-only, when tuned
+    # Tokens/s of this configuration and of target-only, when tuned.
+    measured: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         g = self.generation
@@ -68,7 +67,7 @@ class Profile:
 
     @staticmethod
     def load(path: str | Path) -> Profile:
-        """Read a profile written by `specdec tune` (JSON, or the same keys in TOML); errors name the file and the problem."""
+        """Read a profile from `specdec tune` (JSON, or the same keys in TOML); errors name the file and the problem."""
         path = Path(path)
         if not path.is_file():
             raise ProfileError(
@@ -83,7 +82,8 @@ class Profile:
             ) from None
         except (UnicodeDecodeError, json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ProfileError(
-                f"profile '{path}' is not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({exc}): rerun `specdec tune`"
+                f"profile '{path}' is not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({exc}): "
+                "rerun `specdec tune`"
             ) from None
         return Profile.from_dict(data, str(path))
 
@@ -121,11 +121,12 @@ class Profile:
             raise ProfileError(f"profile '{where}' has a malformed section ({exc}): rerun `specdec tune`") from None
 
     def differences(self, target: str | None = None) -> list[str]:
-        """Why this profile may not be the fastest here: another target, another machine (one line each, with the fix)."""
+        """Why this profile may not be the fastest here: another target or machine (one line each, with the fix)."""
         notes = []
         if target is not None and target != self.target:
             notes.append(
-                f"the profile was tuned for target '{self.target}', not '{target}': rerun `specdec tune --target {target}`"
+                f"the profile was tuned for target '{self.target}', not '{target}': "
+                f"rerun `specdec tune --target {target}`"
             )
         here = fingerprint()
         changed = [
@@ -150,7 +151,8 @@ class Profile:
         local = kind == "ngram" or arg.startswith(("/", ".", "~"))  # model:/gguf: may also name a hub id or an alias
         if arg and local and not Path(arg).expanduser().exists():
             raise ProfileError(
-                f"the profile's drafter '{self.drafter}' names '{arg}', which does not exist here: copy it, or rerun `specdec tune`"
+                f"the profile's drafter '{self.drafter}' names '{arg}', which does not exist here: "
+                "copy it, or rerun `specdec tune`"
             )
 
 

@@ -155,7 +155,8 @@ def markdown(results: dict) -> str:
         f"up to {cfg['max_new_tokens']} new tokens per request, prompts from `{cfg['prompts']}`.",
         machine_line(machine),
         "",
-        "Latency: from the batch's start to a request's last token (one at a time: including the wait for earlier requests).",
+        "Latency: from the batch's start to a request's last token "
+        "(one at a time: including the wait for earlier requests).",
         "Identical: share of requests whose output equals batched target-only's.",
         "",
     ]
@@ -163,13 +164,15 @@ def markdown(results: dict) -> str:
         lines += [
             f"## batch {size}",
             "",
-            "| method | tok/s | vs target-only | mean latency s | p95 latency s | ms/token | acceptance | mean window | steps w/o drafts | identical |",
+            "| method | tok/s | vs target-only | mean latency s | p95 latency s | ms/token | acceptance | mean window "
+            "| steps w/o drafts | identical |",
             "|" + "---|" * 10,
         ]
         for name, f in figures.items():
             lines.append(
-                f"| {name} | {f['tokens_per_s']:.1f} | {f['throughput_vs_target_only']:.2f}x | {f['mean_latency_s']:.2f} | {f['p95_latency_s']:.2f} "
-                f"| {f['ms_per_token']:.0f} | {fmt(f['acceptance_rate'], '{:.0%}')} | {fmt(f['mean_window'], '{:.1f}')} "
+                f"| {name} | {f['tokens_per_s']:.1f} | {f['throughput_vs_target_only']:.2f}x "
+                f"| {f['mean_latency_s']:.2f} | {f['p95_latency_s']:.2f} | {f['ms_per_token']:.0f} "
+                f"| {fmt(f['acceptance_rate'], '{:.0%}')} | {fmt(f['mean_window'], '{:.1f}')} "
                 f"| {fmt(f['steps_without_speculation'], '{:.0%}')} | {f['identical_share']:.0%} |"
             )
         cut = figures["dynamic window"]["latency_cut_vs_fixed"]

@@ -24,7 +24,7 @@ STEP_CASES = ("rejected at 1st", "rejected at 2nd", "rejected at 3rd+", "bonus a
 
 
 class TargetLaw:
-    """The shaped target distribution of the next token after ``prompt`` + prefix, from full forwards without a cache."""
+    """The shaped target distribution of the next token after ``prompt`` + prefix, by full forwards without a cache."""
 
     def __init__(self, model: PreTrainedModel, prompt: list[int], sampling: SamplingConfig) -> None:
         self.model, self.prompt, self.sampling = model, prompt, sampling
@@ -88,7 +88,8 @@ def step_cases(stats: Sequence[DecodeStats]) -> Counter:
 
 
 def chi_square_survival(stat: float, dof: int) -> float:
-    """P(X >= stat) for X chi-square with ``dof`` degrees of freedom: the regularized upper incomplete gamma Q(dof/2, stat/2)."""
+    """P(X >= stat) for X chi-square with ``dof`` degrees of freedom: the regularized upper incomplete gamma
+    Q(dof/2, stat/2)."""
     if dof == 0:
         return 1.0
     return float(

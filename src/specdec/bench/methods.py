@@ -55,7 +55,7 @@ class Method(Protocol):
 
 
 class OracleDrafter:
-    """Proposes the target's own greedy continuation, computed beforehand, each token right with probability ``accuracy``.
+    """Proposes the target's greedy continuation, computed beforehand, each token right with probability ``accuracy``.
 
     At accuracy 1 it is the engine's ceiling. Below 1, whether the token for position p is right is drawn from a
     generator seeded by (seed, p), so a rerun proposes the same; a wrong token is a neighbouring id. Acceptance is

@@ -53,7 +53,7 @@ def read_tokens(tokenizer, path: str, limit: int) -> list[int]:
 
 @torch.inference_mode()
 def score(model: PreTrainedModel | Backend, tokens: list[int], window: int, progress: Progress, label: str) -> float:
-    """Mean negative log-likelihood of every token after the first of each window (a transformers model or a backend)."""
+    """Mean negative log-likelihood of each token after the first of each window (a transformers model or a backend)."""
     windows = [tokens[i : i + window] for i in range(0, len(tokens) - 1, window)]
     windows = [w for w in windows if len(w) > 1]
     total, count = 0.0, 0
@@ -78,7 +78,8 @@ def perplexity(
     window: int = 512,
     progress: Progress = lambda *a: None,
 ) -> PerplexityResult:
-    """Perplexity of ``target`` in float32 and on ``runtime`` (a precision plan, or the native backend), on the same tokens.
+    """Perplexity of ``target`` in float32 and on ``runtime`` (a precision plan, or the native backend), on the
+    same tokens.
 
     One model in memory at a time.
     """
@@ -115,8 +116,8 @@ def native_perplexity(
     target: str, identity: str, format: str, progress: Progress = lambda *a: None
 ) -> PerplexityResult:
     """The native backend's perplexity against float32 on the shipped default prompts: measured once per model (its
-    backend's ``identity``: name, weights, format, kernel version), then read from the cache (what `generate` and `demo` say
-    when they run on native)."""
+    backend's ``identity``: name, weights, format, kernel version), then read from the cache (what `generate` and `demo`
+    say when they run on native)."""
     from specdec.bench.prompts import DEFAULT_PROMPTS, prompt_sets
     from specdec.models.registry import cache_root
 

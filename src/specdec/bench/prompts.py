@@ -38,8 +38,8 @@ def resolve_prompts(spec: str | Path) -> Path:
     path = Path(spec)
     if not path.is_file():
         raise ConfigError(
-            f"prompts '{spec}' does not exist: it is neither a prompt set ({', '.join(sets)}; `specdec prompts` lists them) "
-            "nor a file. Pass a set's name or a JSONL file of {id, category, prompt} objects"
+            f"prompts '{spec}' does not exist: it is neither a prompt set ({', '.join(sets)}; `specdec prompts` lists "
+            "them) nor a file. Pass a set's name or a JSONL file of {id, category, prompt} objects"
         )
     return path
 

@@ -90,17 +90,15 @@ class QualityBenchConfig:
 
 
 def run_quality_benchmark(config: QualityBenchConfig, advance: Callable[[str], None] = lambda _: None) -> dict:
-    """Decode every prompt under every configuration, measure each output; return per-run and per-configuration figures."""
+    """Decode every prompt under every configuration and measure each output: figures per run and per configuration."""
     prompts = _select(load_prompts(config.prompts), config.categories, config.per_category)
     generator = Generator(config.target, config.draft, runtime=config.runtime)
     if generator.tokenizer is None:
         raise ConfigError("the quality benchmark measures text: the target needs a tokenizer")
     chosen = quality_configs(config.temperature, config.drift_threshold)
     names = configuration_names(config)
-    for sampling in (
-        SamplingConfig(),
-        SamplingConfig(temperature=config.temperature),
-    ):  # warm-up: first-use costs stay out of the figures
+    # Warm-up: first-use costs stay out of the figures.
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=config.temperature)):
         generator.generate(
             prompts[0].prompt,
             GenerationConfig(k=config.k, k_policy=config.k_policy, max_new_tokens=32, sampling=sampling),
@@ -111,9 +109,15 @@ def run_quality_benchmark(config: QualityBenchConfig, advance: Callable[[str], N
         for index, prompt in enumerate(prompts):
             advance(f"{name}: {prompt.id}")
             settings = GenerationConfig(
-                k=config.k, k_policy=config.k_policy, max_new_tokens=config.max_new_tokens, seed=index,
-                stop_on_eos=False, sampling=base.sampling, guards=base.guards, typical_acceptance=base.typical_acceptance,
-            )  # fmt: skip
+                k=config.k,
+                k_policy=config.k_policy,
+                max_new_tokens=config.max_new_tokens,
+                seed=index,
+                stop_on_eos=False,
+                sampling=base.sampling,
+                guards=base.guards,
+                typical_acceptance=base.typical_acceptance,
+            )
             result = generator.generate(prompt.prompt, settings)
             runs.append(
                 {"config": name, "id": prompt.id, "category": prompt.category, "prompt": prompt.prompt}
@@ -209,9 +213,10 @@ def markdown(results: dict) -> str:
     lines = [
         "# specdec quality benchmark",
         "",
-        f"Target `{cfg['target']}`, drafter `{cfg['draft']}`, k <= {cfg['k']} ({cfg['k_policy']}), {cfg['max_new_tokens']} new tokens "
-        f"(EOS ignored), {cfg['per_category']} prompts per category from `{cfg['prompts']}`, sampled configurations at "
-        f"temperature {cfg['temperature']} with one seed per prompt; drift threshold {cfg['drift_threshold']}.",
+        f"Target `{cfg['target']}`, drafter `{cfg['draft']}`, k <= {cfg['k']} ({cfg['k_policy']}), "
+        f"{cfg['max_new_tokens']} new tokens (EOS ignored), {cfg['per_category']} prompts per category from "
+        f"`{cfg['prompts']}`, sampled configurations at temperature {cfg['temperature']} with one seed per prompt; "
+        f"drift threshold {cfg['drift_threshold']}.",
         machine_line(results["machine"]),
         "",
         "Baselines: " + ", ".join(f"`{n}` vs `{b}`" for n, b in results["baselines"].items() if n != b) + ".",

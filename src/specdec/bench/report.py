@@ -8,7 +8,7 @@ from types import ModuleType
 
 
 def pyplot() -> ModuleType:
-    """matplotlib's pyplot on the file-only Agg backend, imported when a plot is drawn (importing it costs half a second)."""
+    """matplotlib's pyplot on the file-only Agg backend, imported when a plot is drawn (importing it is slow)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -43,17 +43,23 @@ def markdown(results: dict) -> str:
     lines = [
         "# specdec benchmark",
         "",
-        f"Target `{cfg['target']}` ({machine.get('backend', 'transformers')} backend, {machine['dtype']}), {cfg['prompt_count']} prompts from `{cfg['prompts']}`, "
-        f"{cfg['max_new_tokens_used']} new tokens, temperature {cfg['temperature']}, {cfg['repeats']} repeat(s).",
+        f"Target `{cfg['target']}` ({machine.get('backend', 'transformers')} backend, {machine['dtype']}), "
+        f"{cfg['prompt_count']} prompts from `{cfg['prompts']}`, {cfg['max_new_tokens_used']} new tokens, "
+        f"temperature {cfg['temperature']}, {cfg['repeats']} repeat(s).",
         machine_line(machine),
         "",
-        "Speed-up is tokens/s against specdec's target-only `none` in the same run; peers also against their own greedy.",
+        "Speed-up is tokens/s against specdec's target-only `none` in the same run; "
+        "peers also against their own greedy.",
         "Predicted: Leviathan et al. expected tokens per step over step cost (ideal: verification costs one step;",
-        "measured: this machine's verification cost). Identical: share of prompts whose output equals `none`'s (greedy runs).",
+        "measured: this machine's verification cost). "
+        "Identical: share of prompts whose output equals `none`'s (greedy runs).",
         "",
     ]
     greedy = cfg["temperature"] == 0  # identity with `none` means something only for greedy runs
-    header = "| method | tok/s (median, min-max) | vs none | vs own greedy | predicted (ideal / measured) | acceptance | tokens/step | fwd/token | TTFT s | peak mem Δ MB | identical |"
+    header = (
+        "| method | tok/s (median, min-max) | vs none | vs own greedy | predicted (ideal / measured) | acceptance "
+        "| tokens/step | fwd/token | TTFT s | peak mem Δ MB | identical |"
+    )
     for category in results["categories"]:
         lines += [f"## {category}", "", header, "|" + "---|" * 11]
         for name, m in results["methods"].items():
@@ -62,7 +68,8 @@ def markdown(results: dict) -> str:
                 f"| {name} | {r['tokens_per_s']:.2f} ({r['tokens_per_s_min']:.2f}-{r['tokens_per_s_max']:.2f}) "
                 f"| {r['speedup_vs_none']:.2f}x | {fmt(r['speedup_vs_own_greedy'], '{:.2f}x')} "
                 f"| {fmt(r['predicted_speedup'], '{:.2f}x')} / {fmt(r['predicted_speedup_measured_costs'], '{:.2f}x')} "
-                f"| {fmt(r['acceptance_rate'], '{:.0%}')} | {fmt(r['tokens_per_step'])} | {fmt(r['target_forwards_per_token'])} "
+                f"| {fmt(r['acceptance_rate'], '{:.0%}')} | {fmt(r['tokens_per_step'])} "
+                f"| {fmt(r['target_forwards_per_token'])} "
                 f"| {fmt(r['ttft_s'])} | {m['peak_memory_increase_vs_none_mb']:+.0f} "
                 f"| {fmt(r['identical_share'], '{:.0%}') if greedy else 'n/a'} |"
             )
@@ -84,7 +91,8 @@ def markdown(results: dict) -> str:
             "",
             "| device | method | speed-up | peak memory increase |",
             "|---|---|---|---|",
-            f"| {machine['device']} ({machine['cpu']}) | {best} | {m['categories']['overall']['speedup_vs_none']:.2f}x | {increase:+.0%} |",
+            f"| {machine['device']} ({machine['cpu']}) | {best} "
+            f"| {m['categories']['overall']['speedup_vs_none']:.2f}x | {increase:+.0%} |",
             "",
         ]
     drafting = [(n, m) for n, m in results["methods"].items() if m["family"] == "specdec" and m["k"] is not None]
@@ -99,7 +107,8 @@ def markdown(results: dict) -> str:
             r = m["categories"]["overall"]
             histogram = ", ".join(f"{k}: {count}" for k, count in m["k_histogram"].items())
             lines.append(
-                f"| {name} | {m['k_policy']} | {histogram} | {fmt(r['draft_ms_p50'], '{:.3f}')} / {fmt(r['draft_ms_p99'], '{:.3f}')} |"
+                f"| {name} | {m['k_policy']} | {histogram} "
+                f"| {fmt(r['draft_ms_p50'], '{:.3f}')} / {fmt(r['draft_ms_p99'], '{:.3f}')} |"
             )
         lines.append("")
     curve = results["target_forward_cost_ms"]

@@ -68,7 +68,7 @@ class BenchConfig:
 
 
 def method_plan(config: BenchConfig, specs: list[str]) -> list[tuple[str, int, str]]:
-    """(method, k, k policy) for every method that runs: k-free ones once, peers once per k, specdec's per k and policy."""
+    """(method, k, k policy) for every method that runs: k-free ones once, peers per k, specdec's per k and policy."""
     plan = []
     for spec in specs:
         ks = config.ks[:1] if spec in K_FREE_METHODS else config.ks

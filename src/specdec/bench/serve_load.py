@@ -149,7 +149,8 @@ def markdown(report: dict) -> str:
         "# specdec server load benchmark",
         "",
         f"Target `{cfg['target']}`, {cfg['clients']} concurrent streaming clients for {cfg['duration_s']:.0f} s, "
-        f"max_tokens {cfg['max_tokens']}, greedy, prompts from `{cfg['prompts']}`; server options: {' '.join(cfg['server_args']) or 'defaults'}; "
+        f"max_tokens {cfg['max_tokens']}, greedy, prompts from `{cfg['prompts']}`; "
+        f"server options: {' '.join(cfg['server_args']) or 'defaults'}; "
         + ("an API key required and sent." if cfg["keys"] else "no API key."),
         "",
         "| configuration | requests | req/s | tokens/s | latency p50 / p95 / p99 s | TTFT p50 / p95 / p99 s | errors |",
@@ -158,7 +159,8 @@ def markdown(report: dict) -> str:
     for label, r in report["results"].items():
         lat, ttft = r["latency_s"], r["ttft_s"]
         lines.append(
-            f"| {label} | {r['requests']} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.1f} | {_p(lat)} | {_p(ttft)} | {r['errors']} |"
+            f"| {label} | {r['requests']} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.1f} "
+            f"| {_p(lat)} | {_p(ttft)} | {r['errors']} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -62,25 +62,31 @@ def bench(
     methods: Annotated[
         str,
         typer.Option(
-            help=f"Comma-separated: drafters ({DRAFT_SPECS}), each also as DRAFTER{TREE_SUFFIX} (trees of up to {TREE_BRANCHES} children per node), oracle (the target's own continuation; oracle:0.7 is right with probability 0.7 per token), peers ({PEER_METHODS})."
+            help=f"Comma-separated: drafters ({DRAFT_SPECS}), each also as DRAFTER{TREE_SUFFIX} (trees of up to "
+            f"{TREE_BRANCHES} children per node), oracle (the target's own continuation; oracle:0.7 is right with "
+            f"probability 0.7 per token), peers ({PEER_METHODS})."
         ),
     ] = ",".join(default(BenchConfig, "methods")),
     k: Annotated[
         str,
         typer.Option(
-            help=f"Draft tokens per step; a comma-separated list sweeps k. Deliberately one fixed k for every method, peers included, so that they compare at one depth (the library's default is {default(GenerationConfig, 'k')} under its {default(GenerationConfig, 'k_policy')} policy)."
+            help="Draft tokens per step; a comma-separated list sweeps k. Deliberately one fixed k for every method, "
+            "peers included, so that they compare at one depth (the library's default is "
+            f"{default(GenerationConfig, 'k')} under its {default(GenerationConfig, 'k_policy')} policy)."
         ),
     ] = ",".join(map(str, default(BenchConfig, "ks"))),
     k_policy: Annotated[
         str,
         typer.Option(
-            help=f"k policies for specdec's drafters, comma-separated ({', '.join(K_POLICIES)}); deliberately fixed by default (the library's default is {default(GenerationConfig, 'k_policy')})."
+            help=f"k policies for specdec's drafters, comma-separated ({', '.join(K_POLICIES)}); deliberately fixed by "
+            f"default (the library's default is {default(GenerationConfig, 'k_policy')})."
         ),
     ] = ",".join(default(BenchConfig, "k_policies")),
     max_new_tokens: Annotated[
         int,
         typer.Option(
-            help=f"New tokens per prompt; deliberately the benchmarks' fixed length (the library's default is {default(GenerationConfig, 'max_new_tokens')})."
+            help="New tokens per prompt; deliberately the benchmarks' fixed length (the library's default is "
+            f"{default(GenerationConfig, 'max_new_tokens')})."
         ),
     ] = default(BenchConfig, "max_new_tokens"),
     temperature: Annotated[float, typer.Option(help="0 = greedy (outputs are compared with none's).")] = default(
@@ -196,13 +202,15 @@ def bench_batch(
     k: Annotated[
         int,
         typer.Option(
-            help=f"The fixed window, and the largest dynamic window; deliberately the seed's fixed window (the library's default is {default(GenerationConfig, 'k')})."
+            help="The fixed window, and the largest dynamic window; deliberately the seed's fixed window (the "
+            f"library's default is {default(GenerationConfig, 'k')})."
         ),
     ] = default(BatchBenchConfig, "k"),
     max_new_tokens: Annotated[
         int,
         typer.Option(
-            help=f"Most new tokens per request; deliberately the length of the other benchmarks (the library's default is {default(GenerationConfig, 'max_new_tokens')})."
+            help="Most new tokens per request; deliberately the length of the other benchmarks (the library's default "
+            f"is {default(GenerationConfig, 'max_new_tokens')})."
         ),
     ] = default(BatchBenchConfig, "max_new_tokens"),
     sequential: Annotated[
@@ -213,7 +221,8 @@ def bench_batch(
     out: Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")] = Path("bench-batch-out"),
     overwrite: Overwrite = False,
 ) -> None:
-    """Batched decoding: fixed vs dynamic speculation window per batch size, against batched target-only and one request at a time."""
+    """Batched decoding: fixed vs dynamic speculation window per batch size, against batched target-only and one request
+    at a time."""
 
     from specdec.bench.batch import METHODS, BatchBenchConfig, markdown, run_batch_benchmark
 
@@ -294,7 +303,8 @@ def quality(
     max_new_tokens: Annotated[
         int,
         typer.Option(
-            help=f"New tokens per output (EOS is ignored, so every output is this long); deliberately long, this benchmark is about long outputs (the library's default is {default(GenerationConfig, 'max_new_tokens')})."
+            help="New tokens per output (EOS is ignored, so every output is this long); deliberately long, this "
+            f"benchmark is about long outputs (the library's default is {default(GenerationConfig, 'max_new_tokens')})."
         ),
     ] = default(QualityBenchConfig, "max_new_tokens"),
     k: Annotated[int, typer.Option(help="The most draft tokens per step.")] = default(QualityBenchConfig, "k"),
@@ -302,13 +312,15 @@ def quality(
     temperature: Annotated[
         float,
         typer.Option(
-            help=f"Temperature of the sampled configurations (deliberately > 0; the library's default is {default(SamplingConfig, 'temperature')}, greedy)."
+            help="Temperature of the sampled configurations (deliberately > 0; the library's default is "
+            f"{default(SamplingConfig, 'temperature')}, greedy)."
         ),
     ] = default(QualityBenchConfig, "temperature"),
     drift_threshold: Annotated[
         float,
         typer.Option(
-            help=f"The drift monitor's threshold (cosine similarity to the prompt); deliberately set, the benchmark measures the monitor (the library's default is {default(GuardConfig, 'drift_threshold')}, off)."
+            help="The drift monitor's threshold (cosine similarity to the prompt); deliberately set, the benchmark "
+            f"measures the monitor (the library's default is {default(GuardConfig, 'drift_threshold')}, off)."
         ),
     ] = default(QualityBenchConfig, "drift_threshold"),
     configs: Annotated[
@@ -321,16 +333,26 @@ def quality(
     ),
     overwrite: Overwrite = False,
 ) -> None:
-    """Long generations under each guard and the lossy mode: repetition, loops, diversity, drift, contradictions, speed."""
+    """Long outputs under each guard and the lossy mode: repetition, loops, diversity, drift, contradictions, speed."""
 
     from specdec.bench.quality import QualityBenchConfig, configuration_names, run_quality_benchmark, write
 
     fresh_output(out, overwrite)
     chosen = tuple(c.strip() for c in configs.split(",")) if configs else ()
     config = QualityBenchConfig(
-        prompts, target, draft, tuple(c.strip() for c in categories.split(",")), per_category, max_new_tokens, k, k_policy,
-        temperature, drift_threshold, chosen, runtime_config("transformers", dtype, None, None, precision),
-    )  # fmt: skip
+        prompts,
+        target,
+        draft,
+        tuple(c.strip() for c in categories.split(",")),
+        per_category,
+        max_new_tokens,
+        k,
+        k_policy,
+        temperature,
+        drift_threshold,
+        chosen,
+        runtime_config("transformers", dtype, None, None, precision),
+    )
     runs = len(configuration_names(config)) * len(config.categories) * per_category
     with progress(runs + 1) as advance:
         results = run_quality_benchmark(config, advance)
@@ -360,7 +382,9 @@ def ppl(
     precision: Annotated[
         str,
         typer.Option(
-            help=f"Precision plan: a preset ({', '.join(PRESETS)}) or component=format parts; deliberately bf16, since float32 against itself says nothing (the library's default is {default(RuntimeConfig, 'precision')}: float32 weights)."
+            help=f"Precision plan: a preset ({', '.join(PRESETS)}) or component=format parts; deliberately bf16, since "
+            f"float32 against itself says nothing (the library's default is {default(RuntimeConfig, 'precision')}: "
+            "float32 weights)."
         ),
     ] = "bf16",
     backend: Annotated[
@@ -375,7 +399,8 @@ def ppl(
     window: Annotated[int, typer.Option(help="Tokens per scored window (each scored from its own start).")] = 512,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Perplexity of the target under a precision plan or on the native backend, and its difference from float32 on the same tokens."""
+    """Perplexity of the target under a precision plan or on the native backend, and its difference from float32 on the
+    same tokens."""
     from rich.progress import Progress
 
     from specdec.bench.perplexity import perplexity

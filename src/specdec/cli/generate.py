@@ -85,7 +85,8 @@ def generate(
     temperature_schedule: Annotated[
         str | None,
         typer.Option(
-            help=f"Guard: temperature from START to END over {default(GuardConfig, 'schedule_tokens')} new tokens, e.g. 0.7,1.2 (needs --temperature > 0)."
+            help=f"Guard: temperature from START to END over {default(GuardConfig, 'schedule_tokens')} new tokens, "
+            "e.g. 0.7,1.2 (needs --temperature > 0)."
         ),
     ] = None,
     anchor_every: Annotated[
@@ -94,7 +95,8 @@ def generate(
     drift_threshold: Annotated[
         float | None,
         typer.Option(
-            help=f"Guard: report drift when a {default(GuardConfig, 'drift_window')}-token window's similarity to the prompt falls below this."
+            help=f"Guard: report drift when a {default(GuardConfig, 'drift_window')}-token window's similarity to the "
+            "prompt falls below this."
         ),
     ] = default(GuardConfig, "drift_threshold"),
     drift_anchor: Annotated[bool, typer.Option(help="A drift event also triggers an anchor step.")] = default(

@@ -1,4 +1,5 @@
-"""`specdec`: the command groups (generate, bench, serve, train, tune) on one typer app, `specdec models` and `specdec prompts`."""
+"""`specdec`: the command groups (generate, bench, serve, train, tune) on one typer app, `specdec models` and
+`specdec prompts`."""
 
 from __future__ import annotations
 

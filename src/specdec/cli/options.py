@@ -1,4 +1,4 @@
-"""What every command shares: one-line errors, the common options, and parsing helpers; defaults come from the config types."""
+"""What every command shares: one-line errors, the common options and parsing helpers; defaults from config types."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ F = TypeVar("F", bound=Callable[..., None])
 
 
 def default(config: type, name: str) -> Any:
-    """The default of field ``name`` of the config dataclass ``config``: the one place a command's default comes from."""
+    """The default of field ``name`` of the config dataclass ``config``: the one source of a command's defaults."""
     for f in fields(config):
         if f.name == name:
             if f.default is not MISSING:
@@ -72,8 +72,8 @@ Draft = Annotated[
 Prompts = Annotated[
     str,
     typer.Option(
-        help="A prompt set shipped with specdec (default: 44 prompts in four categories; core, mixed, long; `specdec prompts` "
-        "lists them) or a JSONL file of {id, category, prompt} objects, one per line."
+        help="A prompt set shipped with specdec (default: 44 prompts in four categories; core, mixed, long; "
+        "`specdec prompts` lists them) or a JSONL file of {id, category, prompt} objects, one per line."
     ),
 ]
 Dtype = Annotated[str, typer.Option(help=f"Weights dtype (transformers backend): {', '.join(DTYPES)}.")]
@@ -85,8 +85,8 @@ NativeFormatOpt = Annotated[
     str,
     typer.Option(
         "--native-format",
-        help=f"Native runtime's weights: {', '.join(NATIVE_FORMATS)} (int4: 4-bit groups of 32 as llama.cpp's Q4_1, about "
-        "0.6 of int8's bytes; auto: the faster on this machine, measured once and said, int8 for models under 1B "
+        help=f"Native runtime's weights: {', '.join(NATIVE_FORMATS)} (int4: 4-bit groups of 32 as llama.cpp's Q4_1, "
+        "about 0.6 of int8's bytes; auto: the faster on this machine, measured once and said, int8 for models under 1B "
         "weights).",
     ),
 ]
@@ -100,7 +100,8 @@ KPolicyOpt = Annotated[
 Branches = Annotated[
     int,
     typer.Option(
-        help="Most children of a draft node: 1 drafts chains; more lets prompt-lookup and eagle propose trees, verified in one forward (native and transformers)."
+        help="Most children of a draft node: 1 drafts chains; more lets prompt-lookup and eagle propose trees, "
+        "verified in one forward (native and transformers)."
     ),
 ]
 Precision = Annotated[
@@ -214,7 +215,8 @@ def runtime_config(
 
 @contextmanager
 def progress(total: int) -> Iterator[Callable[[str], None]]:
-    """A callback to call as each unit of a long run ends, named: a live bar with ETA on a terminal, one line per unit with ETA in a log."""
+    """A callback to call as each unit of a long run ends, named: a live bar with ETA on a terminal, one line per unit
+    with ETA in a log."""
     start, done = time.perf_counter(), 0
     columns = (TextColumn("{task.description}", markup=False), BarColumn(), TaskProgressColumn(), TimeRemainingColumn())
     with Progress(*columns, TimeElapsedColumn(), console=err, disable=not err.is_terminal) as bar:
@@ -235,22 +237,16 @@ ProfileOpt = Annotated[
     Path | None,
     typer.Option(
         "--profile",
-        help="A profile from `specdec tune` (DIR/profile.json): its target, runtime, drafter and k settings replace these "
-        "options' defaults; options given on the command line still win, by group (docs/tuning.md).",
+        help="A profile from `specdec tune` (DIR/profile.json): its target, runtime, drafter and k settings replace "
+        "these options' defaults; options given on the command line still win, by group (docs/tuning.md).",
     ),
 ]
 
 
 PROFILE_GROUPS = (
     ("target",),
-    (
-        "backend",
-        "dtype",
-        "precision",
-        "threads",
-        "ubatch",
-        "native_format",
-    ),  # one runtime: a plan tuned for transformers means nothing on llama.cpp
+    # one runtime: a plan tuned for transformers means nothing on llama.cpp
+    ("backend", "dtype", "precision", "threads", "ubatch", "native_format"),
     ("draft", "branches", "k", "k_policy"),  # k settings tuned for one drafter
     ("temperature",),
     ("window",),
@@ -260,10 +256,10 @@ PROFILE_GROUPS = (
 def with_profile(
     ctx: typer.Context, path: Path | None, options: dict[str, Any], given: frozenset[str] = frozenset()
 ) -> dict[str, Any]:
-    """``options`` (a command's parameters by name) with a profile's settings in place of those not given on the command line.
+    """``options`` (a command's parameters by name) with a profile's settings in place of those not on the command line.
 
-    Settings go in groups: when any option of a group (the runtime; the drafter and its k settings) is given, the
-    whole group is the command line's; ``given`` names more options to count as given (bench's --methods is its drafter).
+    Settings go in groups: when any option of a group (the runtime; the drafter and its k settings) is given, the whole
+    group is the command line's; ``given`` names more options to count as given (bench's --methods is its drafter).
     Warns, naming the difference, when the profile was tuned for another target or machine.
     """
     if path is None:
@@ -287,9 +283,8 @@ def with_profile(
         "native_format": runtime.native_format,
         "window": profile.batch.window,
     }
-    sources = {
-        name: ctx.get_parameter_source(name) for name in options
-    }  # compared by name: typer may bring its own click
+    # Sources are compared by name: typer may bring its own click.
+    sources = {name: ctx.get_parameter_source(name) for name in options}
     given = given | {
         name for name, source in sources.items() if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
     }

@@ -73,7 +73,8 @@ def serve(
     shutdown_timeout: Annotated[
         float,
         typer.Option(
-            help="On SIGTERM/SIGINT, seconds requests in flight get to finish; the rest then end with an error (streams with [DONE])."
+            help="On SIGTERM/SIGINT, seconds requests in flight get to finish; the rest then end with an error "
+            "(streams with [DONE])."
         ),
     ] = default(ServeConfig, "shutdown_timeout_s"),
     header_timeout: Annotated[
@@ -89,13 +90,15 @@ def serve(
     allowed_host: Annotated[
         list[str] | None,
         typer.Option(
-            help="Answer only requests whose Host header names this host (repeatable; against DNS rebinding of a local server)."
+            help="Answer only requests whose Host header names this host (repeatable; against DNS rebinding of a local "
+            "server)."
         ),
     ] = None,
     api_key: Annotated[
         list[str] | None,
         typer.Option(
-            help="An API key clients must send as `Authorization: Bearer KEY` (repeatable; also SPECDEC_API_KEYS, comma-separated)."
+            help="An API key clients must send as `Authorization: Bearer KEY` (repeatable; also SPECDEC_API_KEYS, "
+            "comma-separated)."
         ),
     ] = None,
     max_request_bytes: Annotated[
@@ -115,8 +118,8 @@ def serve(
         str,
         typer.Option(
             "--backend",
-            help="Target runtime: transformers (batches requests), native (specdec's CPU runtime: one request at a time, "
-            "the rest queue) or auto (native where it runs).",
+            help="Target runtime: transformers (batches requests), native (specdec's CPU runtime: one request at a "
+            "time, the rest queue) or auto (native where it runs).",
         ),
     ] = default(RuntimeConfig, "backend"),
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
@@ -184,8 +187,8 @@ def serve(
     if not keys and host not in LOOPBACK:
         if not insecure_no_auth:
             raise ConfigError(
-                f"--host {host} serves beyond this machine without API keys: set --api-key (or SPECDEC_API_KEYS, --api-key-file), "
-                "or pass --insecure-no-auth to accept that anyone who can reach it can use it"
+                f"--host {host} serves beyond this machine without API keys: set --api-key (or SPECDEC_API_KEYS, "
+                "--api-key-file), or pass --insecure-no-auth to accept that anyone who can reach it can use it"
             )
         say(
             "warning:",
@@ -245,7 +248,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def api_keys(given: list[str], key_file: Path | None) -> tuple[str, ...]:
-    """Keys from --api-key, SPECDEC_API_KEYS (comma-separated) and --api-key-file (one per line, # comments), in that order."""
+    """Keys from --api-key, SPECDEC_API_KEYS (comma-separated) and --api-key-file (one per line, # comments), in that
+    order."""
     keys = [*given, *os.environ.get("SPECDEC_API_KEYS", "").split(",")]
     if key_file is not None:
         if not key_file.is_file():

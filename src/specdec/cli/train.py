@@ -36,7 +36,8 @@ def distill(
     arch: Annotated[
         str,
         typer.Option(
-            help="Draft architecture: layers=N,keep=N (kept vocabulary),init=spread|first; or eagle,layers=N,keep=N (a head on the target's hidden states)."
+            help="Draft architecture: layers=N,keep=N (kept vocabulary),init=spread|first; or eagle,layers=N,keep=N "
+            "(a head on the target's hidden states)."
         ),
     ] = str(default(DistillConfig, "arch")),
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = default(DistillConfig, "steps"),
@@ -57,7 +58,8 @@ def distill(
     general_prompts: Annotated[
         float,
         typer.Option(
-            help="Of the prompts the target continues, the share drawn from general topics (everyday questions, story and essay openings) instead of the data."
+            help="Of the prompts the target continues, the share drawn from general topics (everyday questions, story "
+            "and essay openings) instead of the data."
         ),
     ] = default(DistillConfig, "general_prompts"),
     continue_tokens: Annotated[int, typer.Option(help="Longest continuation the target writes per prompt.")] = default(
@@ -76,7 +78,8 @@ def distill(
     init_from: Annotated[
         Path | None,
         typer.Option(
-            help="Start the draft's own weights from a draft distilled for this target with the same --arch layers (its kept vocabulary may differ)."
+            help="Start the draft's own weights from a draft distilled for this target with the same --arch layers "
+            "(its kept vocabulary may differ)."
         ),
     ] = None,
     resume: Annotated[bool, typer.Option(help="Continue the distillation saved in --out.")] = False,
@@ -127,8 +130,9 @@ def distill(
         record = run_distill(model, config, resume=resume, progress=report)
     last = record["evaluations"][-1]
     console.print(
-        f"draft saved to {out} (use --draft model:{out}): {record['steps']} steps, {record['tokens_trained']:,} tokens, "
-        f"{record['train_s']:.0f} s training; held-out acceptance {last['acceptance_rate']:.0%}, "
+        f"draft saved to {out} (use --draft model:{out}): {record['steps']} steps, "
+        f"{record['tokens_trained']:,} tokens, {record['train_s']:.0f} s training; "
+        f"held-out acceptance {last['acceptance_rate']:.0%}, "
         f"top-1 agreement {last['top1_agreement']:.0%} (at step 0: {record['evaluations'][0]['acceptance_rate']:.0%})"
     )
 

@@ -42,13 +42,15 @@ def tune(
     runtimes: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated runtimes to measure (native, llama.cpp, transformers/cpu-vnni, transformers/cpu, transformers/float32; on CUDA transformers/bf16); default: every one that runs here."
+            help="Comma-separated runtimes to measure (native, llama.cpp, transformers/cpu-vnni, transformers/cpu, "
+            "transformers/float32; on CUDA transformers/bf16); default: every one that runs here."
         ),
     ] = None,
     drafters: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated drafters to sample (any --draft spec, DRAFTER+tree for trees); default: prompt-lookup and the drafts shipped for the target."
+            help="Comma-separated drafters to sample (any --draft spec, DRAFTER+tree for trees); default: "
+            "prompt-lookup and the drafts shipped for the target."
         ),
     ] = None,
     new_tokens: Annotated[
@@ -93,8 +95,9 @@ def tune(
     m = profile.measured
     console.print(
         f"chosen: {results['chosen']}, {m['tokens_per_s']:.1f} tok/s, {m['speedup_vs_target_only']:.2f}x the fastest "
-        f"target-only ({results['elapsed_s']:.0f} s)\nprofile: {out / 'profile.json'} (use it: specdec generate --profile "
-        f"{out / 'profile.json'} ...); report: {out / 'report.md'}, plot: {out / PLOT}"
+        f"target-only ({results['elapsed_s']:.0f} s)\n"
+        f"profile: {out / 'profile.json'} (use it: specdec generate --profile {out / 'profile.json'} ...); "
+        f"report: {out / 'report.md'}, plot: {out / PLOT}"
     )
 
 

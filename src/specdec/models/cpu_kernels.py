@@ -9,10 +9,11 @@ more than one. The kernels are built for that:
   outlier spoils only its group). Integer products are exact; the float32 steps after them run in a fixed order. The
   weights are packed in blocks of 16 outputs, each read from memory once per call, whatever the number of positions.
 - ``attention(...)``: causal (optionally sliding-window, or tree) attention of new positions over a paged KV cache
-  (``PagedCache``: float32, bfloat16 or float16, written by the kernel as the new keys arrive): each KV head's keys and values are read once for all the queries that share them, and each (position, head) pair is
-  computed over exactly its visible keys, in one order; ``rms_norm``, each row alone; ``gated``, the MLP's activation
-  times its up projection, every value by one vector code path (torch's activations take other paths at the ends of
-  the slices its threads share, so their bits depend on the row count and threads).
+  (``PagedCache``: float32, bfloat16 or float16, written by the kernel as the new keys arrive): each KV head's keys and
+  values are read once for all the queries that share them, and each (position, head) pair is computed over exactly its
+  visible keys, in one order; ``rms_norm``, each row alone; ``gated``, the MLP's activation times its up projection,
+  every value by one vector code path (torch's activations take other paths at the ends of the slices its threads share,
+  so their bits depend on the row count and threads).
 
 One C++ source, compiled on first use with torch's cpp_extension (g++ and ninja, under a minute, then cached in
 ``build_folder()``) for the best of ``VARIANTS`` this CPU runs: AVX-512 VNNI, AVX2 with AVX-VNNI, AVX2, or ARM NEON
@@ -40,9 +41,8 @@ log = logging.getLogger("specdec")
 GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 64 and 32 that divides it)
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
-BUILD = (
-    "specdec_cpu_kernels_v20"  # the compiled module's name: change it with SOURCE (a cached build is reused by name)
-)
+# The compiled module's name: change it with SOURCE (a cached build is reused by name).
+BUILD = "specdec_cpu_kernels_v20"
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -58,10 +58,10 @@ SOURCE = r"""
 #include <vector>
 
 // The kernels below are written once against 16-lane vectors: vf (float32), vi (int32), and compiled with AVX-512 (one
-// register each), AVX2 (two registers each) or NEON (four). Every lane-wise step is the same IEEE operation on each, and
-// the horizontal sum takes one fixed order, so the builds give the same bits. Integer dot products of 4 bytes per lane:
-// VNNI multiplies unsigned by signed bytes (activations stored with an OFFSET of 128, taken off per group); plain AVX2
-// multiplies |w| by sign(w) * q (no offset), exact as long as |q|, |w| <= 127.
+// register each), AVX2 (two registers each) or NEON (four). Every lane-wise step is the same IEEE operation on each,
+// and the horizontal sum takes one fixed order, so the builds give the same bits. Integer dot products of 4 bytes per
+// lane: VNNI multiplies unsigned by signed bytes (activations stored with an OFFSET of 128, taken off per group); plain
+// AVX2 multiplies |w| by sign(w) * q (no offset), exact as long as |q|, |w| <= 127.
 typedef uint32_t vmask;
 
 #if defined(__AVX512F__)
@@ -99,7 +99,9 @@ static inline vf v_round_ps(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO
 static inline vmask v_not_below(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_NLT_UQ); }
 static inline void v_store_epi8(void* p, vi v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(v)); }
 static inline vf v_load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-static inline vf v_load_first(int64_t n, const float* p) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+static inline vf v_load_first(int64_t n, const float* p) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
 static inline void v_store_first(int64_t n, float* p, vf v) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
 static inline vi v_dot_int8(vi acc, vi a, vi w) { return _mm512_dpbusd_epi32(acc, a, w); }  // a: q + OFFSET
 static inline vi v_dot_int4(vi acc, vi u, vi a) { return _mm512_dpbusd_epi32(acc, u, a); }  // u: 0..15
@@ -109,13 +111,22 @@ static inline __m256 v_halves(vf x) {
 #elif defined(__aarch64__)
 // NEON: four registers each. Every vector step mirrors the x86 one bit for bit: fused multiply-adds, IEEE division,
 // rounding to nearest even, min and max returning their second operand when a comparison fails, and the same order of
-// the horizontal sum. SDOT multiplies signed bytes by signed bytes, so activations carry no offset. (The softmax's scalar
-// exp is the C library's, which x86 and ARM builds of it need not round alike: bits agree within one build target.)
+// the horizontal sum. SDOT multiplies signed bytes by signed bytes, so activations carry no offset.
+// (The softmax's scalar exp is the C library's, which x86 and ARM builds of it need not round alike: bits agree
+// within one build target.)
 struct vf { float32x4_t q[4]; };
 struct vi { int32x4_t q[4]; };
 #define OFFSET 0
-#define QUAD_F(name, expr) static inline vf name(vf a, vf b) { vf r; for (int j = 0; j < 4; ++j) { const float32x4_t x = a.q[j], y = b.q[j]; r.q[j] = expr; } return r; }
-#define QUAD_I(name, expr) static inline vi name(vi a, vi b) { vi r; for (int j = 0; j < 4; ++j) { const int32x4_t x = a.q[j], y = b.q[j]; r.q[j] = expr; } return r; }
+#define QUAD_F(name, expr) static inline vf name(vf a, vf b) { \
+    vf r; \
+    for (int j = 0; j < 4; ++j) { const float32x4_t x = a.q[j], y = b.q[j]; r.q[j] = expr; } \
+    return r; \
+}
+#define QUAD_I(name, expr) static inline vi name(vi a, vi b) { \
+    vi r; \
+    for (int j = 0; j < 4; ++j) { const int32x4_t x = a.q[j], y = b.q[j]; r.q[j] = expr; } \
+    return r; \
+}
 QUAD_F(v_add_ps, vaddq_f32(x, y))
 QUAD_F(v_sub_ps, vsubq_f32(x, y))
 QUAD_F(v_mul_ps, vmulq_f32(x, y))
@@ -128,10 +139,20 @@ QUAD_I(v_mullo_epi32, vmulq_s32(x, y))
 QUAD_I(v_and_si512, vandq_s32(x, y))
 static inline vf v_set1_ps(float x) { const float32x4_t v = vdupq_n_f32(x); return {{v, v, v, v}}; }
 static inline vf v_setzero_ps() { return v_set1_ps(0.f); }
-static inline vf v_loadu_ps(const float* p) { return {{vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12)}}; }
+static inline vf v_loadu_ps(const float* p) {
+    return {{vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12)}};
+}
 static inline void v_storeu_ps(float* p, vf v) { for (int j = 0; j < 4; ++j) vst1q_f32(p + 4 * j, v.q[j]); }
-static inline vf v_fmadd_ps(vf a, vf b, vf c) { vf r; for (int j = 0; j < 4; ++j) r.q[j] = vfmaq_f32(c.q[j], a.q[j], b.q[j]); return r; }
-static inline vf v_fnmadd_ps(vf a, vf b, vf c) { vf r; for (int j = 0; j < 4; ++j) r.q[j] = vfmsq_f32(c.q[j], a.q[j], b.q[j]); return r; }
+static inline vf v_fmadd_ps(vf a, vf b, vf c) {
+    vf r;
+    for (int j = 0; j < 4; ++j) r.q[j] = vfmaq_f32(c.q[j], a.q[j], b.q[j]);
+    return r;
+}
+static inline vf v_fnmadd_ps(vf a, vf b, vf c) {
+    vf r;
+    for (int j = 0; j < 4; ++j) r.q[j] = vfmsq_f32(c.q[j], a.q[j], b.q[j]);
+    return r;
+}
 static inline vf v_abs_ps(vf a) { vf r; for (int j = 0; j < 4; ++j) r.q[j] = vabsq_f32(a.q[j]); return r; }
 static inline vf v_round_ps(vf a) { vf r; for (int j = 0; j < 4; ++j) r.q[j] = vrndnq_f32(a.q[j]); return r; }
 static inline vi v_cvtps_epi32(vf a) { vi r; for (int j = 0; j < 4; ++j) r.q[j] = vcvtnq_s32_f32(a.q[j]); return r; }
@@ -150,7 +171,8 @@ static inline vf v_scalef_ps(vf p, vf m) {
         const float32x4_t h = vrndmq_f32(vmulq_f32(m.q[j], vdupq_n_f32(0.5f)));
         const int32x4_t bias = vdupq_n_s32(127);
         const float32x4_t a = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(h), bias), 23));
-        const float32x4_t b = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(vsubq_f32(m.q[j], h)), bias), 23));
+        const float32x4_t b =
+            vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(vsubq_f32(m.q[j], h)), bias), 23));
         r.q[j] = vmulq_f32(vmulq_f32(p.q[j], a), b);
     }
     return r;
@@ -196,7 +218,8 @@ static inline void v_store_first(int64_t n, float* p, vf v) {
 }
 static inline vi v_dot_int8(vi acc, vi a, vi w) {  // a: q, signed
     vi r;
-    for (int j = 0; j < 4; ++j) r.q[j] = vdotq_s32(acc.q[j], vreinterpretq_s8_s32(a.q[j]), vreinterpretq_s8_s32(w.q[j]));
+    for (int j = 0; j < 4; ++j)
+        r.q[j] = vdotq_s32(acc.q[j], vreinterpretq_s8_s32(a.q[j]), vreinterpretq_s8_s32(w.q[j]));
     return r;
 }
 static inline vi v_dot_int4(vi acc, vi u, vi a) { return v_dot_int8(acc, u, a); }  // u: 0..15, exact as signed bytes
@@ -231,8 +254,12 @@ static inline vf v_set1_ps(float x) { const __m256 v = _mm256_set1_ps(x); return
 static inline vf v_setzero_ps() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline vf v_loadu_ps(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 static inline void v_storeu_ps(float* p, vf v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
-static inline vf v_fmadd_ps(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-static inline vf v_fnmadd_ps(vf a, vf b, vf c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline vf v_fmadd_ps(vf a, vf b, vf c) {
+    return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline vf v_fnmadd_ps(vf a, vf b, vf c) {
+    return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
 static inline vf v_abs_ps(vf a) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     return {_mm256_andnot_ps(sign, a.lo), _mm256_andnot_ps(sign, a.hi)};
@@ -252,7 +279,8 @@ static inline __m256 scale_by(__m256 p, __m256 m) {
     const __m256 h = _mm256_floor_ps(_mm256_mul_ps(m, _mm256_set1_ps(0.5f)));
     const __m256i bias = _mm256_set1_epi32(127);
     const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(h), bias), 23));
-    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(_mm256_sub_ps(m, h)), bias), 23));
+    const __m256 b =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(_mm256_sub_ps(m, h)), bias), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
 }
 static inline vf v_scalef_ps(vf p, vf m) { return {scale_by(p.lo, m.lo), scale_by(p.hi, m.hi)}; }
@@ -283,7 +311,8 @@ static inline void v_store_epi8(void* p, vi v) {  // the low byte of each lane, 
     _mm_storeu_si128((__m128i*)p, _mm_packus_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
 }
 static inline vf v_load_half(const uint16_t* p) {
-    return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+    return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)),
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
 }
 static inline __m256i first_lanes(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -357,8 +386,8 @@ static bool quantize(const float* x, int64_t n, int64_t k, int64_t group, uint8_
     return bad == 0;
 }
 
-// One block of 16 outputs for N rows: per group, int32 sums, then sum * the row's scale added to a float32 total; at the
-// end, the total times the channel's scale. Plain arrays and unrolled loops: g++ then keeps them all in registers.
+// One block of 16 outputs for N rows: per group, int32 sums, then sum * the row's scale added to a float32 total; at
+// the end, the total times the channel's scale. Plain arrays and unrolled loops: g++ then keeps them all in registers.
 template <int N>
 static void tile(const uint8_t* q, const float* qs, const int8_t* wb, const int32_t* gsum, const float* ws, float* out,
                  int64_t k, int64_t group, int64_t outs) {
@@ -393,14 +422,21 @@ static void tile(const uint8_t* q, const float* qs, const int8_t* wb, const int3
     for (int i = 0; i < N; ++i) v_storeu_ps(out + i * outs, v_mul_ps(total[i], scale));
 }
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor gsum, int64_t group) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [n, k]");
-    TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kInt8 && packed.is_contiguous(), "packed int8 weights");
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor gsum,
+                          int64_t group) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+                "x: contiguous float32 [n, k]");
+    TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kInt8 && packed.is_contiguous(),
+                "packed int8 weights");
     const int64_t n = x.size(0), k = x.size(1), blocks = packed.size(0), outs = blocks * 16;
-    TORCH_CHECK(packed.size(1) * 4 == k && packed.size(2) == 16 && packed.size(3) == 4, "weights packed for another shape");
-    TORCH_CHECK(group > 0 && group % 16 == 0 && k % group == 0, "the group must be a multiple of 16 that divides the width");
-    TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.numel() == outs && w_scale.is_contiguous(), "one float32 scale per output");
-    TORCH_CHECK(gsum.scalar_type() == torch::kInt32 && gsum.numel() == outs * (k / group) && gsum.is_contiguous(), "int32 group sums");
+    TORCH_CHECK(packed.size(1) * 4 == k && packed.size(2) == 16 && packed.size(3) == 4,
+                "weights packed for another shape");
+    TORCH_CHECK(group > 0 && group % 16 == 0 && k % group == 0,
+                "the group must be a multiple of 16 that divides the width");
+    TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.numel() == outs && w_scale.is_contiguous(),
+                "one float32 scale per output");
+    TORCH_CHECK(gsum.scalar_type() == torch::kInt32 && gsum.numel() == outs * (k / group) && gsum.is_contiguous(),
+                "int32 group sums");
     auto y = torch::empty({n, outs}, torch::kFloat32);
     auto q = torch::empty({n, k}, torch::kUInt8);
     auto qs = torch::empty({n, k / group}, torch::kFloat32);
@@ -416,8 +452,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
     at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
             for (int64_t r = 0; r < n; r += 12) {  // a block's weights stay in L1 for every 12 rows after the first
-                auto args = std::make_tuple(qp + r * k, qsp + r * groups, w + b * 16 * k, gs + b * groups * 16, ws + b * 16,
-                                            out + r * outs + b * 16, k, group, outs);
+                auto args = std::make_tuple(qp + r * k, qsp + r * groups, w + b * 16 * k, gs + b * groups * 16,
+                                            ws + b * 16, out + r * outs + b * 16, k, group, outs);
                 switch (std::min<int64_t>(12, n - r)) {
 #define CASE(N) case N: std::apply(tile<N>, args); break;
                     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
@@ -429,8 +465,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
     return y;
 }
 
-// Activations for int4 layers: per row and group of 32, scale = max(|x|, 1e-8) / 127, q = clamp(round(x / scale), -127,
-// 127) as signed bytes, and the group's sum of q as a float (exact; a weight is d u + m, so dot(q, w) = d dot(q, u) + m sum(q)).
+// Activations for int4 layers: per row and group of 32, scale = max(|x|, 1e-8) / 127, q = clamp(round(x / scale),
+// -127, 127) as signed bytes, and the group's sum of q as a float (exact; a weight is d u + m, so
+// dot(q, w) = d dot(q, u) + m sum(q)).
 static bool quantize_signed(const float* x, int64_t n, int64_t k, int8_t* q, float* scales, float* sums) {
     const int64_t groups = k / 32;
     const vf lo = v_set1_ps(-127.f), hi = v_set1_ps(127.f), inf = v_set1_ps(INFINITY);
@@ -453,12 +490,12 @@ static bool quantize_signed(const float* x, int64_t n, int64_t k, int8_t* q, flo
 }
 
 // One block of 16 outputs of an int4 layer for N rows. Per group of 32 inputs: 256 bytes of weights u in [0, 15] (4
-// vectors; in each, 16 outputs x 4 inputs of one quad in the low nibbles and of the next quad in the high ones), an int32
-// sum of q u per row; then (sum * d + m * sum(q)) * the row's scale (d, m: the 16 outputs' float16 step and minimum),
-// added to a float32 total. Each row's steps are the same whatever N is.
+// vectors; in each, 16 outputs x 4 inputs of one quad in the low nibbles and of the next quad in the high ones), an
+// int32 sum of q u per row; then (sum * d + m * sum(q)) * the row's scale (d, m: the 16 outputs' float16 step and
+// minimum), added to a float32 total. Each row's steps are the same whatever N is.
 template <int N>
-static void tile4(const int8_t* q, const float* qs, const float* qsum, const uint8_t* wb, const uint16_t* ws, const uint16_t* wm,
-                  float* out, int64_t k, int64_t outs) {
+static void tile4(const int8_t* q, const float* qs, const float* qsum, const uint8_t* wb, const uint16_t* ws,
+                  const uint16_t* wm, float* out, int64_t k, int64_t outs) {
     const int64_t groups = k / 32;
     const vi low = v_set1_epi8(0x0F);
     vf total[N];
@@ -497,8 +534,10 @@ static void tile4(const int8_t* q, const float* qs, const float* qsum, const uin
 }
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor steps, torch::Tensor minima) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [n, k]");
-    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.size(2) == 256,
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+                "x: contiguous float32 [n, k]");
+    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                    packed.size(2) == 256,
                 "packed int4 weights [blocks, groups, 256]");
     const int64_t n = x.size(0), k = x.size(1), blocks = packed.size(0), groups = packed.size(1), outs = blocks * 16;
     TORCH_CHECK(k == groups * 32, "weights packed for another width");
@@ -511,7 +550,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     auto qs = torch::empty({n, groups}, torch::kFloat32);
     auto qsum = torch::empty({n, groups}, torch::kFloat32);
     pybind11::gil_scoped_release no_gil;
-    TORCH_CHECK(quantize_signed(x.data_ptr<float>(), n, k, q.data_ptr<int8_t>(), qs.data_ptr<float>(), qsum.data_ptr<float>()),
+    TORCH_CHECK(quantize_signed(x.data_ptr<float>(), n, k, q.data_ptr<int8_t>(), qs.data_ptr<float>(),
+                                qsum.data_ptr<float>()),
                 NON_FINITE);
     const int8_t* qp = q.data_ptr<int8_t>();
     const float* qsp = qs.data_ptr<float>();
@@ -524,7 +564,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
         for (int64_t b = begin; b < end; ++b) {
             for (int64_t r = 0; r < n; r += 8) {
                 auto args = std::make_tuple(qp + r * k, qsp + r * groups, qsump + r * groups, w + b * groups * 256,
-                                            ws + b * groups * 16, wm + b * groups * 16, out + r * outs + b * 16, k, outs);
+                                            ws + b * groups * 16, wm + b * groups * 16, out + r * outs + b * 16,
+                                            k, outs);
                 switch (std::min<int64_t>(8, n - r)) {
 #define CASE(N) case N: std::apply(tile4<N>, args); break;
                     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
@@ -544,7 +585,8 @@ static inline vf v_load_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 #else
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16)),
-            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8))), 16))};
+            _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8))), 16))};
 #endif
 }
 #endif
@@ -579,7 +621,8 @@ static Pages pages_of(torch::Tensor tables, int64_t layer, int64_t kind, int64_t
     TORCH_CHECK(kind >= 0 && kind <= 2 && page > 0 && (page & (page - 1)) == 0, "cache kind 0, 1 or 2, pages of 2^k");
     int64_t shift = 0;
     while ((int64_t{1} << shift) < page) ++shift;
-    return {tables.data_ptr<int64_t>() + layer * tables.size(1), tables.size(1), page, kv_heads, dim, kind == 0 ? 4 : 2, shift};
+    return {tables.data_ptr<int64_t>() + layer * tables.size(1), tables.size(1), page, kv_heads, dim,
+            kind == 0 ? 4 : 2, shift};
 }
 
 // The body of `attention`, for one cache element type. Each task takes a chunk of one KV head's queries and reads that
@@ -587,12 +630,13 @@ static Pages pages_of(torch::Tensor tables, int64_t layer, int64_t kind, int64_t
 // query's arithmetic is the same in any chunk and at any n: its visible keys in cache order, the scores, their maximum,
 // exp and sum, then per output lane sum(p v) in key order.
 template <int KIND>
-static void attend(const float* qp, float* op, const Pages& pages, int64_t n, int64_t heads, int64_t start, int64_t window,
-                   float scale, const uint8_t* seen, const std::vector<int64_t>& position) {
+static void attend(const float* qp, float* op, const Pages& pages, int64_t n, int64_t heads, int64_t start,
+                   int64_t window, float scale, const uint8_t* seen, const std::vector<int64_t>& position) {
     const int64_t dim = pages.dim, kv_heads = pages.kv_heads, group = heads / kv_heads, queries = n * group;
     const bool tree = seen != nullptr;
     const int64_t bytes = pages.bytes, values = kv_heads * pages.page * dim * bytes;  // a page's keys, then its values
-    const int64_t per_head = std::max<int64_t>(1, (2 * at::get_num_threads() + kv_heads - 1) / kv_heads);  // ~2 a thread
+    const int64_t per_head =
+        std::max<int64_t>(1, (2 * at::get_num_threads() + kv_heads - 1) / kv_heads);  // ~2 a thread
     const int64_t chunk = std::min<int64_t>(64, (queries + per_head - 1) / per_head);  // bounds each task's lists
     const int64_t chunks = (queries + chunk - 1) / chunk;
     at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -652,7 +696,8 @@ static void attend(const float* qp, float* op, const Pages& pages, int64_t n, in
                     for (int64_t d = 0; d < dim; d += 16) {
                         vf lane = v_loadu_ps(a + d);
                         for (size_t x = from; x < r; ++x)
-                            lane = v_fmadd_ps(v_set1_ps(scores[c][x]), v_load_kv<KIND>(rows[c][x] + values + d * bytes), lane);
+                            lane = v_fmadd_ps(v_set1_ps(scores[c][x]),
+                                              v_load_kv<KIND>(rows[c][x] + values + d * bytes), lane);
                         v_storeu_ps(a + d, lane);
                     }
                 }
@@ -666,18 +711,21 @@ static void attend(const float* qp, float* op, const Pages& pages, int64_t n, in
     });
 }
 
-// q: [n, heads, dim]; k, v: the n new positions' keys and values [n, kv heads, dim], written first into the layer's pages
-// at start..start+n-1. With `visible` empty the new positions are a chain: position start + i sees keys lo..start + i
-// (lo: the sliding window's first key, or 0). Otherwise `visible` (uint8 [n, n]) is a tree: new position i sees the
-// cached keys from lo and the new ones j with visible[i][j] (itself and its ancestors), at its position in the text,
-// `positions[i]` (start + its depth). Keys are read in cache order, so a tree node's result has the same bits as the
-// same token decoded along its path alone.
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, int64_t layer, int64_t kind,
-                        int64_t page, int64_t start, int64_t window, double scale, torch::Tensor visible, torch::Tensor positions) {
-    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous float32 [n, heads, dim]");
+// q: [n, heads, dim]; k, v: the n new positions' keys and values [n, kv heads, dim], written first into the layer's
+// pages at start..start+n-1. With `visible` empty the new positions are a chain: position start + i sees keys
+// lo..start + i (lo: the sliding window's first key, or 0). Otherwise `visible` (uint8 [n, n]) is a tree: new position
+// i sees the cached keys from lo and the new ones j with visible[i][j] (itself and its ancestors), at its position in
+// the text, `positions[i]` (start + its depth). Keys are read in cache order, so a tree node's result has the same bits
+// as the same token decoded along its path alone.
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, int64_t layer,
+                        int64_t kind, int64_t page, int64_t start, int64_t window, double scale, torch::Tensor visible,
+                        torch::Tensor positions) {
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
+                "q: contiguous float32 [n, heads, dim]");
     const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
-    TORCH_CHECK(k.dim() == 3 && k.scalar_type() == torch::kFloat32 && k.is_contiguous() && k.size(0) == n && k.size(2) == dim &&
-                    k.sizes() == v.sizes() && v.scalar_type() == torch::kFloat32 && v.is_contiguous(),
+    TORCH_CHECK(k.dim() == 3 && k.scalar_type() == torch::kFloat32 && k.is_contiguous() &&
+                    k.size(0) == n && k.size(2) == dim && k.sizes() == v.sizes() &&
+                    v.scalar_type() == torch::kFloat32 && v.is_contiguous(),
                 "k, v: contiguous float32 [n, kv heads, dim]");
     const int64_t kv_heads = k.size(1);
     TORCH_CHECK(dim % 16 == 0 && kv_heads > 0 && heads % kv_heads == 0 && start >= 0, "attention shapes");
@@ -685,9 +733,11 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
     const int64_t lowest = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;  // the first key any query reads
     TORCH_CHECK(pages.held(std::min(lowest, start), start + n), "the cache does not hold the pages this step reads");
     const bool tree = visible.numel() > 0;
-    TORCH_CHECK(!tree || (visible.scalar_type() == torch::kUInt8 && visible.is_contiguous() && visible.size(0) == n && visible.size(1) == n),
+    TORCH_CHECK(!tree || (visible.scalar_type() == torch::kUInt8 && visible.is_contiguous() && visible.size(0) == n &&
+                          visible.size(1) == n),
                 "visible: contiguous uint8 [n, n]");
-    TORCH_CHECK(!tree || (positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == n),
+    TORCH_CHECK(!tree || (positions.scalar_type() == torch::kInt64 && positions.is_contiguous() &&
+                          positions.numel() == n),
                 "positions: contiguous int64 [n]");
     auto out = torch::empty_like(q);
     pybind11::gil_scoped_release no_gil;
@@ -711,13 +761,15 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
 
 // A tree's accepted path: the keys and values at `sources` (ascending cache indices) move to target, target + 1, ...,
 // in every layer's pages (each source at or after its target, so moving in order overwrites nothing still to move).
-void move_positions(torch::Tensor tables, int64_t kind, int64_t page, int64_t kv_heads, int64_t dim, torch::Tensor sources,
-                    int64_t target) {
-    TORCH_CHECK(sources.scalar_type() == torch::kInt64 && sources.is_contiguous() && sources.dim() == 1, "sources: int64 [m]");
+void move_positions(torch::Tensor tables, int64_t kind, int64_t page, int64_t kv_heads, int64_t dim,
+                    torch::Tensor sources, int64_t target) {
+    TORCH_CHECK(sources.scalar_type() == torch::kInt64 && sources.is_contiguous() && sources.dim() == 1,
+                "sources: int64 [m]");
     TORCH_CHECK(target >= 0, "the path's first position is not negative");
     const int64_t m = sources.numel(), *from = sources.data_ptr<int64_t>();
     for (int64_t r = 0; r < m; ++r)
-        TORCH_CHECK(from[r] >= target + r && (r == 0 || from[r] > from[r - 1]), "sources ascend, each at or after its target");
+        TORCH_CHECK(from[r] >= target + r && (r == 0 || from[r] > from[r - 1]),
+                    "sources ascend, each at or after its target");
     for (int64_t layer = 0; layer < tables.size(0); ++layer) {
         const Pages pages = pages_of(tables, layer, kind, page, kv_heads, dim);
         TORCH_CHECK(m == 0 || pages.held(target, from[m - 1] + 1), "the cache does not hold the positions to move");
@@ -746,11 +798,13 @@ static inline vf v_exp(vf x) {
     return v_scalef_ps(p, m);
 }
 
-// act(gate) * up for rows [n, 2f] (gate: a row's first f values, up: its last f); act = SiLU (kind 0) or GELU's tanh form
-// (kind 1). Every value by the same vector code, a row's tail through a mask, so a value does not depend on how many
-// rows are computed together or on the threads that share them (torch's own activations take other paths at slice ends).
+// act(gate) * up for rows [n, 2f] (gate: a row's first f values, up: its last f); act = SiLU (kind 0) or GELU's tanh
+// form (kind 1). Every value by the same vector code, a row's tail through a mask, so a value does not depend on how
+// many rows are computed together or on the threads that share them (torch's own activations take other paths at
+// slice ends).
 torch::Tensor gated(torch::Tensor gate_up, int64_t kind) {
-    TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kFloat32 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+    TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kFloat32 && gate_up.is_contiguous() &&
+                    gate_up.size(1) % 2 == 0,
                 "gate_up: contiguous float32 [n, 2f]");
     TORCH_CHECK(kind == 0 || kind == 1, "the activation is SiLU (0) or GELU (1)");
     const int64_t n = gate_up.size(0), f = gate_up.size(1) / 2;
@@ -782,10 +836,12 @@ torch::Tensor gated(torch::Tensor gate_up, int64_t kind) {
 
 // x * rsqrt(mean(x^2) + eps) * w over the last dimension, each row alone in one order (float32).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && w.scalar_type() == torch::kFloat32 && w.is_contiguous(),
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && w.scalar_type() == torch::kFloat32 &&
+                    w.is_contiguous(),
                 "contiguous float32 tensors");
     const int64_t dim = w.numel();
-    TORCH_CHECK(dim > 0 && dim % 16 == 0 && x.dim() >= 1 && x.size(-1) == dim, "the norm's width must be a multiple of 16 and match x");
+    TORCH_CHECK(dim > 0 && dim % 16 == 0 && x.dim() >= 1 && x.size(-1) == dim,
+                "the norm's width must be a multiple of 16 and match x");
     const int64_t rows = x.numel() / dim;
     auto out = torch::empty_like(x);
     const float* xp = x.data_ptr<float>();
@@ -847,9 +903,8 @@ class Packed(torch.nn.Module, abc.ABC):
         """Set what the buffers imply (after ``restore``)."""
 
 
-CHUNK = (
-    4096  # weight rows quantized at a time (a multiple of BLOCK): a layer's temporaries stay small, whatever its size
-)
+# Weight rows quantized at a time (a multiple of BLOCK): a layer's temporaries stay small, whatever its size.
+CHUNK = 4096
 
 
 class _Packer(Packed):
@@ -936,8 +991,8 @@ INT4_GROUP = 32  # weights per scale in the int4 format (and activations per sca
 
 
 class PackedInt4(_Packer):
-    """4-bit weights (as llama.cpp's Q4_1: per 32 inputs of an output, a float16 step d and minimum m, w = d u + m with u
-    in [0, 15]), multiplied with int8 activations (one scale per 32 inputs) by integer dot products. The minimum makes
+    """4-bit weights (as llama.cpp's Q4_1: per 32 inputs of an output, a float16 step d and minimum m, w = d u + m with
+    u in [0, 15]), multiplied with int8 activations (one scale per 32 inputs) by integer dot products. The minimum makes
     a group's grid fit its range; weights dequantized from a 4-bit GGUF (Q4_K's steps and minima) fit it closely."""
 
     format = "int4"
@@ -1022,7 +1077,7 @@ def _group_sums(q: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 values and float32 scales (symmetric: largest magnitude 127), one per row, or per ``group`` inputs of a row."""
+    """int8 values and float32 scales (symmetric: largest magnitude 127), one per row or per ``group`` of its inputs."""
     x = x.float()
     groups = x.reshape(x.shape[0], -1, group or x.shape[1])
     scale = groups.abs().amax(dim=2).clamp(min=1e-8) / 127
@@ -1264,7 +1319,8 @@ def is_built(name: str | None = None) -> bool:
 
 
 def compiled():
-    """The compiled kernels, or None (``linear`` then takes its exact float64 path) where this machine cannot run or build them."""
+    """The compiled kernels, or None (``linear`` then takes its exact float64 path) where this machine cannot run or
+    build them."""
     return _load()[0]
 
 

@@ -39,7 +39,7 @@ class CudaGraphs:
     def run(
         self, shape: tuple[int, ...], inputs: Inputs, forward: Callable[[Inputs], torch.Tensor]
     ) -> torch.Tensor | None:
-        """The forward's output through the graph of ``shape`` (recorded now if new); None if graphs cannot be used here."""
+        """The forward's output through the graph of ``shape`` (recorded now if new); None if graphs cannot be used."""
         if self.failed:
             return None
         entry = self.graphs.get(shape)

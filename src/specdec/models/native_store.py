@@ -188,10 +188,8 @@ def gguf_metadata(path: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # noqa: BLE001 - any failure of transformers' conversion of a GGUF vocabulary
         log.warning("no tokenizer could be built from %s (%s): the model runs on token ids", path, exc)
-        tokenizer, folder = (
-            None,
-            Path(tempfile.mkdtemp(prefix="specdec-gguf-config-")),
-        )  # not kept: tried again next time
+        # A temporary folder, not kept: the tokenizer is tried again next time.
+        tokenizer, folder = None, Path(tempfile.mkdtemp(prefix="specdec-gguf-config-"))
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     try:
@@ -225,8 +223,8 @@ def cached_path(source: Path, format: str) -> Path:
 
 
 def load(source: Path, config, format: str, say: Callable[[str], None] = log.warning) -> NativeModel:
-    """The native model of a checkpoint (a safetensors folder or a GGUF file) in ``format`` (int8 or int4): memory-mapped
-    from the cache, or converted one tensor at a time (said through ``say``, with progress) and cached."""
+    """The native model of a checkpoint (a safetensors folder or a GGUF file) in ``format`` (int8 or int4):
+    memory-mapped from the cache, or converted one tensor at a time (said through ``say``, with progress) and cached."""
     path = cached_path(source, format)
     if path.exists():
         try:

@@ -57,10 +57,11 @@ from specdec.models import cpu_kernels
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PADDED_ATTENTION = "specdec_padded_eager"
-KEY_BLOCK = (
-    64  # keys are padded to a multiple of this and weigh values this many at a time (float16 needs a multiple of 4)
-)
-ROW_BLOCK = 16  # rows per 16-bit matmul call: with AMX, bfloat16 products of about 32 rows and more take a kernel that rounds rows otherwise
+# Keys are padded to a multiple of this and weigh values this many at a time (float16 needs a multiple of 4).
+KEY_BLOCK = 64
+# Rows per 16-bit matmul call: with AMX, bfloat16 products of about 32 rows and more take a kernel that
+# rounds rows otherwise.
+ROW_BLOCK = 16
 
 
 def padded_eager_attention(
@@ -168,14 +169,16 @@ def _attend(
     nodes: list[_NodeGroup],
     kv_values: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of at most ROW_BLOCK queries, a lone one run as two, over keys (and a mask) padded to a multiple of KEY_BLOCK.
+    """Attention of at most ROW_BLOCK queries, a lone one run as two, over keys (and a mask) padded to a multiple of
+    KEY_BLOCK.
 
-    Values are weighed one KEY_BLOCK of keys at a time and the parts summed in float32 in key order: a query's masked keys
-    add exact zeros, so its result does not depend on how many keys the call has (one product over all of them would:
-    AMX blocks by length). A tree node (``nodes``) is weighed as decoding weighs it: softmax over its keys in order
-    (a query's score for a key is the same wherever the key lies, so the scores are gathered into that order), the
-    blocks before the tree (``shared``) in the one product with the other queries, the rest over its own values, gathered
-    from ``kv_values`` (the values before grouped-query heads repeat them: a quarter of the copying for 4 heads to one).
+    Values are weighed one KEY_BLOCK of keys at a time and the parts summed in float32 in key order: a query's masked
+    keys add exact zeros, so its result does not depend on how many keys the call has (one product over all of them
+    would: AMX blocks by length). A tree node (``nodes``) is weighed as decoding weighs it: softmax over its keys in
+    order (a query's score for a key is the same wherever the key lies, so the scores are gathered into that order), the
+    blocks before the tree (``shared``) in the one product with the other queries, the rest over its own values,
+    gathered from ``kv_values`` (the values before grouped-query heads repeat them: a quarter of the copying for 4 heads
+    to one).
     """
     lone = query.shape[2] == 1
     if lone:
@@ -184,12 +187,10 @@ def _attend(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     weights = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(query.dtype)
-    rows = [
-        torch.arange(2, device=query.device) if lone else g.queries for g in nodes
-    ]  # a lone node is both rows of its pair
-    layouts = [
-        (g.keys.repeat(2, 1), g.mask.repeat(2, 1)) if lone else (g.keys, g.mask) for g in nodes
-    ]  # per row: keys, padding
+    # A lone node is both rows of its pair.
+    rows = [torch.arange(2, device=query.device) if lone else g.queries for g in nodes]
+    # Per row: keys, padding.
+    layouts = [(g.keys.repeat(2, 1), g.mask.repeat(2, 1)) if lone else (g.keys, g.mask) for g in nodes]
     in_order = []  # each group's weights over its keys in order [heads, nodes, width]
     for g, r, (order, padding) in zip(nodes, rows, layouts, strict=True):
         node_scores = scores[g.row][:, r].gather(-1, order.expand(scores.shape[1], -1, -1))
@@ -206,18 +207,16 @@ def _attend(
     for i, g in enumerate(nodes):
         node_out, n = before_tree[i], len(g.queries)
         for k in range(g.shared * KEY_BLOCK, g.keys.shape[1], KEY_BLOCK):
-            # Per node and key-value head: the weights of the heads sharing it [rows, block] times its values [block, dim],
-            # the heads as rows of one product (a node alone as two rows, as decoding computes a lone query).
+            # Per node and key-value head: the weights of the heads sharing it [rows, block] times its values
+            # [block, dim], the heads as rows of one product (a node alone as two rows, as decoding runs a lone query).
             gathered = (
                 kv_values[g.row].index_select(1, g.keys[:, k : k + KEY_BLOCK].flatten()).unflatten(1, (n, KEY_BLOCK))
             )
-            node_weights = (
-                in_order[i][:, :n, k : k + KEY_BLOCK].unflatten(0, (kv_heads, -1)).transpose(1, 2)
-            )  # [kv, n, heads/kv, block]
+            # [kv, n, heads/kv, block]
+            node_weights = in_order[i][:, :n, k : k + KEY_BLOCK].unflatten(0, (kv_heads, -1)).transpose(1, 2)
             pair = node_weights.shape[2] == 1
-            part = torch.matmul(
-                node_weights.repeat(1, 1, 2, 1) if pair else node_weights, gathered
-            )  # [kv, n, rows, dim]
+            # [kv, n, rows, dim]
+            part = torch.matmul(node_weights.repeat(1, 1, 2, 1) if pair else node_weights, gathered)
             part = (part[:, :, :1] if pair else part).transpose(1, 2).reshape(heads, n, -1)
             node_out = node_out + (part.repeat(1, 2, 1) if lone else part).float()
         out[g.row][:, rows[i]] = node_out  # type: ignore[index]
@@ -303,7 +302,8 @@ def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers):
         raise ConfigError(
-            f"precision plans need decoder layers with 'self_attn' and 'mlp' modules; {type(model).__name__} has none: use --dtype instead"
+            "precision plans need decoder layers with 'self_attn' and 'mlp' modules; "
+            f"{type(model).__name__} has none: use --dtype instead"
         )
     if getattr(model, "specdec_precision", None) == plan.describe():
         return model  # already converted (a model shared between specdec and transformers' own methods)
@@ -312,7 +312,7 @@ def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
             f"this model already runs the precision plan {model.specdec_precision}: load it again for another plan"
         )
     if "int8a8" in (plan.attention, plan.ffn, plan.head):
-        cpu_kernels.compiled()  # built now (about 30 s the first time), not inside the first request
+        cpu_kernels.compiled()  # a first use compiles the kernels: now, not inside the first request
     residual = torch.float32 if "float32" in (plan.attention, plan.ffn, plan.head) else torch.bfloat16
     model.specdec_precision = plan.describe()
     model.to(residual)

@@ -90,10 +90,9 @@ DRAFTS_FOLDER = Path(__file__).resolve().parent.parent / "data" / "drafts"  # di
 
 
 def bundled_draft(target: str, kind: str = "") -> Path | None:
-    """The draft distilled for a bundled target and shipped with specdec, if there is one; ``kind`` "eagle": its eagle head."""
-    if (
-        target not in ALIASES
-    ):  # a folder or file name; never joined onto the drafts folder (an absolute path would replace it)
+    """The draft distilled for a bundled target and shipped with specdec, if any; ``kind`` "eagle": its eagle head."""
+    # Not an alias (a folder or file name): never joined onto the drafts folder (an absolute path would replace it).
+    if target not in ALIASES:
         return None
     folder = DRAFTS_FOLDER / (f"{target}-{kind}" if kind else target)
     return folder if (folder / "config.json").is_file() else None
@@ -138,7 +137,8 @@ def resolve(name: str) -> ModelSource:
         return ModelSource(name, "hub", name)
     known = ", ".join(ALIASES)
     raise ModelNotFoundError(
-        f"unknown model '{name}': use a bundled alias ({known}), a local model folder, a .gguf file, or a hub id like org/name"
+        f"unknown model '{name}': use a bundled alias ({known}), a local model folder, a .gguf file, "
+        "or a hub id like org/name"
     )
 
 

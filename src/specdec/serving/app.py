@@ -33,12 +33,14 @@ from specdec.serving.metrics import Metrics
 
 log = logging.getLogger("specdec.serve")
 
-# Answers name the process that served them (which replica, behind a proxy) by an opaque id; the log maps it to host and pid.
+# Answers name the process that served them (which replica, behind a proxy) by an opaque id; the log maps it to
+# host and pid.
 REPLICA = uuid.uuid4().hex[:12]
 
 
 def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> FastAPI:
-    """An app serving ``generator``'s target under its name; the engine thread (app.state.batcher) runs while the app's lifespan does."""
+    """An app serving ``generator``'s target under its name; the engine thread (app.state.batcher) runs while the app's
+    lifespan does."""
     metrics = Metrics()
     batcher = Batcher(generator, config.max_batch, config.max_queue, metrics)
     model = generator.target.name
@@ -129,9 +131,8 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
             return await asyncio.to_thread(encode, prompt)
         except ContextLengthError as exc:
             raise api.APIError(400, str(exc), param=field, code="context_length_exceeded") from None
-        except (
-            SpecDecError
-        ) as exc:  # an empty or malformed prompt, a setting this model cannot honour (stop strings without a tokenizer)
+        # An empty or malformed prompt, a setting this model cannot honour (stop strings without a tokenizer).
+        except SpecDecError as exc:
             raise api.APIError(400, str(exc), param=field) from None
 
     async def _submit(
@@ -207,11 +208,12 @@ def _replay(body: bytes, receive: Callable) -> Callable:
 
 
 class _Gate:
-    """Every HTTP request passes here: API keys and Host are checked, requests counted by route and status, answers tagged with the replica.
+    """Every HTTP request passes here: API keys and Host are checked, requests counted by route and status, answers
+    tagged with the replica.
 
-    A plain ASGI middleware (Starlette's ``@app.middleware("http")`` wraps ``receive``): it reads the
-    body itself, refusing it past ``max_request_bytes`` (413) or ``body_timeout_s`` (408) before anything
-    parses it, then hands the app the body and the connection's own ``receive``, so a handler sees its client's disconnect directly.
+    A plain ASGI middleware (Starlette's ``@app.middleware("http")`` wraps ``receive``): it reads the body itself,
+    refusing it past ``max_request_bytes`` (413) or ``body_timeout_s`` (408) before anything parses it, then hands the
+    app the body and the connection's own ``receive``, so a handler sees its client's disconnect directly.
     """
 
     def __init__(self, app: Callable, metrics: Metrics, config: ServeConfig) -> None:
@@ -238,9 +240,8 @@ class _Gate:
                 await refusal.response(close=True)(scope, receive, tagged)
             else:
                 await self.app(scope, _replay(body, receive), tagged)
-        except (
-            Exception
-        ):  # a bug: answered here (Starlette's own handler sits outside this gate, so its answer would be untagged)
+        # A bug: answered here (Starlette's own handler sits outside this gate, so its answer would be untagged).
+        except Exception:
             log.exception("request %s %s failed", scope.get("method"), scope.get("path"))
             if status is None:
                 await api.INTERNAL_ERROR.response()(scope, receive, tagged)
@@ -265,22 +266,23 @@ class _Gate:
             raise error
 
     async def _read_body(self, receive: Callable) -> bytes:
-        """The whole request body, refused past the size limit (also when no Content-Length announced it: chunked) or the time limit."""
+        """The whole request body, refused past the size limit (also when no Content-Length announced it: chunked) or
+        the time limit."""
         chunks, size, more = [], 0, True
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
                 while more:
                     message = await receive()
-                    if (
-                        message["type"] != "http.request"
-                    ):  # the client left while sending: the app sees that at its next receive
+                    # The client left while sending: the app sees that at its next receive.
+                    if message["type"] != "http.request":
                         break
                     chunks.append(message.get("body", b""))
                     size += len(chunks[-1])
                     if size > self.config.max_request_bytes:
                         raise api.APIError(
                             413,
-                            f"the request body is larger than this server's limit of {self.config.max_request_bytes} bytes: shorten the prompt",
+                            f"the request body is larger than this server's limit of {self.config.max_request_bytes} "
+                            "bytes: shorten the prompt",
                             code="request_too_large",
                         )
                     more = message.get("more_body", False)
@@ -294,7 +296,8 @@ class _Gate:
 
 
 def key_refusal(keys: tuple[str, ...], open_metrics: bool, path: str, authorization: str) -> api.APIError | None:
-    """OpenAI's 401 when ``path`` needs a key (keys set: /v1 routes, and /metrics and the docs unless open) and ``authorization`` has none that matches."""
+    """OpenAI's 401 when ``path`` needs a key (keys set: /v1 routes, and /metrics and the docs unless open) and
+    ``authorization`` has none that matches."""
     guarded = path.startswith("/v1/") or (path in DOCS and not open_metrics)
     if not keys or not guarded:
         return None
@@ -304,7 +307,10 @@ def key_refusal(keys: tuple[str, ...], open_metrics: bool, path: str, authorizat
     message = (
         "Incorrect API key provided."
         if authorization
-        else "You didn't provide an API key: send it in an Authorization header using Bearer auth (Authorization: Bearer YOUR_KEY)."
+        else (
+            "You didn't provide an API key: send it in an Authorization header using Bearer auth "
+            "(Authorization: Bearer YOUR_KEY)."
+        )
     )
     return api.APIError(401, message, code="invalid_api_key" if authorization else None)
 
@@ -347,7 +353,8 @@ def _stream(job: Job, chunks: _Chunks, prompt_tokens: int, options: api.StreamOp
 
 
 async def _result(job: Job, request: Request) -> GenerationResult:
-    """Wait for the job's end, cancelling it if the client disconnects meanwhile (checked every half second, events or not)."""
+    """Wait for the job's end, cancelling it if the client disconnects meanwhile
+    (checked every half second, events or not)."""
     loop = asyncio.get_running_loop()
     check_at = loop.time() + DISCONNECT_CHECK_S
     while True:

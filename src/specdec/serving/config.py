@@ -16,18 +16,12 @@ class ServeConfig:
     max_batch: int = 16  # sequences decoded together; more requests wait in the queue
     max_queue: int = 64  # waiting requests; beyond this a request gets 429 with Retry-After
     default_max_tokens: int = 256  # when a request does not say
-    shutdown_timeout_s: float = (
-        30.0  # on SIGTERM/SIGINT, how long requests in flight may take to finish before they are ended
-    )
+    shutdown_timeout_s: float = 30.0  # on SIGTERM/SIGINT, how long requests in flight get to finish before they end
     api_keys: tuple[str, ...] = ()  # set: every /v1 route needs `Authorization: Bearer KEY` with one of them
     open_metrics: bool = False  # with keys set, /metrics and the API docs stay open (a scraper without the key)
     max_request_bytes: int = 4 * 2**20  # a larger request body gets a 413 before it is parsed
-    allowed_hosts: tuple[
-        str, ...
-    ] = ()  # set: a request whose Host header names none of these is refused (DNS rebinding)
-    header_timeout_s: float = (
-        10.0  # a connection must send a request's headers within this long (slow clients are cut off)
-    )
+    allowed_hosts: tuple[str, ...] = ()  # set: a request whose Host header names none is refused (DNS rebinding)
+    header_timeout_s: float = 10.0  # a connection must send a request's headers within this long (else it is cut off)
     body_timeout_s: float = 30.0  # ... and its body within this long after the headers (408 beyond)
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this long
 
@@ -48,7 +42,8 @@ class ServeConfig:
 
 
 def host_name(host: str) -> str:
-    """A host as the Host allow-list compares it: lower case, without a port, brackets or a trailing dot ("[::1]:8000" is "::1")."""
+    """A host as the Host allow-list compares it: lower case, without a port, brackets or a trailing dot
+    ("[::1]:8000" is "::1")."""
     host = host.strip().lower()
     if host.startswith("["):
         host = host[1 : host.find("]")]

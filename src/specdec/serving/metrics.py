@@ -71,7 +71,8 @@ class Metrics:
 
 
 class RelayMetrics:
-    """The ingress's own count: requests whose replica failed, started again elsewhere ("retried") or failed ("failed")."""
+    """The ingress's own count: requests whose replica failed, started again elsewhere
+    ("retried") or failed ("failed")."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -86,7 +87,8 @@ class RelayMetrics:
 
 
 def merge_replicas(snapshots: Mapping[str, bytes]) -> bytes:
-    """Several replicas' metrics as one exposition: every sample labelled with its replica (sum over ``replica`` for totals).
+    """Several replicas' metrics as one exposition: every sample labelled with its replica
+    (sum over ``replica`` for totals).
 
     Also ``specdec_replicas_reporting``: how many replicas the answer covers, so a scrape that missed one shows it.
     """

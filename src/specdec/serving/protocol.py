@@ -51,11 +51,10 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
-INTERNAL_ERROR = APIError(
-    500, "internal server error (the server's log has the details)"
-)  # a bug: details go to the log only
+# A bug: details go to the log only.
+INTERNAL_ERROR = APIError(500, "internal server error (the server's log has the details)")
 
-# The drift monitor runs a sentence-embedding model on the decoding thread, which would stall every request of the batch.
+# The drift monitor runs a sentence-embedding model on the decoding thread: it would stall every request of the batch.
 SERVER_GUARDS = tuple(f.name for f in fields(GuardConfig) if not f.name.startswith("drift_"))
 
 
@@ -100,8 +99,8 @@ class OpenAIRequest(_Strict):
     user: str | None = None
     guards: dict[str, Any] | None = Field(
         None,
-        description="specdec extension: long-generation guards, an object of GuardConfig's fields except the drift monitor's "
-        f"({', '.join(SERVER_GUARDS)}); omitted fields keep the library's defaults",
+        description="specdec extension: long-generation guards, an object of GuardConfig's fields except the drift "
+        f"monitor's ({', '.join(SERVER_GUARDS)}); omitted fields keep the library's defaults",
     )
     typical_acceptance: dict[str, float] | None = Field(
         None,
@@ -129,11 +128,10 @@ class OpenAIRequest(_Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def generation_config(self, defaults: GenerationConfig, max_tokens: int) -> GenerationConfig:
-        """The library's config for this request; an invalid sampling, guard or acceptance setting raises ConfigError."""
+        """The library's config for this request; a bad sampling, guard or acceptance setting raises ConfigError."""
         sampling = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-        plain = (
-            self.guards is None and self.typical_acceptance is None
-        )  # trees do not combine with guards or typical acceptance
+        # Trees do not combine with guards or typical acceptance.
+        plain = self.guards is None and self.typical_acceptance is None
         return GenerationConfig(
             k=defaults.k,
             k_policy=defaults.k_policy,
@@ -159,7 +157,8 @@ def _adapter(kind: type) -> TypeAdapter:
 
 
 def _settings(kind: type, given: dict[str, Any], param: str, allowed: tuple[str, ...] | None = None) -> Any:
-    """``kind`` (a config dataclass) from a request's object, its field types checked strictly: a bad field is a 400 naming it."""
+    """``kind`` (a config dataclass) from a request's object, its field types checked strictly:
+    a bad field is a 400 naming it."""
     allowed = allowed or tuple(f.name for f in fields(kind))
     unknown = sorted(set(given) - set(allowed))
     if unknown:
@@ -169,9 +168,8 @@ def _settings(kind: type, given: dict[str, Any], param: str, allowed: tuple[str,
             param=param,
         )
     try:
-        return _adapter(kind).validate_json(
-            json.dumps(given), strict=True
-        )  # JSON mode: arrays are tuples, 8.0 is no int
+        # JSON mode: arrays are tuples, 8.0 is no int.
+        return _adapter(kind).validate_json(json.dumps(given), strict=True)
     except ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in (param, *error["loc"]))
@@ -199,9 +197,8 @@ class ChatMessage(_Strict):
     model_config = ConfigDict(extra="allow", strict=True)  # name, tool fields: passed to the chat template as they are
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: (
-        str | list[dict[str, Any]]
-    )  # text, or OpenAI's content parts ({"type": "text", "text": ...}; text parts only)
+    # Text, or OpenAI's content parts ({"type": "text", "text": ...}; text parts only).
+    content: str | list[dict[str, Any]]
 
     def for_template(self, index: int) -> dict[str, Any]:
         """The message as a chat template takes it: content as one string (text parts joined)."""

@@ -85,9 +85,8 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
             generator = Generator(spec.target, spec.draft, spec.generation, spec.runtime, batch=spec.batch)
             generator.batch_decoder()  # measure (or read the cached) batch costs before the first request
             self.name, self.server = REPLICA, create_app(generator, spec.serve)
-            self.batcher = (
-                self.server.state.batcher
-            )  # the engine thread: the app's lifespan would start it under a server
+            # The engine thread: the app's lifespan would start it under a server.
+            self.batcher = self.server.state.batcher
             self.batcher.start()
 
         async def forward(self, request: Forwarded) -> AsyncIterator[dict]:
@@ -101,9 +100,8 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
             if not self.batcher.alive:
                 raise RuntimeError("the replica's engine thread has stopped")
 
-        def __del__(
-            self,
-        ) -> None:  # Serve calls it once the replica's requests have drained (or shutdown_timeout_s passed)
+        # Serve calls it once the replica's requests have drained (or shutdown_timeout_s passed).
+        def __del__(self) -> None:
             if hasattr(self, "batcher"):
                 self.batcher.stop(spec.serve.shutdown_timeout_s)
 
@@ -142,14 +140,14 @@ def _ingress_app(
     failures: Counter,
     config: ServeConfig,
 ) -> FastAPI:
-    """The ingress's routes: GET /metrics for every replica of the application (keyed as a replica's is); anything else relayed to an engine replica."""
+    """The ingress's routes: GET /metrics for every replica of the application (keyed as a replica's is);
+    anything else relayed to an engine replica."""
     from ray import serve
 
     from specdec.serving.app import key_refusal, openai_errors
 
-    app = FastAPI(
-        title="specdec ingress", docs_url=None, redoc_url=None, openapi_url=None
-    )  # the engine's docs are relayed
+    # The engine's docs are relayed.
+    app = FastAPI(title="specdec ingress", docs_url=None, redoc_url=None, openapi_url=None)
     openai_errors(app)
 
     @app.get("/metrics")
@@ -167,14 +165,12 @@ def _ingress_app(
             for deployment in (ENGINE, INGRESS)
         ]
         answers = [answer for answered in await asyncio.gather(*scrapes) for answer in answered]
-        snapshots = dict(
-            answer for answer in answers if isinstance(answer, tuple)
-        )  # a replica that failed to answer is left out
+        # A replica that failed to answer is left out.
+        snapshots = dict(answer for answer in answers if isinstance(answer, tuple))
         return Response(merge_replicas(snapshots), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route(
-        "/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
-    )  # the replica answers every method
+    # The replica answers every method.
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
     async def relayed(request: Request) -> Response:
         return await relay(await Forwarded.of(request), send, replica_failure, ATTEMPTS, failures, overloaded)
 
@@ -196,7 +192,7 @@ def _scaling(config: RayConfig) -> dict:
 
 
 def serve_on_ray(spec: ReplicaSpec, ray_config: RayConfig, ready=lambda: None) -> None:
-    """Start (or join) a Ray cluster, run the application on spec.serve's host and port, and block until SIGINT or SIGTERM.
+    """Start (or join) a Ray cluster, run the application on spec.serve's host and port, block until SIGINT or SIGTERM.
 
     On either signal Serve shuts down (replicas drain their requests, ServeConfig.shutdown_timeout_s) and
     this process leaves the cluster, so no replica outlives the command on a shared cluster.
@@ -233,9 +229,9 @@ def _replica_failure(serve) -> str:
 def app_builder(args: dict):
     """Entry point for a Serve config file (``import_path: specdec.serving.ray_serve:app_builder``).
 
-    ``args``: target, draft, k, k_policy, dtype, precision, window, ServeConfig's request limits and keys
-    (max_batch, max_queue, default_max_tokens, shutdown_timeout_s, api_keys, open_metrics, max_request_bytes, allowed_hosts) and RayConfig's fields but the address: the
-    settings `specdec serve --ray` takes, by their typed names.
+    ``args``: target, draft, k, k_policy, dtype, precision, window, ServeConfig's request limits and keys (max_batch,
+    max_queue, default_max_tokens, shutdown_timeout_s, api_keys, open_metrics, max_request_bytes, allowed_hosts) and
+    RayConfig's fields but the address: the settings `specdec serve --ray` takes, by their typed names.
     """
     known = {
         "spec": ("target", "draft"),

@@ -106,8 +106,10 @@ async def relay(
 ) -> Response:
     """Answer ``request`` from a replica reached through ``send``, trying another while none of an answer has been sent.
 
-    ``failures`` counts, by outcome, requests started again elsewhere ("retried") and requests failed with their replica ("failed").
-    ``overloaded``: what ``send`` raises when every replica is full and so is the queue in front of them: a 429, as one server answers.
+    ``failures`` counts, by outcome, requests started again elsewhere ("retried") and requests failed with their
+    replica ("failed").
+    ``overloaded``: what ``send`` raises when every replica is full and so is the queue in front of them: a 429, as one
+    server answers.
     """
     for attempt in range(1, attempts + 1):
         messages = send(request)

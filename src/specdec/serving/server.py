@@ -25,7 +25,8 @@ from specdec.engine import Generator
 from specdec.serving.config import ServeConfig
 
 # After --shutdown-timeout the engine ends the last requests between two steps (a step can take seconds on a CPU, and
-# Batcher.stop waits up to 10 s for its thread); their handlers then send the final events. uvicorn waits this much longer.
+# Batcher.stop waits up to 10 s for its thread); their handlers then send the final events.
+# uvicorn waits this much longer.
 SHUTDOWN_MARGIN_S = 15.0
 
 
@@ -81,8 +82,8 @@ class _Server(uvicorn.Server):
 
 def _protocol(header_timeout_s: float) -> type[H11Protocol]:
     class HeaderDeadline(H11Protocol):
-        """h11 with a deadline on each request's headers, counted from the connection's start or the request's first byte:
-        a client that opens connections and sends nothing, or dribbles its headers (slowloris), is cut off."""
+        """h11 with a deadline on each request's headers, counted from the connection's start or the request's first
+        byte: a client that opens connections and sends nothing, or dribbles its headers (slowloris), is cut off."""
 
         _timer: asyncio.TimerHandle | None = None
 

@@ -66,9 +66,8 @@ class DraftArch:
     keep: int = 16384
     init: str = "spread"  # "spread": target layers evenly from first to last; "first": the first ones
     exit: int = 0  # > 0: an exit draft on the target's first `exit` layers
-    eagle: bool = (
-        False  # a feature-conditioned head (drafters/eagle.py): `layers` decoder layers on the target's hidden states
-    )
+    # A feature-conditioned head (drafters/eagle.py): `layers` decoder layers on the target's hidden states.
+    eagle: bool = False
 
     def __str__(self) -> str:
         """The spec :meth:`parse` reads back."""
@@ -128,9 +127,8 @@ class DistillConfig:
     eval_every: int = 100
     checkpoint_every: int = 50
     seed: int = 0
-    init_from: str | None = (
-        None  # a draft folder of the same arch to start the draft's own weights from (its kept vocabulary may differ)
-    )
+    # A draft folder of the same arch to start the draft's own weights from (its kept vocabulary may differ).
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -154,7 +152,8 @@ class DistillConfig:
             raise ConfigError("general_prompts share the on-policy prompts: pass --on-policy-tokens N (> 0) with it")
         if not 0 <= self.on_policy_tokens <= self.teacher_tokens:
             raise ConfigError(
-                f"on_policy_tokens must be between 0 and teacher_tokens ({self.teacher_tokens}), got {self.on_policy_tokens}"
+                f"on_policy_tokens must be between 0 and teacher_tokens ({self.teacher_tokens}), "
+                f"got {self.on_policy_tokens}"
             )
         if not self.data:
             raise ConfigError("no training data: pass --data with text files, folders or JSONL prompt files")
@@ -167,9 +166,8 @@ class TeacherData:
     top_logp: torch.Tensor  # [chunks, seq_len, top_k] float16
     keep_ids: torch.Tensor  # [N] int64
     held_out: int  # the last chunks, never trained on
-    hidden: torch.Tensor | None = (
-        None  # [chunks, seq_len, H] bfloat16: the target's final hidden states (eagle heads read them)
-    )
+    # [chunks, seq_len, H] bfloat16: the target's final hidden states (eagle heads read them).
+    hidden: torch.Tensor | None = None
 
 
 Progress = Callable[[str, float, float, dict], None]  # phase, done, total, figures
@@ -248,7 +246,8 @@ def score_with_teacher(
     chunks = len(stream) // (config.seq_len + 1)
     if chunks < 4:
         raise ConfigError(
-            f"only {len(stream)} tokens of data: need at least {4 * (config.seq_len + 1)} for --seq-len {config.seq_len}"
+            f"only {len(stream)} tokens of data: need at least {4 * (config.seq_len + 1)} "
+            f"for --seq-len {config.seq_len}"
         )
     counts = Counter(stream)
     keep = min(config.arch.keep, target.vocab_size)
@@ -391,7 +390,8 @@ def distill(
 
 
 def start_from(draft, folder: str, target: str) -> None:
-    """Copy the own weights of the draft saved in ``folder`` into ``draft`` (same arch and target; output rows are the target's own)."""
+    """Copy the own weights of the draft saved in ``folder`` into ``draft``
+    (same arch and target; output rows are the target's own)."""
     path = Path(folder) / "model.safetensors"
     if not path.is_file():
         raise ConfigError(
@@ -399,7 +399,8 @@ def start_from(draft, folder: str, target: str) -> None:
         )
     if (distilled_for := read_meta(folder).get("target")) != target:
         raise ConfigError(
-            f"--init-from '{folder}' was distilled for '{distilled_for}', not '{target}': start from a draft of this target"
+            f"--init-from '{folder}' was distilled for '{distilled_for}', not '{target}': "
+            "start from a draft of this target"
         )
     saved = load_file(str(path))
     own = own_parameters(draft)
@@ -414,7 +415,8 @@ def start_from(draft, folder: str, target: str) -> None:
             p.copy_(saved[name].to(p.dtype))
 
 
-EAGLE_FEATURE_NOISE = 0.2  # relative noise on the input features in training: drafting beyond one token reads the head's own, imperfect ones
+# Relative noise on the input features in training: drafting beyond one token reads the head's own, imperfect ones.
+EAGLE_FEATURE_NOISE = 0.2
 EAGLE_FEATURE_WEIGHT = 0.5  # of the feature regression against the cross-entropy
 
 
@@ -424,8 +426,8 @@ def batch_loss(
     """(loss, top-1 agreement with the target) of the draft on teacher chunks ``rows``.
 
     A token draft predicts each next token from the tokens so far. An eagle head reads pairs (f_t, x_{t+1}) and predicts
-    x_{t+2} (cross-entropy against the target's distribution) and f_{t+1} (a smooth-L1 regression, as EAGLE does, so that
-    its output can stand in for the target's feature when it drafts further).
+    x_{t+2} (cross-entropy against the target's distribution) and f_{t+1} (a smooth-L1 regression, as EAGLE does, so
+    that its output can stand in for the target's feature when it drafts further).
     """
     tokens, top_ids, top_logp = teacher.tokens[rows], teacher.top_ids[rows], teacher.top_logp[rows]
     if teacher.hidden is None:
@@ -454,7 +456,8 @@ def soft_cross_entropy(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: to
 
 @torch.inference_mode()
 def calibrate(draft, teacher: TeacherData, min_precision: float = 0.4, buckets: int = 10) -> dict:
-    """The draft's confidence floor: the lowest confidence from which its held-out top-1 guesses agree with the target at least ``min_precision`` of the time.
+    """The draft's confidence floor: the lowest confidence from which its held-out top-1 guesses agree with the target
+    at least ``min_precision`` of the time.
 
     A draft token costs a draft step and pays only when accepted; below this
     floor the drafter stops instead. ``min_precision`` leaves a margin over the
@@ -497,12 +500,12 @@ def evaluate(
     prompt_len: int = 32,
     new_tokens: int = 24,
 ) -> dict:
-    """Held-out figures: loss, the draft's top-1 agreement with the teacher, its acceptance rate in the engine (greedy, k = 4)."""
+    """Held-out figures: loss, the draft's top-1 agreement with the teacher, its acceptance rate in the engine
+    (greedy, k = 4)."""
     chunks = len(teacher.tokens)
     losses, agreements = [], []
-    for rows in torch.arange(chunks - teacher.held_out, chunks).split(
-        8
-    ):  # bounded memory: logits are [rows, seq_len, kept vocabulary]
+    # Bounded memory: logits are [rows, seq_len, kept vocabulary].
+    for rows in torch.arange(chunks - teacher.held_out, chunks).split(8):
         loss, agree = batch_loss(target, draft, teacher, rows)
         losses.append(loss)
         agreements.append(agree)

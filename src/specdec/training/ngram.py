@@ -18,7 +18,10 @@ from specdec.drafters.ngram import NgramTable, context_hashes, vocab_bits
 from specdec.errors import ConfigError, PromptError
 
 TEXT_SUFFIXES = frozenset(
-    ".txt .md .rst .py .js .ts .java .c .h .cc .cpp .hpp .go .rs .rb .php .sh .html .css .json .yaml .yml .toml .csv .tex .sql".split()
+    (
+        ".txt .md .rst .py .js .ts .java .c .h .cc .cpp .hpp .go .rs .rb .php .sh .html .css .json .yaml .yml .toml "
+        ".csv .tex .sql"
+    ).split()
 )
 JSONL_TEXT_FIELDS = ("prompt", "continuation", "completion", "response", "text")
 CHUNK_CHARS = 1 << 16  # plain text is tokenized in pieces of about this size, cut at line ends

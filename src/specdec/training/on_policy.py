@@ -1,4 +1,4 @@
-"""On-policy distillation data: prompts drawn from the corpus or from general topics, continued by the target itself, in batches.
+"""On-policy distillation data: prompts from the corpus or general topics, continued by the target itself, in batches.
 
 A draft is judged on the target's own outputs, not on corpus text, so it should
 learn from them: the chat answers, summaries and code continuations the target
@@ -74,16 +74,16 @@ def corpus_prompts(sources: list[str], seed: int, chat_template: Callable[[str],
 
 
 def general_prompts(seed: int) -> Iterator[str]:
-    """An endless, seeded stream of general chat requests and writing openings (``data/training/general_prompts.json``)."""
+    """An endless, seeded stream of general chat requests and writing openings
+    (``data/training/general_prompts.json``)."""
     table = json.loads(
         resources.files("specdec").joinpath("data/training/general_prompts.json").read_text(encoding="utf-8")
     )
     languages = [table[language] for language in ("en", "zh")]
     rng = random.Random(seed)
     while True:
-        language = rng.choices(languages, weights=[len(lang["topics"]) for lang in languages])[
-            0
-        ]  # every topic equally likely
+        # Every topic equally likely.
+        language = rng.choices(languages, weights=[len(lang["topics"]) for lang in languages])[0]
         templates = language["requests"] if rng.random() < 0.5 else language["openings"]
         template, topic = rng.choice(templates), rng.choice(language["topics"])
         yield template.format(topic=topic[0].upper() + topic[1:] if template.startswith("{topic}") else topic)
@@ -130,7 +130,8 @@ def chat_template_of(target: LoadedModel) -> Callable[[str], str] | None:
 def continue_prompts(
     target: LoadedModel, prompts: Iterator[str], max_new_tokens: int, batch: int
 ) -> Iterator[tuple[list[int], int]]:
-    """(prompt ids + the target's greedy continuation up to its end-of-sequence token, continuation length), ``batch`` prompts at a time."""
+    """(prompt ids + the target's greedy continuation up to its end-of-sequence token, continuation length), ``batch``
+    prompts at a time."""
     tokenizer = target.tokenizer
     if tokenizer is None:
         raise ConfigError(f"target '{target.name}' has no tokenizer to write prompts with")

@@ -25,7 +25,8 @@ def markdown(results: dict) -> str:
     lines = [
         "# specdec tune",
         "",
-        f"Target `{cfg['target']}`, prompts `{cfg['prompts']}` ({results['profile']['measured']['sampled_prompts']} sampled), {sampling}, "
+        f"Target `{cfg['target']}`, prompts `{cfg['prompts']}` "
+        f"({results['profile']['measured']['sampled_prompts']} sampled), {sampling}, "
         f"{cfg['new_tokens']} new tokens per prompt, budget {cfg['budget_s']:g} s (used {results['elapsed_s']:.0f} s).",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, accelerator {machine['accelerator']}.",
         "",
@@ -43,7 +44,8 @@ def markdown(results: dict) -> str:
         )
     lines += [
         "",
-        "Cost curves are measured once per machine and runtime and cached (`$SPECDEC_CACHE/costs/`), as the cost-model policy reads them;",
+        "Cost curves are measured once per machine and runtime and cached (`$SPECDEC_CACHE/costs/`), "
+        "as the cost-model policy reads them;",
         "the overhead is a target-only step's time beyond the forward.",
         "",
         "## Drafters (chains of max k, sampled on the fastest runtime each runs on)",
@@ -64,7 +66,8 @@ def markdown(results: dict) -> str:
         ratio = c["measured_tokens_per_s"] / c["predicted_tokens_per_s"] if c["measured_tokens_per_s"] else None
         by_category = " | ".join(fmt(c["measured_by_category"].get(category), "{:.1f}") for category in categories)
         lines.append(
-            f"| {c['label']} | {c['predicted_tokens_per_s']:.1f} | {fmt(c['measured_tokens_per_s'], '{:.1f}')} | {fmt(ratio)} | {by_category} |"
+            f"| {c['label']} | {c['predicted_tokens_per_s']:.1f} | {fmt(c['measured_tokens_per_s'], '{:.1f}')} "
+            f"| {fmt(ratio)} | {by_category} |"
         )
     lines.append("")
     lines.append(

@@ -42,12 +42,8 @@ PHASE_ENDS = (0.3, 0.6)  # shares of the budget by which runtime measurement, th
 SECONDS_PER_PROMPT = 50.0  # the budget buys one sampled prompt per this many seconds (at least 2, at most the set)
 PROBE_PROMPTS = 2  # prompts of each runtime's target-only run
 MARGIN = 1.03  # speculation must beat the fastest target-only measured by this much to be chosen (short runs are noisy)
-OPEN_ERRORS = (
-    SpecDecError,
-    RuntimeError,
-    OSError,
-    MemoryError,
-)  # a runtime that fails to open is skipped, with the reason
+# A runtime that fails to open is skipped, with the reason.
+OPEN_ERRORS = (SpecDecError, RuntimeError, OSError, MemoryError)
 
 
 @dataclass(frozen=True)
@@ -68,8 +64,9 @@ class TuneConfig:
     def __post_init__(self) -> None:
         if self.budget_s < MIN_BUDGET_S:
             raise ConfigError(
-                f"--budget-s {self.budget_s:g} is too small to measure anything: one runtime's cost curve and a short run take "
-                f"about {MIN_BUDGET_S:.0f} s; give at least {MIN_BUDGET_S:.0f} (the default, 600, measures every runtime and drafter)"
+                f"--budget-s {self.budget_s:g} is too small to measure anything: "
+                f"one runtime's cost curve and a short run take about {MIN_BUDGET_S:.0f} s; "
+                f"give at least {MIN_BUDGET_S:.0f} (the default, 600, measures every runtime and drafter)"
             )
         GenerationConfig(k=self.max_k, sampling=SamplingConfig(self.temperature))  # validates both
         if self.new_tokens < 8 or self.confirm < 1:
@@ -89,7 +86,7 @@ class RuntimeFigures:
     @property
     def calibration(self) -> float:
         """Measured target-only tokens/s over the curve's own prediction: what a step costs beyond the curve and the
-        overhead (the prompt's prefill, a cached curve measured on a busier or quieter day), applied to every prediction."""
+        overhead (the prompt's prefill, a cached curve from a busier or quieter day), applied to every prediction."""
         return self.target_only_tokens_per_s * (self.curve(1) + self.overhead_s)
 
 
@@ -171,12 +168,12 @@ def plan(config: TuneConfig) -> tuple[dict[str, RuntimeConfig], list[str], int]:
         unknown = [r for r in config.runtimes if r not in available]
         if unknown:
             raise ConfigError(
-                f"runtime(s) {', '.join(unknown)} cannot run '{config.target}' here: choose among {', '.join(available)}"
+                f"runtime(s) {', '.join(unknown)} cannot run '{config.target}' here: "
+                f"choose among {', '.join(available)}"
             )
         available = {r: available[r] for r in config.runtimes}
-    drafters = [
-        d for d in dict.fromkeys(config.drafters or drafter_candidates(config.target)) if d != "none"
-    ]  # target-only always runs
+    # Target-only always runs.
+    drafters = [d for d in dict.fromkeys(config.drafters or drafter_candidates(config.target)) if d != "none"]
     for spec in drafters:
         drafter = spec.removesuffix(TREE_SUFFIX)
         if (
@@ -335,8 +332,9 @@ def _fitting(
 
 def _nothing_usable(config: TuneConfig, prompts: list[BenchPrompt], why: str) -> list:
     raise PromptError(
-        f"prompts '{config.prompts}' have nothing usable: all {len(prompts)} sampled are {why} (the model's context less "
-        f"{config.new_tokens + config.max_k} tokens for the output and a draft); give prompts like the requests you will serve"
+        f"prompts '{config.prompts}' have nothing usable: all {len(prompts)} sampled are {why} "
+        f"(the model's context less {config.new_tokens + config.max_k} tokens for the output and a draft); "
+        "give prompts like the requests you will serve"
     )
 
 
@@ -348,7 +346,8 @@ def _measure_runtime(
     prompts: list[tuple[BenchPrompt, list[int]]],
     base: GenerationConfig,
 ) -> RuntimeFigures:
-    """The runtime's cost curve (measured once per machine and cached, as the cost-model policy reads it) and a short target-only run."""
+    """The runtime's cost curve (measured once per machine and cached, as the cost-model policy reads it) and a short
+    target-only run."""
     generator = Generator(target, "none", base)
     curve = generator.costs()
     generator.generate(prompts[0][1], max_new_tokens=4)  # warm-up
@@ -371,7 +370,7 @@ def _sample_drafter(
     deadline: float,
     notes: list[str],
 ) -> DrafterSample | None:
-    """Every step of chains (or trees) of max_k drafts on the sampled prompts, on the fastest runtime the drafter runs on.
+    """Every step of chains (or trees) of max_k drafts on the sampled prompts, on the drafter's fastest runtime.
 
     The first step of each prompt (it also reads the prompt) and those whose drafts the length limit cut are left out.
     The drafter is also built on every other runtime: the prediction covers only those it runs on.
@@ -412,7 +411,8 @@ def _sample_drafter(
 
 
 def _predict(measured: dict[str, RuntimeFigures], samples: list[DrafterSample], max_k: int) -> list[Candidate]:
-    """Tokens per second of every (runtime, drafter, k) the drafter runs on, replaying its sampled steps on the runtime's curve; best first.
+    """Tokens per second of every (runtime, drafter, k) the drafter runs on, replaying its sampled steps on the
+    runtime's curve; best first.
 
     A step that proposed p tokens and had a accepted, replayed at k, proposes min(p, k) and keeps min(a, k); it costs a
     forward over min(p, k) + 1 tokens, the runtime's per-step overhead and its drafting time scaled by k / max_k (a
@@ -435,8 +435,8 @@ def _predict(measured: dict[str, RuntimeFigures], samples: list[DrafterSample], 
 def _confirmation_set(
     candidates: list[Candidate], measured: dict[str, RuntimeFigures], count: int, max_k: int
 ) -> list[Candidate]:
-    """The best predicted k of the ``count`` best (runtime, drafter) pairs, the cost-model policy for the best, and target-only
-    on each of their runtimes and on the fastest."""
+    """The best predicted k of the ``count`` best (runtime, drafter) pairs, the cost-model policy for the best, and
+    target-only on each of their runtimes and on the fastest."""
     chosen: list[Candidate] = []
     pairs: set[tuple[str, str]] = set()
     for c in candidates:
@@ -460,7 +460,8 @@ def _confirm(
     start: float,
     notes: list[str],
 ) -> None:
-    """Run every chosen candidate on the sampled prompts, taking turns per prompt; one round, then more while the budget lasts."""
+    """Run every chosen candidate on the sampled prompts, taking turns per prompt;
+    one round, then more while the budget lasts."""
     generators: dict[int, Generator] = {}
     for i, c in enumerate(chosen):
         f = measured[c.runtime]
