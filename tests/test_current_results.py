@@ -1,4 +1,4 @@
-"""BENCHMARKS.md is what benchmarks/current_results.py writes from benchmarks/results/, so it cannot drift from the data."""
+"""BENCHMARKS.md is what benchmarks/current_results.py writes from benchmarks/results/: it cannot drift from them."""
 
 from __future__ import annotations
 

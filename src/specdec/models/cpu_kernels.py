@@ -42,7 +42,7 @@ GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
 # The compiled module's name: change it with SOURCE (a cached build is reused by name).
-BUILD = "specdec_cpu_kernels_v20"
+BUILD = "specdec_cpu_kernels_v21"
 
 SOURCE = r"""
 #include <torch/extension.h>

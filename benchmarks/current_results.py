@@ -1,0 +1,831 @@
+"""Write BENCHMARKS.md, the page of current results, from the result files in benchmarks/results/.
+
+What: every result folder (`specdec bench`, `bench-batch`, `bench-serve`, `quality`, `tune`) and every JSON file a
+script under benchmarks/ wrote is read; for each measured thing (a method on a prompt set at a temperature, a precision
+plan, a server deployment, a model size, ...) the latest result per runtime and machine is kept, and the page gets one
+section per runtime with tables giving each figure's date, machine and the command that produced it.
+
+Why: the figures on the page then come only from files under benchmarks/results/ (headlines.json holds the few the
+journal states without a results file), so the page is regenerated rather than edited, and
+tests/test_current_results.py checks that it matches the data. How the figures came about is the chronological
+journal, benchmarks/journal/notebook.md.
+
+Usage: python benchmarks/current_results.py [--results DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The command that produced each result, as the journal gives it (its shell variables written out), in the journal's
+# order, which breaks ties between results of the same date: a result's name, then its command on indented lines ("-"
+# where neither the journal nor the file records it; `--out benchmarks/results/NAME` is added for folders). Result files
+# do not record their command (ray_autoscaling.py records the server it started, not itself).
+COMMANDS_TEXT = """
+2026-11-29-cpu-core-float32
+  specdec bench --prompts benchmarks/prompts/core.jsonl --methods none,prompt-lookup,hf-greedy,hf-prompt-lookup
+  --k 2,4,8 --max-new-tokens 48 --dtype float32
+2026-11-29-cpu-core-bfloat16
+  specdec bench --prompts benchmarks/prompts/core.jsonl --methods none,prompt-lookup,hf-greedy,hf-prompt-lookup
+  --k 2,4,8 --max-new-tokens 48 --dtype bfloat16
+2026-11-29-cpu
+  specdec bench --prompts benchmarks/prompts/default.jsonl
+  --methods none,prompt-lookup,oracle,hf-greedy,hf-prompt-lookup,llamacpp-greedy,llamacpp-prompt-lookup
+  --k 4 --max-new-tokens 32 --dtype float32
+2026-11-29-cpu-hf-assisted
+  specdec bench --prompts benchmarks/prompts/core.jsonl --methods none,hf-greedy,hf-assisted:smollm2-135m-instruct
+  --k 4 --max-new-tokens 24
+2026-11-29-cpu-llamacpp
+  specdec bench --prompts benchmarks/prompts/default.jsonl --backend llama.cpp --threads 2
+  --methods none,prompt-lookup,oracle,llamacpp-greedy,llamacpp-prompt-lookup --k 2,4,8 --max-new-tokens 64
+2026-11-29-cpu-llamacpp-kpolicy
+  specdec bench --prompts benchmarks/prompts/default.jsonl --backend llama.cpp --threads 2
+  --methods none,prompt-lookup,oracle,llamacpp-greedy --k 2,8 --k-policy fixed,cost-model --max-new-tokens 64
+2026-11-29-cpu-drafters-bfloat16
+  specdec bench --prompts benchmarks/prompts/default.jsonl --dtype bfloat16
+  --methods none,prompt-lookup,$N,model:smollm2-135m-instruct,$D,default,hf-greedy,hf-prompt-lookup,
+  hf-assisted:smollm2-135m-instruct
+  --k 4 --max-new-tokens 32
+2026-11-29-cpu-drafters-bfloat16-t0.7
+  -
+2026-11-29-cpu-layerskip-bfloat16
+  specdec bench --prompts benchmarks/prompts/core.jsonl --dtype bfloat16
+  --methods none,layerskip:6,layerskip:9,layerskip:12,layerskip:15 --k 2 --max-new-tokens 32
+2026-11-30-cpu-distilled-bfloat16
+  specdec bench --prompts benchmarks/prompts/default.jsonl --dtype bfloat16
+  --methods none,prompt-lookup,$N,$D,default,hf-prompt-lookup --k 8 --k-policy cost-model --max-new-tokens 32
+2026-11-30-cpu-distilled-bfloat16-t0.7
+  specdec bench --prompts benchmarks/prompts/default.jsonl --dtype bfloat16
+  --methods none,prompt-lookup,$N,$D,default,hf-prompt-lookup --k 8 --k-policy cost-model --max-new-tokens 32
+  --temperature 0.7
+2026-11-30-cpu-distilled-vs-layerskip-crosstok
+  specdec bench --prompts benchmarks/prompts/default.jsonl --dtype bfloat16
+  --methods none,default,layerskip:12,model:smollm2-135m-instruct --k 8 --k-policy cost-model --max-new-tokens 32
+2026-11-30-cpu-layerskip-t0.7
+  specdec bench --prompts benchmarks/prompts/default.jsonl --dtype bfloat16
+  --methods none,layerskip:12 --k 8 --k-policy cost-model --max-new-tokens 32 --temperature 0.7
+2026-11-29-cpu-kpolicies-llamacpp-default
+  specdec bench --prompts benchmarks/prompts/default.jsonl --backend llama.cpp --threads 2
+  --methods none,prompt-lookup,$N,llamacpp-greedy --k 2,4,8
+  --k-policy fixed,heuristic,perplexity,confidence,cost-model --max-new-tokens 48
+2026-11-29-cpu-kpolicies-llamacpp-mixed
+  specdec bench --prompts benchmarks/prompts/mixed.jsonl --backend llama.cpp --threads 2
+  --methods none,prompt-lookup,$N,llamacpp-greedy --k 2,4,8
+  --k-policy fixed,heuristic,perplexity,confidence,cost-model --max-new-tokens 48
+2026-11-30-cpu-precision-search.json
+  python benchmarks/precision_search.py --out ${J}2026-11-30-cpu-precision-search.json
+  fp32 bf16 attention=bfloat16,ffn=int8,head=bfloat16 attention=bfloat16,ffn=int8,head=int8 seed
+2026-11-30-cpu-precision-cpu
+  $PRESET --precision cpu --methods none,prompt-lookup,$N,hf-greedy,hf-prompt-lookup,llamacpp-greedy
+2026-11-30-cpu-precision-bf16
+  $PRESET --precision bf16 --methods none,prompt-lookup,$N,hf-greedy,hf-prompt-lookup
+2026-11-30-cpu-precision-seed
+  $PRESET --precision seed --methods none,prompt-lookup,$N,hf-greedy,hf-prompt-lookup
+2026-11-30-cpu-precision-seed-speed
+  $PRESET --precision seed --methods none,$N
+2026-11-30-cpu-llamacpp-quant-types.json
+  python benchmarks/llamacpp_quant_types.py --work /tmp/quant --out ${J}2026-11-30-cpu-llamacpp-quant-types.json
+2026-11-30-cpu-batch-prompt-lookup
+  specdec bench-batch --precision cpu --draft prompt-lookup --batch-sizes 8,16,32 --k 5 --max-new-tokens 64
+2026-11-30-cpu-serve-load
+  specdec bench-serve --clients 8 --duration 60 --max-tokens 64 --server-args "--precision cpu --max-batch 8"
+2026-11-30-cpu-quality
+  specdec quality --precision cpu --per-category 3 --max-new-tokens 512
+2026-11-30-cpu-quality-typical-anchor
+  specdec quality --precision cpu --per-category 3 --max-new-tokens 512 --configs "sampled+typical+anchor (lossy)"
+2026-11-30-cpu-serve-ray-1-replica
+  $SERVE "--ray --replicas 1 --cpus-per-replica 2 --precision cpu --max-batch 8"
+2026-11-30-cpu-serve-ray-2-replicas
+  $SERVE "--ray --replicas 2 --cpus-per-replica 1 --precision cpu --max-batch 8"
+2026-11-30-cpu-serve-single-process
+  $SERVE "--precision cpu --max-batch 8"
+2026-11-30-cpu-serve-ray-ingress-1-replica
+  $SERVE "--ray --replicas 1 --cpus-per-replica 2 --precision cpu --max-batch 8"
+2026-11-30-cpu-serve-ray-ingress-2-replicas
+  $SERVE "--ray --replicas 2 --cpus-per-replica 1 --precision cpu --max-batch 8"
+2026-11-30-cpu-serve-single-process-rerun
+  $SERVE "--precision cpu --max-batch 8"
+2026-11-30-cpu-ray-autoscaling.json
+  python benchmarks/ray_autoscaling.py --ray-address HOST:PORT --out ${J}2026-11-30-cpu-ray-autoscaling.json
+  -- --target gemma-3-270m --precision cpu --cpus-per-replica 1 --target-ongoing-requests 2 --upscale-delay 5
+  --downscale-delay 10
+2026-11-30-cpu-long-sliding-window
+  specdec bench --prompts benchmarks/prompts/long.jsonl --methods none,prompt-lookup --k 4
+  --max-new-tokens 1536 --precision cpu
+2026-12-01-cpu-serve-load-keys
+  $SERVE "--precision cpu --max-batch 8" --keys
+2026-12-01-cpu-serve-load-no-keys
+  $SERVE "--precision cpu --max-batch 8" --no-keys
+2026-12-01-cpu-where-time-goes.json
+  python benchmarks/where_time_goes.py --out ${J}2026-12-01-cpu-where-time-goes.json
+2026-12-01-cpu-precision-int8a8.json
+  python benchmarks/precision_search.py --out ${J}2026-12-01-cpu-precision-int8a8.json
+  fp32 cpu attention=bfloat16,ffn=int8,head=int8a8 attention=bfloat16,ffn=int8a8,head=int8a8
+2026-12-01-cpu-head-kernel-probe.json
+  -
+2026-12-01-cpu-vnni-default
+  specdec bench --precision cpu-vnni --methods none,prompt-lookup,llamacpp-greedy,llamacpp-prompt-lookup
+  --k 8 --k-policy cost-model --max-new-tokens 64
+2026-12-01-cpu-plan-default
+  specdec bench --precision cpu --methods none,prompt-lookup --k 8 --k-policy cost-model --max-new-tokens 64
+2026-12-01-native-default
+  specdec bench --backend native --methods none,prompt-lookup,llamacpp-greedy,llamacpp-prompt-lookup
+  --k 8 --k-policy cost-model --max-new-tokens 64
+2026-12-01-cpu-vnni-g128
+  specdec bench --precision cpu-vnni --methods none,prompt-lookup --k 8 --k-policy cost-model --max-new-tokens 64
+2026-12-01-cpu-where-time-goes-native.json
+  python benchmarks/where_time_goes.py --runtimes cpu,cpu-vnni,native,llama.cpp
+  --out ${J}2026-12-01-cpu-where-time-goes-native.json
+2026-12-01-native-perplexity.json
+  specdec ppl --backend native --data LICENSE.txt --max-tokens 4096
+  (and --data functools.py; cpu-vnni: --precision cpu-vnni), collected by hand
+2026-12-01-cpu-lookup-vs-draft
+  specdec bench --precision cpu --methods none,prompt-lookup,lookup-then-draft --k 8 --k-policy cost-model
+  --max-new-tokens 64
+2026-12-01-cpu-trees-greedy
+  $TREES --methods none,prompt-lookup,prompt-lookup+tree,$D,$D+tree,eagle,eagle+tree,lookup-then-eagle+tree,
+  hf-prompt-lookup,hf-assisted:smollm2-135m-instruct
+2026-12-01-cpu-trees-t0.7
+  $TREES --temperature 0.7 --methods none,prompt-lookup,prompt-lookup+tree,$D,$D+tree,eagle,eagle+tree,hf-prompt-lookup
+2026-12-01-cpu-eagle-head-cost.json
+  python benchmarks/eagle_head_cost.py --count 12 --out ${J}2026-12-01-cpu-eagle-head-cost.json
+2026-12-01-cpu-trees-greedy-native-head
+  $TREES --methods none,prompt-lookup,prompt-lookup+tree,$N,$N+tree,model:/tmp/eagle-old,eagle,eagle+tree,
+  lookup-then-eagle,lookup-then-eagle+tree,hf-prompt-lookup
+2026-12-01-cpu-trees-t0.7-native-head
+  $TREES --temperature 0.7 --methods none,prompt-lookup,prompt-lookup+tree,$N,eagle,eagle+tree,lookup-then-eagle,
+  lookup-then-eagle+tree,hf-prompt-lookup
+2026-12-01-cpu-tune
+  specdec tune --budget-s 600
+2026-12-01-cpu-sweep-native
+  specdec bench --backend native --methods none,prompt-lookup,eagle,lookup-then-eagle --k 2,4,8
+  --k-policy fixed,cost-model --max-new-tokens 32
+2026-12-01-cpu-sweep-llamacpp
+  specdec bench --backend llama.cpp --methods none,prompt-lookup,lookup-then-eagle --k 2,4,8
+  --k-policy fixed,cost-model --max-new-tokens 32
+2026-12-01-cpu-sweep-cpu-vnni
+  specdec bench --precision cpu-vnni --methods none,prompt-lookup,lookup-then-draft,lookup-then-eagle --k 4,8
+  --k-policy fixed,cost-model --max-new-tokens 32
+2026-12-01-cpu-sweep-profile
+  specdec bench --profile ${J}2026-12-01-cpu-tune/profile.json --max-new-tokens 32
+2026-12-01-cpu-model-sizes.json
+  python benchmarks/model_sizes.py --work /tmp/sizes2 --out ${J}2026-12-01-cpu-model-sizes.json
+2026-12-01-fp32-default-drafter-greedy
+  specdec bench --methods none,prompt-lookup,auto --k 10 --k-policy cost-model --max-new-tokens 64
+2026-12-01-native-default-drafter-greedy
+  specdec bench --backend native --methods none,prompt-lookup,lookup-then-eagle --k 10 --k-policy cost-model
+  --max-new-tokens 64
+2026-12-01-cpu-tree-or-chain-greedy
+  $TREES --methods none,prompt-lookup,prompt-lookup+tree,eagle,eagle+tree,lookup-then-eagle,lookup-then-eagle+tree,auto
+2026-12-01-cpu-auto-t0.7
+  $TREES --temperature 0.7 --methods none,prompt-lookup,auto
+2026-12-01-cpu-amx-before-identity-fix
+  $TREES --methods none,prompt-lookup,prompt-lookup+tree,eagle,eagle+tree,lookup-then-eagle,lookup-then-eagle+tree
+  --out ${J}2026-12-01-cpu-tree-per-step-greedy (the folder renamed afterwards)
+2026-12-01-cpu-tree-per-step-greedy
+  $TREES --methods none,prompt-lookup,prompt-lookup+tree,eagle,eagle+tree,lookup-then-eagle,lookup-then-eagle+tree
+2026-12-02-cpu-trees-greedy
+  $TREES --methods none,prompt-lookup,prompt-lookup+tree,$N,$N+tree,$D,$D+tree,eagle,eagle+tree,lookup-then-eagle,
+  lookup-then-eagle+tree,hf-prompt-lookup
+2026-12-02-cpu-trees-greedy-after-tree-attention
+  $TREES --methods none,prompt-lookup,prompt-lookup+tree,eagle,eagle+tree,lookup-then-eagle,lookup-then-eagle+tree
+2026-12-02-cpu-trees-t0.7
+  $TREES --temperature 0.7 --methods none,prompt-lookup,prompt-lookup+tree,lookup-then-eagle,lookup-then-eagle+tree
+2026-12-02-cpu-trees-priced-greedy
+  $TREES --methods none,prompt-lookup,prompt-lookup+tree,$N,$N+tree,eagle,eagle+tree,lookup-then-eagle,
+  lookup-then-eagle+tree,hf-prompt-lookup
+2026-12-02-cpu-lookup-trees-whole-greedy
+  $TREES --methods none,prompt-lookup,prompt-lookup+tree,$N,$N+tree,lookup-then-eagle,lookup-then-eagle+tree
+2026-12-02-cpu-lookup-trees-learn-greedy
+  $TREES --methods none,prompt-lookup,prompt-lookup+tree
+2026-12-02-cpu-sampled-chains-t0.7
+  $TREES --temperature 0.7 --methods none,prompt-lookup,prompt-lookup+tree,$N,eagle,eagle+tree,lookup-then-eagle,
+  lookup-then-eagle+tree,hf-prompt-lookup
+2026-12-02-cpu-eagle-t0.7
+  $TREES --temperature 0.7 --methods none,eagle,lookup-then-eagle,lookup-then-eagle+tree
+2026-12-02-cpu-priced-head-t0.7
+  $TREES --temperature 0.7 --methods none,eagle,eagle+tree,lookup-then-eagle,lookup-then-eagle+tree
+2026-12-02-cpu-priced-tree-levels-t0.7
+  $TREES --temperature 0.7 --methods none,eagle,eagle+tree,lookup-then-eagle,lookup-then-eagle+tree
+2026-12-03-cpu-kernel-builds.json
+  python benchmarks/kernel_builds.py --out ${J}2026-12-03-cpu-kernel-builds.json
+2026-12-03-cpu-native-formats-perplexity.json
+  python benchmarks/native_formats.py --out ${J}2026-12-03-cpu-native-formats-perplexity.json
+2026-12-03-cpu-model-sizes.json
+  python benchmarks/model_sizes.py --work /tmp/sizes --out ${J}2026-12-03-cpu-model-sizes.json --sizes 0.5b,1b,3b,8b
+  --backends llama.cpp,native-int8,native-int4 --hf-max-params 1e10 --llama-bench PATH
+2026-12-03-cpu-attention-context.json
+  python benchmarks/attention_context.py --out ${J}2026-12-03-cpu-attention-context.json --before SO
+  --model /tmp/sizes/llama-1b
+2026-12-03-cpu-attention-context-paged.json
+  python benchmarks/attention_context.py --out ${J}2026-12-03-cpu-attention-context-paged.json --before SO
+  --model /tmp/sizes/llama-1b
+2026-12-03-cpu-native-formats-perplexity-paged.json
+  python benchmarks/native_formats.py --out ${J}2026-12-03-cpu-native-formats-perplexity-paged.json
+"""
+VARIABLES = {
+    "J": "benchmarks/results/",
+    "N": "ngram:/tmp/gemma-corpus.ngram",
+    "D": "model:src/specdec/data/drafts/gemma-3-270m",
+    "TREES": "specdec bench --precision cpu --k 10 --k-policy cost-model --max-new-tokens 64",
+    "SERVE": "specdec bench-serve --clients 8 --duration 45 --max-tokens 64 --server-args",
+    "PRESET": "specdec bench --prompts benchmarks/prompts/default.jsonl --k 8 --k-policy cost-model "
+    "--max-new-tokens 32",
+}
+
+
+def parse_commands(text: str) -> dict[str, str | None]:
+    """COMMANDS_TEXT as {result name: command}, in its order; a line ending in "," continues without a space."""
+    commands: dict[str, str] = {}
+    name = ""
+    for line in text.strip().splitlines():
+        if not line.startswith(" "):
+            name = line
+            commands[name] = ""
+        else:
+            part = line.strip()
+            commands[name] += part if commands[name].endswith(",") or not commands[name] else " " + part
+    return {name: None if c == "-" else Template(c).substitute(VARIABLES) for name, c in commands.items()}
+
+
+COMMANDS = parse_commands(COMMANDS_TEXT)
+J = VARIABLES["J"]
+
+# Where a result file does not record its machine, the journal's section says which it was.
+AMD = "AMD EPYC, 2 cores"
+JOURNAL_MACHINES = dict.fromkeys(
+    [
+        "2026-11-30-cpu-llamacpp-quant-types.json",
+        "2026-11-30-cpu-precision-search.json",
+        "2026-11-30-cpu-ray-autoscaling.json",
+        "2026-11-30-cpu-serve-load",
+        "2026-11-30-cpu-serve-single-process",
+        "2026-11-30-cpu-serve-ray-1-replica",
+        "2026-11-30-cpu-serve-ray-2-replicas",
+        "2026-11-30-cpu-serve-ray-ingress-1-replica",
+        "2026-11-30-cpu-serve-ray-ingress-2-replicas",
+        "2026-11-30-cpu-serve-single-process-rerun",
+        "2026-12-01-cpu-serve-load-keys",
+        "2026-12-01-cpu-serve-load-no-keys",
+        "2026-12-01-cpu-where-time-goes.json",
+        "2026-12-01-cpu-where-time-goes-native.json",
+        "2026-12-01-cpu-precision-int8a8.json",
+        "2026-12-01-native-perplexity.json",
+        "2026-12-01-cpu-eagle-head-cost.json",
+    ],
+    AMD,
+)
+# Results the journal says not to use, and why; listed at the end of the page instead of in the tables.
+EXCLUDED = {
+    "2026-11-30-cpu-precision-seed": "its speeds are not usable, a test run shared the 2 cores for part of it "
+    '(journal, "Precision plans"); its speed-only rerun is 2026-11-30-cpu-precision-seed-speed',
+}
+# The paged run of native_formats.py named its columns by the then default cache (bfloat16; journal, "The KV cache in
+# pages"): its "native int8" is int8 with a bfloat16 cache and its "native int4" has a bfloat16 cache too.
+RELABEL = {
+    "2026-12-03-cpu-native-formats-perplexity-paged.json": {
+        "native int8": "int8, bfloat16 cache",
+        "int8, float32 cache": "native int8, float32 cache",
+        "native int4": "native int4, bfloat16 cache",
+    }
+}
+PLANS = {  # the precision presets of src/specdec/config.py, by their describe() string
+    "attention=bfloat16,ffn=bfloat16,head=bfloat16,draft=bfloat16,verify=bfloat16": "bf16",
+    "attention=float16,ffn=int8,head=float16,draft=float8,verify=float16": "seed",
+    "attention=bfloat16,ffn=int8,head=bfloat16,draft=bfloat16,verify=float32": "cpu",
+    "attention=bfloat16,ffn=int8,head=int8a8,draft=bfloat16,verify=float32": "cpu-vnni",
+}
+SECTIONS = ("native", "transformers", "llama.cpp", "Across runtimes")
+
+
+@dataclass(frozen=True, eq=False)
+class Result:
+    name: str  # the folder's name, or the file's with its .json
+    data: Any
+    folder: bool
+
+    @property
+    def date(self) -> str:
+        return self.name[:10]
+
+    @property
+    def path(self) -> str:
+        return f"{J}{self.name}{'/report.md' if self.folder else ''}"
+
+    @property
+    def link(self) -> str:
+        return f"[{self.name.removesuffix('.json')[11:]}]({self.path})"
+
+    @property
+    def machine(self) -> str:
+        recorded = self.data.get("machine", {}) if isinstance(self.data, dict) else {}
+        if "cpu" in recorded:  # with its accelerator where it ran on one
+            gpu = next(
+                (recorded[k] for k in ("accelerator", "device") if recorded.get(k) not in (None, "none", "cpu")), ""
+            )
+            return f"{recorded['cpu']}, {recorded['cores']} cores" + (f", {gpu}" if gpu else "")
+        return f"{JOURNAL_MACHINES[self.name]} (journal)" if self.name in JOURNAL_MACHINES else "a machine not recorded"
+
+
+Block = tuple[str, list[str]]  # (section, markdown lines)
+
+
+def load(results: Path) -> list[Result]:
+    """Every result under `results`, oldest first (by date, then in the journal's order, then by name)."""
+    found = []
+    for path in results.iterdir():
+        if path.is_dir() and (path / "results.json").exists():
+            found.append(Result(path.name, json.loads((path / "results.json").read_text()), True))
+        elif path.suffix == ".json" and path.name != "headlines.json":
+            found.append(Result(path.name, json.loads(path.read_text()), False))
+    order = {name: i for i, name in enumerate(COMMANDS)}
+    return sorted(found, key=lambda r: (r.date, order.get(r.name, len(order)), r.name))
+
+
+def kind(data: Any) -> str:
+    """Which writer made a result, from its shape."""
+    if isinstance(data, list):
+        return "quant-types" if "type" in data[0] else "precision-search"
+    shapes = {
+        "methods": "bench",
+        "batches": "batch",
+        "summary": "quality",
+        "candidates": "tune",
+        "levels": "eagle-head",
+        "rows": "head-probe",
+        "sizes": "model-sizes",
+        "same_bits": "attention",
+        "kernels": "kernel-builds",
+        "models": "native-formats",
+        "clients": "autoscaling",
+        "results": "serve",
+        "runtimes": "where-time-goes",
+    }
+    found = [name for key, name in shapes.items() if key in data]
+    return found[0] if found else "ppl" if all(" " in key for key in data) else "unknown"
+
+
+def num(value: float | None, pattern: str = "{:.2f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def ppl(value: float, reference: float) -> str:
+    return f"{value:.3f} ({value / reference - 1:+.1%})"
+
+
+def table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def block(
+    section: str, title: str, header: list[str], rows: list[list[str]], used: Iterable[Result], note: str = ""
+) -> Block:
+    """A table under its title, then the command of every result it shows."""
+    lines = [f"### {title}", ""] + ([note, ""] if note else []) + table(header, rows) + ["", "Commands:", ""]
+    for r in sorted(set(used), key=lambda r: r.name):
+        command = COMMANDS.get(r.name)
+        out = "" if command is None or "--out" in command or not r.folder else f" --out {J}{r.name}"
+        lines.append(f"- [`{r.name}`]({r.path}): " + ("not recorded" if command is None else f"`{command}{out}`"))
+    return section, lines + [""]
+
+
+def latest(entries: Iterable[tuple[Hashable, Result, Any]]) -> dict[Any, tuple[Result, Any]]:
+    """The last (newest) entry per key, in the order the keys first came; entries come oldest first."""
+    kept: dict[Any, tuple[Result, Any]] = {}
+    for key, result, value in entries:
+        kept[key] = (result, value)
+    return kept
+
+
+def newest_per_machine(results: list[Result]) -> list[Result]:
+    """For results that are one measurement as a whole: the newest per machine."""
+    return [r for r, _ in latest((r.machine, r, None) for r in results).values()]
+
+
+def plan(describe: str) -> str:
+    """A precision plan's describe() string, completed with verify=float32 where it predates that part."""
+    return describe if "verify=" in describe else describe + ",verify=float32"
+
+
+def runtime(machine: dict) -> tuple[str, str]:
+    """(section, runtime) of a `specdec bench` run."""
+    backend, dtype = machine.get("backend", "transformers"), machine["dtype"]
+    if backend == "llama.cpp":
+        return backend, "llama.cpp, the target's GGUF file"
+    if "=" in dtype:
+        dtype = f"`{PLANS[plan(dtype)]}` plan" if plan(dtype) in PLANS else plan(dtype)
+    return backend, f"{backend}, {dtype}"
+
+
+def bench(results: list[Result]) -> list[Block]:
+    """`specdec bench` runs: the latest row per runtime, machine, target, prompts, new tokens, temperature, method."""
+    entries = []
+    for r in results:
+        c, (section, rt) = r.data["config"], runtime(r.data["machine"])
+        prompts = c["prompts"].removeprefix("benchmarks/prompts/").removesuffix(".jsonl")
+        for name, m in r.data["methods"].items():
+            key = (section, rt, r.machine, c["target"], prompts, c["max_new_tokens_used"], c["temperature"], name)
+            entries.append((key, r, m))
+    rows = latest(entries)
+    groups: dict[tuple, list] = {}
+    for (section, rt, machine, target, prompts, tokens, t, name), (r, m) in rows.items():
+        groups.setdefault((section, rt, machine, target), []).append((prompts, tokens, t, name != "none", name, r, m))
+    blocks = []
+    for (section, rt, machine, target), entries in sorted(groups.items()):
+        cells = []
+        for prompts, tokens, t, _, name, r, m in sorted(entries, key=lambda e: e[:5]):
+            o = m["categories"]["overall"]
+            identical = num(o["identical_share"], "{:.0%}") if t == 0 else "n/a"
+            cells.append(
+                [prompts, str(tokens), f"{t:g}", name, f"{o['tokens_per_s']:.2f}", f"{o['speedup_vs_none']:.2f}x"]
+                + [num(o["tokens_per_step"]), num(o["acceptance_rate"], "{:.0%}"), identical, r.date, r.link]
+            )
+        header = ["prompts", "new tokens", "T", "method", "tok/s", "vs none", "tokens/step", "acceptance", "identical"]
+        title = f"{rt}: `{target}` on {machine}"
+        blocks.append(block(section, title, header + ["date", "result"], cells, [e[5] for e in entries]))
+    return blocks
+
+
+def batch(results: list[Result]) -> list[Block]:
+    rows = latest(
+        ((r.machine, size, way), r, (m, ways["target-only"]["tokens_per_s"]))
+        for r in results
+        for size, ways in r.data["batches"].items()
+        for way, m in ways.items()
+    )
+    cells = [
+        [size, way, f"{m['tokens_per_s']:.1f}", f"{m['tokens_per_s'] / base:.2f}x", f"{m['mean_latency_s']:.2f}"]
+        + [f"{m['p95_latency_s']:.2f}", num(m["acceptance_rate"], "{:.0%}"), r.machine, r.date, r.link]
+        for (machine, size, way), (r, (m, base)) in rows.items()
+    ]
+    header = ["batch", "way", "tok/s", "vs batched target-only", "mean latency s", "p95 latency s", "acceptance"]
+    shown = {r.name: r for r, _ in rows.values()}.values()
+    setups = sorted(
+        {f"{runtime(r.data['machine'])[1]}, {r.data['config']['draft']}, k {r.data['config']['k']}" for r in shown}
+    )
+    title = f"Batched speculative decoding (`specdec bench-batch`: {'; '.join(setups)})"
+    return [block("transformers", title, header + ["machine", "date", "result"], cells, shown)]
+
+
+def serve(results: list[Result]) -> list[Block]:
+    rows = latest(
+        ((" ".join(c["server_args"]), bool(c.get("keys")), spec), r, m)
+        for r in results
+        for c in [r.data["config"]]
+        for spec, m in r.data["results"].items()
+    )
+    cells = [
+        [f"`{args}`", "required" if keys else "none", spec, str(m["requests"]), f"{m['requests_per_s']:.2f}"]
+        + [f"{m['tokens_per_s']:.1f}", " / ".join(f"{m['latency_s'][p]:.2f}" for p in ("p50", "p95", "p99"))]
+        + [" / ".join(f"{m['ttft_s'][p]:.2f}" for p in ("p50", "p95")), str(m["errors"]), r.machine, r.date, r.link]
+        for (args, keys, spec), (r, m) in rows.items()
+    ]
+    header = ["server args", "API keys", "speculation", "requests", "req/s", "tok/s", "latency p50 / p95 / p99 s"]
+    header += ["TTFT p50 / p95 s", "errors", "machine", "date", "result"]
+    title = "The server under load (`specdec bench-serve`, streaming clients)"
+    return [block("transformers", title, header, cells, [r for r, _ in rows.values()])]
+
+
+def autoscaling(results: list[Result]) -> list[Block]:
+    cells = [
+        [
+            str(d["clients"]),
+            f"{d['load_start_to_second_replica_running_s']:.1f}",
+            f"{d['load_end_to_one_replica_s']:.1f}",
+        ]
+        + [str(d["requests"]), ", ".join(map(str, d["statuses"])), r.machine, r.date, r.link]
+        for r in newest_per_machine(results)
+        for d in [r.data]
+    ]
+    header = ["clients", "load start to 2nd replica s", "load end to 1 replica s", "requests", "statuses"]
+    title = "Ray Serve autoscaling, 1 to 2 replicas (`benchmarks/ray_autoscaling.py`)"
+    return [block("transformers", title, header + ["machine", "date", "result"], cells, newest_per_machine(results))]
+
+
+def quality(results: list[Result]) -> list[Block]:
+    rows = latest(
+        ((r.machine, name), r, (s["all"], r.data["summary"][r.data["baselines"][name]]["all"]))
+        for r in results
+        for name, s in r.data["summary"].items()
+    )
+    cells = [
+        [name, f"{s['tokens_per_s']:.1f}", f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}x"]
+        + [f"{s[k]:.0%}" for k in ("repeated_4gram_share", "distinct_2", "looping_share")]
+        + [f"{s['drift_mean']:.2f}", machine, r.date, r.link]
+        for (machine, name), (r, (s, base)) in rows.items()
+    ]
+    header = ["config", "tok/s", "vs its baseline", "repeated 4-grams", "distinct-2", "in loops", "drift", "machine"]
+    note = "Baseline: the greedy or sampled configuration of the same run."
+    title = "Long-generation quality (`specdec quality`)"
+    return [block("transformers", title, header + ["date", "result"], cells, [r for r, _ in rows.values()], note)]
+
+
+def precision_search(results: list[Result]) -> list[Block]:
+    rows = latest(
+        ((r.machine, plan(p["describe"])), r, (p, fp32))
+        for r in results
+        for fp32 in [next(p for p in r.data if p["plan"] == "fp32")]
+        for p in r.data
+    )
+    cells = [
+        [p["plan"], describe, f"{p['tokens_per_s']:.2f}", f"{p['tokens_per_s'] / fp32['tokens_per_s']:.2f}x"]
+        + [ppl(x["plan"], x["float32"]) for x in p["perplexity"].values()]
+        + [machine, r.date, r.link]
+        for (machine, describe), (r, (p, fp32)) in rows.items()
+    ]
+    header = ["plan", "parts", "tok/s", "vs fp32", "PPL LICENSE.txt", "PPL functools.py", "machine", "date", "result"]
+    note = "Target-only speed; perplexity on the same tokens of each file, against float32."
+    title = "Precision plans, target-only (`benchmarks/precision_search.py`)"
+    return [block("transformers", title, header, cells, [r for r, _ in rows.values()], note)]
+
+
+def eagle_head(results: list[Result]) -> list[Block]:
+    blocks = []
+    for r in newest_per_machine(results):
+        none = r.data["engine"]["none"]["tokens_per_s"]
+        cells = [
+            [name, f"{e['tokens_per_s']:.2f}", f"{e['tokens_per_s'] / none:.2f}x", f"{e['draft_ms_p50']:.2f}"]
+            + [f"{e['accepted_per_step']:.2f}", f"{e['identical']:.0%}", r.date, r.link]
+            for name, e in r.data["engine"].items()
+        ]
+        header = ["head", "tok/s", "vs none", "draft ms p50", "accepted/step", "identical", "date", "result"]
+        note = "The eagle head as its transformers module and on the native int8 kernels; `cpu` plan, greedy."
+        title = f"The eagle head's cost (`benchmarks/eagle_head_cost.py`) on {r.machine}"
+        blocks.append(block("transformers", title, header, cells, [r], note))
+    return blocks
+
+
+def head_probe(results: list[Result]) -> list[Block]:
+    blocks = []
+    for r in newest_per_machine(results):
+        rows = r.data["rows"]
+        names = [k for k in next(iter(rows.values())) if k.startswith(("int8", "torch"))]
+        cells = [
+            [n] + [f"{v[k]:.2f}" for k in names] + [str(v["rows equal computed alone"]).lower()]
+            for n, v in rows.items()
+        ]
+        header = ["positions"] + [f"{k} ms" for k in names] + ["rows equal alone"]
+        title = f"Gemma-3-270M's output head in int8 (`benchmarks/head_kernel_probe.py`) on {r.machine}, {r.date}"
+        blocks.append(block("transformers", title, header, cells, [r]))
+    return blocks
+
+
+def quant_types(results: list[Result]) -> list[Block]:
+    rows = latest(((r.machine, q["type"]), r, q) for r in results for q in r.data)
+    cells = [
+        [t, f"{q['file_mb']:.0f}", f"{q['tokens_per_s']['none']:.1f}", f"{q['tokens_per_s']['prompt-lookup']:.1f}"]
+        + [f"{q['tokens_per_s']['prompt-lookup'] / q['tokens_per_s']['none']:.2f}x"]
+        + [ppl(x["type"], x["float32"]) for x in q["perplexity"].values()]
+        + [machine, r.date, r.link]
+        for (machine, t), (r, q) in rows.items()
+    ]
+    header = ["type", "file MB", "target-only tok/s", "prompt lookup tok/s", "vs target-only", "PPL LICENSE.txt"]
+    header += ["PPL functools.py", "machine", "date", "result"]
+    title = "Quantization types written by llama.cpp's own quantizer (`benchmarks/llamacpp_quant_types.py`)"
+    return [block("llama.cpp", title, header, cells, [r for r, _ in rows.values()])]
+
+
+def where_time_goes(results: list[Result]) -> list[Block]:
+    rows = latest(
+        ((r.machine, name), r, (v, r.data["machine"]["read_GBps"]))
+        for r in results
+        for name, v in r.data["runtimes"].items()
+    )
+    ns = ("1", "2", "5", "9", "17")
+    cells = [
+        [name, f"{v['weight_MB']:.0f}", f"{v['roofline_ms']:.1f}"]
+        + [f"{v['forward'][n]['total'] * 1000:.1f}" for n in ns]
+        + [f"{v['engine']['per_step_ms']:.2f}", f"{gbps:.1f}", machine, r.date, r.link]
+        for (machine, name), (r, (v, gbps)) in rows.items()
+    ]
+    header = ["runtime", "weights MB", "roofline ms"] + [f"forward n={n} ms" for n in ns]
+    header += ["bookkeeping ms/step", "read GB/s", "machine", "date", "result"]
+    note = "Gemma-3-270M, a forward over n new tokens after 64 cached ones; roofline: weights over read bandwidth."
+    title = "Where a forward's time goes (`benchmarks/where_time_goes.py`)"
+    return [block("Across runtimes", title, header, cells, [r for r, _ in rows.values()], note)]
+
+
+def tune(results: list[Result]) -> list[Block]:
+    blocks = []
+    for r in newest_per_machine(results):
+        d = r.data
+        cells = [
+            [c["label"] + (" (chosen)" if c["label"] == d["chosen"] else ""), f"{c['predicted_tokens_per_s']:.1f}"]
+            + [f"{c['measured_tokens_per_s']:.1f}", r.date, r.link]
+            for c in d["confirmed"]
+        ]
+        alone = ", ".join(f"{n} {v['target_only_tokens_per_s']:.1f}" for n, v in d["runtimes"].items())
+        cfg = d["config"]
+        note = f"`{cfg['target']}`, prompts `{cfg['prompts']}`, T {cfg['temperature']:g}; target-only tok/s: {alone}."
+        title = f"`specdec tune`: the configurations it confirmed, on {r.machine}"
+        header = ["configuration", "predicted tok/s", "measured tok/s", "date", "result"]
+        blocks.append(block("Across runtimes", title, header, cells, [r], note))
+    return blocks
+
+
+def model_sizes(results: list[Result]) -> list[Block]:
+    blocks = []
+    for r in newest_per_machine(results):
+        speed, memory = [], []
+        for size, s in r.data["sizes"].items():
+            greedy, bench_ = s["llamacpp_greedy_tokens_per_s"], s.get("llama_bench_tokens_per_s")
+            speed.append([size, "llama.cpp greedy (llama-cpp-python)", f"{greedy:.1f}", "", "", "", "", ""])
+            if bench_:
+                speed.append([size, "llama-bench (C++)", f"{bench_:.1f}", "", "", "", "", ""])
+            for name, b in s["backends"].items():
+                alone = b["target_only_tokens_per_s"]
+                oracle = [
+                    f"{o['speedup']:.2f}x ({o['predicted_speedup']:.2f}x) / {o['tokens_per_s'] / greedy:.2f}x"
+                    for o in b["oracle"].values()
+                ]
+                versus = [f"{alone / greedy:.2f}x", f"{alone / bench_:.2f}x" if bench_ else "-"]
+                speed.append([size, name, f"{alone:.1f}"] + versus + oracle)
+                if "generating" in b:
+                    gb = b["bytes_per_token"] / 1e9
+                    first = b.get("first_start")
+                    converting = f"{first['peak_rss_mb'] - first['rss_after_imports_mb']:.0f} / " if first else "- / "
+                    start = f"{b['cached_start']['seconds']:.1f}" if "cached_start" in b else "-"
+                    memory.append(
+                        [
+                            size,
+                            name,
+                            f"{gb * 1000:.0f}",
+                            f"{gb * alone:.1f}",
+                            converting + f"{b['model_bytes'] / 2**20:.0f}",
+                        ]
+                        + [start, f"{b['generating']['peak_rss_mb']:.0f}"]
+                    )
+        alphas = list(next(iter(r.data["sizes"].values()))["backends"].values())[0]["oracle"]
+        header = ["size", "runtime", "target-only tok/s", "x llama.cpp greedy", "x llama-bench"]
+        header += [f"a={a}: x own (predicted) / x llama.cpp greedy" for a in alphas]
+        note = "Random weights in real shapes; an oracle drafter right with probability a, k the cost model's; one run."
+        title = f"Model sizes: target-only and speculation (`benchmarks/model_sizes.py`) on {r.machine}, {r.date}"
+        blocks.append(block("Across runtimes", title, header, speed, [r], note))
+        if memory:
+            header = ["size", "runtime", "MB read per token", "GB/s", "peak RSS converting / model MB"]
+            header += ["start from cache s", "peak RSS generating MB"]
+            note = f"The same run; measured read bandwidth {r.data['machine']['read_GBps']:.1f} GB/s."
+            title = f"Model sizes: bytes, bandwidth and memory on {r.machine}, {r.date}"
+            blocks.append(block("Across runtimes", title, header, memory, [r], note))
+    return blocks
+
+
+def attention(results: list[Result]) -> list[Block]:
+    blocks = []
+    for r in newest_per_machine(results):
+        variants = [k for k in r.data if k not in ("machine", "same_bits", "whole_steps")]
+        cells = [
+            [shape]
+            + [
+                f"{r.data[v][shape]['1']:.2f} / {r.data[v][shape]['9']:.2f} ({r.data[v][shape]['ratio']:.2f}x)"
+                for v in variants
+            ]
+            for shape in r.data[variants[0]]
+        ]
+        steps = "; ".join(
+            f"after {ctx} cached, {w['1']:.1f} / {w['9']:.1f} ms ({w['ratio']:.2f}x)"
+            for ctx, w in r.data["whole_steps"].items()
+        )
+        note = f"One layer's attention; the same bits as before: {str(r.data['same_bits']).lower()}."
+        note += f" Whole steps of the `--model`, 1 / 9 new positions: {steps}."
+        header = ["shape @ context"] + [f"{v}: 1 / 9 positions ms" for v in variants]
+        title = f"Attention against context (`benchmarks/attention_context.py`) on {r.machine}, {r.date}"
+        blocks.append(block("native", title, header, cells, [r], note))
+    return blocks
+
+
+def kernel_builds(results: list[Result]) -> list[Block]:
+    blocks = []
+    for r in newest_per_machine(results):
+        cells = [
+            [name, f"{k['1']:.2f}", f"{k['9']:.2f}", f"{k['9'] / k['1']:.2f}x", str(k["rows independent"]).lower()]
+            for name, k in r.data["kernels"].items()
+        ]
+        header = ["kernel", "1 row ms", "9 rows ms", "9 over 1", "rows independent"]
+        note = f"An 8B Llama's MLP input matrix, {r.data['copies']} copies multiplied in turn."
+        title = f"The 4- and 8-bit kernels (`benchmarks/kernel_builds.py`) on {r.machine}, {r.date}"
+        blocks.append(block("native", title, header, cells, [r], note))
+    return blocks
+
+
+def native_formats(results: list[Result]) -> list[Block]:
+    blocks = []
+    for r in newest_per_machine(results):
+        relabel = RELABEL.get(r.name, {})
+        models = {m: {relabel.get(k, k): v for k, v in d.items()} for m, d in r.data["models"].items()}
+        columns = list(dict.fromkeys(k for d in models.values() for k in d if k not in ("tokens", "float32")))
+        cells = [
+            [m, str(d["tokens"]), f"{d['float32']:.3f}"] + [ppl(d[c], d["float32"]) if c in d else "-" for c in columns]
+            for m, d in models.items()
+        ]
+        note = f"The default prompt set, windows of {r.data['window']} tokens, the same token ids for every column."
+        if relabel:
+            note += " Columns renamed as the journal says: that run named them by the then default cache, bfloat16."
+        title = f"Perplexity per format (`benchmarks/native_formats.py`) on {r.machine}, {r.date}"
+        blocks.append(block("Across runtimes", title, ["model", "tokens", "float32"] + columns, cells, [r], note))
+    return blocks
+
+
+def perplexity(results: list[Result]) -> list[Block]:
+    rows = latest(((r.machine, key), r, v) for r in results for key, v in r.data.items())
+    cells = [
+        [*key.split(" ", 1), f"{v[0]:.3f}", f"{v[1]:.3f}", f"{v[2]:+.3f}", machine, r.date, r.link]
+        for (machine, key), (r, v) in rows.items()
+    ]
+    header = ["runtime", "text", "float32", "runtime's", "difference", "machine", "date", "result"]
+    title = "Perplexity against float32, 4,096 tokens (`specdec ppl`)"
+    return [block("Across runtimes", title, header, cells, [r for r, _ in rows.values()])]
+
+
+WRITERS: dict[str, Callable[[list[Result]], list[Block]]] = {
+    "bench": bench,
+    "batch": batch,
+    "serve": serve,
+    "autoscaling": autoscaling,
+    "quality": quality,
+    "precision-search": precision_search,
+    "eagle-head": eagle_head,
+    "head-probe": head_probe,
+    "quant-types": quant_types,
+    "kernel-builds": kernel_builds,
+    "attention": attention,
+    "where-time-goes": where_time_goes,
+    "tune": tune,
+    "model-sizes": model_sizes,
+    "native-formats": native_formats,
+    "ppl": perplexity,
+}
+
+
+def headlines(path: Path) -> list[str]:
+    """The figures the journal states from commands that wrote no results file (headlines.json)."""
+    cells = [
+        [
+            h["date"],
+            h["machine"],
+            h["what"],
+            h["figure"],
+            "not recorded" if h["command"] is None else f"`{h['command']}`",
+        ]
+        + [f'"{h["journal"]}"']
+        for h in json.loads(path.read_text())
+    ]
+    header = ["date", "machine", "what", "figure", "command", "journal section"]
+    intro = "Figures the journal states from commands that wrote no results file (`benchmarks/results/headlines.json`)"
+    return ["## Measured by commands without a results file", "", intro + ".", "", *table(header, cells), ""]
+
+
+INTRO = """
+Generated by `python benchmarks/current_results.py` from the files in `benchmarks/results/`: do not edit it by hand
+(`tests/test_current_results.py` fails when it differs from what the script writes). For each measured thing (a method
+on a prompt set at a temperature, a precision plan, a server deployment, a model size) the page keeps the latest result
+per runtime and machine, with its date, machine and command; "Across runtimes" holds the runs that measured several
+runtimes at once. Speed-ups and other ratios compare figures of one run on one machine only: rows of one table can come
+from different runs (see their date and result), and absolute tokens/s on these shared 2-core VMs move by 5-10% between
+runs, so compare ratios, not tokens/s across runs. A machine marked (journal) is not recorded in its file but named by
+the journal; commands are the journal's. In `specdec bench` tables the figures are over all prompts: vs none is tokens/s
+over specdec's target-only (`none`) in the same run, tokens/step the tokens each target forward yields, acceptance the
+share of drafted tokens accepted, identical the share of greedy outputs equal to target-only's.
+"""
+HISTORY = """
+How these figures were reached, with the runs they replaced, abandoned experiments and the machines used before:
+[benchmarks/journal/notebook.md](benchmarks/journal/notebook.md), the chronological notebook (frozen).
+"""
+
+
+def page(results_dir: Path) -> str:
+    """The whole of BENCHMARKS.md for the results in `results_dir`."""
+    by_kind: dict[str, list[Result]] = {}
+    for r in load(results_dir):
+        if r.name not in EXCLUDED:
+            by_kind.setdefault(kind(r.data), []).append(r)
+    blocks = [b for name, writer in WRITERS.items() for b in writer(by_kind.get(name, []))]
+    lines = ["# Benchmarks: current results", "", " ".join(INTRO.split()), ""]
+    for section in SECTIONS:
+        lines += [f"## {section}", ""] + [line for s, block_lines in blocks if s == section for line in block_lines]
+    if (results_dir / "headlines.json").exists():
+        lines += headlines(results_dir / "headlines.json")
+    left_out = [f"- `{name}`: {why}" for name, why in sorted(EXCLUDED.items())]
+    left_out += [f"- `{r.name}`: not a format this script reads" for r in by_kind.get("unknown", [])]
+    lines += ["## Results not shown", "", *left_out, ""] if left_out else []
+    return "\n".join(lines + ["## History", "", " ".join(HISTORY.split())]) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    args = parser.parse_args()
+    args.out.write_text(page(args.results))
+
+
+if __name__ == "__main__":
+    main()
