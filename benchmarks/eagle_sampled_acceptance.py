@@ -11,7 +11,7 @@ b top tokens takes: the target's mass on them, since verification descends when 
 
 The head drafts its top tokens: at commit 0bef240 this script's --engine switch timed drawn chains in the engine
 against them (`lookup-then-eagle`, every default prompt, taking turns): 0.99x, a wash, so they were not kept
-(BENCHMARKS.md, "Drawn eagle chains").
+(benchmarks/journal/notebook.md, "Drawn eagle chains").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPU self-check: run it first the day a GPU is lent, then record its results in BENCHMARKS.md.
+"""The GPU self-check: run it first the day a GPU is lent, then keep its JSON in benchmarks/results/.
 
     python benchmarks/gpu_check.py                      # on CUDA: about 4 minutes on one GPU
     python benchmarks/gpu_check.py --device cpu --smoke # the CPU path, small settings (CI runs this)
@@ -12,7 +12,7 @@ to one-at-a-time, graphs really replayed on CUDA); the server's batcher for a
 few requests; tokens/s of target-only vs the best drafter, and batched
 throughput at 8 and 32 rows. Exit status 1 if any check failed.
 
-Then, for the model-size table (BENCHMARKS.md, issue 25) on the GPU:
+Then, for the model-size table (BENCHMARKS.md, "Model sizes") on the GPU:
     python benchmarks/model_sizes.py --device cuda --work DIR --out FILE --hf-max-params 1e10
 """
 

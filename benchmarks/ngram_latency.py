@@ -1,6 +1,6 @@
 """Latency of the n-gram drafter alone: propose(k = 8) on the last 40 contexts of every prompt (greedy).
 
-Run after building /tmp/gemma-corpus.ngram as in BENCHMARKS.md: python benchmarks/ngram_latency.py
+Run after building /tmp/gemma-corpus.ngram as in benchmarks/journal/notebook.md: python benchmarks/ngram_latency.py
 """
 
 import time
