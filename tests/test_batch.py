@@ -85,9 +85,8 @@ def test_batched_greedy_equals_each_prompt_alone(make_target, window: str) -> No
         results = gen.generate_batch(PROMPTS)
         assert [r.token_ids for r in results] == expected, name
         assert all(r.finish_reason == "length" and r.stats.new_tokens == 30 for r in results)
-        if (
-            name == "noisy copy" and window == "fixed"
-        ):  # (the dynamic window may judge a draft as costly as this target not worth running)
+        # (the dynamic window may judge a draft as costly as this target not worth running)
+        if name == "noisy copy" and window == "fixed":
             assert sum(r.stats.draft_tokens_accepted for r in results) > 0
 
 
@@ -132,7 +131,7 @@ def test_rows_joining_and_leaving_do_not_disturb_the_others() -> None:
         if step == 3:  # and one leaves before it is done
             decoder.leave(runs[1])
         updates = decoder.step()
-        assert all(u.done == (u.run not in decoder.rows) for u in updates)
+        assert all(u.done == (u.completion not in decoder.rows) for u in updates)
         if not decoder.rows:
             break
     assert runs[0].token_ids == expected[tuple(PROMPTS[0])] and runs[0].finish_reason == "length"
@@ -201,7 +200,8 @@ def test_guarded_and_typical_rows_in_a_batch_equal_each_row_alone(make_target) -
 
 
 def test_sampled_guarded_rows_in_a_batch_follow_their_seeds() -> None:
-    """A temperature schedule and typical acceptance with sampling: a seeded row gives the same output in a batch as alone."""
+    """A temperature schedule and typical acceptance with sampling: a seeded row gives the same output in a batch as
+    alone."""
     target = loaded(tiny_llama(4))
     sampled = replace(GREEDY, sampling=SamplingConfig(temperature=0.9), seed=11)
     configs = [
@@ -216,7 +216,8 @@ def test_sampled_guarded_rows_in_a_batch_follow_their_seeds() -> None:
 
 
 def _compute_bound(per_token: float = 0.005, overhead: float = 0.02) -> BatchCostCurve:
-    """A machine where a forward costs a fixed overhead plus a price per token: speculation pays for small batches only."""
+    """A machine where a forward costs a fixed overhead plus a price per token: speculation pays for small batches
+    only."""
     return BatchCostCurve(
         {rows: CostCurve({n: overhead + per_token * rows * n for n in (1, 2, 5, 9)}) for rows in (1, 4, 16)}
     )
@@ -267,7 +268,8 @@ def test_window_caps_each_rows_own_policy() -> None:
 
 @pytest.mark.parametrize("policy", K_POLICIES)
 def test_every_k_policy_runs_in_a_batch(policy: str) -> None:
-    """Each row keeps its own k policy in a batch: greedy rows still equal target-only, and the policy's choices are recorded."""
+    """Each row keeps its own k policy in a batch: greedy rows still equal target-only, and the policy's choices are
+    recorded."""
     target = loaded(tiny_llama(2))
     expected = [Generator(target, NoDrafter()).generate(p, GREEDY).token_ids for p in PROMPTS[:3]]
     draft = ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.3, seed=2)))

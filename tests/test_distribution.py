@@ -47,9 +47,8 @@ def _drafter(kind: str, target):
     if kind == "reduced vocabulary":  # proposes only 5 of the 8 tokens
         draft = build_draft(tiny_llama(4, vocab=VOCAB, scale=0.4), [0], torch.tensor([0, 2, 3, 5, 7]))
         return ModelDrafter(ReducedVocabBackend(draft, VOCAB))
-    counter = NgramCounter(
-        order=2, vocab_size=VOCAB, max_entries=10_000
-    )  # counted over random text: a poorly matched table
+    # counted over random text: a poorly matched table
+    counter = NgramCounter(order=2, vocab_size=VOCAB, max_entries=10_000)
     rng = torch.Generator().manual_seed(0)
     for _ in range(50):
         counter.add(torch.randint(0, VOCAB, (40,), generator=rng).tolist())

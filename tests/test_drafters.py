@@ -53,9 +53,8 @@ def test_table_counts_followers_from_files_folders_and_jsonl(tmp_path: Path) -> 
     got = dict(zip(TOKENIZER.convert_ids_to_tokens(followers.tolist()), counts.tolist(), strict=True))
     assert got == {"c": 2, "d": 1}
     followers, counts = table.followers(char_ids(["xy"])[0])
-    assert TOKENIZER.convert_ids_to_tokens(followers.tolist()) == ["z"] and counts.tolist() == [
-        2
-    ]  # one per JSONL record
+    # one per JSONL record
+    assert TOKENIZER.convert_ids_to_tokens(followers.tolist()) == ["z"] and counts.tolist() == [2]
     assert not len(table.followers(char_ids(["b!"])[0])[0])
     # Backoff: "zb" was never seen, "b" was (followed by c twice, d once).
     followers, _ = table.longest_match(char_ids(["zb"])[0])
@@ -205,9 +204,8 @@ def test_the_readme_example_drafter_keeps_greedy_identity() -> None:
     target = loaded(tiny_llama(0, vocab=len(TOKENIZER)), tokenizer=TOKENIZER)
     settings = dict(max_new_tokens=30, stop_on_eos=False, k=4, k_policy="fixed")
     expected = Generator(target, "none").generate("abc", **settings)
-    reference = (
-        TOKENIZER("abc", add_special_tokens=False)["input_ids"] + expected.token_ids
-    )  # the text the output quotes
+    # the text the output quotes
+    reference = TOKENIZER("abc", add_special_tokens=False)["input_ids"] + expected.token_ids
     got = Generator(target, namespace["ReferenceDrafter"](reference)).generate("abc", **settings)
     assert got.token_ids == expected.token_ids
     assert got.stats.draft_tokens_accepted > 0  # it did draft

@@ -122,8 +122,8 @@ def test_a_tree_level_of_the_head_equals_each_path_run_as_a_chain(family: str, r
 
 @pytest.mark.parametrize("runner", HEAD_RUNNERS)
 def test_a_chain_draft_is_the_heads_own_greedy_chain_even_after_an_anchor(runner: str) -> None:
-    """With one branch, each level's token is the head's argmax after the previous one, fed its own output feature; begun
-    mid-sequence (a guard's anchor) the head keeps only the context it read in its cache between steps."""
+    """With one branch, each level's token is the head's argmax after the previous one, fed its own output feature;
+    begun mid-sequence (a guard's anchor) the head keeps only the context it read in its cache between steps."""
     drafter, model = head_runner("gemma3", runner)
     head = drafter.runner
     gen = torch.Generator().manual_seed(4)
@@ -268,7 +268,8 @@ def test_lookup_and_eagle_merge_into_one_tree_and_stay_exact() -> None:
 
 @pytest.mark.parametrize("merged", [False, True])
 def test_eagle_trees_in_a_batch_give_each_rows_own_tokens(merged: bool) -> None:
-    """Rows of different tree sizes in one batched step; ``merged``: prompt lookup's copies merged into the head's trees."""
+    """Rows of different tree sizes in one batched step; ``merged``: prompt lookup's copies merged into the head's
+    trees."""
     tokenizer, model = models()[0], models()[1]["gemma3"]
     drafter = EagleDrafter(
         build_eagle(model, torch.arange(len(tokenizer)), 1), model.get_input_embeddings(), len(tokenizer), min_score=0.0
@@ -310,9 +311,9 @@ def _sampled_eagle(branches: int, merged: bool, n: int) -> tuple[list[tuple[int,
 
 @pytest.mark.parametrize(("merged", "branches"), [(False, 3), (True, 3), (False, 1), (True, 1)])
 def test_sampled_eagle_drafts_keep_the_target_law(merged: bool, branches: int) -> None:
-    """The head's trees and chains are deterministic (its top tokens): the target's draw decides; chi-square against the
-    target's law. ``merged``: prompt lookup's copies merged into the head's trees (FallbackDrafter with branches), or its
-    chains where it finds one."""
+    """The head's trees and chains are deterministic (its top tokens): the target's draw decides; chi-square against
+    the target's law. ``merged``: prompt lookup's copies merged into the head's trees (FallbackDrafter with branches),
+    or its chains where it finds one."""
     samples, law = _sampled_eagle(branches, merged, 1500)
     pvalue, dof = sequential_pvalue(samples, law)
     assert dof > 30 and pvalue > 1e-3
@@ -352,9 +353,8 @@ def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path, monkeypatch: 
     module = load_eagle(settings.out, embed, len(tokenizer), kernels=False)
     assert isinstance(module.runner, ModuleHead)  # asked for: the module, even where the kernels run
     if why_not_native(module.runner.module) is None:
-        assert isinstance(
-            load_eagle(settings.out, embed, len(tokenizer)).runner, NativeHead
-        )  # by default where it runs
+        # by default where it runs
+        assert isinstance(load_eagle(settings.out, embed, len(tokenizer)).runner, NativeHead)
     else:
         with pytest.raises(ConfigError, match="native kernels"):
             load_eagle(settings.out, embed, len(tokenizer), kernels=True)
@@ -362,9 +362,8 @@ def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path, monkeypatch: 
         target,
         DistillConfig(**{**settings.__dict__, "out": str(tmp_path / "again"), "steps": 1, "init_from": settings.out}),
     )
-    assert (
-        again["evaluations"][0]["held_out_loss"] < 0.8 * first["held_out_loss"]
-    )  # it starts where the saved head ended
+    # it starts where the saved head ended
+    assert again["evaluations"][0]["held_out_loss"] < 0.8 * first["held_out_loss"]
     two_layers = {
         **settings.__dict__,
         "arch": DraftArch.parse("eagle,layers=2,keep=40"),
@@ -391,9 +390,9 @@ def test_eagle_arch_errors() -> None:
 def test_a_seeded_run_prices_the_heads_draft_steps(
     runner: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The head runs outside a Backend: its draft step (a chain's, and a tree level's apart) is measured once, kept under
-    its identity, and prices a seeded run's steps by the head's runs (one per level drafted); a copy costs none, a merged
-    tree the head's runs."""
+    """The head runs outside a Backend: its draft step (a chain's, and a tree level's apart) is measured once, kept
+    under its identity, and prices a seeded run's steps by the head's runs (one per level drafted); a copy costs none, a
+    merged tree the head's runs."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     head, model = head_runner("llama", runner)
     tokenizer = models()[0]
@@ -401,15 +400,12 @@ def test_a_seeded_run_prices_the_heads_draft_steps(
     for drafter in (head, both):
         gen = Generator(loaded(model, tokenizer=tokenizer), drafter)
         assert 0 < gen.draft_cost() < 1.0
-        assert (
-            gen.draft_cost() == Generator(gen.target, drafter).draft_cost()
-        )  # measured once, then read from the cache
-    assert (
-        len(list((tmp_path / "costs").iterdir())) == 1
-    )  # the fallback is priced by its head, under the head's identity
-    assert (
-        0 < gen.draft_cost(3) < 1.0 and len(list((tmp_path / "costs").iterdir())) == 2
-    )  # a tree's level, measured apart
+        # measured once, then read from the cache
+        assert gen.draft_cost() == Generator(gen.target, drafter).draft_cost()
+    # the fallback is priced by its head, under the head's identity
+    assert len(list((tmp_path / "costs").iterdir())) == 1
+    # a tree's level, measured apart
+    assert 0 < gen.draft_cost(3) < 1.0 and len(list((tmp_path / "costs").iterdir())) == 2
     head.begin(DraftSettings())
     head.observe_features(torch.zeros(7, model.config.hidden_size))
     context = torch.tensor([5, 6, 7, 8, 5, 6, 7, 9])
@@ -423,10 +419,8 @@ def test_a_seeded_run_prices_the_heads_draft_steps(
     tree = Proposal(torch.tensor([5, 9]), None, torch.tensor([-1, -1]), torch.tensor([0.9, 0.1]), steps=3)
     assert merge_trees(Proposal(torch.tensor([5, 6]), steps=0), tree, k=4).draft_steps == 3  # a copy costs no step
     priced = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.002, tree_draft_s_per_step=0.005)
-    for steps, seconds in (
-        (2, 0.030),
-        (3, 0.026),
-    ):  # two tree levels at the tree's price; three chain steps at a chain's
+    # two tree levels at the tree's price; three chain steps at a chain's
+    for steps, seconds in ((2, 0.030), (3, 0.026)):
         way = priced.choose_tree()  # a tree step first, then a chain step: each way records its own price
         priced.observe(_outcome(depth=2, accepted=1, nodes=8, draft_steps=steps))
         assert priced.ways.rates[way] == pytest.approx((2, seconds))
@@ -446,9 +440,8 @@ def test_tree_size_follows_the_costs_and_learns_the_scores_calibration() -> None
     assert seeded.tree_size(scores, parents, 0.0, 4) == seeded.tree_size(scores, parents, 0.5, 4)
     assert costly.tree_size(scores, parents, 0.5, 4) != costly.tree_size(scores, parents, 0.0, 4)
     dear_trees = CostModelK(8, CostCurve({1: 0.010, 9: 0.011}), tree_overhead=CostCurve({1: 0.0, 3: 0.010, 9: 0.010}))
-    assert (
-        dear_trees.tree_size(scores, parents, 0.0, 4) == 3
-    )  # the chain, uncharged; branching would not pay the overhead
+    # the chain, uncharged; branching would not pay the overhead
+    assert dear_trees.tree_size(scores, parents, 0.0, 4) == 3
     assert dear_trees.tree_size(scores, torch.arange(-1, 5), 0.0, 6) == 6  # a chain of six is never charged it
     before = cheap.calibration
     cheap.tree_size(scores, parents, 0.0, 4)
@@ -457,7 +450,8 @@ def test_tree_size_follows_the_costs_and_learns_the_scores_calibration() -> None
 
 
 def test_eagle_survives_one_token_prompts_and_anchor_steps() -> None:
-    """A one-token prompt, and a guard's anchor steps (the drafter starts over mid-sequence): still drafting, still lossless."""
+    """A one-token prompt, and a guard's anchor steps (the drafter starts over mid-sequence): still drafting, still
+    lossless."""
     from specdec.config import GuardConfig
 
     tokenizer, model = models()[0], models()[1]["llama"]

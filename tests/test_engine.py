@@ -21,10 +21,8 @@ PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 12], [1, 40, 41, 42, 43, 40, 41], [1, 7]]
 def _drafters(target_model, seed: int):
     yield "prompt-lookup", PromptLookupDrafter()
     yield "same model", ModelDrafter(TransformersBackend(target_model))  # good draft: always right
-    yield (
-        "noisy copy",
-        ModelDrafter(TransformersBackend(perturbed(target_model, noise=0.5, seed=seed))),
-    )  # partial agreement
+    # partial agreement
+    yield "noisy copy", ModelDrafter(TransformersBackend(perturbed(target_model, noise=0.5, seed=seed)))
     yield "random model", ModelDrafter(TransformersBackend(tiny_llama(seed + 100, layers=1)))  # bad draft
 
 

@@ -1,4 +1,5 @@
-"""Exactness where it is easy to lose: devices, captured graphs, bounded caches, drafter state, shared Generators, counts, seeds."""
+"""Exactness where it is easy to lose: devices, captured graphs, bounded caches, drafter state, shared Generators,
+counts, seeds."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def _fake_device_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("draft_on", ["host", "fake device"])
 def test_every_tensor_meets_the_logits_on_their_device(monkeypatch: pytest.MonkeyPatch, draft_on: str) -> None:
-    """The target on another device than the host: no operation mixes devices, draws use that device's generator, output unchanged."""
+    """The target on another device than the host: no operation mixes devices, draws use that device's generator,
+    output unchanged."""
     _fake_device_seeds(monkeypatch)
     model, draft = tiny_llama(0), perturbed(tiny_llama(0), noise=0.5)
     settings = dict(max_new_tokens=16, k=3, k_policy="fixed", stop_on_eos=False)
@@ -76,13 +78,13 @@ def test_every_tensor_meets_the_logits_on_their_device(monkeypatch: pytest.Monke
 
 
 class AuditedGraphs(CudaGraphs):
-    """CUDA graphs' bookkeeping on the host: a "replay" runs the captured step again on its static inputs, recording every tensor it reads."""
+    """CUDA graphs' bookkeeping on the host: a "replay" runs the captured step again on its static inputs, recording
+    every tensor it reads."""
 
     def __init__(self, persistent: Callable[[], list[torch.Tensor]]) -> None:
         super().__init__()
-        self.persistent = (
-            persistent  # tensors that outlive every graph: weights, and the cache buffers until they are reallocated
-        )
+        # tensors that outlive every graph: weights, and the cache buffers until they are reallocated
+        self.persistent = persistent
         self.outside: list[str] = []  # tensors a step read that were neither static inputs nor persistent
         self.captures = self.replays = 0
 
@@ -121,7 +123,8 @@ class AuditedGraphs(CudaGraphs):
 
 @pytest.mark.parametrize("make_target", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
 def test_captured_steps_read_only_static_inputs(make_target) -> None:
-    """Every tensor a captured step reads is a static input (refreshed before each replay) or a buffer that outlives the graph."""
+    """Every tensor a captured step reads is a static input (refreshed before each replay) or a buffer that outlives
+    the graph."""
     model = make_target(2)
     gen = Generator(loaded(model), PromptLookupDrafter())
     prompts = [PROMPT, [1, 40, 41, 42, 40, 41], [1, 7, 7, 7]]
@@ -161,7 +164,8 @@ def test_sliding_window_caches_stay_bounded(drafter: str) -> None:
 
 
 class Recording:
-    """A backend that records which token it wrote at each position, and every rollback that dropped an accepted position."""
+    """A backend that records which token it wrote at each position, and every rollback that dropped an accepted
+    position."""
 
     def __init__(self, inner: TransformersBackend) -> None:
         self.inner = inner
@@ -282,7 +286,8 @@ def test_second_live_completion_on_a_single_sequence_backend_is_an_error() -> No
 
 
 def _emitted_per_step(stats: DecodeStats, emitted: int) -> None:
-    """The stats describe exactly the ``emitted`` tokens: each step's accepted drafts were emitted, and nothing else counts."""
+    """The stats describe exactly the ``emitted`` tokens: each step's accepted drafts were emitted, and nothing else
+    counts."""
     assert stats.new_tokens == emitted
     assert stats.draft_tokens_accepted == sum(stats.accepted_per_step)
     assert stats.draft_tokens_proposed == sum(stats.proposed_per_step)
@@ -326,9 +331,8 @@ def test_draft_model_context_limit_is_respected() -> None:
     gen = Generator(loaded(target), ModelDrafter(TransformersBackend(draft)))
     result = gen.generate(PROMPT, **settings)
     assert result.token_ids == expected
-    assert (
-        result.stats.proposed_per_step[0] > 0 and result.stats.proposed_per_step[-1] == 0
-    )  # drafting stopped at the draft's limit
+    # drafting stopped at the draft's limit
+    assert result.stats.proposed_per_step[0] > 0 and result.stats.proposed_per_step[-1] == 0
     [batched] = gen.generate_batch([PROMPT], **settings)
     assert batched.token_ids == expected
 
@@ -354,7 +358,8 @@ def test_a_seed_reproduces_output_under_the_default_policy(monkeypatch: pytest.M
     runs, batched = [], []
     for clock in range(3):
         monkeypatch.setattr(step, "time", JitteryClock(clock))
-        # A batch's dynamic window follows the load (other rows, memory): a seed reproduces a batched row under the fixed window.
+        # A batch's dynamic window follows the load (other rows, memory): a seed reproduces a batched row under the
+        # fixed window.
         gen = Generator(
             loaded(target),
             ModelDrafter(TransformersBackend(tiny_llama(1, layers=1))),
@@ -368,7 +373,8 @@ def test_a_seed_reproduces_output_under_the_default_policy(monkeypatch: pytest.M
 
 
 def test_each_device_draws_its_own_stream() -> None:
-    """One seed, different generators per device: a draft's draws on one GPU must not decide the verifier's on another."""
+    """One seed, different generators per device: a draft's draws on one GPU must not decide the verifier's on
+    another."""
     seeds = Seeds(7)
     per_device = [seeds.seed_for(torch.device(d)) for d in ("cpu", "cuda:0", "cuda:1", "mps:0")]
     assert per_device[0] == 7 and len(set(per_device)) == 4
@@ -377,7 +383,8 @@ def test_each_device_draws_its_own_stream() -> None:
 
 
 def test_distilled_drafts_live_on_the_targets_device(tmp_path) -> None:
-    """A distilled draft borrows the target's embedding and head: its own layers must be built on the target's device too."""
+    """A distilled draft borrows the target's embedding and head: its own layers must be built on the target's device
+    too."""
     from specdec.drafters.distilled import build_draft, build_exit_draft, load_draft, save_draft
 
     keep = torch.tensor([0, 2, 3, 5, 7, 11])

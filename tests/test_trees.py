@@ -72,9 +72,8 @@ def test_prompt_lookup_proposes_several_matches_as_a_tree() -> None:
     assert proposal.tokens.tolist() == [3, 4, 5, 1, 2, 7]  # the latest match first, whole, then the earlier one
     assert proposal.parents.tolist() == [-1, 0, 1, 2, 3, -1]
     chain = drafter.propose(context, 6)
-    assert (
-        not chain.is_tree and proposal.tokens[: len(chain)].tolist() == chain.tokens.tolist()
-    )  # the chain is the tree's first branch
+    # the chain is the tree's first branch
+    assert not chain.is_tree and proposal.tokens[: len(chain)].tolist() == chain.tokens.tolist()
     assert not drafter.propose(context, 4, branches=3).is_tree  # no room left beside it: the chain
 
 
@@ -107,9 +106,8 @@ def test_greedy_trees_give_the_target_only_tokens(monkeypatch: pytest.MonkeyPatc
 def test_greedy_trees_in_a_batch_give_the_target_only_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows with trees of different sizes, chains and plain steps in one batched forward (sliding window 6)."""
     tokenizer, model = models()[0], models()[1]["gemma3"]
-    gen = Generator(
-        loaded(model, tokenizer=tokenizer), "prompt-lookup", batch=FIXED
-    )  # k as configured, whatever the timings
+    # k as configured, whatever the timings
+    gen = Generator(loaded(model, tokenizer=tokenizer), "prompt-lookup", batch=FIXED)
     expected = [gen.generate(p, max_new_tokens=30, k=1, k_policy="fixed", stop_on_eos=False).token_ids for p in PROMPTS]
     configs = [
         GenerationConfig(k=16, k_policy="fixed", branches=4, max_new_tokens=30, stop_on_eos=False),
@@ -143,17 +141,22 @@ MIN_PVALUE = 1e-3
 
 
 class ShapedTreeDrafter(Drafter):
-    """Trees of a fixed shape from a draft model: a node's children are its top tokens (deterministic) or independent draws
-    from its shaped distribution (sampled, the distribution reported for each). Asked for a chain (one branch), a chain
-    as deep as the shape; ``chains`` counts those, over all its forks."""
+    """Trees of a fixed shape from a draft model: a node's children are its top tokens (deterministic) or independent
+    draws from its shaped distribution (sampled, the distribution reported for each). Asked for a chain (one branch), a
+    chain as deep as the shape; ``chains`` counts those, over all its forks."""
 
     vocab_size = VOCAB
     capabilities = DrafterCapabilities(trees=True)
 
     def __init__(
-        self, model, shape: tuple[int, ...], sampled: bool, chains: list[int] | None = None, sibling_heat: float = 0.0,
+        self,
+        model,
+        shape: tuple[int, ...],
+        sampled: bool,
+        chains: list[int] | None = None,
+        sibling_heat: float = 0.0,
         unshaped_report: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``sibling_heat``: sibling j is drawn from the draft's distribution at temperature x (1 + heat * j), each
         reporting its own; ``unshaped_report``: the reported distributions are those before top-k/top-p (a bug)."""
         self.model, self.shape, self.sampled = model, shape, sampled
@@ -222,7 +225,8 @@ def _sample(
 
 
 class PathCounter:
-    """Counts the sampled tree verdicts by how they ended: down a later sibling, at a leaf with a bonus token, at the root."""
+    """Counts the sampled tree verdicts by how they ended: down a later sibling, at a leaf with a bonus token, at the
+    root."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.cases = {"later sibling": 0, "leaf bonus": 0, "root rejected": 0}
@@ -270,13 +274,11 @@ def test_tree_rows_that_draft_chains_while_chains_are_faster_keep_the_target_law
     chain, then the faster way): sampled siblings, both kinds of step, the target's law."""
     target = tiny_llama(3, vocab=VOCAB, scale=0.15)
     drafter = ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["binary"], True)
-    gen = Generator(
-        loaded(target), drafter, batch=BatchConfig(window="fixed")
-    )  # every row drafts its own k, whatever the load
+    # every row drafts its own k, whatever the load
+    gen = Generator(loaded(target), drafter, batch=BatchConfig(window="fixed"))
     samples = _sample(gen, SAMPLINGS["plain"], 2000, batched=True, k_policy="cost-model")
-    assert drafter.chains[0] > 300, (
-        drafter.chains
-    )  # the second step of every sequence, and later ones while chains are faster
+    # the second step of every sequence, and later ones while chains are faster
+    assert drafter.chains[0] > 300, drafter.chains
     pvalue, dof = sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["plain"]))
     assert dof > 50
     assert pvalue > MIN_PVALUE
@@ -317,33 +319,26 @@ def test_tree_rows_draft_whichever_way_has_been_faster() -> None:
 
     assert [step(1, 3), step(1, 3)] == [True, False]
     chains_win = [step(1, 3) for _ in range(4 * TREE_TRIAL_EVERY)]  # steps 3 to 34
-    assert [i + 3 for i, tree in enumerate(chains_win) if tree] == [
-        8,
-        24,
-    ]  # a tree only on trial steps: after 8, then 16 more
+    # a tree only on trial steps: after 8, then 16 more
+    assert [i + 3 for i, tree in enumerate(chains_win) if tree] == [8, 24]
     later = [step(7, 0) for _ in range(6 * TREE_TRIAL_EVERY)]  # now trees win
-    assert (
-        sum(later[-2 * TREE_TRIAL_EVERY :]) == 2 * TREE_TRIAL_EVERY - 1
-    )  # a chain again after 8 steps: the ways swapped
+    # a chain again after 8 steps: the ways swapped
+    assert sum(later[-2 * TREE_TRIAL_EVERY :]) == 2 * TREE_TRIAL_EVERY - 1
     seeded = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.0)
     seeded.choose_tree()
     seeded.observe(_outcome(1, 5.0, 8))
-    assert seeded.ways.rates[True] == pytest.approx(
-        (2, 0.02)
-    )  # a seeded run prices drafting, never times it: the choices repeat
+    # a seeded run prices drafting, never times it: the choices repeat
+    assert seeded.ways.rates[True] == pytest.approx((2, 0.02))
     overhead = CostCurve({1: 0.0, 9: 0.008})  # a tree forward's seconds over a chain's
-    for branched, seconds in (
-        (False, 0.024),
-        (True, 0.032),
-    ):  # a tree step whose drafts happened not to branch costs a chain's forward
+    # a tree step whose drafts happened not to branch costs a chain's forward
+    for branched, seconds in ((False, 0.024), (True, 0.032)):
         # 4 levels drafted (a draft step each) for 8 nodes verified
         priced = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}), draft_s_per_token=0.001, tree_overhead=overhead)
         assert priced.choose_tree()
         priced.observe(_outcome(1, 5.0, 8, branched=branched))
         assert priced.ways.rates[True] == pytest.approx((2, seconds))
-        assert (
-            priced.acceptance == CostModelK(8, CostCurve({1: 0.010})).acceptance
-        ) == branched  # only a chain-shaped step teaches k
+        # only a chain-shaped step teaches k
+        assert (priced.acceptance == CostModelK(8, CostCurve({1: 0.010})).acceptance) == branched
     timed = CostModelK(8, CostCurve({1: 0.010, 9: 0.020}))
     timed.choose_tree()
     timed.observe(_outcome(1, 0.5, 8, verify_s=0.25))
@@ -396,7 +391,8 @@ def test_a_wrong_sibling_residual_fails(monkeypatch: pytest.MonkeyPatch, sampled
 
 
 def one_q_per_parent(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A broken verifier: every sibling is judged against the first sibling's q (as if siblings shared one draft law)."""
+    """A broken verifier: every sibling is judged against the first sibling's q (as if siblings shared one draft
+    law)."""
     original = tree_verifier.verify_tree_sampled
 
     def judged_with_one_q(tokens, parents, logits, probs, *args, **kwargs):

@@ -8,13 +8,13 @@ from specdec.errors import ConfigError
 
 MAX_K = 32
 MAX_BRANCHES = 8
-TREE_SUFFIX = "+tree"  # "prompt-lookup+tree" (bench methods, profiles): the drafter proposes trees of up to TREE_BRANCHES children
+# "prompt-lookup+tree" (bench methods, profiles): the drafter proposes trees of up to TREE_BRANCHES children
+TREE_SUFFIX = "+tree"
 TREE_BRANCHES = 4
 MIN_TEMPERATURE = 1e-6  # below it, logits / temperature overflow float32 to inf (and probabilities to NaN)
 K_POLICIES = ("fixed", "heuristic", "perplexity", "confidence", "cost-model")
-DEFAULT_DRAFT = (
-    "auto"  # every command's drafter: the fastest measured for the target (drafters.build_drafter says which)
-)
+# every command's drafter: the fastest measured for the target (drafters.build_drafter says which)
+DEFAULT_DRAFT = "auto"
 
 
 @dataclass(frozen=True)
@@ -47,15 +47,15 @@ class GuardConfig:
     decoding would: speculative output stays the guarded target's own.
     """
 
-    repetition: bool = False  # from a detected loop on, for loop_cooldown tokens, block every token that repeats an n-gram of the output
+    # from a detected loop on, for loop_cooldown tokens, block every token that repeats an n-gram of the output
+    repetition: bool = False
     loop_repeats: int = 3  # a loop: the output ends in this many copies of one unit ...
     loop_min_span: int = 24  # ... covering at least this many tokens (shorter repeats are legitimate)
     loop_max_unit: int = 64  # longest unit looked for, in tokens
     loop_cooldown: int = 32  # tokens after a detected loop during which repeated n-grams stay blocked
     block_ngram: int = 4  # n of the blocked n-grams
-    temperature_schedule: tuple[float, float] | None = (
-        None  # (start, end): temperature over the output, e.g. (0.7, 1.2)
-    )
+    # (start, end): temperature over the output, e.g. (0.7, 1.2)
+    temperature_schedule: tuple[float, float] | None = None
     schedule_tokens: int = 512  # the schedule reaches its end temperature after this many new tokens
     anchor_every: int | None = None  # one target-only step (and a drafter resync) every N new tokens
     drift_threshold: float | None = None  # report a drift event when a window's similarity to the prompt falls below
@@ -71,7 +71,8 @@ class GuardConfig:
             or self.block_ngram < 1
         ):
             raise ConfigError(
-                "loop detection needs loop_repeats >= 2, loop_min_span >= 2, loop_max_unit, loop_cooldown and block_ngram >= 1"
+                "loop detection needs loop_repeats >= 2, loop_min_span >= 2, loop_max_unit, loop_cooldown "
+                "and block_ngram >= 1"
             )
         if self.temperature_schedule is not None and (
             len(self.temperature_schedule) != 2 or min(self.temperature_schedule) < MIN_TEMPERATURE
@@ -103,8 +104,8 @@ class GuardConfig:
 
 @dataclass(frozen=True)
 class TypicalAcceptance:
-    """LOSSY typical acceptance (Medusa; vLLM's typical acceptance sampler): a draft token is accepted when the target gives it
-    probability above min(epsilon, alpha * exp(-entropy)). Output no longer follows the target exactly."""
+    """LOSSY typical acceptance (Medusa; vLLM's typical acceptance sampler): a draft token is accepted when the target
+    gives it probability above min(epsilon, alpha * exp(-entropy)). Output no longer follows the target exactly."""
 
     epsilon: float = 0.09
     alpha: float = 0.3
@@ -121,10 +122,12 @@ MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit integers (torch's generators t
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """One generation request: speculation depth, length, stopping, sampling, guards, and (only if asked) lossy acceptance."""
+    """One generation request: speculation depth, length, stopping, sampling, guards, and (only if asked) lossy
+    acceptance."""
 
     k: int = 8  # draft tokens per step (a tree's nodes); the most per step for adaptive k policies
-    branches: int = 1  # the most children of a draft node: 1 drafts chains; more lets tree drafters branch (verified in one forward)
+    # the most children of a draft node: 1 drafts chains; more lets tree drafters branch (verified in one forward)
+    branches: int = 1
     k_policy: str = "cost-model"  # k chosen per step from measured costs and acceptance
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -170,9 +173,8 @@ class BatchConfig:
 
     window: str = "dynamic"
     memory_threshold: float = 0.8  # share of memory in use above which the dynamic window turns speculation off
-    cuda_graphs: bool = (
-        True  # replay captured CUDA graphs for steps over the whole batch (CUDA only; nothing changes on a CPU)
-    )
+    # replay captured CUDA graphs for steps over the whole batch (CUDA only; nothing changes on a CPU)
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.window not in WINDOWS:
@@ -186,7 +188,8 @@ FORMATS = ("float32", "bfloat16", "float16", "int8", "int8a8", "float8")
 
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """The number format of the target's attention, FFN and output head, of the draft model, and of the logits the verifier reads.
+    """The number format of the target's attention, FFN and output head, of the draft model, and of the logits the
+    verifier reads.
 
     float32/bfloat16/float16 are the weights' and the compute's format; int8 and
     float8 are weight-only formats computed in bfloat16, int8a8 quantizes activations too and
@@ -209,7 +212,8 @@ class PrecisionPlan:
 
     @staticmethod
     def parse(spec: str) -> PrecisionPlan:
-        """A preset name (see PRESETS) or ``attention=bfloat16,ffn=int8,head=bfloat16,draft=float8`` (unnamed parts: float32)."""
+        """A preset name (see PRESETS) or ``attention=bfloat16,ffn=int8,head=bfloat16,draft=float8`` (unnamed parts:
+        float32)."""
         if spec in PRESETS:
             return PRESETS[spec]
         values: dict[str, str] = {}
@@ -274,8 +278,8 @@ class RuntimeConfig:
             raise ConfigError(f"ubatch must be >= 1, got {self.ubatch}")
         if self.precision is not None and self.backend not in ("transformers", "auto"):
             raise ConfigError(
-                "--precision plans apply to the transformers backend; llama.cpp's format is its GGUF file's quantization "
-                "type and the native backend's is --native-format: use --backend transformers"
+                "--precision plans apply to the transformers backend; llama.cpp's format is its GGUF file's "
+                "quantization type and the native backend's is --native-format: use --backend transformers"
             )
         if self.native_format not in NATIVE_FORMATS:
             raise ConfigError(f"unknown native format '{self.native_format}': use one of {', '.join(NATIVE_FORMATS)}")

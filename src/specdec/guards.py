@@ -76,7 +76,8 @@ def ignorable_tokens(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
 
 
 class NoGuards:
-    """The guard hook of a sequence without guards: the decode step calls it like :class:`Guards`, and nothing changes."""
+    """The guard hook of a sequence without guards: the decode step calls it like :class:`Guards`, and nothing
+    changes."""
 
     def anchor_due(self, new_tokens: int) -> bool:
         return False
@@ -92,7 +93,8 @@ class NoGuards:
 
 
 class Guards:
-    """The guards of one generation, as the decode step's hook: when to anchor, draft trimming, logits adjustments, events.
+    """The guards of one generation, as the decode step's hook: when to anchor, draft trimming, logits adjustments,
+    events.
 
     The step calls, for each of its sequence's steps: :meth:`anchor_due` (a
     target-only step?), :meth:`trim` on deterministic drafts, :meth:`adjust`
@@ -125,7 +127,8 @@ class Guards:
         return found
 
     def blocked(self, context: list[int], accepted: int) -> set[int]:
-        """Tokens the repetition guard forbids after ``context`` (whose first ``accepted`` tokens are accepted output or prompt).
+        """Tokens the repetition guard forbids after ``context`` (whose first ``accepted`` tokens are accepted output or
+        prompt).
 
         Empty unless the output ended in a loop at most loop_cooldown tokens ago; then
         every token that would repeat an n-gram of the output, and the token that
@@ -168,7 +171,8 @@ class Guards:
         return torch.tensor([self.temperature_at(produced + i) for i in range(logits.shape[0])]).to(logits.device)
 
     def trim(self, context: torch.Tensor, drafts: torch.Tensor) -> int:
-        """How many leading draft tokens the guard lets through (for deterministic drafts: a blocked token would be rejected)."""
+        """How many leading draft tokens the guard lets through (for deterministic drafts: a blocked token would be
+        rejected)."""
         if not self.config.repetition:
             return drafts.shape[0]
         tokens, extra = self._as_list(context), drafts.tolist()
@@ -188,7 +192,8 @@ class Guards:
         return due
 
     def settle(self, at: int, accepted: int, anchored: bool) -> list[dict[str, object]]:
-        """Events of the step just decided, whose first new token is output token ``at``: loops blocked where output was kept, an anchor."""
+        """Events of the step just decided, whose first new token is output token ``at``: loops blocked where output
+        was kept, an anchor."""
         events: list[dict[str, object]] = [
             {"kind": "loop_blocked", "at": at + i} for i in self._blocked if i <= accepted
         ]

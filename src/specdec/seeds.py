@@ -33,12 +33,12 @@ class Seeds:
         return generator
 
     def seed_for(self, device: torch.device) -> int:
-        """The host draws with the sequence's own seed; any other device with a seed mixed from it and the device's name."""
+        """The host draws with the sequence's own seed; any other device with a seed mixed from it and the device's
+        name."""
         if device.type == "cpu":
             return self.seed
-        return (
-            _mix(self.seed ^ zlib.crc32(f"{device.type}:{device.index}".encode())) >> 1
-        )  # manual_seed takes 63 bits here
+        # manual_seed takes 63 bits here
+        return _mix(self.seed ^ zlib.crc32(f"{device.type}:{device.index}".encode())) >> 1
 
     def _create(self, device: torch.device) -> torch.Generator:
         return torch.Generator(device=device).manual_seed(self.seed_for(device))

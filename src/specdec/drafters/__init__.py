@@ -22,11 +22,14 @@ from specdec.models import Target, TransformersBackend, open_target
 from specdec.models.precision import convert_draft
 from specdec.models.registry import bundled_draft
 
-AUTO_HEAD_MAX_VERIFY = (
-    1.15  # ``auto`` drafts with the eagle head where verifying 3 tokens costs at most this many steps
-)
+# ``auto`` drafts with the eagle head where verifying 3 tokens costs at most this many steps
+AUTO_HEAD_MAX_VERIFY = 1.15
 DRAFT_SPECS = (
-    "auto (the default: lookup-then-eagle where an eagle head ships for the target and verifying 3 tokens costs about one step, otherwise prompt-lookup), none, prompt-lookup, lookup-then-draft (prompt lookup, then the distilled draft shipped for the target), eagle (the eagle head shipped for the target), lookup-then-eagle (prompt lookup, then the eagle head; with branches both, merged into one tree), ngram:FILE (a table from `specdec ngram build`), layerskip:L (the target's first L layers), "
+    "auto (the default: lookup-then-eagle where an eagle head ships for the target and verifying 3 tokens costs "
+    "about one step, otherwise prompt-lookup), none, prompt-lookup, lookup-then-draft (prompt lookup, then the "
+    "distilled draft shipped for the target), eagle (the eagle head shipped for the target), lookup-then-eagle "
+    "(prompt lookup, then the eagle head; with branches both, merged into one tree), ngram:FILE (a table from "
+    "`specdec ngram build`), layerskip:L (the target's first L layers), "
     "model:MODEL (transformers; a model with another tokenizer is re-tokenized; a folder from `specdec distill`), "
     "gguf:MODEL (llama.cpp)"
 )
@@ -50,7 +53,8 @@ def build_drafter(spec: str | Drafter, target: Target, runtime: RuntimeConfig = 
     kind, _, arg = spec.partition(":")
     if spec == "auto":
         raise ConfigError(
-            "'auto' is chosen from this machine's measured costs: pass it to Generator, which measures them, or name a drafter"
+            "'auto' is chosen from this machine's measured costs: pass it to Generator, which measures them, "
+            "or name a drafter"
         )
     if spec == "none":
         return NoDrafter()
@@ -104,9 +108,10 @@ def build_drafter(spec: str | Drafter, target: Target, runtime: RuntimeConfig = 
 
 
 def auto_draft(target: Target, verify_cost: Callable[[], Callable[[int], float]]) -> str:
-    """What ``auto`` drafts with on ``target``: prompt lookup, then the shipped eagle head, where a head ships for it, its
-    backend gives hidden states and verifying 3 tokens costs at most AUTO_HEAD_MAX_VERIFY one-token steps (``verify_cost()``:
-    the target's forward cost over n tokens on this machine, asked only then); prompt lookup alone elsewhere.
+    """What ``auto`` drafts with on ``target``: prompt lookup, then the shipped eagle head, where a head ships for it,
+    its backend gives hidden states and verifying 3 tokens costs at most AUTO_HEAD_MAX_VERIFY one-token steps
+    (``verify_cost()``: the target's forward cost over n tokens on this machine, asked only then); prompt lookup alone
+    elsewhere.
 
     The head's drafts are short (one or two accepted per step), so they pay only where verifying them is nearly free:
     where verifying 3 tokens costs about as much as one, the head beats prompt lookup; where it costs more, it ties or
@@ -132,9 +137,8 @@ def _distilled(folder: str, target: Target, runtime: RuntimeConfig) -> ModelDraf
     if not isinstance(target.backend, TransformersBackend):
         raise ConfigError("a distilled draft runs on the target's own embedding in torch: use --backend transformers")
     draft = load_draft(folder, target.backend.model)
-    if runtime.precision is not None and not read_meta(folder)["arch"].get(
-        "exit"
-    ):  # an exit draft's layers are the target's
+    # an exit draft's layers are the target's
+    if runtime.precision is not None and not read_meta(folder)["arch"].get("exit"):
         convert_draft(draft, runtime.precision.draft)
     backend = ReducedVocabBackend(draft, target.backend.vocab_size)
     return ModelDrafter(backend, min_confidence=read_meta(folder).get("min_confidence", 0.0))

@@ -20,8 +20,9 @@ from specdec.seeds import Seeds
 
 @dataclass(frozen=True)
 class DraftSettings:
-    """What stays fixed for one sequence: how it samples, its random generators, and the confidence floor of its k policy.
-    (The shape of a step's draft, chain or tree, is asked for with each proposal: the cost model may switch it per step.)"""
+    """What stays fixed for one sequence: how it samples, its random generators, and the confidence floor of its k
+    policy. (The shape of a step's draft, chain or tree, is asked for with each proposal: the cost model may switch it
+    per step.)"""
 
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seeds: Seeds | None = None  # draw on device d with ``rng_on(seeds, d)`` (seeds.py); None: unseeded
@@ -54,9 +55,8 @@ class Proposal:
     tokens: torch.Tensor  # [n] long
     probs: torch.Tensor | None = None  # [n, V] float
     parents: torch.Tensor | None = None  # [n] long, each < its own index; None: a chain
-    scores: torch.Tensor | None = (
-        None  # [n] float: the drafter's estimate that each node is accepted, nodes listed best first
-    )
+    # [n] float: the drafter's estimate that each node is accepted, nodes listed best first
+    scores: torch.Tensor | None = None
     steps: int | None = None  # forwards of a drafting model it took; None: its depth
 
     def __post_init__(self) -> None:
@@ -90,7 +90,8 @@ class Proposal:
         return max(depths, default=0)
 
     def cut(self, length: int) -> Proposal:
-        """The first ``length`` nodes (for a tree: those nearest the root first, as listed); the drafting they took stays."""
+        """The first ``length`` nodes (for a tree: those nearest the root first, as listed); the drafting they took
+        stays."""
         if length >= len(self):
             return self
         kept = (None if t is None else t[:length] for t in (self.tokens, self.probs, self.parents, self.scores))
@@ -102,8 +103,8 @@ class Proposal:
 
     @staticmethod
     def tree(branches: list[list[int]], budget: int, steps: int | None = None) -> Proposal:
-        """A deterministic tree merging the token runs ``branches`` (best first; shared prefixes become one path), at most
-        ``budget`` nodes, drafted in ``steps`` forwards of a model (None: one per level).
+        """A deterministic tree merging the token runs ``branches`` (best first; shared prefixes become one path), at
+        most ``budget`` nodes, drafted in ``steps`` forwards of a model (None: one per level).
 
         Nodes are listed branch by branch, so the best branch comes whole before the others add their nodes.
         """
@@ -123,8 +124,8 @@ class Proposal:
 
 
 class TokenTrie:
-    """Tree nodes keyed by (parent node, token): the same token after the same path is one node. Nodes are numbered in the
-    order they are added, so parents come before their children, as a tree ``Proposal`` lists them."""
+    """Tree nodes keyed by (parent node, token): the same token after the same path is one node. Nodes are numbered in
+    the order they are added, so parents come before their children, as a tree ``Proposal`` lists them."""
 
     def __init__(self) -> None:
         self._nodes: dict[tuple[int, int], int] = {}
@@ -146,7 +147,8 @@ class TokenTrie:
 
 @dataclass(frozen=True)
 class DrafterCapabilities:
-    """What a drafter does beyond proposing chains. The engine reads this record, never the drafter's other attributes."""
+    """What a drafter does beyond proposing chains. The engine reads this record, never the drafter's other
+    attributes."""
 
     trees: bool = False  # honours ``branches`` > 1 (a chain-only drafter is always asked for chains)
     scores: bool = False  # its tree proposals carry ``scores``: the engine asks for the most nodes and keeps the best
@@ -202,5 +204,6 @@ class Drafter(ABC):
         """The target's final hidden states [n, H] of the n positions its cache took in the last step."""
 
     def measure_step(self, branches: int = 1) -> float:
-        """Seconds of one draft step drafting ``branches`` nodes a level, on this machine (capabilities.measures_steps)."""
+        """Seconds of one draft step drafting ``branches`` nodes a level, on this machine
+        (capabilities.measures_steps)."""
         raise NotImplementedError(f"{type(self).__name__} runs no model of its own to measure")

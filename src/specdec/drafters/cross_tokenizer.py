@@ -87,7 +87,8 @@ class CrossTokenizerDrafter(Drafter):
         return drafted
 
     def _added_text(self, draft_ids: list[int], drafted: list[int]) -> str:
-        """The text ``drafted`` adds after ``draft_ids``, decoded in context (some tokenizers drop a leading space alone)."""
+        """The text ``drafted`` adds after ``draft_ids``, decoded in context (some tokenizers drop a leading space
+        alone)."""
         before = self.tokenizer.decode(draft_ids, skip_special_tokens=True)
         after = self.tokenizer.decode(draft_ids + drafted, skip_special_tokens=True)
         added = (
@@ -105,5 +106,6 @@ class CrossTokenizerDrafter(Drafter):
         joint = self.target_tokenizer(context + added, add_special_tokens=False)["input_ids"]
         if joint[: len(target_ids)] == target_ids:
             return joint[len(target_ids) :]
-        # The context does not re-tokenize to itself (the target produced a non-canonical split): tokenize the new text alone.
+        # The context does not re-tokenize to itself (the target produced a non-canonical split): tokenize the new
+        # text alone.
         return self.target_tokenizer(added, add_special_tokens=False)["input_ids"]

@@ -98,9 +98,8 @@ def save_draft(draft: PreTrainedModel, folder: str | Path, meta: dict, dtype: to
     folder.mkdir(parents=True, exist_ok=True)
     draft.config.save_pretrained(folder)
     stored = own_parameters(draft)
-    if hasattr(
-        draft, "eagle_fc"
-    ):  # an eagle head keeps its output rows: it may run where the target's full head is not at hand
+    # an eagle head keeps its output rows: it may run where the target's full head is not at hand
+    if hasattr(draft, "eagle_fc"):
         stored["lm_head.weight"] = draft.lm_head.weight
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in stored.items()}
     save_file(tensors | {"keep_ids": draft.keep_ids.to(torch.int64)}, str(folder / "model.safetensors"))

@@ -42,8 +42,8 @@ from specdec.errors import ConfigError
 from specdec.models import cpu_kernels, native
 from specdec.models.backend import tree_mask, tree_positions
 from specdec.models.cpu_kernels import PackedInt8, PagedCache
+from specdec.models.loading import model_identity
 from specdec.models.native import NativeModel
-from specdec.models.transformers_backend import model_identity
 from specdec.verification.shaping import to_probs
 
 MAX_DEPTH = 6  # levels of a tree: deeper nodes are rarely reached and each level costs a forward of the head
@@ -51,14 +51,13 @@ MIN_SCORE = 0.02  # a node the head gives less than this chance of being reached
 MEASURE_CONTEXT, MEASURE_LEVELS = 64, 4  # a step's cost is measured after a context this long, on chains this long
 
 
-Embed = Callable[
-    [torch.Tensor], torch.Tensor
-]  # the target's input embedding, scale included (Backend.token_embeddings)
+# the target's input embedding, scale included (Backend.token_embeddings)
+Embed = Callable[[torch.Tensor], torch.Tensor]
 
 
 def build_eagle(target: PreTrainedModel, keep_ids: torch.Tensor, layers: int) -> PreTrainedModel:
-    """A new head for ``target``: ``fc`` (2H -> H), ``layers`` decoder layers (full attention) started as copies of the target's
-    last ones, a norm, and the target's output rows for ``keep_ids`` as its (frozen) output head."""
+    """A new head for ``target``: ``fc`` (2H -> H), ``layers`` decoder layers (full attention) started as copies of the
+    target's last ones, a norm, and the target's output rows for ``keep_ids`` as its (frozen) output head."""
     rows = target.get_output_embeddings().weight.detach()[keep_ids].clone()
     head = eagle_skeleton(target.config.get_text_config(), rows, keep_ids, layers)
     for mine, theirs in zip(head.model.layers, target.model.layers[-layers:], strict=True):
@@ -75,7 +74,8 @@ def build_eagle(target: PreTrainedModel, keep_ids: torch.Tensor, layers: int) ->
 def eagle_skeleton(
     config: PretrainedConfig, rows: torch.Tensor, keep_ids: torch.Tensor, layers: int
 ) -> PreTrainedModel:
-    """The head's modules in ``config``'s family (weights to be loaded), with ``rows`` [N, H] as its frozen output head."""
+    """The head's modules in ``config``'s family (weights to be loaded), with ``rows`` [N, H] as its frozen output
+    head."""
     config = copy.deepcopy(config)
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
@@ -83,9 +83,8 @@ def eagle_skeleton(
     config.vocab_size = len(keep_ids)
     config.tie_word_embeddings = False
     head = AutoModelForCausalLM.from_config(config).to(dtype=rows.dtype)
-    head.model.embed_tokens = (
-        nn.Identity()
-    )  # tokens are embedded by the target's own embedding (head_forward's ``embed``)
+    # tokens are embedded by the target's own embedding (head_forward's ``embed``)
+    head.model.embed_tokens = nn.Identity()
     head.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype)
     head.lm_head.weight = nn.Parameter(rows, requires_grad=False)
     head.eagle_fc = nn.Linear(2 * rows.shape[1], rows.shape[1], bias=False, dtype=rows.dtype)
@@ -102,7 +101,8 @@ def head_forward(
     cache: DynamicCache | None = None,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits over the kept tokens and the head's output features for pairs (features[b, i], tokens[b, i]) at ``positions``.
+    """Logits over the kept tokens and the head's output features for pairs (features[b, i], tokens[b, i]) at
+    ``positions``.
 
     ``mask``: additive [B, 1, n, cached + n], or None for causal attention.
     """
@@ -198,8 +198,8 @@ class NativeHead:
 
 
 def why_not_native(module: PreTrainedModel) -> str | None:
-    """Why ``module`` cannot run as a :class:`NativeHead` here (a CPU with the kernels, a family the native runtime runs,
-    widths the int8 kernel takes), or None when it can."""
+    """Why ``module`` cannot run as a :class:`NativeHead` here (a CPU with the kernels, a family the native runtime
+    runs, widths the int8 kernel takes), or None when it can."""
     config = module.config
     widths = (
         config.hidden_size,
@@ -216,7 +216,8 @@ def why_not_native(module: PreTrainedModel) -> str | None:
 
 
 class EagleDrafter(Drafter):
-    """Drafts trees (or chains) with a feature-conditioned head; the engine hands it the target's hidden states every step.
+    """Drafts trees (or chains) with a feature-conditioned head; the engine hands it the target's hidden states every
+    step.
 
     The head is not a Backend: timed runs learn its cost from drafting time, seeded runs price ``measure_step``. Its
     proposals carry scores, so the engine asks for the most nodes and keeps the ones worth verifying.
@@ -243,13 +244,11 @@ class EagleDrafter(Drafter):
     def begin(self, settings: DraftSettings) -> None:
         self.settings = settings
         self.cache = self.runner.new_cache()
-        self.read = (
-            0  # context positions read: the head's cache holds their pairs (or, begun mid-sequence, the last of them)
-        )
+        # context positions read: the head's cache holds their pairs (or, begun mid-sequence, the last of them)
+        self.read = 0
         self.cached = 0  # entries of the head's cache that are context, not drafts
-        self.features: list[
-            torch.Tensor
-        ] = []  # the target's, one [n, H] piece per step, for the positions after ``read``
+        # the target's, one [n, H] piece per step, for the positions after ``read``
+        self.features: list[torch.Tensor] = []
         self.known = 0  # context positions whose target features arrived
 
     @property
@@ -259,13 +258,12 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def measure_step(self, branches: int = 1, repeats: int = 9) -> float:
-        """Median seconds of one draft step (one run of the head, with the distributions and top tokens read from it) after
-        a MEASURE_CONTEXT-token context, drafting as the engine asks (the context's new pairs read, every level grown): a
-        chain of MEASURE_LEVELS, or with ``branches`` a tree of that many nodes a level, as deep as the head grows trees
-        (``max_depth``). What a seeded run prices a step at."""
-        probe = EagleDrafter(
-            self.runner, self.runner.embed, self.vocab_size, self.max_depth, min_score=0.0
-        )  # every level grows
+        """Median seconds of one draft step (one run of the head, with the distributions and top tokens read from it)
+        after a MEASURE_CONTEXT-token context, drafting as the engine asks (the context's new pairs read, every level
+        grown): a chain of MEASURE_LEVELS, or with ``branches`` a tree of that many nodes a level, as deep as the head
+        grows trees (``max_depth``). What a seeded run prices a step at."""
+        # every level grows
+        probe = EagleDrafter(self.runner, self.runner.embed, self.vocab_size, self.max_depth, min_score=0.0)
         tokens = self.runner.keep_ids[: MEASURE_CONTEXT + repeats + 1].cpu()
         width = self.runner.embed(tokens[:1].to(self.runner.device)).shape[-1]
         probe.observe_features(torch.zeros(MEASURE_CONTEXT, width))
@@ -277,9 +275,8 @@ class EagleDrafter(Drafter):
             proposal = probe.propose(
                 tokens[:length], MEASURE_LEVELS if branches == 1 else MEASURE_LEVELS * branches, branches
             )
-            times.append(
-                (time.perf_counter() - start) / proposal.draft_steps
-            )  # its tokens reach the host: the work is done
+            # its tokens reach the host: the work is done
+            times.append((time.perf_counter() - start) / proposal.draft_steps)
         return statistics.median(times)
 
     def observe_features(self, features: torch.Tensor) -> None:
@@ -296,9 +293,8 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         length = context.shape[0]
-        if (
-            self.read == 0 and 0 < self.known < length - 1
-        ):  # begun mid-sequence (a guard's anchor): read from the first position it has
+        # begun mid-sequence (a guard's anchor): read from the first position it has
+        if self.read == 0 and 0 < self.known < length - 1:
             self.read = length - 1 - self.known
         if self.known == 0 or k < 1:  # the first step: the target has not read the prompt yet
             return Proposal.empty()
@@ -310,13 +306,13 @@ class EagleDrafter(Drafter):
         return self._grow(logits[-1], out[-1], k, branches, length)
 
     def _grow(self, logits: torch.Tensor, feature: torch.Tensor, k: int, width: int, length: int) -> Proposal:
-        """The k most likely nodes of a tree grown level by level, expanding the ``width`` most likely nodes of each level."""
+        """The k most likely nodes of a tree grown level by level, expanding the ``width`` most likely nodes of each
+        level."""
         sampling = self.settings.sampling
         shape = (lambda z: torch.softmax(z.float(), dim=-1)) if sampling.greedy else (lambda z: to_probs(z, sampling))
         nodes: list[tuple[float, int, int]] = []  # (score, kept-vocabulary token, parent node), level by level
-        after = {
-            -1: (shape(logits), feature)
-        }  # node -> the head's distribution after it and its output feature (-1: the context)
+        # node -> the head's distribution after it and its output feature (-1: the context)
+        after = {-1: (shape(logits), feature)}
         frontier = [-1]
         steps = 1  # runs of the head: the context's, then one per level expanded
         depth_limit = min(self.max_depth, k, self.runner.max_position - length)
@@ -377,9 +373,11 @@ def load_eagle(
     dtype: torch.dtype = torch.float32,
     kernels: bool | None = None,
 ) -> EagleDrafter:
-    """The head saved in ``folder`` by ``specdec distill --arch eagle``, on ``device``, drafting for a target with input embedding ``embed``.
+    """The head saved in ``folder`` by ``specdec distill --arch eagle``, on ``device``, drafting for a target with
+    input embedding ``embed``.
 
-    ``kernels``: run it on the native int8 kernels (None: wherever they run, see :func:`why_not_native`; False: as its module).
+    ``kernels``: run it on the native int8 kernels (None: wherever they run, see :func:`why_not_native`; False: as its
+    module).
     """
     tensors = load_file(str(Path(folder) / "model.safetensors"))
     keep_ids, rows = tensors.pop("keep_ids"), tensors.pop("lm_head.weight").to(dtype)
@@ -394,7 +392,8 @@ def load_eagle(
     unexpected = set(tensors) - expected
     if missing or unexpected:
         raise ConfigError(
-            f"'{folder}' is not an eagle head of this version (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+            f"'{folder}' is not an eagle head of this version "
+            f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
         )
     head.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
     head.to(device)

@@ -33,9 +33,8 @@ class FallbackDrafter(Drafter):
         # The costlier one prices a draft step: a drafting model's Backend, else a model outside one (the eagle head).
         self.backend = second.backend if second.backend is not None else first.backend
         self._priced = next((d for d in (second, first) if d.capabilities.measures_steps), None)
-        self._readers = [
-            d for d in (first, second) if d.capabilities.features
-        ]  # drafters of the target's hidden states
+        # drafters of the target's hidden states
+        self._readers = [d for d in (first, second) if d.capabilities.features]
         self.capabilities = DrafterCapabilities(
             trees=first.capabilities.trees or second.capabilities.trees,
             scores=second.capabilities.scores,  # the second's proposals may carry scores (the first's are cut to k)
@@ -53,9 +52,8 @@ class FallbackDrafter(Drafter):
 
     def _forget(self) -> None:
         self.first_rate = AcceptanceEstimate(prior=FIRST_NODE_SCORE)  # how often the first drafter's tokens come true
-        self._copy: tuple[int, list[int]] | None = (
-            None  # (context length, the first drafter's best run) awaiting the text
-        )
+        # (context length, the first drafter's best run) awaiting the text
+        self._copy: tuple[int, list[int]] | None = None
 
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         self._check_copy(context)
@@ -68,9 +66,8 @@ class FallbackDrafter(Drafter):
             steps = proposal.draft_steps + theirs.draft_steps  # both drafted, whichever proposal is kept
             if not len(proposal):
                 proposal, self._proposed = replace(theirs, steps=steps), [self.second]
-            elif (
-                proposal.probs is None and theirs.probs is None
-            ):  # deterministic trees merge; drawn ones keep their own law
+            elif proposal.probs is None and theirs.probs is None:
+                # deterministic trees merge; drawn ones keep their own law
                 proposal, self._proposed = (
                     merge_trees(proposal, theirs, k, self.first_rate.value),
                     [self.first, self.second],
@@ -92,8 +89,8 @@ class FallbackDrafter(Drafter):
         self.first_rate.observe(len(judged), right)
 
     def accept(self, n: int) -> None:
-        """Tell the drafter whose proposal was verified; for a merged tree both are told the merged count (neither learns
-        from it today: prompt lookup and the eagle head keep no per-proposal state)."""
+        """Tell the drafter whose proposal was verified; for a merged tree both are told the merged count (neither
+        learns from it today: prompt lookup and the eagle head keep no per-proposal state)."""
         for drafter in self._proposed:
             drafter.accept(n)
 
@@ -115,7 +112,8 @@ class FallbackDrafter(Drafter):
 
 
 def _first_run(proposal: Proposal) -> int:
-    """How many of a proposal's first nodes form one run from the root (all of a chain's; a tree lists its best run first)."""
+    """How many of a proposal's first nodes form one run from the root (all of a chain's; a tree lists its best run
+    first)."""
     if proposal.parents is None:
         return len(proposal)
     links = proposal.parents.tolist()
@@ -126,9 +124,9 @@ def merge_trees(first: Proposal, second: Proposal, k: int, first_score: float = 
     """One deterministic tree of both proposals' nodes (the same token after the same path is one node), its k best,
     with the drafting both took.
 
-    Scores: the second's own, ``first_score ** depth`` for the first's nodes (first_score: the chance each is right), the higher where both propose a node. A
-    parent scores at least as much as its children in both, so the nodes listed best first (shallower first among
-    equals) keep parents before children, as a scored proposal must.
+    Scores: the second's own, ``first_score ** depth`` for the first's nodes (first_score: the chance each is right),
+    the higher where both propose a node. A parent scores at least as much as its children in both, so the nodes listed
+    best first (shallower first among equals) keep parents before children, as a scored proposal must.
     """
     trie = TokenTrie()
     scores: list[float] = []

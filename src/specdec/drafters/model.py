@@ -25,9 +25,8 @@ class ModelDrafter(Drafter):
         self.vocab_size: int | None = backend.vocab_size
         self.settings = DraftSettings()
         self._context_length = 0
-        self._branched = (
-            False  # the last proposal was a tree: its last accepted node may be a leaf the cache never read
-        )
+        # the last proposal was a tree: its last accepted node may be a leaf the cache never read
+        self._branched = False
 
     def begin(self, settings: DraftSettings) -> None:
         self.settings = settings
@@ -95,7 +94,8 @@ class ModelDrafter(Drafter):
         return Proposal(torch.tensor(tokens, dtype=torch.long), None, torch.tensor(parents, dtype=torch.long))
 
     def accept(self, n: int) -> None:
-        # Called only after a proposal. The cache holds the context plus the first k-1 drafts; keep the context plus the accepted ones.
+        # Called only after a proposal. The cache holds the context plus the first k-1 drafts; keep the context plus
+        # the accepted ones.
         # In a tree the last accepted node may be a leaf the cache never read: keep one fewer (the next step reads it).
         n = max(n - 1, 0) if self._branched else n
         self.backend.truncate(min(self._context_length + n, self.backend.cached_length))

@@ -99,7 +99,8 @@ class NgramTable:
         path = Path(path)
         if not path.is_file():
             raise ModelNotFoundError(
-                f"n-gram table '{path}' not found: build one with `specdec ngram build SOURCES --target MODEL -o {path}`"
+                f"n-gram table '{path}' not found: "
+                f"build one with `specdec ngram build SOURCES --target MODEL -o {path}`"
             )
         try:
             with np.load(path) as data:
@@ -143,9 +144,8 @@ class NgramDrafter(Drafter):
         return NgramDrafter(self.table, self.min_share)  # shares the table; its settings are its own sequence's
 
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
-        copied = self.lookup.propose(
-            context, k, branches
-        )  # its copies (a tree of several with branches), else the table's chain
+        # its copies (a tree of several with branches), else the table's chain
+        copied = self.lookup.propose(context, k, branches)
         if len(copied):
             return copied
         sampling, min_confidence = self.settings.sampling, self.settings.min_confidence

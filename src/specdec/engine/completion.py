@@ -77,9 +77,8 @@ class Completion:
             decoder = Decoder(
                 backend.row_backend(batch=False, trees=self.config.branches > 1, cuda_graphs=gen.batch.cuda_graphs)
             )
-            decoder.join(
-                self, drafter, gen.k_policy(self.config)
-            )  # after acquiring: a first measurement must not disturb another run's cache
+            # after acquiring: a first measurement must not disturb another run's cache
+            decoder.join(self, drafter, gen.k_policy(self.config))
             while decoder.rows:
                 for update in decoder.step():
                     if update.text:
@@ -88,7 +87,8 @@ class Completion:
             gen.release(backend)
 
     def take(self, ids: list[int]) -> str:
-        """Add the tokens one step accepted; return the text they complete. Ends the run at EOS or a stop string (the stats then count only what was kept)."""
+        """Add the tokens one step accepted; return the text they complete. Ends the run at EOS or a stop string (the
+        stats then count only what was kept)."""
         if self.config.stop_on_eos:
             eos_at = next((i for i, t in enumerate(ids) if t in self.generator.eos_ids), None)
             if eos_at is not None:
@@ -106,7 +106,8 @@ class Completion:
         return self.text.delta(final=self.ended) if self.text is not None else ""
 
     def _watch_drift(self, before: int) -> None:
-        """Score each window completed since ``before`` tokens against the prompt; below the threshold, a drift event (and an anchor)."""
+        """Score each window completed since ``before`` tokens against the prompt; below the threshold, a drift event
+        (and an anchor)."""
         guards = self.config.guards
         size = guards.drift_window
         start = time.perf_counter()

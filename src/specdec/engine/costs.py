@@ -26,9 +26,8 @@ from specdec.scheduling import BatchCostCurve, CostCurve
 
 DEFAULT_SIZES = (1, 2, 3, 5, 9, 13, 17)  # k + 1 for k = 0, 1, 2, 4, 8, 12, 16
 TREE_SIZES = (3, 5, 9, 13, 17)  # the pending token and 2 .. 16 tree nodes
-TREE_CONTEXT = (
-    256  # a tree's extra cost grows with the context its nodes see; this is about a benchmark prompt and its answer
-)
+# a tree's extra cost grows with the context its nodes see; this is about a benchmark prompt and its answer
+TREE_CONTEXT = 256
 BATCH_ROWS = (1, 2, 4, 8, 16, 32)
 BATCH_SIZES = (1, 2, 3, 5, 9)
 
@@ -61,7 +60,8 @@ def forward_cost_curve(
 def tree_overhead_curve(
     rows: RowBackend, sizes: tuple[int, ...] = TREE_SIZES, context: int = TREE_CONTEXT, repeats: int = 7
 ) -> dict[int, float]:
-    """Median extra seconds of a forward over n new tokens whose last n - 1 are a tree of drafts, over the same forward as a chain.
+    """Median extra seconds of a forward over n new tokens whose last n - 1 are a tree of drafts, over the same forward
+    as a chain.
 
     A tree's nodes each see only their ancestors, so a runtime lays out their attention apart from a chain's
     (models/precision.py); the chain cost curve does not know that. The tree is a drafter's top branches: two roots,
@@ -100,9 +100,8 @@ def batch_cost_curve(
         backend.add_rows(count)
         ids = list(range(count))
         backend.forward(ids, [tokens[:context]] * count, last=1)
-        backend.forward(
-            ids, [tokens[context : context + max(sizes)]] * count, last=1
-        )  # warm-up, and the cache grown to its widest
+        # warm-up, and the cache grown to its widest
+        backend.forward(ids, [tokens[context : context + max(sizes)]] * count, last=1)
         for row in ids:
             backend.truncate(row, context)
         seconds = {}
@@ -127,7 +126,8 @@ def machine_cost_curve(backend: Backend) -> CostCurve:
 
 
 def machine_tree_overhead(rows: RowBackend) -> CostCurve:
-    """What a tree costs beyond a chain on this runtime (``tree_overhead_curve``): measured once (about 20 s for a real model), then cached."""
+    """What a tree costs beyond a chain on this runtime (``tree_overhead_curve``): measured once (many forwards of the
+    model), then cached."""
     stored = _cached(
         f"{rows.identity}|tree overhead", lambda: {str(n): s for n, s in tree_overhead_curve(rows).items()}
     )
@@ -136,13 +136,15 @@ def machine_tree_overhead(rows: RowBackend) -> CostCurve:
 
 def machine_draft_step(drafter: Drafter, branches: int = 1) -> float:
     """Seconds of one draft step (a level of ``branches`` nodes) of a drafter that runs a model outside a Backend
-    (``measure_step``, the eagle head): measured once (well under a second), then cached under its ``identity``."""
+    (``measure_step``, the eagle head): measured once (a few runs of its model), then cached under its
+    ``identity``."""
     stored = _cached(f"{drafter.identity}|draft step|{branches}", lambda: {"1": drafter.measure_step(branches)})
     return stored["1"]
 
 
 def machine_batch_cost_curve(backend: RowBackend) -> BatchCostCurve:
-    """The batched backend's cost over rows and tokens on this machine: measured once (tens of seconds for a real model), then cached."""
+    """The batched backend's cost over rows and tokens on this machine: measured once (many batched forwards of the
+    model), then cached."""
 
     def measure() -> dict[str, dict[str, float]]:
         curve = batch_cost_curve(backend)
@@ -180,9 +182,9 @@ class MachineCosts:
         return self._tree_overhead
 
     def draft_step(self, drafter: Drafter, branches: int = 1) -> float:
-        """Seconds of one of ``drafter``'s steps drafting ``branches`` nodes a level: the draft model's one-token forward, the
-        drafter's own measure for a model outside a Backend (the eagle head, whose tree levels cost more than a
-        chain's), 0 for model-free drafters."""
+        """Seconds of one of ``drafter``'s steps drafting ``branches`` nodes a level: the draft model's one-token
+        forward, the drafter's own measure for a model outside a Backend (the eagle head, whose tree levels cost more
+        than a chain's), 0 for model-free drafters."""
         measured = drafter.capabilities.measures_steps
         branches = branches if measured else 1  # a draft model's step is its one-token forward, however wide
         key = (id(drafter), branches)

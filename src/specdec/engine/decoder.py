@@ -1,4 +1,5 @@
-"""The row lifecycle: completions join, step together and leave; every driver (generate, stream, generate_batch, the server) uses it.
+"""The row lifecycle: completions join, step together and leave; every driver (generate, stream, generate_batch, the
+server) uses it.
 
 A joining completion becomes a :class:`~specdec.engine.step.Row` with its own
 drafter, k policy, random generators, guards and stats. Each :meth:`Decoder.step`
@@ -42,9 +43,9 @@ class StepReport:
 class Update:
     """What one step did for one completion."""
 
-    run: Completion
-    text: str  # the text the step completed (and, when the run ended, the text held back until then)
-    done: bool  # the run ended and left the decoder; its result is settled
+    completion: Completion
+    text: str  # the text the step completed (and, when the completion ended, the text held back until then)
+    done: bool  # the completion ended and left the decoder; its result is settled
 
 
 class Decoder:
@@ -64,46 +65,49 @@ class Decoder:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def join(self, run: Completion, drafter: Drafter, policy: KPolicy) -> None:
-        """Add ``run`` with its own ``drafter`` and ``policy``; its prompt is read at the next step.
+    def join(self, completion: Completion, drafter: Drafter, policy: KPolicy) -> None:
+        """Add ``completion`` with its own ``drafter`` and ``policy``; its prompt is read at the next step.
 
-        Raises ConfigError when the drafter cannot serve the run's settings, PromptError when the prompt fills the context.
+        Raises ConfigError when the drafter cannot serve the completion's settings (or reads hidden states this runtime
+        does not return), ContextLengthError when the prompt fills the context.
         """
-        if run in self.rows:
+        if completion in self.rows:
             raise ValueError("this completion is already decoding here: a completion joins a decoder once")
         if drafter.capabilities.features and not self.backend.capabilities.features:
             raise ConfigError(
                 f"{type(drafter).__name__} drafts from the target's hidden states, which this runtime does not return: "
                 "use --backend native or transformers, or a drafter that does not read them"
             )
-        if len(run.prompt_ids) >= self.backend.max_context:
+        if len(completion.prompt_ids) >= self.backend.max_context:
             raise ContextLengthError(
-                f"a prompt of {len(run.prompt_ids)} tokens does not fit the context of {self.backend.max_context}"
+                f"a prompt of {len(completion.prompt_ids)} tokens does not fit "
+                f"the context of {self.backend.max_context}"
             )
         row = Row(
-            torch.tensor(run.prompt_ids, dtype=torch.long),
-            run.config,
+            torch.tensor(completion.prompt_ids, dtype=torch.long),
+            completion.config,
             drafter,
             policy,
-            run.seeds,
-            run.stats,
-            run.guards,
+            completion.seeds,
+            completion.stats,
+            completion.guards,
         )
-        row.stats.lossy = run.config.typical_acceptance is not None
+        row.stats.lossy = completion.config.typical_acceptance is not None
         drafter.begin(row.draft_settings)
         self.backend.add_rows(1)
-        self.rows[run] = row
+        self.rows[completion] = row
 
-    def leave(self, run: Completion) -> None:
-        """Remove ``run`` (finished, cancelled or failed) and free its cache; a run not in the decoder is ignored."""
-        if run in self.rows:
-            self.backend.remove_rows([list(self.rows).index(run)])
-            del self.rows[run]
+    def leave(self, completion: Completion) -> None:
+        """Remove ``completion`` (finished, cancelled or failed) and free its cache; one not here is ignored."""
+        if completion in self.rows:
+            self.backend.remove_rows([list(self.rows).index(completion)])
+            del self.rows[completion]
 
     def step(self) -> list[Update]:
         """Advance every row by one speculative step; hand each completion its tokens; retire the rows that ended.
 
-        If it raises, the rows' state is undefined (some may have advanced without their completion hearing of it): make them leave.
+        If it raises, the rows' state is undefined (some may have advanced without their completion hearing of it):
+        make them leave.
         """
         if not self.rows:
             return []
@@ -124,15 +128,14 @@ class Decoder:
         self.reports.append(StepReport(len(rows), window, time.perf_counter() - start))
 
         updates = []
-        for run, row in list(self.rows.items()):
-            text = run.take(new[row].tolist())
-            done = (
-                run.ended or row.stats.new_tokens >= row.config.max_new_tokens or row.length >= self.backend.max_context
-            )
+        for completion, row in list(self.rows.items()):
+            text = completion.take(new[row].tolist())
+            limit = row.stats.new_tokens >= row.config.max_new_tokens or row.length >= self.backend.max_context
+            done = completion.ended or limit
             if done:
-                text += run.close()
-                self.leave(run)
-            updates.append(Update(run, text, done))
+                text += completion.close()
+                self.leave(completion)
+            updates.append(Update(completion, text, done))
         return updates
 
     def _window(self, rows: list[Row]) -> int | None:

@@ -112,14 +112,16 @@ class Generator:
         return self.measured.tree_overhead()
 
     def draft_cost(self, branches: int = 1) -> float:
-        """Seconds of one of this Generator's draft steps drafting ``branches`` nodes a level (MachineCosts.draft_step)."""
+        """Seconds of one of this Generator's draft steps drafting ``branches`` nodes a level
+        (MachineCosts.draft_step)."""
         return self.measured.draft_step(self.drafter, branches)
 
     def k_policy(self, config: GenerationConfig, batched: bool = False) -> KPolicy:
-        """A fresh k policy for one sequence (a row of a batch decoder's, ``batched``). With a seed, the cost model prices
-        drafts from measured (cached) costs, not live timings, so the seed reproduces the output. Without, a tree row
-        shares the tree and chain steps' rates its generator's rows timed with the same settings (a batch row's steps are
-        timed with the batch, so apart from single runs'); a seeded row's choices must not depend on earlier requests."""
+        """A fresh k policy for one sequence (a row of a batch decoder's, ``batched``). With a seed, the cost model
+        prices drafts from measured (cached) costs, not live timings, so the seed reproduces the output. Without, a tree
+        row shares the tree and chain steps' rates its generator's rows timed with the same settings (a batch row's
+        steps are timed with the batch, so apart from single runs'); a seeded row's choices must not depend on earlier
+        requests."""
         trees = config.branches > 1
         draft_cost = self.draft_cost if config.seed is not None else None
         tree_draft_cost = (lambda: self.draft_cost(config.branches)) if trees and config.seed is not None else None
@@ -137,7 +139,8 @@ class Generator:
         )
 
     def acquire(self) -> tuple[Backend, Drafter]:
-        """The target cache and drafter for a single-sequence run: this Generator's own, or forks of them while another run holds those."""
+        """The target cache and drafter for a single-sequence run: this Generator's own, or forks of them while another
+        run holds those."""
         with self._lock:
             if not self._busy:
                 self._busy = True
@@ -148,7 +151,8 @@ class Generator:
                 forks.append(part.fork())
             except ConfigError:
                 raise ConfigError(
-                    f"another completion of this Generator is still decoding, and its {name} decodes one sequence at a time: "
+                    f"another completion of this Generator is still decoding, "
+                    f"and its {name} decodes one sequence at a time: "
                     "finish or close the first one, or use a second Generator"
                 ) from None
         return forks[0], forks[1]
@@ -169,10 +173,10 @@ class Generator:
         self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object
     ) -> GenerationResult:
         """Generate a completion of ``prompt`` (text, or token ids) and return it with stats."""
-        run = self.completion(prompt, config, **overrides)
-        for _ in run:
+        completion = self.completion(prompt, config, **overrides)
+        for _ in completion:
             pass
-        return run.result()
+        return completion.result()
 
     def stream(
         self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object
@@ -201,20 +205,20 @@ class Generator:
             )
         if len(prompts) > 1 and self.backend.capabilities.max_rows == 1:
             raise ConfigError(
-                "batched generation runs on the transformers backend: use --backend transformers, "
+                "batched generation completions on the transformers backend: use --backend transformers, "
                 "or generate one prompt at a time"
             )
-        runs = [self.completion(prompt, c, **overrides) for prompt, c in zip(prompts, configs, strict=True)]
+        completions = [self.completion(prompt, c, **overrides) for prompt, c in zip(prompts, configs, strict=True)]
         decoder = decoder if decoder is not None else self.batch_decoder()
         try:
-            for run in runs:
-                self.admit(decoder, run)
-            while any(run in decoder.rows for run in runs):
+            for completion in completions:
+                self.admit(decoder, completion)
+            while any(completion in decoder.rows for completion in completions):
                 decoder.step()
-        finally:  # a failure leaves a passed-in decoder without these runs
-            for run in runs:
-                decoder.leave(run)
-        return [run.result() for run in runs]
+        finally:  # a failure leaves a passed-in decoder without these completions
+            for completion in completions:
+                decoder.leave(completion)
+        return [completion.result() for completion in completions]
 
     def batch_decoder(self) -> Decoder:
         """A decoder over this target's weights for sequences that join and leave between steps (the server's engine).
@@ -227,10 +231,10 @@ class Generator:
         memory = partial(memory_in_use, rows.device)
         return Decoder(rows, LoadWindow(machine_batch_cost_curve(rows), self.batch.memory_threshold, memory))
 
-    def admit(self, decoder: Decoder, run: Completion) -> None:
-        """Add ``run`` to a batch ``decoder`` with a forked drafter and a fresh k policy."""
+    def admit(self, decoder: Decoder, completion: Completion) -> None:
+        """Add ``completion`` to a batch ``decoder`` with a forked drafter and a fresh k policy."""
         drafter = self.drafter.fork()  # first: a drafter that cannot fork is refused before anything is measured on it
-        decoder.join(run, drafter, self.k_policy(run.config, batched=True))
+        decoder.join(completion, drafter, self.k_policy(completion.config, batched=True))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """``prompt``'s token ids, checked: not empty, valid text or in-vocabulary ids, within the context."""

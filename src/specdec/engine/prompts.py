@@ -32,7 +32,8 @@ class PromptEncoder:
         return self._fits(ids, "prompt")
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
-        """Chat ``messages`` (OpenAI's role/content dicts, content as text) in the target's chat template, tokenized and checked."""
+        """Chat ``messages`` (OpenAI's role/content dicts, content as text) in the target's chat template, tokenized
+        and checked."""
         tokenizer = self._tokenizer_for("chat messages")
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError(f"model '{self.name}' has no chat template: send a plain prompt (a completion) instead")
@@ -55,12 +56,14 @@ class PromptEncoder:
         return self.tokenizer
 
     def _check_text(self, text: str, what: str) -> None:
-        """Refuse text a tokenizer would choke on (lone surrogates) or that cannot fit the context, before spending time tokenizing it."""
+        """Refuse text a tokenizer would choke on (lone surrogates) or that cannot fit the context, before spending time
+        tokenizing it."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise PromptError(
-                f"{what} is not valid Unicode: a lone surrogate ({text[exc.start]!a}) at character {exc.start}: send well-formed text"
+                f"{what} is not valid Unicode: a lone surrogate ({text[exc.start]!a}) at character {exc.start}: "
+                "send well-formed text"
             ) from None
         if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
             raise ContextLengthError(
@@ -71,7 +74,8 @@ class PromptEncoder:
 
     @cached_property
     def max_prompt_chars(self) -> int | None:
-        """The most characters a prompt can have and still fit the context: the context times the longest token's characters.
+        """The most characters a prompt can have and still fit the context: the context times the longest token's
+        characters.
 
         None where the tokenizer does not list its vocabulary (llama.cpp's): then only the token count is checked.
         """

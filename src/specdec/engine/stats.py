@@ -71,7 +71,8 @@ class DecodeStats:
             self.verify_s += outcome.target_s
 
     def keep_emitted(self, emitted: int) -> None:
-        """Only the first ``emitted`` tokens of the last step were emitted (EOS or a stop string cut the rest): count only those.
+        """Only the first ``emitted`` tokens of the last step were emitted (EOS or a stop string cut the rest): count
+        only those.
 
         A cut inside the accepted drafts leaves ``emitted`` drafts proposed and
         accepted at that step (the drafts after them decided nothing that was emitted).
@@ -91,7 +92,8 @@ class DecodeStats:
     def as_dict(self) -> dict[str, float | int | list[int]]:
         keys = (
             "new_tokens steps target_forwards draft_tokens_proposed draft_tokens_accepted acceptance_rate "
-            "mean_accepted_per_step tokens_per_step tokens_per_s wall_s ttft_s prefill_s draft_s verify_s anchors guard_s lossy"
+            "mean_accepted_per_step tokens_per_step tokens_per_s wall_s ttft_s prefill_s draft_s verify_s "
+            "anchors guard_s lossy"
         ).split()
         return {key: getattr(self, key) for key in keys} | {
             "accepted_per_step": list(self.accepted_per_step),

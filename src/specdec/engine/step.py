@@ -102,7 +102,8 @@ class RowStep:
 def speculative_step(
     target: RowBackend, row_ids: list[int], rows: list[Row], window: int | None = None
 ) -> list[StepOutcome]:
-    """Advance ``rows`` (held in ``target``'s rows ``row_ids``) by one speculative step; ``window`` caps every row's k."""
+    """Advance ``rows`` (held in ``target``'s rows ``row_ids``) by one speculative step; ``window`` caps every row's
+    k."""
     steps = [draft(row, row_id, window, target.max_context) for row, row_id in zip(rows, row_ids, strict=True)]
     with Timer() as judging:
         logits = score(target, steps)

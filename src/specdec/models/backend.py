@@ -138,7 +138,8 @@ class RowBackend(ABC):
 
 
 def keep_branch(cache: torch.Tensor, dim: int, length: int, branch: list[int]) -> None:
-    """Move the cached entries at positions ``branch`` (along ``dim``) to positions length - len(branch) .. length - 1, in place."""
+    """Move the cached entries at positions ``branch`` (along ``dim``) to positions length - len(branch) .. length - 1,
+    in place."""
     source, target = (
         torch.tensor(branch, device=cache.device),
         torch.arange(length - len(branch), length, device=cache.device),
@@ -147,10 +148,11 @@ def keep_branch(cache: torch.Tensor, dim: int, length: int, branch: list[int]) -
 
 
 def tree_mask(length: int, parents: torch.Tensor) -> torch.Tensor:
-    """Which of ``length`` new positions each one sees when the last len(parents) are a tree and the rest a chain: bool [length, length].
+    """Which of ``length`` new positions each one sees when the last len(parents) are a tree and the rest a chain:
+    bool [length, length].
 
-    Node i of the tree sees the chain, its ancestors and itself; its position in the text is the chain's end plus its depth
-    (``tree_positions``).
+    Node i of the tree sees the chain, its ancestors and itself; its position in the text is the chain's end plus its
+    depth (``tree_positions``).
     """
     chain = length - len(parents)
     seen = torch.ones(length, length, dtype=torch.bool).tril_()
@@ -163,7 +165,8 @@ def tree_mask(length: int, parents: torch.Tensor) -> torch.Tensor:
 
 
 def tree_positions(start: int | torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Each new position's place in the text under a ``tree_mask`` (the chain's end plus its depth), after ``start`` cached ones."""
+    """Each new position's place in the text under a ``tree_mask`` (the chain's end plus its depth), after ``start``
+    cached ones."""
     return start + visible.sum(dim=-1) - 1
 
 

@@ -24,8 +24,8 @@ from transformers import Cache, PreTrainedModel
 from specdec.errors import ConfigError
 from specdec.models.backend import BackendCapabilities, RowBackend, keep_branch, tree_mask, tree_positions
 from specdec.models.cuda_graphs import CudaGraphs
+from specdec.models.loading import model_identity
 from specdec.models.precision import PADDED_ATTENTION
-from specdec.models.transformers_backend import model_identity
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 
@@ -64,7 +64,8 @@ class RowCache(Cache):
         return self.width
 
     def resize(self, rows: torch.Tensor | None = None, capacity: int | None = None) -> None:
-        """Keep the buffer rows ``rows`` in that order (-1 makes a new empty row) and grow every row to ``capacity`` slots."""
+        """Keep the buffer rows ``rows`` in that order (-1 makes a new empty row) and grow every row to ``capacity``
+        slots."""
         rows = torch.arange(self.rows) if rows is None else rows
         capacity = max(self.capacity, capacity or 0)
         if capacity == self.capacity and torch.equal(rows, torch.arange(self.rows)):
@@ -95,7 +96,8 @@ class BatchedTransformersBackend(RowBackend):
         kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
         if not kinds <= set(ATTENTION_KINDS):
             raise ConfigError(
-                f"batched decoding supports full and sliding-window attention; this model has {sorted(kinds - set(ATTENTION_KINDS))}: "
+                "batched decoding supports full and sliding-window attention; "
+                f"this model has {sorted(kinds - set(ATTENTION_KINDS))}: "
                 "decode its prompts one at a time with Generator.generate"
             )
         if model.config._attn_implementation not in ("eager", "sdpa", PADDED_ATTENTION):
@@ -139,7 +141,8 @@ class BatchedTransformersBackend(RowBackend):
         self.cached_lengths = [self.cached_lengths[i] for i in keep]
 
     def truncate(self, row_id: int, length: int, branch: list[int] | None = None) -> None:
-        """Keep only the first ``length`` positions of ``row``; with ``branch``, the last len(branch) of them are those slots' states."""
+        """Keep only the first ``length`` positions of ``row``; with ``branch``, the last len(branch) of them are those
+        slots' states."""
         if not 0 <= length <= self.cached_lengths[row_id]:
             raise ValueError(f"cannot truncate row {row_id} of {self.cached_lengths[row_id]} positions to {length}")
         if branch:  # a tree's accepted path moves next to the positions before it, so that slots equal positions again
@@ -156,10 +159,11 @@ class BatchedTransformersBackend(RowBackend):
         trees: list[torch.Tensor | None] | None = None,
         features: bool = False,
     ) -> torch.Tensor:
-        """Append ``feeds[i]`` (1-D token ids) to row ``row_ids[i]``; return logits [len(row_ids), last, V] of each feed's last ``last`` tokens.
+        """Append ``feeds[i]`` (1-D token ids) to row ``row_ids[i]``; return logits [len(row_ids), last, V] of each
+        feed's last ``last`` tokens.
 
-        A feed shorter than ``last`` gets its logits right-aligned; the columns before them are padding. A feed ending in
-        a tree (``trees[i]``) writes its nodes at consecutive slots, each at the position of its depth.
+        A feed shorter than ``last`` gets its logits right-aligned; the columns before them are padding. A feed ending
+        in a tree (``trees[i]``) writes its nodes at consecutive slots, each at the position of its depth.
         """
         n = max(feed.shape[0] for feed in feeds)
         trees = trees or [None] * len(feeds)
@@ -201,7 +205,8 @@ class BatchedTransformersBackend(RowBackend):
         return logits
 
     def _run(self, inputs: dict[str, torch.Tensor], last: int, features: bool = False) -> torch.Tensor:
-        """The model over ``inputs``: every tensor the step reads that changes between steps is one of them (a captured graph replays with them).
+        """The model over ``inputs``: every tensor the step reads that changes between steps is one of them (a captured
+        graph replays with them).
 
         With ``features``, the final hidden states (after the last norm) are kept in ``_hidden``."""
         self.cache.slots, self.cache.active = inputs["slots"], inputs["active"]
@@ -242,9 +247,8 @@ class BatchedTransformersBackend(RowBackend):
         column = fed.clamp(0, n - 1)
         sees = visible.gather(2, column.expand(-1, n, -1))
         causal = (~inside | sees) & (slot <= slots[:, :, None]) & real[:, :, None]
-        causal |= ~real[:, :, None] & (
-            slot == 0
-        )  # padding queries attend to slot 0 only, so no row of the softmax is empty
+        # padding queries attend to slot 0 only, so no row of the softmax is empty
+        causal |= ~real[:, :, None] & (slot == 0)
         masks = {"full_attention": causal}
         if "sliding_attention" in self.layer_kinds:  # by positions in the text: a tree node's slot is past its position
             key_position = torch.where(inside, positions.gather(1, column[:, 0])[:, None, :], slot)

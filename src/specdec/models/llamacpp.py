@@ -26,7 +26,8 @@ from specdec.machine import cpu_flags, cpu_name
 from specdec.models.backend import TREES_UNSUPPORTED, Backend, BackendCapabilities, Embed
 
 INSTALL = 'pip install -e ".[llamacpp]"  (builds llama.cpp from source: about 5-15 minutes on 2 cores)'
-PORTABLE_FLAGS = (  # llama.cpp built for AVX-512 without -march=native: no AMX, which faults in some VMs
+# llama.cpp built for AVX-512 without -march=native: no AMX, which faults in some VMs
+PORTABLE_FLAGS = (
     "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
     "-DGGML_FMA=ON -DGGML_F16C=ON"
 )
@@ -231,7 +232,8 @@ class LlamaCppBackend(Backend):
         self._length = 0
 
     def token_embeddings(self) -> Embed:
-        """The model's input embedding as a function of token ids, read once from the GGUF file (a feature-conditioned draft embeds with it)."""
+        """The model's input embedding as a function of token ids, read once from the GGUF file (a feature-conditioned
+        draft embeds with it)."""
         if self._embedding is None:
             from gguf import GGUFReader
             from gguf.quants import dequantize
@@ -262,9 +264,8 @@ class LlamaCppBackend(Backend):
         if features != self._embeddings:
             self._lib.llama_set_embeddings(self.llama.ctx, features)
             self._embeddings = features
-        kept = (
-            count if last is None else min(last, count)
-        )  # logits rows returned: with features every row is computed, few kept
+        # logits rows returned: with features every row is computed, few kept
+        kept = count if last is None else min(last, count)
         pieces, states = [], []
         for start in range(0, count, self._batch_size):
             outputs = self._decode(ids[start : start + self._batch_size], start, first_output=count - wanted)
@@ -272,7 +273,8 @@ class LlamaCppBackend(Backend):
                 pointer = self._lib.llama_get_logits(self.llama.ctx)
                 if not pointer:
                     raise RuntimeError(
-                        "this llama.cpp build returns no logits while it returns hidden states: upgrade llama-cpp-python"
+                        "this llama.cpp build returns no logits while it returns hidden states: "
+                        "upgrade llama-cpp-python"
                     )
                 first_row = max(count - wanted, start)  # the position of this chunk's first logits row
                 view = np.ctypeslib.as_array(pointer, shape=(outputs, self.vocab_size))[

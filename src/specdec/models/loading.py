@@ -121,3 +121,16 @@ def first_line(exc: BaseException) -> str:
 # Loading a cached model is quick; transformers' per-load progress bars and notes would only be noise.
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
+
+
+def model_identity(model: PreTrainedModel) -> str:
+    """What decides a transformers model's speed here (weights, precision, device, threads): the key of its measured
+    costs."""
+    config = model.config
+    weights = sum(p.numel() for p in model.parameters())
+    precision = getattr(model, "specdec_precision", model.dtype)
+    device = next(model.parameters()).device
+    return (
+        f"transformers|{config.name_or_path or config.model_type}|{weights}|{precision}|{device}|"
+        f"threads={torch.get_num_threads()}"
+    )

@@ -201,9 +201,9 @@ class NativeModel:
         visible: torch.Tensor | None = None,
         features: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [last, V] of the last ``last`` of ``tokens`` [n], appended to ``cache`` at its length; with ``features``
-        also every position's final hidden state [n, H] (what the output head reads), else None. ``tokens`` may also be
-        the input vectors themselves [n, H] (what a feature-conditioned head feeds its layer).
+        """Logits [last, V] of the last ``last`` of ``tokens`` [n], appended to ``cache`` at its length; with
+        ``features`` also every position's final hidden state [n, H] (what the output head reads), else None.
+        ``tokens`` may also be the input vectors themselves [n, H] (what a feature-conditioned head feeds its layer).
 
         ``visible`` (bool [n, n], ``backend.tree_mask``) makes the new tokens a tree: each at the position of its depth,
         seeing only its ancestors among them.
@@ -337,8 +337,8 @@ def unsupported(config) -> str | None:
         return str(exc)
     if (problem := cpu_kernels.kernels_problem()) is not None:
         return (
-            f"the native backend needs a CPU with AVX2 (x86) or SDOT (ARM) and a C++ compiler (g++) for its kernels, and "
-            f"{problem}: use --backend transformers --precision cpu (`specdec doctor` says more)"
+            "the native backend needs a CPU with AVX2 (x86) or SDOT (ARM) and a C++ compiler (g++) for its kernels, "
+            f"and {problem}: use --backend transformers --precision cpu (`specdec doctor` says more)"
         )
     return None
 
@@ -366,7 +366,8 @@ def _shape(config) -> Shape:
         types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"] * layers
     if unknown := set(types) - {"sliding_attention", "full_attention"}:
         raise ConfigError(
-            f"the native backend runs full and sliding-window attention, not {sorted(unknown)}: use --backend transformers"
+            f"the native backend runs full and sliding-window attention, not {sorted(unknown)}: "
+            "use --backend transformers"
         )
     windows = tuple(config.sliding_window if t == "sliding_attention" else 0 for t in types)
     ropes = {t: config.rope_parameters[t] for t in set(types)} if gemma else {"": config.rope_parameters or {}}

@@ -7,6 +7,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from specdec.errors import ConfigError
 from specdec.models.backend import TREES_UNSUPPORTED, Backend, BackendCapabilities, Embed, OneRow, RowBackend
+from specdec.models.loading import model_identity
 
 
 class TransformersBackend(Backend):
@@ -41,7 +42,8 @@ class TransformersBackend(Backend):
         return self.model.get_input_embeddings()
 
     def row_backend(self, *, batch: bool, trees: bool = False, cuda_graphs: bool = True) -> RowBackend:
-        """The plain cache keeps one chain: a batch, or one sequence's trees, decode in a batched cache over these weights."""
+        """The plain cache keeps one chain: a batch, or one sequence's trees, decode in a batched cache over these
+        weights."""
         if not batch and not trees:
             return OneRow(self)
         from specdec.models.batched import BatchedTransformersBackend  # it builds on this module
@@ -73,9 +75,8 @@ class TransformersBackend(Backend):
             output_hidden_states=features,
         )
         self._length += n
-        self.last_features = (
-            out.hidden_states[-1] if features else None
-        )  # the last is after the final norm: the head's input
+        # the last is after the final norm: the head's input
+        self.last_features = out.hidden_states[-1] if features else None
         return out.logits
 
     def truncate(self, length: int, branch: list[int] | None = None) -> None:
@@ -89,12 +90,3 @@ class TransformersBackend(Backend):
         # which keep every position until cropped (so that a rejection can roll them back).
         self._cache.crop(length - self._length)
         self._length = length
-
-
-def model_identity(model: PreTrainedModel) -> str:
-    """What decides a transformers model's speed here (weights, precision, device, threads): the key of its measured costs."""
-    config = model.config
-    weights = sum(p.numel() for p in model.parameters())
-    precision = getattr(model, "specdec_precision", model.dtype)
-    device = next(model.parameters()).device
-    return f"transformers|{config.name_or_path or config.model_type}|{weights}|{precision}|{device}|threads={torch.get_num_threads()}"

@@ -37,7 +37,8 @@ def build_k_policy(
     chain's, for sequences that may draft trees) are called only by policies that price forwards (they may measure
     them). Without ``draft_cost`` the cost model learns the draft's cost from live timings; with it,
     ``tree_draft_cost`` prices a level of a tree's drafting (default: a chain step's). ``ways``: tree and chain
-    steps' rates shared with other rows, which a tree row's choice between them starts from (``CostModelK.choose_tree``).
+    steps' rates shared with other rows, which a tree row's choice between them starts from
+    (``CostModelK.choose_tree``).
     """
     if name == "fixed":
         return FixedK(k)

@@ -199,7 +199,8 @@ class CostCurve:
 
 
 def expected_tokens(a: float, k: int) -> float:
-    """Tokens one step yields in expectation with k drafts accepted at rate a (Leviathan et al.): (1 - a^(k+1)) / (1 - a)."""
+    """Tokens one step yields in expectation with k drafts accepted at rate a (Leviathan et al.):
+    (1 - a^(k+1)) / (1 - a)."""
     a = min(a, 0.999)
     return (1 - a ** (k + 1)) / (1 - a)
 
@@ -221,9 +222,10 @@ class WayRates:
         self._lock = threading.Lock()  # rows of concurrent runs share it
 
     def next_is_tree(self) -> bool:
-        """Whether the next step drafts a tree: a tree, then a chain, until both ways have a rate; then the faster way, and
-        the slower one after ``interval`` steps (a trial keeps its rate current). Each trial doubles the interval, up to
-        TREE_TRIAL_MOST, so a way that keeps losing costs ever fewer steps; when the ways swap it is TREE_TRIAL_EVERY again."""
+        """Whether the next step drafts a tree: a tree, then a chain, until both ways have a rate; then the faster way,
+        and the slower one after ``interval`` steps (a trial keeps its rate current). Each trial doubles the interval,
+        up to TREE_TRIAL_MOST, so a way that keeps losing costs ever fewer steps; when the ways swap it is
+        TREE_TRIAL_EVERY again."""
         with self._lock:
             self.steps += 1
             tree, chain = self.rates[True], self.rates[False]
@@ -275,9 +277,8 @@ class CostModelK(KPolicy):
         self.max_k = max_k
         self._verify_s = [costs(k + 1) for k in range(max_k + 1)]  # the curve is fixed: price each k once
         extra = [tree_overhead(k + 1) if tree_overhead is not None and k >= 2 else 0.0 for k in range(max_k + 1)]
-        self._tree_verify_s = [
-            chain + more for chain, more in zip(self._verify_s, extra, strict=True)
-        ]  # k nodes as a tree
+        # k nodes as a tree
+        self._tree_verify_s = [chain + more for chain, more in zip(self._verify_s, extra, strict=True)]
         self.estimate = AcceptanceEstimate(decay, prior, prior_weight)
         self._learn_draft_cost = draft_s_per_token is None
         self._draft_s_per_token = draft_s_per_token or 0.0
@@ -286,9 +287,8 @@ class CostModelK(KPolicy):
         )
         self._chosen = 0
         self.min_confidence = 0.0
-        self.calibration = (
-            1.0  # accepted nodes over the drafter's summed scores of the nodes verified: how far to trust its scores
-        )
+        # accepted nodes over the drafter's summed scores of the nodes verified: how far to trust its scores
+        self.calibration = 1.0
         self._predicted: float | None = None
         self.ways = ways or WayRates()
         self._drafting_tree: bool | None = None  # what this step of a tree row drafts; None: not asked
@@ -327,10 +327,10 @@ class CostModelK(KPolicy):
 
         A tree verifies more nodes for more accepted tokens and costs more to draft; whether that pays depends on the
         drafter, the text and the machine, so it is measured: each way's tokens per second (drafting and verification
-        timed; in a seeded run priced by this machine's cost curves, a tree's with its overhead), the faster way drafted, the other
-        on trial steps, ever rarer while it stays slower (WayRates). Rows without rates try a tree first, then a chain; a timed
-        row starts from its generator's earlier rows' rates (Generator.k_policy). So a tree row is slower than a chain row
-        by its trial steps at most.
+        timed; in a seeded run priced by this machine's cost curves, a tree's with its overhead), the faster way
+        drafted, the other on trial steps, ever rarer while it stays slower (WayRates). Rows without rates try a tree
+        first, then a chain; a timed row starts from its generator's earlier rows' rates (Generator.k_policy). So a tree
+        row is slower than a chain row by its trial steps at most.
         """
         self._drafting_tree = self.ways.next_is_tree()
         return self._drafting_tree
@@ -349,23 +349,23 @@ class CostModelK(KPolicy):
         tree = self._drafting_tree  # None: a chain row; False: a tree row's chain step
         self._drafting_tree = None
         if tree is not None:
-            # Timed, where the clock may be read; a seeded run prices both ways, so it repeats: the draft's steps (forwards
-            # of its model: one per level of a tree, as per token of a chain; none for a copy), a forward over the nodes
-            # (a tree's with its overhead).
+            # Timed, where the clock may be read; a seeded run prices both ways, so it repeats: the draft's steps
+            # (forwards of its model: one per level of a tree, as per token of a chain; none for a copy), a forward over
+            # the nodes (a tree's with its overhead).
             n = min(outcome.nodes, self.max_k)
             steps = outcome.draft_steps
             draft_s = outcome.draft_s if self._learn_draft_cost else steps * self._step_price(tree)
             priced = (self._tree_verify_s if outcome.branched else self._verify_s)[n]
             verify_s = outcome.verify_s if self._learn_draft_cost and outcome.verify_s is not None else priced
             self.ways.record(tree, outcome.accepted + 1, draft_s + verify_s)
-        if (
-            self._predicted
-        ):  # the scores' calibration, bounded so that one surprise cannot switch trees off or blow them up
+        # the scores' calibration, bounded so that one surprise cannot switch trees off or blow them up
+        if self._predicted:
             ratio = outcome.accepted / self._predicted
             self.calibration = min(3.0, max(0.2, self.calibration + 0.2 * (ratio - self.calibration)))
         self._predicted = None
-        # A tree accepts more and drafts more nodes than the chain k is chosen for: its step says nothing of either. A tree
-        # step whose drafts did not branch was a chain, so it teaches the acceptance (not the draft cost: it may draft more than k).
+        # A tree accepts more and drafts more nodes than the chain k is chosen for: its step says nothing of either. A
+        # tree step whose drafts did not branch was a chain, so it teaches the acceptance (not the draft cost: it may
+        # draft more than k).
         if tree and outcome.branched:
             return
         self.estimate.observe(outcome.depth, outcome.accepted)

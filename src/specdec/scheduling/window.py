@@ -24,7 +24,8 @@ from specdec.scheduling.k_policy import CostCurve, expected_tokens
 
 @dataclass(frozen=True)
 class BatchCostCurve:
-    """Seconds of one target forward over B rows of n new tokens, measured at a few B; linear in B in between, proportional beyond."""
+    """Seconds of one target forward over B rows of n new tokens, measured at a few B; linear in B in between,
+    proportional beyond."""
 
     by_rows: dict[int, CostCurve]
 
@@ -45,7 +46,8 @@ class BatchCostCurve:
 
 
 def memory_in_use(device: torch.device) -> float:
-    """Share of memory in use: allocated against total on CUDA; this process's resident memory against what it could have on CPU."""
+    """Share of memory in use: allocated against total on CUDA; this process's resident memory against what it could
+    have on CPU."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / torch.cuda.get_device_properties(device).total_memory
     resident = psutil.Process().memory_info().rss

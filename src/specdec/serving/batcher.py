@@ -47,7 +47,8 @@ class Job:
     first_token_s: float | None = None
 
     def emit(self, kind: str, payload: object) -> None:
-        """Hand an event to the request's handler (from the engine thread); a handler whose event loop is gone cancels the job."""
+        """Hand an event to the request's handler (from the engine thread); a handler whose event loop is gone cancels
+        the job."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the loop is closed: nobody will read this request's events
@@ -64,10 +65,10 @@ class Batcher:
         self.max_queue = max_queue
         self.metrics = metrics
         self.decoder = generator.batch_decoder()
-        self.max_batch = min(
-            max_batch, self.decoder.backend.capabilities.max_rows or max_batch
-        )  # one at a time on native
-        generator.drafter.fork()  # every request decodes with a fork: a drafter that cannot fork is refused now, not per request
+        # one at a time on native
+        self.max_batch = min(max_batch, self.decoder.backend.capabilities.max_rows or max_batch)
+        # every request decodes with a fork: a drafter that cannot fork is refused now, not per request
+        generator.drafter.fork()
         self.waiting: deque[Job] = deque()
         self.active: dict[Completion, Job] = {}
         self._wake = threading.Condition()
@@ -106,7 +107,8 @@ class Batcher:
         return len(self.active), len(self.waiting)
 
     def stop(self, timeout_s: float) -> None:
-        """Stop taking requests, let in-flight ones finish for up to ``timeout_s``, end the rest with a 503, end the thread.
+        """Stop taking requests, let in-flight ones finish for up to ``timeout_s``, end the rest with a 503, end the
+        thread.
 
         Safe to call again (from another thread too): it then returns once the first call's work is done.
         """
@@ -134,27 +136,28 @@ class Batcher:
                 self._step()
             except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
                 log.exception("a decoding step failed")
-                for run in list(self.active):
-                    self._finish(run, error=(500, f"internal error while decoding: {exc}"))
+                for completion in list(self.active):
+                    self._finish(completion, error=(500, f"internal error while decoding: {exc}"))
         for job in list(self.waiting) + list(self.active.values()):
             job.emit("error", (503, "the server shut down before this request finished"))
         self.waiting.clear()  # a second stop() (the app's lifespan after the signal's) finds nothing left to wait for
         self.active.clear()
 
     def _step(self) -> None:
-        """One decoding step of the batch: hand out the new text, answer the requests that ended, drop the cancelled ones."""
+        """One decoding step of the batch: hand out the new text, answer the requests that ended, drop the cancelled
+        ones."""
         for update in self.decoder.step():
-            job = self.active[update.run]
+            job = self.active[update.completion]
             if job.first_token_s is None:
                 job.first_token_s = time.perf_counter() - job.submitted
                 self.metrics.ttft.observe(job.first_token_s)
             if update.text:
                 job.emit("text", update.text)
             if update.done:
-                self._finish(update.run, error=None)
-        for run, job in list(self.active.items()):
+                self._finish(update.completion, error=None)
+        for completion, job in list(self.active.items()):
             if job.cancelled.is_set():
-                self._finish(run, error=None, cancelled=True)
+                self._finish(completion, error=None, cancelled=True)
 
     def _admit(self) -> None:
         """Move waiting jobs into the batch while there is room (called with the lock held)."""
@@ -164,9 +167,8 @@ class Batcher:
                 continue
             try:
                 self.generator.admit(self.decoder, job.completion)
-            except (
-                SpecDecError
-            ) as exc:  # the request asks what this engine cannot do (e.g. sampling with a greedy-only drafter)
+            except SpecDecError as exc:
+                # the request asks what this engine cannot do (e.g. sampling with a greedy-only drafter)
                 job.emit("error", (400, str(exc)))
                 continue
             except Exception as exc:  # noqa: BLE001 - a request the engine cannot take fails alone
@@ -176,15 +178,16 @@ class Batcher:
         self.metrics.queue_depth.set(len(self.waiting))
         self.metrics.active.set(len(self.active))
 
-    def _finish(self, run: Completion, error: tuple[int, str] | None, cancelled: bool = False) -> None:
-        """Take ``run`` out of the batch (if the decoder has not retired it) and tell its handler how it ended (``error``: HTTP status and message)."""
-        job = self.active[run]
+    def _finish(self, completion: Completion, error: tuple[int, str] | None, cancelled: bool = False) -> None:
+        """Take ``completion`` out of the batch (if the decoder has not retired it) and tell its handler how it ended
+        (``error``: HTTP status and message)."""
+        job = self.active[completion]
         if error is None:  # counted before the request stops showing as running, so /health and /metrics agree
-            self.metrics.record(run, time.perf_counter() - job.submitted, cancelled)
-        self.decoder.leave(run)
-        del self.active[run]
+            self.metrics.record(completion, time.perf_counter() - job.submitted, cancelled)
+        self.decoder.leave(completion)
+        del self.active[completion]
         self.metrics.active.set(len(self.active))
         if error is not None:
             job.emit("error", error)
         elif not cancelled:
-            job.emit("done", run.result())
+            job.emit("done", completion.result())

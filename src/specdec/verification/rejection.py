@@ -32,7 +32,8 @@ class Verdict:
     paths: list[list[int]] | None = None
 
     def on_host(self) -> torch.Tensor:
-        """[2, B] on the host, accepted counts then next tokens: one device-to-host transfer for the caller's bookkeeping."""
+        """[2, B] on the host, accepted counts then next tokens: one device-to-host transfer for the caller's
+        bookkeeping."""
         return torch.stack([self.accepted, self.next_token]).cpu()
 
     def per_row(self) -> list[tuple[list[int], int]]:
@@ -63,7 +64,8 @@ def verify(
             or None when the drafter is deterministic (one-hot q).
         sampling: the shaping applied to the target logits (and already to draft_probs).
         rng: random source, for reproducible runs.
-        temperature: [B, k + 1] per-position temperatures replacing ``sampling.temperature`` (a scheduled temperature), or None.
+        temperature: [B, k + 1] per-position temperatures replacing ``sampling.temperature`` (a scheduled
+            temperature), or None.
     """
     k = draft_tokens.shape[1]
     in_range = torch.arange(k, device=target_logits.device)[None, :] < draft_lengths[:, None]

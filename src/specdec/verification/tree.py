@@ -68,7 +68,8 @@ def verify_tree_sampled(
     rng: torch.Generator | None = None,
     temperature: torch.Tensor | None = None,
 ) -> Verdict:
-    """The sampled verdict for one tree: tokens, parents [n], logits [n + 1, V], draft_probs [n, V] or None (deterministic nodes)."""
+    """The sampled verdict for one tree: tokens, parents [n], logits [n + 1, V], draft_probs [n, V] or None
+    (deterministic nodes)."""
     p = to_probs(logits[None], sampling, None if temperature is None else temperature[None])[0]
     children: dict[int, list[int]] = {}
     for node, parent in enumerate(parents.tolist()):

@@ -27,7 +27,8 @@ def typical_verify(
     rng: torch.Generator | None = None,
     temperature: torch.Tensor | None = None,
 ) -> Verdict:
-    """Accept drafts [B, k] against target logits [B, k + 1, V] by the typical rule; see :func:`verify` for the shapes."""
+    """Accept drafts [B, k] against target logits [B, k + 1, V] by the typical rule; see :func:`verify` for the
+    shapes."""
     k = draft_tokens.shape[1]
     p = target_logits.float().softmax(dim=-1) if sampling.greedy else to_probs(target_logits, sampling, temperature)
     entropy = -(p * p.clamp(min=1e-30).log()).sum(dim=-1)
