@@ -47,14 +47,14 @@ def replay(gen: Generator, chosen: list[BenchPrompt], new_tokens: int, temperatu
     sampling = SamplingConfig(temperature=temperature)
     step: dict = {}  # this step's category, and the head's logits over its kept tokens for the step's first draft
     stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    grow, verify = eagle_module.EagleDrafter._grow, step_module._verify
+    grow, verify = eagle_module.EagleDrafter._grow, step_module.verify_rows
 
     def recording_grow(self, logits, feature, k, width, length):
         step["logits"], step["keep"] = logits.float().clone(), self.runner.keep_ids
         return grow(self, logits, feature, k, width, length)
 
-    def recording_verify(rows, proposals, trees, logits):
-        if "logits" in step and len(proposals[0]):
+    def recording_verify(steps, logits):
+        if "logits" in step and len(steps[0].proposal):
             p = to_probs(logits[0, 0].float(), sampling)  # shaped as the engine shapes both
             q = torch.zeros_like(p)
             q[step["keep"]] = to_probs(step.pop("logits"), sampling)
@@ -65,9 +65,9 @@ def replay(gen: Generator, chosen: list[BenchPrompt], new_tokens: int, temperatu
                 s[f"top{b}"] += float(p[q.topk(b).indices].sum())
             s["steps"] += 1
         step.pop("logits", None)
-        return verify(rows, proposals, trees, logits)
+        return verify(steps, logits)
 
-    eagle_module.EagleDrafter._grow, step_module._verify = recording_grow, recording_verify
+    eagle_module.EagleDrafter._grow, step_module.verify_rows = recording_grow, recording_verify
     try:
         for seed, row in enumerate(chosen):
             step["category"] = row.category
@@ -78,7 +78,7 @@ def replay(gen: Generator, chosen: list[BenchPrompt], new_tokens: int, temperatu
                 ),
             )
     finally:
-        eagle_module.EagleDrafter._grow, step_module._verify = grow, verify
+        eagle_module.EagleDrafter._grow, step_module.verify_rows = grow, verify
     print(
         f"temperature {temperature}: first draft accepted, the head's top token against a draw from its law, "
         "and a level of its b top tokens"

@@ -56,9 +56,9 @@ def run(gen: Generator, chosen: list, sampling: SamplingConfig, branches: int) -
     )
     for kind, outcomes in kinds.items():
         n = len(outcomes)
-        verified = sum(o.proposed if o.verified is None else o.verified for o in outcomes) / n
+        verified = sum(o.nodes for o in outcomes) / n
         accepted = sum(o.accepted for o in outcomes) / n
-        forwards = sum(o.draft_steps or 0 for o in outcomes) / n
+        forwards = sum(o.draft_steps for o in outcomes) / n
         draft_ms = 1e3 * sum(o.draft_s for o in outcomes) / n
         verify_ms = 1e3 * sum(o.verify_s for o in outcomes) / n
         print(

@@ -487,6 +487,7 @@ def _outcome(depth: int, accepted: int, nodes: int, draft_steps: int, draft_s: f
         draft_s=draft_s,
         draft_steps=draft_steps,
         target_s=0.0,
+        anchored=False,
         read_prompt=True,
         context_length=10,
         logits=torch.zeros(accepted + 1, 4),

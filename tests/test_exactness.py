@@ -176,20 +176,26 @@ class Recording:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def forward(self, tokens: torch.Tensor, last: int | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None, features: bool = False
+    ) -> torch.Tensor:
         start = self.inner.cached_length
         self.writes += [(start + i, int(t)) for i, t in enumerate(tokens[0])]
-        return self.inner.forward(tokens, last)
+        return self.inner.forward(tokens, last, tree, features)
 
-    def truncate(self, length: int) -> None:
+    def truncate(self, length: int, branch: list[int] | None = None) -> None:
         if length < self.kept:
             self.dropped.append((self.kept, length))
         self.kept = max(self.kept, length)
-        self.inner.truncate(length)
+        self.inner.truncate(length, branch)
 
     def reset(self) -> None:
         self.kept = 0
         self.inner.reset()
+
+    def row_backend(self, *, batch: bool, trees: bool = False, cuda_graphs: bool = True) -> OneRow:
+        """Rows over this wrapper, so that a sequence's steps are recorded."""
+        return OneRow(self.fork() if batch else self)
 
 
 class Alternating(KPolicy):
@@ -255,7 +261,8 @@ def test_interleaved_completions_on_one_generator(monkeypatch: pytest.MonkeyPatc
     list(pieces)
     assert (tmp_path / "costs").is_dir()  # it did measure
     assert first.result().token_ids == alone["ab ab ab"]
-    assert recorded.writes == solo_recorded.writes  # the measurement neither used nor emptied the suspended run's cache
+    # The measurement neither used nor emptied the suspended run's cache.
+    assert recorded.writes and recorded.writes == solo_recorded.writes
 
     # Two runs advance in turn, the first one ends first.
     runs = [gen.completion(p, **settings) for p in ("ab ab ab", "the cat")]

@@ -40,6 +40,7 @@ def outcome(proposed: int, accepted: int, context_length: int = 100, nll: float 
         draft_s=0.0,
         draft_steps=proposed,
         target_s=0.0,
+        anchored=False,
         read_prompt=True,
         context_length=context_length,
         logits=logits,

@@ -299,6 +299,7 @@ def _outcome(
         draft_s=draft_s,
         draft_steps=4,
         target_s=0.0 if verify_s is None else verify_s,
+        anchored=False,
         read_prompt=verify_s is None,
         context_length=10,
         logits=torch.zeros(accepted + 1, 4),

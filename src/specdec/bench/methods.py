@@ -13,7 +13,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from specdec.config import TREE_BRANCHES, TREE_SUFFIX, GenerationConfig, RuntimeConfig
 from specdec.drafters import DRAFT_SPECS
-from specdec.drafters.base import DraftSettings, Proposal
+from specdec.drafters.base import Drafter, DraftSettings, Proposal
 from specdec.engine import Generator
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel, Target, load_model, resolve
@@ -54,7 +54,7 @@ class Method(Protocol):
         ...
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the target's greedy continuation, computed beforehand, each token right with probability ``accuracy``.
 
     At accuracy 1 it is the engine's ceiling. Below 1, whether the token for position p is right is drawn from a
@@ -62,9 +62,6 @@ class OracleDrafter:
     then controlled (the chance that a draft survives i positions is accuracy^i) while every timing stays real:
     the model-size benchmark runs it on random-weight models, whose text means nothing.
     """
-
-    vocab_size = None
-    backend = None  # no model drafts
 
     def __init__(self, accuracy: float = 1.0, seed: int = 0) -> None:
         if not 0 < accuracy <= 1:
@@ -85,9 +82,6 @@ class OracleDrafter:
             if self.accuracy < 1 and random.Random(f"{self.seed}:{length + i}").random() >= self.accuracy:
                 tokens[i] = token - 1 if token > 0 else token + 1
         return Proposal(torch.tensor(tokens, dtype=torch.long))
-
-    def accept(self, n: int) -> None:
-        pass
 
     def fork(self) -> OracleDrafter:
         return self  # the reference is set per run; the benchmark decodes one sequence at a time

@@ -172,7 +172,8 @@ class Drafter(ABC):
 
     @property
     def identity(self) -> str:
-        """What ``measure_step``'s figure is cached under: the drafting model and how it runs."""
+        """What ``measure_step``'s figure is cached under: the drafting model and how it runs. A drafter that declares
+        ``measures_steps`` overrides it (the class name alone would share one figure across models)."""
         return type(self).__name__
 
     @abstractmethod

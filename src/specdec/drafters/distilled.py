@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from specdec.drafters.layer_skip import shallow_view
 from specdec.errors import ConfigError
+from specdec.models.backend import BackendCapabilities, OneRow, RowBackend
 from specdec.models.transformers_backend import TransformersBackend
 
 DRAFT_META = "specdec_draft.json"
@@ -148,7 +149,16 @@ class ReducedVocabBackend(TransformersBackend):
     def fork(self) -> ReducedVocabBackend:
         return ReducedVocabBackend(self.model, self.vocab_size)
 
-    def forward(self, tokens: torch.Tensor, last: int | None = None) -> torch.Tensor:
+    capabilities = BackendCapabilities()  # a drafting model: chains of one sequence, no hidden states
+
+    def row_backend(self, *, batch: bool, trees: bool = False, cuda_graphs: bool = True) -> RowBackend:
+        return OneRow(self.fork() if batch else self)
+
+    def forward(
+        self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None, features: bool = False
+    ) -> torch.Tensor:
+        if tree is not None or features:
+            raise ConfigError("a reduced-vocabulary draft scores chains and returns no hidden states")
         reduced = super().forward(tokens, last)
         full = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))
         full[..., self.keep_ids] = reduced

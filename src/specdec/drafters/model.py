@@ -12,12 +12,13 @@ from specdec.verification.shaping import to_probs
 
 
 class ModelDrafter(Drafter):
-    capabilities = DrafterCapabilities(trees=True)
     """Drafts k tokens with a small model; its cache keeps exactly the accepted prefix between steps.
 
     ``min_confidence`` is the draft's own floor (a distilled draft calibrates one
     on held-out data): below it, its guesses are too rarely right to pay for.
     """
+
+    capabilities = DrafterCapabilities(trees=True)
 
     def __init__(self, backend: Backend, min_confidence: float = 0.0) -> None:
         self.backend = backend

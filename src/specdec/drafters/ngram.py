@@ -116,7 +116,6 @@ class NgramTable:
 
 
 class NgramDrafter(Drafter):
-    capabilities = DrafterCapabilities(trees=True)
     """Copy from the context when it repeats itself (prompt lookup); otherwise continue from the corpus table.
 
     From the table it drafts greedily (the most frequent follower) while that
@@ -125,6 +124,8 @@ class NgramDrafter(Drafter):
     hands the verifier that distribution, so rejection sampling stays exact
     with a non-degenerate draft (any q is exact if the token was drawn from it).
     """
+
+    capabilities = DrafterCapabilities(trees=True)
 
     def __init__(self, table: NgramTable, min_share: float = 0.3) -> None:
         self.table = table

@@ -164,7 +164,7 @@ class MachineCosts:
         self._lock = threading.Lock()
         self._forward: CostCurve | None = None
         self._tree_overhead: CostCurve | None = None
-        self._draft_step: dict[tuple[int, int], float] = {}  # by drafter and branches
+        self._draft_step: dict[tuple[str, int], float] = {}  # by what drafts and branches
 
     def forward(self) -> CostCurve:
         """The target's forward cost curve."""
@@ -187,7 +187,7 @@ class MachineCosts:
         than a chain's), 0 for model-free drafters."""
         measured = drafter.capabilities.measures_steps
         branches = branches if measured else 1  # a draft model's step is its one-token forward, however wide
-        key = (id(drafter), branches)
+        key = (drafter.backend.identity if drafter.backend is not None else drafter.identity, branches)
         with self._lock:
             if key not in self._draft_step:
                 if drafter.backend is not None:

@@ -25,7 +25,7 @@ from specdec.models.backend import RowBackend
 from specdec.scheduling import KPolicy, LoadWindow
 
 if TYPE_CHECKING:
-    from specdec.engine.generator import Completion
+    from specdec.engine.completion import Completion
 
 REPORTS_KEPT = 100_000  # the latest steps' reports; a server's decoder steps forever
 
@@ -114,12 +114,12 @@ class Decoder:
         start = time.perf_counter()
         rows = list(self.rows.values())
         window = self._window(rows)
-        slot = {row: i for i, row in enumerate(rows)}
-        joining = [row for row in rows if self.backend.cached_lengths[slot[row]] == 0]
-        running = [row for row in rows if self.backend.cached_lengths[slot[row]] > 0]
+        row_ids = {row: i for i, row in enumerate(rows)}
+        joining = [row for row in rows if self.backend.cached_lengths[row_ids[row]] == 0]
+        running = [row for row in rows if self.backend.cached_lengths[row_ids[row]] > 0]
         new: dict[Row, torch.Tensor] = {}
         for group in _by_length(joining) + ([running] if running else []):
-            outcomes = speculative_step(self.backend, [slot[row] for row in group], group, window)
+            outcomes = speculative_step(self.backend, [row_ids[row] for row in group], group, window)
             new.update((row, outcome.new_tokens) for row, outcome in zip(group, outcomes, strict=True))
             drafted = sum(outcome.nodes for outcome in outcomes)
             if drafted:

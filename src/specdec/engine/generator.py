@@ -205,7 +205,7 @@ class Generator:
             )
         if len(prompts) > 1 and self.backend.capabilities.max_rows == 1:
             raise ConfigError(
-                "batched generation completions on the transformers backend: use --backend transformers, "
+                "batched generation runs on the transformers backend: use --backend transformers, "
                 "or generate one prompt at a time"
             )
         completions = [self.completion(prompt, c, **overrides) for prompt, c in zip(prompts, configs, strict=True)]

@@ -93,7 +93,7 @@ class RowStep:
     anchored: bool = False  # a guard made this a target-only step
     proposal: Proposal = field(default_factory=Proposal.empty)
     draft_s: float = 0.0
-    context: int = 0  # tokens fed ahead of the drafts: the pending token, or the whole prompt at the first step
+    uncached: int = 0  # tokens fed ahead of the drafts: the pending token, or the whole prompt at the first step
     path: list[int] = field(default_factory=list)  # accepted draft nodes, root first
     next_token: int = -1  # the target's token after them, recovered or bonus
 
@@ -104,49 +104,37 @@ def speculative_step(
 ) -> list[StepOutcome]:
     """Advance ``rows`` (held in ``target``'s rows ``row_ids``) by one speculative step; ``window`` caps every row's
     k."""
-    steps = [draft(row, row_id, window, target.max_context) for row, row_id in zip(rows, row_ids, strict=True)]
+    steps = []
+    for row, row_id in zip(rows, row_ids, strict=True):
+        steps.append(draft(row, row_id, window, target.max_context))
     with Timer() as judging:
         logits = score(target, steps)
         verify_rows(steps, logits)
-    features = any(step.row.drafter.capabilities.features for step in steps)
-    return [
-        commit(target, step, logits[i], target.last_features[i] if features else None, judging.seconds)
-        for i, step in enumerate(steps)
-    ]
+    reads_hidden = any(step.row.drafter.capabilities.features for step in steps)
+    outcomes = []
+    for i, step in enumerate(steps):
+        hidden = target.last_features[i] if reads_hidden else None
+        outcomes.append(commit(target, step, logits[i], hidden, judging.seconds))
+    return outcomes
 
 
 def draft(row: Row, row_id: int, window: int | None, max_context: int) -> RowStep:
-    """Phase 1: the row's k, its chain or tree, and its drafter's proposal (cut to what its policy prices)."""
-    step = RowStep(row=row, row_id=row_id, chosen=row.policy.choose(row.length))
+    """Phase 1: the row's k, its chain or tree, and its drafter's proposal (cut to what the row keeps)."""
+    chosen = row.policy.choose(row.length)
+    anchored = row.guards.anchor_due(row.stats.new_tokens)
+    step = RowStep(row=row, row_id=row_id, chosen=chosen, anchored=anchored)
     limit = min(row.config.max_new_tokens - row.stats.new_tokens, max_context - row.length) - 1
-    step.anchored = row.guards.anchor_due(row.stats.new_tokens)
-    if step.anchored or limit <= 0 or window == 0:
+    if anchored or limit <= 0 or window == 0:
         return step
-    branches = 1
-    if row.config.branches > 1 and row.drafter.capabilities.trees:
-        drafts_tree = row.policy.choose_tree()
-        branches = row.config.branches if drafts_tree else 1
+    branches = _branches(row)
     # A tree step of a scoring drafter under a pricing policy asks for the most nodes: their scores cut them after.
     priced = branches > 1 and row.policy.prices_nodes and row.drafter.capabilities.scores
-    wanted = row.config.k if priced else step.chosen
+    wanted = row.config.k if priced else chosen
     step.asked = max(0, min(wanted, limit, wanted if window is None else window))
     if not step.asked:
         return step
     with Timer() as drafting:
-        proposal = row.drafter.propose(row.tokens, step.asked, branches)
-        if proposal.scores is not None and row.policy.prices_nodes:
-            parents = proposal.parents if proposal.parents is not None else torch.arange(-1, len(proposal) - 1)
-            proposal = proposal.cut(
-                row.policy.tree_size(proposal.scores, parents, drafting.elapsed, proposal.draft_steps)
-            )
-        elif wanted != step.chosen:
-            proposal = proposal.cut(step.chosen)
-        if proposal.probs is None:  # a deterministic draft token that a guard blocks would only be rejected
-            with Timer() as guarding:
-                proposal = proposal.cut(row.guards.trim(row.tokens, proposal.tokens))
-            row.stats.guard_s += guarding.seconds
-        # The context lives on the host: draft tokens cross once (probabilities stay where they are, for the verifier).
-        step.proposal = replace(proposal, tokens=proposal.tokens.cpu())
+        step.proposal = _proposal(row, step.asked, branches, chosen, drafting)
     step.draft_s = drafting.seconds
     if step.proposal.is_tree and (row.config.guards.active or row.config.typical_acceptance is not None):
         raise ConfigError(
@@ -155,18 +143,46 @@ def draft(row: Row, row_id: int, window: int | None, max_context: int) -> RowSte
     return step
 
 
+def _branches(row: Row) -> int:
+    """The most children a draft node may have this step: the row's branches where its drafter drafts trees and its
+    policy chooses a tree this step, else 1 (a chain)."""
+    if row.config.branches == 1 or not row.drafter.capabilities.trees:
+        return 1
+    drafts_tree = row.policy.choose_tree()
+    return row.config.branches if drafts_tree else 1
+
+
+def _proposal(row: Row, asked: int, branches: int, chosen: int, drafting: Timer) -> Proposal:
+    """The drafter's proposal of up to ``asked`` nodes, cut to what the row keeps: scored nodes to what its policy
+    prices, others to the policy's choice (``chosen``), then deterministic tokens to what the guards allow; its tokens
+    on the host (the context lives there; probabilities stay where they are, for the verifier)."""
+    proposal = row.drafter.propose(row.tokens, asked, branches)
+    if proposal.scores is not None and row.policy.prices_nodes:
+        parents = proposal.parents if proposal.parents is not None else torch.arange(-1, len(proposal) - 1)
+        size = row.policy.tree_size(proposal.scores, parents, drafting.elapsed, proposal.draft_steps)
+        proposal = proposal.cut(size)
+    else:
+        proposal = proposal.cut(chosen)
+    if proposal.probs is None:  # a deterministic draft token that a guard blocks would only be rejected
+        with Timer() as guarding:
+            allowed = row.guards.trim(row.tokens, proposal.tokens)
+        row.stats.guard_s += guarding.seconds
+        proposal = proposal.cut(allowed)
+    return replace(proposal, tokens=proposal.tokens.cpu())
+
+
 def score(target: RowBackend, steps: list[RowStep]) -> torch.Tensor:
     """Phase 2: one target forward over every row's missing context and drafts; logits [B, width + 1, V] with
     position j of row i judging that row's draft j."""
     feeds = []
     for step in steps:
-        missing = step.row.tokens[target.cached_lengths[step.row_id] :]
-        step.context = len(missing)
-        feeds.append(torch.cat([missing, step.proposal.tokens]))
+        uncached = step.row.tokens[target.cached_lengths[step.row_id] :]
+        step.uncached = len(uncached)
+        feeds.append(torch.cat([uncached, step.proposal.tokens]))
     trees = [step.proposal.parents if step.proposal.is_tree else None for step in steps]
     sizes = [len(step.proposal) for step in steps]
-    features = any(step.row.drafter.capabilities.features for step in steps)
-    logits = target.forward([step.row_id for step in steps], feeds, max(sizes) + 1, trees, features)
+    reads_hidden = any(step.row.drafter.capabilities.features for step in steps)
+    logits = target.forward([step.row_id for step in steps], feeds, max(sizes) + 1, trees, reads_hidden)
     return _align(logits, sizes)
 
 
@@ -208,9 +224,10 @@ def verify_rows(steps: list[RowStep], logits: torch.Tensor) -> None:
             parents[i, : sizes[i]] = (
                 proposal.parents if proposal.parents is not None else torch.arange(-1, sizes[i] - 1)
             )
-        with Timer() as guarding:
-            temperatures.append(step.row.guards.adjust(step.row.tokens, proposal.tokens, logits[i, : sizes[i] + 1]))
+        with Timer() as guarding:  # masks the row's logits in place
+            temperature = step.row.guards.adjust(step.row.tokens, proposal.tokens, logits[i, : sizes[i] + 1])
         step.row.stats.guard_s += guarding.seconds
+        temperatures.append(temperature)
     drafts = Drafts(tokens.to(device), parents.to(device), torch.tensor(sizes).to(device), logits, temperatures)
     groups: dict[tuple[bool, bool, bool], list[int]] = {}
     for i, step in enumerate(steps):
@@ -218,7 +235,8 @@ def verify_rows(steps: list[RowStep], logits: torch.Tensor) -> None:
         key = (config.sampling.greedy, step.proposal.is_tree, config.typical_acceptance is not None)
         groups.setdefault(key, []).append(i)
     for key, members in groups.items():
-        for i, (path, token) in zip(members, VERIFIERS[key](members, steps, drafts), strict=True):
+        verdicts = VERIFIERS[key](members, steps, drafts)
+        for i, (path, token) in zip(members, verdicts, strict=True):
             steps[i].path, steps[i].next_token = path, token
 
 
@@ -239,7 +257,8 @@ def _sampled_chains(members: list[int], steps: list[RowStep], d: Drafts) -> list
     """Exact rejection sampling, each row with its own random generator (and guard temperatures)."""
     verdicts = []
     for i in members:
-        step, n = steps[i], int(d.counts[i])
+        step = steps[i]
+        n = len(step.proposal)
         temperature = d.temperatures[i]
         probs = None if step.proposal.probs is None else step.proposal.probs.to(d.logits.device)[None]
         verdict = verify(
@@ -259,7 +278,8 @@ def _sampled_trees(members: list[int], steps: list[RowStep], d: Drafts) -> list[
     """Exact recursive rejection sampling over each row's tree."""
     verdicts = []
     for i in members:
-        step, n = steps[i], int(d.counts[i])
+        step = steps[i]
+        n = len(step.proposal)
         probs = None if step.proposal.probs is None else step.proposal.probs.to(d.logits.device)
         verdict = verify_tree_sampled(
             d.tokens[i, :n],
@@ -278,7 +298,8 @@ def _typical_chains(members: list[int], steps: list[RowStep], d: Drafts) -> list
     """Typical acceptance (lossy, opted into), each row with its own random generator."""
     verdicts = []
     for i in members:
-        step, n = steps[i], int(d.counts[i])
+        step = steps[i]
+        n = len(step.proposal)
         config, temperature = step.row.config, d.temperatures[i]
         verdict = typical_verify(
             d.tokens[i : i + 1, :n],
@@ -306,20 +327,20 @@ VERIFIERS: dict[tuple[bool, bool, bool], Verifier] = {
 
 
 def commit(
-    target: RowBackend, step: RowStep, logits: torch.Tensor, features: torch.Tensor | None, target_s: float
+    target: RowBackend, step: RowStep, logits: torch.Tensor, hidden: torch.Tensor | None, target_s: float
 ) -> StepOutcome:
-    """Phase 4: keep the row's accepted path in the cache and its tokens; its drafter, policy, acceptance estimate,
-    stats and guards observe the outcome. ``logits``: the row's aligned logits; ``features``: its fed positions'
-    hidden states, when a drafter of the batch reads them."""
+    """Phase 4: keep the row's accepted path in the cache and its tokens, then let the row observe the outcome.
+    ``logits``: the row's aligned logits; ``hidden``: its fed positions' hidden states, when a drafter of the batch
+    reads them."""
     row, proposal, path = step.row, step.proposal, step.path
     tree = proposal.is_tree
     # A tree's accepted path moves next to the context in the cache; a chain's is already there.
     target.truncate(step.row_id, row.length + len(path), [row.length + j for j in path] if tree else None)
     if step.asked:  # a step without drafts leaves the drafter's state as it was
         row.drafter.accept(len(path))
-    if features is not None and row.drafter.capabilities.features:  # the positions kept: the fed context, the path
-        kept = torch.cat([torch.arange(step.context), step.context + torch.tensor(path, dtype=torch.long)])
-        row.drafter.observe_features(features[kept])
+    if hidden is not None and row.drafter.capabilities.features:  # the positions kept: the fed context, the path
+        kept = torch.cat([torch.arange(step.uncached), step.uncached + torch.tensor(path, dtype=torch.long)])
+        row.drafter.observe_features(hidden[kept])
     new_tokens = torch.cat([proposal.tokens[path], torch.tensor([step.next_token])])
     row.tokens = torch.cat([row.tokens, new_tokens])
     outcome = StepOutcome(
@@ -332,16 +353,23 @@ def commit(
         draft_s=step.draft_s,
         draft_steps=proposal.draft_steps,
         target_s=target_s,
-        read_prompt=step.context > 1,
+        read_prompt=step.uncached > 1,
         anchored=step.anchored,
         context_length=row.length,
         logits=logits[[0] + [j + 1 for j in path]] if tree else logits[: len(path) + 1],  # along the kept path
         new_tokens=new_tokens,
     )
+    _observe(row, outcome)
+    return outcome
+
+
+def _observe(row: Row, outcome: StepOutcome) -> None:
+    """The row's k policy, acceptance estimate, stats and guards learn what the step did; after an anchor step the
+    drafter starts over on the whole context."""
     row.policy.observe(outcome)
     row.acceptance.observe(outcome.depth, outcome.accepted)
     row.stats.record_step(outcome, time.perf_counter() - row.started)
-    row.stats.events += row.guards.settle(row.stats.new_tokens - len(new_tokens), outcome.accepted, step.anchored)
-    if step.anchored:
-        row.drafter.begin(row.draft_settings)  # resynchronise the drafter on the whole context
-    return outcome
+    produced = len(outcome.new_tokens)
+    row.stats.events += row.guards.settle(row.stats.new_tokens - produced, outcome.accepted, outcome.anchored)
+    if outcome.anchored:
+        row.drafter.begin(row.draft_settings)

@@ -27,7 +27,9 @@ Embed = Callable[[torch.Tensor], torch.Tensor]  # token ids -> the model's input
 class BackendCapabilities:
     """What a runtime can do beyond scoring chains of one sequence."""
 
-    trees: bool = False  # its row backends score trees of drafts and keep a tree's accepted path
+    # Sequences on it may draft trees: the rows it gives them (Backend.row_backend(trees=True)) score trees of drafts
+    # and keep a tree's accepted path.
+    trees: bool = False
     features: bool = False  # a forward can also return the final hidden states (what an eagle head reads)
     max_rows: int | None = 1  # sequences one forward holds; None: as many as memory allows
 
@@ -217,7 +219,10 @@ class OneRow(RowBackend):
         tree = trees[0] if trees else None
         logits = self.backend.forward(feed[None], last=last, tree=tree, features=features)
         if features:
-            assert self.backend.last_features is not None  # declared by capabilities.features, checked at join
+            if self.backend.last_features is None:
+                raise ConfigError(
+                    f"{type(self.backend).__name__} declares hidden states but returned none: a bug in that backend"
+                )
             self.last_features = [self.backend.last_features[0]]
         return logits
 

@@ -141,8 +141,8 @@ class BatchedTransformersBackend(RowBackend):
         self.cached_lengths = [self.cached_lengths[i] for i in keep]
 
     def truncate(self, row_id: int, length: int, branch: list[int] | None = None) -> None:
-        """Keep only the first ``length`` positions of ``row``; with ``branch``, the last len(branch) of them are those
-        slots' states."""
+        """Keep only the first ``length`` positions of row ``row_id``; with ``branch``, the last len(branch) of them are
+        those slots' states."""
         if not 0 <= length <= self.cached_lengths[row_id]:
             raise ValueError(f"cannot truncate row {row_id} of {self.cached_lengths[row_id]} positions to {length}")
         if branch:  # a tree's accepted path moves next to the positions before it, so that slots equal positions again

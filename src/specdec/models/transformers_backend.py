@@ -13,7 +13,8 @@ from specdec.models.loading import model_identity
 class TransformersBackend(Backend):
     """Runs any transformers causal LM with a DynamicCache that can be rolled back.
 
-    Chains only: a tree of drafts on transformers runs on the batched backend (its cache is addressed by slot).
+    Its own cache keeps chains only: a sequence that drafts trees, and a batch, run on the batched backend over the
+    same weights (``row_backend``), whose cache is addressed by slot.
     """
 
     capabilities = BackendCapabilities(trees=True, features=True, max_rows=None)

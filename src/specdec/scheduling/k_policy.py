@@ -34,7 +34,7 @@ class StepOutcome:
     draft_steps: int  # forwards of a drafting model the draft took (Proposal.draft_steps)
     target_s: float  # seconds of the step's target forward and verification (the whole batch's)
     read_prompt: bool  # the row's feed held more than its pending token: ``target_s`` was mostly the prompt's
-    anchored: bool = False  # a guard made this a target-only step
+    anchored: bool  # a guard made this a target-only step
     context_length: int  # tokens in the sequence after the step
     logits: torch.Tensor  # the target's raw logits [accepted + 1, V] at the positions of the new tokens
     new_tokens: torch.Tensor  # [accepted + 1]
