@@ -299,7 +299,7 @@ RELABEL = {
 }
 PLANS = {  # the precision presets of src/specdec/config.py, by their describe() string
     "attention=bfloat16,ffn=bfloat16,head=bfloat16,draft=bfloat16,verify=bfloat16": "bf16",
-    "attention=float16,ffn=int8,head=float16,draft=float8,verify=float16": "seed",
+    "attention=float16,ffn=int8,head=float16,draft=float8,verify=float16": "fp8-draft",
     "attention=bfloat16,ffn=int8,head=bfloat16,draft=bfloat16,verify=float32": "cpu",
     "attention=bfloat16,ffn=int8,head=int8a8,draft=bfloat16,verify=float32": "cpu-vnni",
 }

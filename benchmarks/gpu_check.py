@@ -43,7 +43,7 @@ from specdec.serving.metrics import Metrics
 from specdec.training.ngram import NgramCounter
 
 PROMPTS = "core"  # a prompt set shipped in the package
-PLANS = ("fp32", "bf16", "seed")  # precision presets, each with greedy identity measured on the project's prompts
+PLANS = ("fp32", "bf16", "fp8-draft")  # precision presets, each with greedy identity measured on the project's prompts
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ DEFAULT_PLANS = (
     "attention=bfloat16,ffn=int8,head=bfloat16",
     "attention=bfloat16,ffn=int8,head=int8",
     "attention=int8,ffn=int8,head=int8",
-    "seed",
+    "fp8-draft",
 )
 
 

@@ -34,7 +34,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path: Path) -> None:
         "batched throughput",
     }
     assert all(check["ok"] for check in checks.values())
-    for plan in ("fp32", "bf16", "seed"):
+    for plan in ("fp32", "bf16", "fp8-draft"):
         figures = checks[f"greedy identity, {plan}"]["figures"]
         assert {"prompt-lookup", "lookup-then-draft", "layerskip:9", "ngram (prompt set)"} <= set(figures)
         assert all(f["identical"] == 1.0 for name, f in figures.items() if isinstance(f, dict))

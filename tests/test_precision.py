@@ -29,9 +29,11 @@ PROMPTS = ["the cat sat", "a dog and a log", "xyz 123", "Hello, world!"]
 
 def test_plans_parse_from_presets_and_parts() -> None:
     assert PrecisionPlan.parse("fp32") == PrecisionPlan()
-    assert PrecisionPlan.parse("seed") == PrecisionPlan(
+    assert PrecisionPlan.parse("fp8-draft") == PrecisionPlan(
         attention="float16", ffn="int8", head="float16", draft="float8", verify="float16"
     )
+    with pytest.warns(FutureWarning, match="now called 'fp8-draft'"):
+        assert PrecisionPlan.parse("seed") == PrecisionPlan.parse("fp8-draft")  # the old name, for one release
     assert PrecisionPlan.parse("ffn=int8, head=bfloat16") == PrecisionPlan(ffn="int8", head="bfloat16")
     with pytest.raises(ConfigError, match="int4: use one of"):
         PrecisionPlan.parse("ffn=int4")
@@ -196,7 +198,7 @@ def test_a_plan_applies_once_and_refuses_a_second_plan() -> None:
         apply_plan(model, PRESETS["cpu"])
 
 
-@pytest.mark.parametrize("preset", ["bf16", "seed", "cpu", "cpu-vnni"])
+@pytest.mark.parametrize("preset", ["bf16", "fp8-draft", "cpu", "cpu-vnni"])
 def test_speculative_greedy_equals_target_only_greedy_of_the_same_plan(preset: str) -> None:
     tokenizer = char_tokenizer()
     runtime = RuntimeConfig(precision=PRESETS[preset])

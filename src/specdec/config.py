@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, fields, replace
 
 from specdec.errors import ConfigError
@@ -214,6 +215,14 @@ class PrecisionPlan:
     def parse(spec: str) -> PrecisionPlan:
         """A preset name (see PRESETS) or ``attention=bfloat16,ffn=int8,head=bfloat16,draft=float8`` (unnamed parts:
         float32)."""
+        if spec in RENAMED_PRESETS:
+            warnings.warn(
+                f"the precision preset '{spec}' is now called '{RENAMED_PRESETS[spec]}'; "
+                f"'{spec}' will be removed in the next release",
+                FutureWarning,
+                stacklevel=2,
+            )
+            spec = RENAMED_PRESETS[spec]
         if spec in PRESETS:
             return PRESETS[spec]
         values: dict[str, str] = {}
@@ -235,14 +244,15 @@ class PrecisionPlan:
 PRESETS: dict[str, PrecisionPlan] = {
     "fp32": PrecisionPlan(),
     "bf16": PrecisionPlan("bfloat16", "bfloat16", "bfloat16", "bfloat16", "bfloat16"),
-    # The seed's plan (section 5.2): draft in fp8, attention in fp16, FFN in int8, verification in fp16.
-    "seed": PrecisionPlan(attention="float16", ffn="int8", head="float16", draft="float8", verify="float16"),
+    # The seed document's plan (its section 5.2): draft in fp8, attention in fp16, FFN in int8, verification in fp16.
+    "fp8-draft": PrecisionPlan(attention="float16", ffn="int8", head="float16", draft="float8", verify="float16"),
     # bfloat16 everywhere but the FFN's int8: the fastest plan within the perplexity bound on the CPUs measured.
     "cpu": PrecisionPlan(attention="bfloat16", ffn="int8", head="bfloat16", draft="bfloat16"),
     # For CPUs with AVX-512 VNNI: the output head in exact int8 products, its weights read once per step (the native
     # backend is faster still). Elsewhere it runs, exactly but slowly.
     "cpu-vnni": PrecisionPlan(attention="bfloat16", ffn="int8", head="int8a8", draft="bfloat16"),
 }
+RENAMED_PRESETS = {"seed": "fp8-draft"}  # old name -> new: "seed" is the random seed's name
 
 
 # native: specdec's own CPU runtime (Gemma-3, Llama, Mistral, Qwen2/3 models, int8 kernels, models/native.py);
