@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from specdec.models import LoadedModel, ModelSource
+from specdec.scheduling import StepOutcome
 
 torch.set_num_threads(2)
 
@@ -161,3 +162,36 @@ def threads(request: pytest.FixtureRequest):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
+
+
+def step_outcome(
+    depth: int,
+    accepted: int,
+    *,
+    nodes: int | None = None,
+    draft_s: float = 0.0,
+    draft_steps: int | None = None,
+    branched: bool = False,
+    verify_s: float | None = None,
+    context_length: int = 10,
+    logits: torch.Tensor | None = None,
+) -> StepOutcome:
+    """A step for a k policy to observe: k = ``depth`` chosen and drafted (``nodes`` verified, by default ``depth``;
+    ``draft_steps`` forwards of a drafting model, by default one per level); ``verify_s`` None: the step also read the
+    prompt, so its target time is not its drafts'."""
+    return StepOutcome(
+        chosen=depth,
+        asked=depth,
+        depth=depth,
+        nodes=depth if nodes is None else nodes,
+        accepted=accepted,
+        branched=branched,
+        draft_s=draft_s,
+        draft_steps=depth if draft_steps is None else draft_steps,
+        target_s=0.0 if verify_s is None else verify_s,
+        anchored=False,
+        read_prompt=verify_s is None,
+        context_length=context_length,
+        logits=torch.zeros(accepted + 1, 4) if logits is None else logits,
+        new_tokens=torch.zeros(accepted + 1, dtype=torch.long),
+    )

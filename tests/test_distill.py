@@ -87,36 +87,15 @@ def test_distill_cli_and_arch_errors(tiny_folder: Path, tmp_path: Path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text(TEXT * 40)
     out = tmp_path / "d"
-    args = [
-        "distill",
-        "--target",
-        str(tiny_folder),
-        "--data",
-        str(corpus),
-        "--out",
-        str(out),
-        "--arch",
-        "layers=1,keep=30",
-    ]
-    result = CliRunner().invoke(
-        app, args + ["--steps", "6", "--seq-len", "16", "--batch", "2", "--eval-every", "3", "--teacher-tokens", "2000"]
-    )
+
+    def distill(out: Path, arch: str) -> list[str]:
+        return ["distill", "--target", str(tiny_folder), "--data", str(corpus), "--out", str(out), "--arch", arch]
+
+    train = ["--steps", "6", "--seq-len", "16", "--batch", "2", "--eval-every", "3", "--teacher-tokens", "2000"]
+    result = CliRunner().invoke(app, distill(out, "layers=1,keep=30") + train)
     assert result.exit_code == 0, result.output
     assert "held-out acceptance" in result.output and is_distilled_draft(out)
-    bad = CliRunner().invoke(
-        app,
-        [
-            "distill",
-            "--target",
-            str(tiny_folder),
-            "--data",
-            str(corpus),
-            "--out",
-            str(tmp_path / "e"),
-            "--arch",
-            "layers=two",
-        ],
-    )
+    bad = CliRunner().invoke(app, distill(tmp_path / "e", "layers=two"))
     assert bad.exit_code == 2 and "layers=N" in bad.output
     with pytest.raises(ConfigError, match="layers"):
         DraftArch(layers=2).layer_ids(2)

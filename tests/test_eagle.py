@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import char_tokenizer, loaded, tiny_llama
+from conftest import char_tokenizer, loaded, step_outcome, tiny_llama
 from test_distill import TEXT, config
 from test_native import models
 
@@ -475,21 +475,5 @@ def test_eagle_survives_one_token_prompts_and_anchor_steps() -> None:
 
 
 def _outcome(depth: int, accepted: int, nodes: int, draft_steps: int, draft_s: float = 5.0) -> StepOutcome:
-    """A step that drafted ``depth`` levels in ``draft_steps`` model steps for ``nodes`` verified nodes, priced (its
-    target time not measured alone, ``draft_s`` of drafting as a timed run would have seen)."""
-    return StepOutcome(
-        chosen=depth,
-        asked=depth,
-        depth=depth,
-        nodes=nodes,
-        accepted=accepted,
-        branched=False,
-        draft_s=draft_s,
-        draft_steps=draft_steps,
-        target_s=0.0,
-        anchored=False,
-        read_prompt=True,
-        context_length=10,
-        logits=torch.zeros(accepted + 1, 4),
-        new_tokens=torch.zeros(accepted + 1, dtype=torch.long),
-    )
+    """A step that drafted ``depth`` levels in ``draft_steps`` model steps for ``nodes`` verified nodes, priced."""
+    return step_outcome(depth, accepted, nodes=nodes, draft_steps=draft_steps, draft_s=draft_s)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import loaded, perturbed, tiny_llama
+from conftest import loaded, perturbed, step_outcome, tiny_llama
 
 from specdec import Generator
 from specdec.config import K_POLICIES, GenerationConfig
@@ -30,22 +30,7 @@ def outcome(proposed: int, accepted: int, context_length: int = 100, nll: float 
     """A step's outcome whose new tokens each have negative log-likelihood ``nll`` under a 2-token target."""
     p = math.exp(-nll)
     logits = torch.tensor([[math.log(p), math.log1p(-p) if p < 1 else -50.0]]).repeat(accepted + 1, 1)
-    return StepOutcome(
-        chosen=proposed,
-        asked=proposed,
-        depth=proposed,
-        nodes=proposed,
-        accepted=accepted,
-        branched=False,
-        draft_s=0.0,
-        draft_steps=proposed,
-        target_s=0.0,
-        anchored=False,
-        read_prompt=True,
-        context_length=context_length,
-        logits=logits,
-        new_tokens=torch.zeros(accepted + 1, dtype=torch.long),
-    )
+    return step_outcome(proposed, accepted, context_length=context_length, logits=logits)
 
 
 def simulate(policy, accept_rate, steps: int, rng: random.Random, costs: CostCurve) -> tuple[list[int], float, float]:

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import loaded, perturbed, tiny_llama
+from conftest import loaded, perturbed, step_outcome, tiny_llama
 from test_native import models
 
 import specdec.verification.tree as tree_verifier
@@ -287,24 +287,8 @@ def test_tree_rows_that_draft_chains_while_chains_are_faster_keep_the_target_law
 def _outcome(
     accepted: int, draft_s: float, nodes: int, branched: bool = False, verify_s: float | None = None
 ) -> StepOutcome:
-    """A step of a row that chose k = 4 and drafted 4 levels (``nodes`` of them verified), 10 tokens long after it;
-    ``verify_s`` None: its target time was not its drafts' alone (it read the prompt)."""
-    return StepOutcome(
-        chosen=4,
-        asked=4,
-        depth=4,
-        nodes=nodes,
-        accepted=accepted,
-        branched=branched,
-        draft_s=draft_s,
-        draft_steps=4,
-        target_s=0.0 if verify_s is None else verify_s,
-        anchored=False,
-        read_prompt=verify_s is None,
-        context_length=10,
-        logits=torch.zeros(accepted + 1, 4),
-        new_tokens=torch.zeros(accepted + 1, dtype=torch.long),
-    )
+    """A step of a row that chose k = 4 and drafted 4 levels (``nodes`` of them verified)."""
+    return step_outcome(4, accepted, nodes=nodes, draft_s=draft_s, branched=branched, verify_s=verify_s)
 
 
 def test_tree_rows_draft_whichever_way_has_been_faster() -> None:

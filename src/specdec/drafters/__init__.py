@@ -1,4 +1,4 @@
-"""Drafters: cheap proposers of candidate tokens, all behind one protocol."""
+"""Drafters: cheap proposers of candidate tokens, all behind one contract (drafters.base.Drafter)."""
 
 from __future__ import annotations
 

@@ -258,20 +258,18 @@ def _sampled_chains(members: list[int], steps: list[RowStep], d: Drafts) -> list
     verdicts = []
     for i in members:
         step = steps[i]
-        n = len(step.proposal)
-        temperature = d.temperatures[i]
         probs = None if step.proposal.probs is None else step.proposal.probs.to(d.logits.device)[None]
-        verdict = verify(
-            d.tokens[i : i + 1, :n],
-            d.counts[i : i + 1],
-            d.logits[i : i + 1, : n + 1],
-            probs,
-            step.row.config.sampling,
-            step.row.seeds.on(d.logits.device),
-            None if temperature is None else temperature[None],
-        )
-        verdicts += verdict.per_row()
+        tokens, counts, logits, temperature = _alone(i, len(step.proposal), d)
+        rng = step.row.seeds.on(d.logits.device)
+        verdicts += verify(tokens, counts, logits, probs, step.row.config.sampling, rng, temperature).per_row()
     return verdicts
+
+
+def _alone(i: int, n: int, d: Drafts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Row i's n drafts, their count, logits and guard temperatures, as a batch of one."""
+    temperature = d.temperatures[i]
+    batched = None if temperature is None else temperature[None]
+    return d.tokens[i : i + 1, :n], d.counts[i : i + 1], d.logits[i : i + 1, : n + 1], batched
 
 
 def _sampled_trees(members: list[int], steps: list[RowStep], d: Drafts) -> list[tuple[list[int], int]]:
@@ -298,18 +296,10 @@ def _typical_chains(members: list[int], steps: list[RowStep], d: Drafts) -> list
     """Typical acceptance (lossy, opted into), each row with its own random generator."""
     verdicts = []
     for i in members:
-        step = steps[i]
-        n = len(step.proposal)
-        config, temperature = step.row.config, d.temperatures[i]
-        verdict = typical_verify(
-            d.tokens[i : i + 1, :n],
-            d.counts[i : i + 1],
-            d.logits[i : i + 1, : n + 1],
-            config.sampling,
-            config.typical_acceptance,
-            step.row.seeds.on(d.logits.device),
-            None if temperature is None else temperature[None],
-        )
+        step, config = steps[i], steps[i].row.config
+        tokens, counts, logits, temperature = _alone(i, len(step.proposal), d)
+        rng = step.row.seeds.on(d.logits.device)
+        verdict = typical_verify(tokens, counts, logits, config.sampling, config.typical_acceptance, rng, temperature)
         verdicts += verdict.per_row()
     return verdicts
 
