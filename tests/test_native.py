@@ -187,14 +187,11 @@ def test_unsupported_models_and_options_are_refused_clearly() -> None:
         RuntimeConfig(backend="native", precision=PRESETS["cpu"])
     with pytest.raises(ConfigError, match="--dtype applies to the transformers backend"):
         RuntimeConfig(backend="native", dtype="bfloat16")
-    tokenizer, model = char_tokenizer(), models()[1]["llama"]
-    generator = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=NATIVE)
-    with pytest.raises(ConfigError, match="batched generation runs on the transformers backend"):
-        generator.generate_batch(PROMPTS[:2], max_new_tokens=4)
 
 
-def test_the_server_runs_native_one_request_at_a_time(tmp_path) -> None:
-    """`specdec serve --backend native`: concurrent requests queue behind one row; all get the target's greedy text."""
+def test_the_server_batches_native_requests(tmp_path) -> None:
+    """`specdec serve --backend native`: concurrent requests decode together (rows join between steps); each gets the
+    target's own greedy text."""
     from concurrent.futures import ThreadPoolExecutor
 
     from test_serve import Server

@@ -149,7 +149,8 @@ def float_pair(option: str, value: str | None) -> tuple[float, float] | None:
     return start, end
 
 
-FAST_BACKEND = "auto"  # generate and demo: native where it runs (several times transformers' float32 speed on a CPU)
+# generate, demo and serve: native where it runs the model (the faster runtime on a CPU), else transformers
+FAST_BACKEND = "auto"
 FastBackendOpt = Annotated[
     str,
     typer.Option(

@@ -10,6 +10,7 @@ import typer
 
 from specdec.cli.options import (
     DRAFT_HELP,
+    FAST_BACKEND,
     Branches,
     Dtype,
     KPolicyOpt,
@@ -118,10 +119,11 @@ def serve(
         str,
         typer.Option(
             "--backend",
-            help="Target runtime: transformers (batches requests), native (specdec's CPU runtime: one request at a "
-            "time, the rest queue) or auto (native where it runs).",
+            help="Target runtime: native (specdec's CPU runtime), transformers, or auto (native where it runs the "
+            "model, else transformers); both batch requests. Deliberately auto, as for generate (the library's default "
+            "is transformers).",
         ),
-    ] = default(RuntimeConfig, "backend"),
+    ] = FAST_BACKEND,
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Annotated[

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from specdec.errors import ConfigError
 from specdec.models import cpu_kernels
-from specdec.models.backend import Backend, BackendCapabilities, Embed, tree_mask, tree_positions
+from specdec.models.backend import Backend, BackendCapabilities, Embed, OneRow, RowBackend, tree_mask, tree_positions
 from specdec.models.cpu_kernels import FORMATS, Packed, PackedInt8, PagedCache
 
 log = logging.getLogger("specdec")
@@ -49,6 +49,16 @@ class Shape:
     embed_scale: float
     softcap: float | None  # final logits' tanh cap
     max_context: int
+
+
+@dataclass(frozen=True)
+class Part:
+    """One sequence's share of a forward: its new tokens (ids [n], or input vectors [n, H]), its cache, and for a tree
+    of drafts at the end, which new positions each one sees (bool [n, n], ``backend.tree_mask``)."""
+
+    tokens: torch.Tensor
+    cache: PagedCache
+    visible: torch.Tensor | None = None
 
 
 @dataclass
@@ -208,29 +218,56 @@ class NativeModel:
         ``visible`` (bool [n, n], ``backend.tree_mask``) makes the new tokens a tree: each at the position of its depth,
         seeing only its ancestors among them.
         """
-        shape, start, n = self.shape, cache.length, len(tokens)
+        logits, hidden = self.forward_parts([Part(tokens, cache, visible)], [last], features)
+        return logits[0], hidden[0] if hidden is not None else None
+
+    def forward_parts(
+        self, parts: list[Part], last: list[int], features: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """One forward over several sequences' new tokens, each appended to its own cache: logits [last[i], V] of
+        part i's last ``last[i]`` positions, and with ``features`` each part's final hidden states [n_i, H].
+
+        Every operation but attention works position by position (a position's numbers do not depend on the others
+        in the forward), so the weights are read once for all parts and each part's logits are those it would get
+        alone; attention runs per part, over its own cache.
+        """
+        shape = self.shape
         gemma = shape.family == "gemma3_text"  # a norm after each block and one before the MLP; GELU, not SiLU
-        cache.reserve(start + n)
-        x = self.embed(tokens) if tokens.dim() == 1 else tokens.float()
-        positions = torch.arange(start, start + n) if visible is None else tree_positions(start, visible)
-        rotary = {table: self._cos_sin(table, positions) for table in set(shape.rotary)}
-        q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        sizes = [len(part.tokens) for part in parts]
+        starts = [part.cache.length for part in parts]
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        for part, start, n in zip(parts, starts, sizes, strict=True):
+            part.cache.reserve(start + n)
+        x = torch.cat([self.embed(part.tokens) if part.tokens.dim() == 1 else part.tokens.float() for part in parts])
+        positions = [
+            torch.arange(start, start + n) if part.visible is None else tree_positions(start, part.visible)
+            for part, start, n in zip(parts, starts, sizes, strict=True)
+        ]
+        everywhere = torch.cat(positions)
+        rotary = {table: self._cos_sin(table, everywhere) for table in set(shape.rotary)}
+        q_width, kv_width, total = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, len(x)
         for index, layer in enumerate(self.layers):
             norms = layer.norms
             normed = cpu_kernels.rms_norm(x, norms["input_layernorm"], shape.eps)
             qkv = _linear(normed, layer.qkv, layer.biases.get("qkv"))
             q, k, v = qkv.split([q_width, kv_width, kv_width], dim=1)
-            q, k, v = q.view(n, shape.heads, -1), k.view(n, shape.kv_heads, -1), v.view(n, shape.kv_heads, -1)
+            q, k = q.view(total, shape.heads, -1), k.view(total, shape.kv_heads, -1)
+            v = v.view(total, shape.kv_heads, -1)
             if "q_norm" in norms:
-                q, k = (
-                    cpu_kernels.rms_norm(q, norms["q_norm"], shape.eps),
-                    cpu_kernels.rms_norm(k, norms["k_norm"], shape.eps),
-                )
+                q = cpu_kernels.rms_norm(q, norms["q_norm"], shape.eps)
+                k = cpu_kernels.rms_norm(k, norms["k_norm"], shape.eps)
             cos, sin = rotary[shape.rotary[index]]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             window = shape.windows[index]
-            attended = cpu_kernels.attention(q, k, v, cache, index, start, window, shape.scale, visible, positions)
-            out = _linear(attended.view(n, q_width), layer.out, layer.biases.get("out"))
+            attended = [
+                cpu_kernels.attention(
+                    q[end - n : end], k[end - n : end], v[end - n : end], part.cache, index, start, window,
+                    shape.scale, part.visible, where,
+                )
+                for part, start, n, end, where in zip(parts, starts, sizes, ends, positions, strict=True)
+            ]  # fmt: skip
+            joined = attended[0] if len(attended) == 1 else torch.cat(attended)
+            out = _linear(joined.view(total, q_width), layer.out, layer.biases.get("out"))
             if gemma:
                 x = x + cpu_kernels.rms_norm(out, norms["post_attention_layernorm"], shape.eps)
                 h = cpu_kernels.rms_norm(x, norms["pre_feedforward_layernorm"], shape.eps)
@@ -242,12 +279,25 @@ class NativeModel:
             if gemma:
                 out = cpu_kernels.rms_norm(out, norms["post_feedforward_layernorm"], shape.eps)
             x = x + out
-        cache.length = start + n
-        hidden = cpu_kernels.rms_norm(x if features else x[n - last :].contiguous(), self.final_norm, shape.eps)
-        logits = cpu_kernels.linear(hidden[len(hidden) - last :].contiguous(), self.head)
+        for part, start, n in zip(parts, starts, sizes, strict=True):
+            part.cache.length = start + n
+        # The output head reads each part's last positions only (all of them when their hidden states are wanted).
+        read = [torch.arange(end - count, end) for end, count in zip(ends, last, strict=True)]
+        rows = read[0] if len(read) == 1 else torch.cat(read)
+        if features:
+            hidden = cpu_kernels.rms_norm(x, self.final_norm, shape.eps)
+            logits = cpu_kernels.linear(hidden[rows].contiguous(), self.head)
+        else:
+            hidden = None
+            logits = cpu_kernels.linear(
+                cpu_kernels.rms_norm(x[rows].contiguous(), self.final_norm, shape.eps), self.head
+            )
         if shape.softcap is not None:
             logits = torch.tanh(logits / shape.softcap) * shape.softcap
-        return logits, hidden if features else None
+        per_part = list(logits.split(last))
+        if hidden is None:
+            return per_part, None
+        return per_part, [hidden[end - n : end] for end, n in zip(ends, sizes, strict=True)]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The input embedding of ``tokens`` (float32, scaled as the model scales it)."""
@@ -276,9 +326,10 @@ def new_cache(model: NativeModel, dtype: str | None = None) -> PagedCache:
 
 
 class NativeBackend(Backend):
-    """A single-sequence :class:`~specdec.models.backend.Backend` over a :class:`NativeModel` (runs through OneRow)."""
+    """A single-sequence :class:`~specdec.models.backend.Backend` over a :class:`NativeModel`: one sequence runs
+    through OneRow over its cache, a batch on :class:`NativeRows` over the same weights."""
 
-    capabilities = BackendCapabilities(trees=True, features=True)
+    capabilities = BackendCapabilities(trees=True, features=True, max_rows=None)
 
     def __init__(self, model: NativeModel, cache_dtype: str | None = None) -> None:
         self.model = model
@@ -289,11 +340,10 @@ class NativeBackend(Backend):
 
     @property
     def identity(self) -> str:
-        model = self.model
-        cache, threads = self.cache.dtype, torch.get_num_threads()
-        return (
-            f"native|{model.name}|{model.weights}|{model.format}|kv={cache}|{cpu_kernels.BUILD}|cpu|threads={threads}"
-        )
+        return _identity(self.model, self.cache.dtype)
+
+    def row_backend(self, *, batch: bool, trees: bool = False, cuda_graphs: bool = True) -> RowBackend:
+        return NativeRows(self.model, self.cache.dtype) if batch else OneRow(self)
 
     @property
     def cached_length(self) -> int:
@@ -327,6 +377,76 @@ class NativeBackend(Backend):
 
     def truncate(self, length: int, branch: list[int] | None = None) -> None:
         self.cache.truncate(length, branch)
+
+
+class NativeRows(RowBackend):
+    """Sequences decoded together on a :class:`NativeModel`, each in a paged KV cache of its own that grows with it and
+    is freed when it leaves: one forward for all rows reads the weights once, and each row's logits are bit for bit
+    those it gets alone."""
+
+    capabilities = BackendCapabilities(trees=True, features=True, max_rows=None)
+    device = torch.device("cpu")
+
+    def __init__(self, model: NativeModel, cache_dtype: str | None = None) -> None:
+        self.model = model
+        self.cache_dtype = new_cache(model, cache_dtype).dtype
+        self.vocab_size = model.vocab_size
+        self.max_context = model.shape.max_context
+        self.caches: list[PagedCache] = []
+        self.last_features: list[torch.Tensor] = []
+
+    @property
+    def identity(self) -> str:
+        return f"rows|{_identity(self.model, self.cache_dtype)}"
+
+    @property
+    def cached_lengths(self) -> list[int]:  # type: ignore[override]
+        return [cache.length for cache in self.caches]
+
+    def add_rows(self, count: int) -> None:
+        self.caches += [new_cache(self.model, self.cache_dtype) for _ in range(count)]
+
+    def remove_rows(self, row_ids: list[int]) -> None:
+        gone = set(row_ids)
+        self.caches = [cache for i, cache in enumerate(self.caches) if i not in gone]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        row_ids: list[int],
+        feeds: list[torch.Tensor],
+        last: int,
+        trees: list[torch.Tensor | None] | None = None,
+        features: bool = False,
+    ) -> torch.Tensor:
+        trees = trees or [None] * len(feeds)
+        parts = []
+        for row_id, feed, tree in zip(row_ids, feeds, trees, strict=True):
+            cache = self.caches[row_id]
+            if cache.length + len(feed) > self.max_context:
+                raise ValueError(
+                    f"row {row_id}: {cache.length + len(feed)} positions exceed "
+                    f"the model's context of {self.max_context}"
+                )
+            parts.append(Part(feed.cpu(), cache, None if tree is None else tree_mask(len(feed), tree)))
+        counts = [min(last, len(feed)) for feed in feeds]
+        logits, hidden = self.model.forward_parts(parts, counts, features)
+        self.last_features = hidden if hidden is not None else []
+        out = logits[0].new_zeros(len(feeds), last, self.vocab_size)  # right-aligned; the columns before are padding
+        for i, (rows, count) in enumerate(zip(logits, counts, strict=True)):
+            out[i, last - count :] = rows
+        return out
+
+    def truncate(self, row_id: int, length: int, branch: list[int] | None = None) -> None:
+        self.caches[row_id].truncate(length, branch)
+
+
+def _identity(model: NativeModel, cache_dtype: str) -> str:
+    """What decides a native model's speed: its weights and format, the KV cache's type, the kernels' build, threads."""
+    threads = torch.get_num_threads()
+    return (
+        f"native|{model.name}|{model.weights}|{model.format}|kv={cache_dtype}|{cpu_kernels.BUILD}|cpu|threads={threads}"
+    )
 
 
 def unsupported(config) -> str | None:

@@ -65,7 +65,7 @@ class Batcher:
         self.max_queue = max_queue
         self.metrics = metrics
         self.decoder = generator.batch_decoder()
-        # one at a time on native
+        # a runtime that holds one sequence per forward (llama.cpp) runs one request at a time
         self.max_batch = min(max_batch, self.decoder.backend.capabilities.max_rows or max_batch)
         # every request decodes with a fork: a drafter that cannot fork is refused now, not per request
         generator.drafter.fork()
