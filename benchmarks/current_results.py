@@ -95,6 +95,8 @@ COMMANDS_TEXT = """
   python benchmarks/llamacpp_quant_types.py --work /tmp/quant --out ${J}2026-11-30-cpu-llamacpp-quant-types.json
 2026-11-30-cpu-batch-prompt-lookup
   specdec bench-batch --precision cpu --draft prompt-lookup --batch-sizes 8,16,32 --k 5 --max-new-tokens 64
+2026-12-03-cpu-native-batch
+  specdec bench-batch --draft prompt-lookup --batch-sizes 1,8,32 --max-new-tokens 64 --backend native
 2026-11-30-cpu-serve-load
   specdec bench-serve --clients 8 --duration 60 --max-tokens 64 --server-args "--precision cpu --max-batch 8"
 2026-11-30-cpu-quality

@@ -15,9 +15,11 @@ from specdec.bench.quality import QualityBenchConfig
 from specdec.bench.runner import BenchConfig
 from specdec.bench.serve_load import LoadConfig
 from specdec.cli.options import (
+    FAST_BACKEND,
     BackendOpt,
     Draft,
     Dtype,
+    FastBackendOpt,
     KPolicyOpt,
     NativeFormatOpt,
     Overwrite,
@@ -216,6 +218,8 @@ def bench_batch(
     sequential: Annotated[
         bool, typer.Option(help="Also decode the requests one at a time (the baseline batching must beat).")
     ] = default(BatchBenchConfig, "sequential"),
+    backend: FastBackendOpt = FAST_BACKEND,
+    native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
     out: Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")] = Path("bench-batch-out"),
@@ -236,7 +240,7 @@ def bench_batch(
         k,
         max_new_tokens,
         sequential,
-        runtime_config("transformers", dtype, None, None, precision),
+        runtime_config(backend, dtype, None, None, precision, native_format),
     )
     with progress(len(sizes) * (len(METHODS) - (not sequential))) as advance:
         results = run_batch_benchmark(config, advance)

@@ -187,14 +187,13 @@ def score(target: RowBackend, steps: list[RowStep]) -> torch.Tensor:
 
 
 def _align(logits: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Shift each row's logits left by what it drafted less than the widest (feeds end in their drafts)."""
+    """Shift each row's logits left, in place, by what it drafted less than the widest (feeds end in their drafts), so
+    that column j of row i judges its draft j; columns past a row's drafts are left as they were (nobody reads them)."""
     width = logits.shape[1] - 1
-    if all(n == width for n in sizes):
-        return logits
-    device = logits.device
-    shift = torch.tensor([width - n for n in sizes]).to(device)
-    columns = (torch.arange(width + 1, device=device)[None, :] + shift[:, None]).clamp(max=width)
-    return logits.gather(1, columns[:, :, None].expand(-1, -1, logits.shape[-1]))
+    for i, n in enumerate(sizes):
+        if n < width:  # copied row by row: a gather over the vocabulary would move every row and an index as large
+            logits[i, : n + 1] = logits[i, width - n :].clone()
+    return logits
 
 
 class Drafts(NamedTuple):

@@ -432,8 +432,11 @@ class NativeRows(RowBackend):
         counts = [min(last, len(feed)) for feed in feeds]
         logits, hidden = self.model.forward_parts(parts, counts, features)
         self.last_features = hidden if hidden is not None else []
-        out = logits[0].new_zeros(len(feeds), last, self.vocab_size)  # right-aligned; the columns before are padding
+        if all(count == last for count in counts):
+            return torch.stack(logits)
+        out = logits[0].new_empty(len(feeds), last, self.vocab_size)  # right-aligned after zeroed padding
         for i, (rows, count) in enumerate(zip(logits, counts, strict=True)):
+            out[i, : last - count] = 0.0
             out[i, last - count :] = rows
         return out
 
