@@ -9,7 +9,7 @@ from conftest import char_tokenizer, loaded
 from test_native import FAMILIES, NATIVE, PROMPTS, models
 
 from specdec import GenerationConfig, Generator, SamplingConfig
-from specdec.config import BatchConfig
+from specdec.config import BatchConfig, GuardConfig
 from specdec.models import cpu_kernels
 from specdec.models.native import NativeBackend, NativeModel, NativeRows
 
@@ -116,3 +116,38 @@ def test_generate_batch_on_native_equals_each_row_alone(family: str) -> None:
         batch = gen.generate_batch(prompts, configs)
         for prompt, config, result in zip(prompts, configs, batch, strict=True):
             assert result.token_ids == gen.generate(prompt, config).token_ids, (family, config)
+
+
+def test_a_32_row_batch_of_mixed_rows_equals_each_row_alone() -> None:
+    """32 rows at once on native: greedy and sampled rows, guarded rows (loop blocking, a temperature schedule,
+    anchors), a tree row, each k policy; every row's tokens are those it produces alone."""
+    tokenizer, model = char_tokenizer(), models()[1]["gemma3"]
+    target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=NATIVE).target
+    gen = Generator(target, "prompt-lookup", runtime=NATIVE, batch=BatchConfig(window="fixed"))
+    guards = [
+        GuardConfig(),
+        GuardConfig(repetition=True, loop_min_span=8),
+        GuardConfig(temperature_schedule=(0.7, 1.2), schedule_tokens=16),
+        GuardConfig(anchor_every=5),
+    ]
+    configs = []
+    for i in range(32):
+        sampled = i % 3 == 0 or i % 4 == 2  # a temperature schedule samples
+        sampling = SamplingConfig(temperature=0.9, top_k=20) if sampled else SamplingConfig()
+        tree = i == 7
+        configs.append(
+            GenerationConfig(
+                max_new_tokens=20 + i % 5,
+                stop_on_eos=False,
+                k=1 + i % 6,
+                k_policy=("fixed", "heuristic", "cost-model", "confidence")[i % 4],
+                seed=i,
+                sampling=sampling,
+                guards=GuardConfig() if tree else guards[i % 4],
+                branches=3 if tree else 1,
+            )
+        )
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i % 4) for i in range(32)]
+    batch = gen.generate_batch(prompts, configs)
+    for prompt, config, result in zip(prompts, configs, batch, strict=True):
+        assert result.token_ids == gen.generate(prompt, config).token_ids, config
