@@ -151,3 +151,35 @@ def test_a_32_row_batch_of_mixed_rows_equals_each_row_alone() -> None:
     batch = gen.generate_batch(prompts, configs)
     for prompt, config, result in zip(prompts, configs, batch, strict=True):
         assert result.token_ids == gen.generate(prompt, config).token_ids, config
+
+
+def test_the_server_refuses_what_memory_cannot_hold_and_reports_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On native, a request whose KV cache (with those already taken, each grown to prompt + max_tokens) would not fit
+    in the memory left is refused in OpenAI's shape (503, insufficient_memory); one that fits is answered, and
+    /metrics reports the bytes the caches held."""
+    from collections import namedtuple
+
+    from test_serve_faults import _ask
+
+    from specdec.serving import batcher as batcher_module
+    from specdec.serving.app import create_app
+
+    tokenizer, model = char_tokenizer(), models()[1]["gemma3"]
+    target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=NATIVE).target
+    app = create_app(Generator(target, "prompt-lookup", GenerationConfig(k=4, k_policy="fixed")))
+    rows = app.state.batcher.decoder.backend
+    assert isinstance(rows, NativeRows) and rows.kv_bytes_per_position() > 0
+    free = namedtuple("Memory", "available")
+    app.state.batcher.start()
+    try:
+        budget = rows.kv_bytes_per_position() * 60  # room for about 60 positions
+        monkeypatch.setattr(batcher_module.psutil, "virtual_memory", lambda: free(budget))
+        refused = _ask(app, "POST", "/v1/completions", {"prompt": "abc abc", "max_tokens": 200, "temperature": 0})
+        error = refused.json()["error"]
+        assert refused.status_code == 503 and error["code"] == "insufficient_memory", refused.text
+        assert "MiB" in error["message"] and "max_tokens" in error["message"]
+        answered = _ask(app, "POST", "/v1/completions", {"prompt": "abc abc", "max_tokens": 8, "temperature": 0})
+        assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] == 8
+        assert "specdec_kv_cache_bytes" in _ask(app, "GET", "/metrics").text
+    finally:
+        app.state.batcher.stop(5)

@@ -138,6 +138,15 @@ class RowBackend(ABC):
     def truncate(self, row_id: int, length: int, branch: list[int] | None = None) -> None:
         """Keep only the first ``length`` cached positions of row ``row_id`` (``branch``: see Backend.truncate)."""
 
+    def kv_bytes(self) -> int:
+        """Bytes the rows' KV caches hold now (0 where the runtime does not say)."""
+        return 0
+
+    def kv_bytes_per_position(self) -> int:
+        """The most one cached position of a row costs, every layer's keys and values (0 where the runtime does not
+        say): what admitting a request of n positions may take."""
+        return 0
+
 
 def keep_branch(cache: torch.Tensor, dim: int, length: int, branch: list[int]) -> None:
     """Move the cached entries at positions ``branch`` (along ``dim``) to positions length - len(branch) .. length - 1,

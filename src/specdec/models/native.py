@@ -443,6 +443,13 @@ class NativeRows(RowBackend):
     def truncate(self, row_id: int, length: int, branch: list[int] | None = None) -> None:
         self.caches[row_id].truncate(length, branch)
 
+    def kv_bytes(self) -> int:
+        return sum(cache.nbytes for cache in self.caches)
+
+    def kv_bytes_per_position(self) -> int:
+        shape, element = self.model.shape, getattr(torch, self.cache_dtype).itemsize
+        return 2 * len(self.model.layers) * shape.kv_heads * shape.head_dim * element
+
 
 def _identity(model: NativeModel, cache_dtype: str) -> str:
     """What decides a native model's speed: its weights and format, the KV cache's type, the kernels' build, threads."""

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 from specdec.engine import GenerationResult, Generator
 from specdec.errors import ContextLengthError, SpecDecError
 from specdec.serving import protocol as api
-from specdec.serving.batcher import Batcher, Job, QueueFullError, ShuttingDownError
+from specdec.serving.batcher import Batcher, Job, MemoryFullError, QueueFullError, ShuttingDownError
 from specdec.serving.config import ServeConfig, host_name
 from specdec.serving.metrics import Metrics
 
@@ -162,6 +162,12 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
             ) from None
         except ShuttingDownError as exc:
             raise api.APIError(503, f"{exc}: retry on another replica") from None
+        except MemoryFullError as exc:
+            raise api.APIError(
+                503,
+                f"not enough memory for this request ({exc}): retry shortly or ask for fewer max_tokens",
+                code="insufficient_memory",
+            ) from None
         return job, used
 
     return app

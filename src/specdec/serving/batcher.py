@@ -20,6 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import psutil
+
 from specdec.engine import Completion, Generator
 from specdec.errors import SpecDecError
 from specdec.serving.metrics import Metrics
@@ -33,6 +35,13 @@ class QueueFullError(Exception):
 
 class ShuttingDownError(Exception):
     """The server is shutting down and takes no new requests."""
+
+
+class MemoryFullError(Exception):
+    """The KV caches of the requests already taken, and this one's, would not fit in the memory left."""
+
+
+MEMORY_SHARE = 0.9  # of the memory available now, what the KV caches of requests still to grow may claim
 
 
 @dataclass(eq=False)
@@ -97,9 +106,26 @@ class Batcher:
                     f"{len(self.active)} requests are running and {len(self.waiting)} waiting "
                     f"(at most {self.max_batch} running and {self.max_queue} waiting)"
                 )
+            self._check_memory(job)
             self.waiting.append(job)
             self.metrics.queue_depth.set(len(self.waiting))
             self._wake.notify()
+
+    def _check_memory(self, job: Job) -> None:
+        """Refuse ``job`` when every taken request growing to its full length (prompt and max_tokens), this one
+        included, would need more KV cache than the memory available now (runtimes that report their caches' size)."""
+        per_position = self.decoder.backend.kv_bytes_per_position()
+        if not per_position:
+            return
+        taken = [j.completion for j in list(self.active.values()) + list(self.waiting)] + [job.completion]
+        full = per_position * sum(len(c.prompt_ids) + c.config.max_new_tokens for c in taken)
+        needed = full - self.decoder.backend.kv_bytes()  # what the caches may still grow by
+        available = psutil.virtual_memory().available * MEMORY_SHARE
+        if needed > available:
+            raise MemoryFullError(
+                f"the KV caches of the {len(taken)} requests taken would need {needed / 2**20:.0f} MiB more and "
+                f"{available / 2**20:.0f} MiB is free"
+            )
 
     @property
     def load(self) -> tuple[int, int]:
@@ -146,7 +172,9 @@ class Batcher:
     def _step(self) -> None:
         """One decoding step of the batch: hand out the new text, answer the requests that ended, drop the cancelled
         ones."""
-        for update in self.decoder.step():
+        updates = self.decoder.step()
+        self.metrics.kv_bytes.set(self.decoder.backend.kv_bytes())
+        for update in updates:
             job = self.active[update.completion]
             if job.first_token_s is None:
                 job.first_token_s = time.perf_counter() - job.submitted

@@ -35,6 +35,7 @@ class Metrics:
         self.k = Histogram("specdec_k", "Draft tokens chosen per sequence per step", buckets=K_BUCKETS, registry=r)
         self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting for a batch slot", registry=r)
         self.active = Gauge("specdec_active_sequences", "Sequences in the running batch", registry=r)
+        self.kv_bytes = Gauge("specdec_kv_cache_bytes", "Bytes the running batch's KV caches hold", registry=r)
         self.cancelled = Counter(
             "specdec_cancelled_requests", "Requests dropped because the client went away", registry=r
         )
