@@ -97,6 +97,12 @@ COMMANDS_TEXT = """
   specdec bench-batch --precision cpu --draft prompt-lookup --batch-sizes 8,16,32 --k 5 --max-new-tokens 64
 2026-12-03-cpu-native-batch
   specdec bench-batch --draft prompt-lookup --batch-sizes 1,8,32 --max-new-tokens 64 --backend native
+2026-12-03-cpu-native-serve-1
+  specdec bench-serve --draft prompt-lookup --clients 1 --duration 30 --max-tokens 64 --server-args "--max-batch 32"
+2026-12-03-cpu-native-serve-8
+  specdec bench-serve --draft prompt-lookup --clients 8 --duration 30 --max-tokens 64 --server-args "--max-batch 32"
+2026-12-03-cpu-native-serve-32
+  specdec bench-serve --draft prompt-lookup --clients 32 --duration 30 --max-tokens 64 --server-args "--max-batch 32"
 2026-11-30-cpu-serve-load
   specdec bench-serve --clients 8 --duration 60 --max-tokens 64 --server-args "--precision cpu --max-batch 8"
 2026-11-30-cpu-quality
@@ -284,6 +290,9 @@ JOURNAL_MACHINES = dict.fromkeys(
         "2026-12-01-cpu-eagle-head-cost.json",
     ],
     AMD,
+) | dict.fromkeys(
+    ["2026-12-03-cpu-native-serve-1", "2026-12-03-cpu-native-serve-8", "2026-12-03-cpu-native-serve-32"],
+    "Intel(R) Xeon(R) Processor, 2 cores",
 )
 # Results the journal says not to use, and why; listed at the end of the page instead of in the tables.
 EXCLUDED = {
@@ -479,18 +488,20 @@ def batch(results: list[Result]) -> list[Block]:
 
 def serve(results: list[Result]) -> list[Block]:
     rows = latest(
-        ((" ".join(c["server_args"]), bool(c.get("keys")), spec), r, m)
+        ((" ".join(c["server_args"]), c["clients"], bool(c.get("keys")), spec), r, m)
         for r in results
         for c in [r.data["config"]]
         for spec, m in r.data["results"].items()
     )
     cells = [
-        [f"`{args}`", "required" if keys else "none", spec, str(m["requests"]), f"{m['requests_per_s']:.2f}"]
+        [f"`{args}`", str(clients), "required" if keys else "none", spec, str(m["requests"])]
+        + [f"{m['requests_per_s']:.2f}"]
         + [f"{m['tokens_per_s']:.1f}", " / ".join(f"{m['latency_s'][p]:.2f}" for p in ("p50", "p95", "p99"))]
         + [" / ".join(f"{m['ttft_s'][p]:.2f}" for p in ("p50", "p95")), str(m["errors"]), r.machine, r.date, r.link]
-        for (args, keys, spec), (r, m) in rows.items()
+        for (args, clients, keys, spec), (r, m) in rows.items()
     ]
-    header = ["server args", "API keys", "speculation", "requests", "req/s", "tok/s", "latency p50 / p95 / p99 s"]
+    header = ["server args", "clients", "API keys", "speculation", "requests", "req/s", "tok/s"]
+    header += ["latency p50 / p95 / p99 s"]
     header += ["TTFT p50 / p95 s", "errors", "machine", "date", "result"]
     title = "The server under load (`specdec bench-serve`, streaming clients)"
     return [block("transformers", title, header, cells, [r for r, _ in rows.values()])]
