@@ -154,32 +154,46 @@ def test_a_32_row_batch_of_mixed_rows_equals_each_row_alone() -> None:
 
 
 def test_the_server_refuses_what_memory_cannot_hold_and_reports_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On native, a request whose KV cache (with those already taken, each grown to prompt + max_tokens) would not fit
-    in the memory left is refused in OpenAI's shape (503, insufficient_memory); one that fits is answered, and
-    /metrics reports the bytes the caches held."""
+    """On native, a request whose KV cache (in whole pages) could never fit in the memory left gets 400, one that
+    fits alone but not beside the requests already taken (each grown to prompt + max_tokens) gets 503, both
+    insufficient_memory in OpenAI's shape; one that fits is answered, and /metrics reports the caches' bytes."""
     from collections import namedtuple
 
     from test_serve_faults import _ask
 
     from specdec.serving import batcher as batcher_module
     from specdec.serving.app import create_app
+    from specdec.serving.batcher import Job, MemoryFullError
 
     tokenizer, model = char_tokenizer(), models()[1]["gemma3"]
     target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=NATIVE).target
-    app = create_app(Generator(target, "prompt-lookup", GenerationConfig(k=4, k_policy="fixed")))
-    rows = app.state.batcher.decoder.backend
-    assert isinstance(rows, NativeRows) and rows.kv_bytes_per_position() > 0
-    free = namedtuple("Memory", "available")
-    app.state.batcher.start()
+    generator = Generator(target, "prompt-lookup", GenerationConfig(k=4, k_policy="fixed"))
+    app = create_app(generator)
+    batcher = app.state.batcher
+    rows = batcher.decoder.backend
+    assert isinstance(rows, NativeRows)
+    page = rows.kv_bytes_for(1)  # one page in every layer
+    assert rows.kv_bytes_for(256) == page and rows.kv_bytes_for(257) > page
+    assert rows.kv_bytes_for(256 * 100) < 100 * page  # windowed layers hold a few pages however long the row
+    memory = namedtuple("Memory", "available")
+    monkeypatch.setattr(batcher_module.psutil, "virtual_memory", lambda: memory(int(rows.kv_bytes_for(300) * 1.5)))
+
+    # Fits alone (two pages' worth), not beside a waiting request of the same size.
+    waiting = Job(generator.completion("abc abc", max_new_tokens=290), None)  # type: ignore[arg-type]
+    batcher.waiting.append(waiting)
+    with pytest.raises(MemoryFullError, match="would need") as refused:
+        batcher._check_memory(Job(generator.completion("abc abc", max_new_tokens=290), None))  # type: ignore[arg-type]
+    assert not refused.value.alone
+    batcher.waiting.clear()
+
+    batcher.start()
     try:
-        budget = rows.kv_bytes_per_position() * 60  # room for about 60 positions
-        monkeypatch.setattr(batcher_module.psutil, "virtual_memory", lambda: free(budget))
-        refused = _ask(app, "POST", "/v1/completions", {"prompt": "abc abc", "max_tokens": 200, "temperature": 0})
-        error = refused.json()["error"]
-        assert refused.status_code == 503 and error["code"] == "insufficient_memory", refused.text
-        assert "MiB" in error["message"] and "max_tokens" in error["message"]
+        alone = _ask(app, "POST", "/v1/completions", {"prompt": "abc abc", "max_tokens": 900, "temperature": 0})
+        error = alone.json()["error"]
+        assert alone.status_code == 400 and error["code"] == "insufficient_memory", alone.text
+        assert error["param"] == "max_tokens" and "MiB" in error["message"]
         answered = _ask(app, "POST", "/v1/completions", {"prompt": "abc abc", "max_tokens": 8, "temperature": 0})
         assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] == 8
         assert "specdec_kv_cache_bytes" in _ask(app, "GET", "/metrics").text
     finally:
-        app.state.batcher.stop(5)
+        batcher.stop(5)

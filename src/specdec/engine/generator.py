@@ -205,7 +205,7 @@ class Generator:
             )
         if len(prompts) > 1 and self.backend.capabilities.max_rows == 1:
             raise ConfigError(
-                "batched generation runs on the transformers backend: use --backend transformers, "
+                "this runtime decodes one sequence at a time (llama.cpp): batch on --backend native or transformers, "
                 "or generate one prompt at a time"
             )
         completions = [self.completion(prompt, c, **overrides) for prompt, c in zip(prompts, configs, strict=True)]
@@ -223,7 +223,8 @@ class Generator:
     def batch_decoder(self) -> Decoder:
         """A decoder over this target's weights for sequences that join and leave between steps (the server's engine).
 
-        On a single-sequence backend (native, llama.cpp) it holds one row at a time (``capabilities.max_rows``).
+        On a runtime that holds one sequence per forward (llama.cpp) it holds one row at a time
+        (``capabilities.max_rows``).
         """
         rows = self.backend.row_backend(batch=True, trees=True, cuda_graphs=self.batch.cuda_graphs)
         if self.batch.window == "fixed" or rows.capabilities.max_rows == 1:

@@ -142,9 +142,9 @@ class RowBackend(ABC):
         """Bytes the rows' KV caches hold now (0 where the runtime does not say)."""
         return 0
 
-    def kv_bytes_per_position(self) -> int:
-        """The most one cached position of a row costs, every layer's keys and values (0 where the runtime does not
-        say): what admitting a request of n positions may take."""
+    def kv_bytes_for(self, positions: int) -> int:
+        """The most a row's KV cache holds at ``positions`` cached positions, every layer's keys and values, as this
+        runtime allocates them (0 where it does not say): what admitting a request may take."""
         return 0
 
 

@@ -153,12 +153,6 @@ class BatchedTransformersBackend(RowBackend):
     def kv_bytes(self) -> int:
         return sum(buffer.nbytes for buffer in self.cache.keys + self.cache.values)
 
-    def kv_bytes_per_position(self) -> int:
-        config = self.model.config.get_text_config()
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 2 * config.num_hidden_layers * heads * head_dim * self.mask_dtype.itemsize
-
     @torch.inference_mode()
     def forward(
         self,

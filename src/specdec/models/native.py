@@ -234,6 +234,8 @@ class NativeModel:
         shape = self.shape
         gemma = shape.family == "gemma3_text"  # a norm after each block and one before the MLP; GELU, not SiLU
         sizes = [len(part.tokens) for part in parts]
+        if any(not 0 < count <= n for count, n in zip(last, sizes, strict=True)):
+            raise ValueError(f"the logits asked for ({last}) must be 1 to the positions of each part ({sizes})")
         starts = [part.cache.length for part in parts]
         ends = torch.tensor(sizes).cumsum(0).tolist()
         for part, start, n in zip(parts, starts, sizes, strict=True):
@@ -292,9 +294,9 @@ class NativeModel:
             logits = cpu_kernels.linear(
                 cpu_kernels.rms_norm(x[rows].contiguous(), self.final_norm, shape.eps), self.head
             )
-        if shape.softcap is not None:
-            logits = torch.tanh(logits / shape.softcap) * shape.softcap
         per_part = list(logits.split(last))
+        if shape.softcap is not None:  # part by part: an element-wise kernel's bits may depend on where a run ends
+            per_part = [torch.tanh(rows / shape.softcap) * shape.softcap for rows in per_part]
         if hidden is None:
             return per_part, None
         return per_part, [hidden[end - n : end] for end, n in zip(ends, sizes, strict=True)]
@@ -366,7 +368,7 @@ class NativeBackend(Backend):
         batch, n = tokens.shape
         if batch != 1:
             raise ConfigError(
-                "the native backend decodes one sequence at a time: use --backend transformers for batches"
+                "a NativeBackend holds one sequence: decode batches on its row_backend(batch=True) (NativeRows)"
             )
         if self.cache.length + n > self.max_context:
             raise ValueError(f"{self.cache.length + n} positions exceed the model's context of {self.max_context}")
@@ -446,9 +448,11 @@ class NativeRows(RowBackend):
     def kv_bytes(self) -> int:
         return sum(cache.nbytes for cache in self.caches)
 
-    def kv_bytes_per_position(self) -> int:
+    def kv_bytes_for(self, positions: int) -> int:
         shape, element = self.model.shape, getattr(torch, self.cache_dtype).itemsize
-        return 2 * len(self.model.layers) * shape.kv_heads * shape.head_dim * element
+        page = 2 * shape.kv_heads * cpu_kernels.PAGE * shape.head_dim * element
+        pages = -(-positions // cpu_kernels.PAGE)  # whole pages; a windowed layer releases those its window left
+        return page * sum(min(pages, window // cpu_kernels.PAGE + 3) if window else pages for window in shape.windows)
 
 
 def _identity(model: NativeModel, cache_dtype: str) -> str:

@@ -163,9 +163,16 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
         except ShuttingDownError as exc:
             raise api.APIError(503, f"{exc}: retry on another replica") from None
         except MemoryFullError as exc:
+            if exc.alone:
+                raise api.APIError(
+                    400,
+                    f"not enough memory for this request ({exc}): ask for fewer max_tokens or a shorter prompt",
+                    param="max_tokens",
+                    code="insufficient_memory",
+                ) from None
             raise api.APIError(
                 503,
-                f"not enough memory for this request ({exc}): retry shortly or ask for fewer max_tokens",
+                f"not enough memory for this request now ({exc}): retry shortly or ask for fewer max_tokens",
                 code="insufficient_memory",
             ) from None
         return job, used

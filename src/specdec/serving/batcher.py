@@ -38,7 +38,12 @@ class ShuttingDownError(Exception):
 
 
 class MemoryFullError(Exception):
-    """The KV caches of the requests already taken, and this one's, would not fit in the memory left."""
+    """The KV caches of the requests already taken, and this one's, would not fit in the memory left; ``alone``: this
+    request's would not fit even if every other request's cache were freed."""
+
+    def __init__(self, message: str, alone: bool) -> None:
+        super().__init__(message)
+        self.alone = alone
 
 
 MEMORY_SHARE = 0.9  # of the memory available now, what the KV caches of requests still to grow may claim
@@ -112,19 +117,29 @@ class Batcher:
             self._wake.notify()
 
     def _check_memory(self, job: Job) -> None:
-        """Refuse ``job`` when every taken request growing to its full length (prompt and max_tokens), this one
-        included, would need more KV cache than the memory available now (runtimes that report their caches' size)."""
-        per_position = self.decoder.backend.kv_bytes_per_position()
-        if not per_position:
+        """Refuse ``job`` when every taken request grown to its full length (prompt and max_tokens), this one
+        included, would need more KV cache than the host memory available now (runtimes that size their caches on the
+        host and say what a row takes)."""
+        rows = self.decoder.backend
+        if rows.device.type != "cpu":
             return
-        taken = [j.completion for j in list(self.active.values()) + list(self.waiting)] + [job.completion]
-        full = per_position * sum(len(c.prompt_ids) + c.config.max_new_tokens for c in taken)
-        needed = full - self.decoder.backend.kv_bytes()  # what the caches may still grow by
-        available = psutil.virtual_memory().available * MEMORY_SHARE
-        if needed > available:
+
+        def full(completion: Completion) -> int:
+            return rows.kv_bytes_for(len(completion.prompt_ids) + completion.config.max_new_tokens)
+
+        own = full(job.completion)
+        if not own:
+            return
+        held, free = rows.kv_bytes(), psutil.virtual_memory().available
+        if own > (free + held) * MEMORY_SHARE:
+            raise MemoryFullError(f"its KV cache alone needs {own / 2**20:.0f} MiB", alone=True)
+        taken = [j.completion for j in list(self.active.values()) + list(self.waiting)]
+        needed = own + sum(full(c) for c in taken) - held  # what the caches may still grow by
+        if needed > free * MEMORY_SHARE:
             raise MemoryFullError(
-                f"the KV caches of the {len(taken)} requests taken would need {needed / 2**20:.0f} MiB more and "
-                f"{available / 2**20:.0f} MiB is free"
+                f"the KV caches of the {len(taken) + 1} requests would need {needed / 2**20:.0f} MiB more and "
+                f"{free * MEMORY_SHARE / 2**20:.0f} MiB is free",
+                alone=False,
             )
 
     @property
@@ -214,6 +229,7 @@ class Batcher:
             self.metrics.record(completion, time.perf_counter() - job.submitted, cancelled)
         self.decoder.leave(completion)
         del self.active[completion]
+        self.metrics.kv_bytes.set(self.decoder.backend.kv_bytes())
         self.metrics.active.set(len(self.active))
         if error is not None:
             job.emit("error", error)
