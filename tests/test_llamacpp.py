@@ -48,7 +48,7 @@ def exact_target():
 @needs_llama_cpp
 @pytest.mark.real_model
 def test_batched_generation_is_refused_on_llama_cpp(exact_target) -> None:
-    with pytest.raises(ConfigError, match="transformers backend"):
+    with pytest.raises(ConfigError, match="one sequence at a time.*--backend native or transformers"):
         Generator(exact_target, "prompt-lookup").generate_batch(PROMPTS[:2])
     with pytest.raises(ConfigError, match="one sequence per context"):
         exact_target.backend.fork()
