@@ -219,13 +219,14 @@ class NativeModel:
         seeing only its ancestors among them.
         """
         logits, hidden = self.forward_parts([Part(tokens, cache, visible)], [last], features)
-        return logits[0], hidden[0] if hidden is not None else None
+        return logits, hidden[0] if hidden is not None else None
 
     def forward_parts(
         self, parts: list[Part], last: list[int], features: bool = False
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """One forward over several sequences' new tokens, each appended to its own cache: logits [last[i], V] of
-        part i's last ``last[i]`` positions, and with ``features`` each part's final hidden states [n_i, H].
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """One forward over several sequences' new tokens, each appended to its own cache: logits [sum(last), V], part
+        i's last ``last[i]`` positions after part i - 1's, and with ``features`` each part's final hidden states
+        [n_i, H].
 
         Every operation but attention works position by position (a position's numbers do not depend on the others
         in the forward), so the weights are read once for all parts and each part's logits are those it would get
@@ -294,12 +295,12 @@ class NativeModel:
             logits = cpu_kernels.linear(
                 cpu_kernels.rms_norm(x[rows].contiguous(), self.final_norm, shape.eps), self.head
             )
-        per_part = list(logits.split(last))
         if shape.softcap is not None:  # part by part: an element-wise kernel's bits may depend on where a run ends
-            per_part = [torch.tanh(rows / shape.softcap) * shape.softcap for rows in per_part]
+            capped = [torch.tanh(rows / shape.softcap) * shape.softcap for rows in logits.split(last)]
+            logits = capped[0] if len(capped) == 1 else torch.cat(capped)
         if hidden is None:
-            return per_part, None
-        return per_part, [hidden[end - n : end] for end, n in zip(ends, sizes, strict=True)]
+            return logits, None
+        return logits, [hidden[end - n : end] for end, n in zip(ends, sizes, strict=True)]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The input embedding of ``tokens`` (float32, scaled as the model scales it)."""
@@ -434,10 +435,10 @@ class NativeRows(RowBackend):
         counts = [min(last, len(feed)) for feed in feeds]
         logits, hidden = self.model.forward_parts(parts, counts, features)
         self.last_features = hidden if hidden is not None else []
-        if all(count == last for count in counts):
-            return torch.stack(logits)
-        out = logits[0].new_empty(len(feeds), last, self.vocab_size)  # right-aligned after zeroed padding
-        for i, (rows, count) in enumerate(zip(logits, counts, strict=True)):
+        if all(count == last for count in counts):  # a view: the rows' logits already lie one after another
+            return logits.reshape(len(feeds), last, self.vocab_size)
+        out = logits.new_empty(len(feeds), last, self.vocab_size)  # right-aligned after zeroed padding
+        for i, (rows, count) in enumerate(zip(logits.split(counts), counts, strict=True)):
             out[i, : last - count] = 0.0
             out[i, last - count :] = rows
         return out
