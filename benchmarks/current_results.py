@@ -378,6 +378,7 @@ def kind(data: Any) -> str:
         "models": "native-formats",
         "clients": "autoscaling",
         "results": "serve",
+        "runs": "serve-runs",
         "runtimes": "where-time-goes",
     }
     found = [name for key, name in shapes.items() if key in data]
@@ -505,6 +506,41 @@ def serve(results: list[Result]) -> list[Block]:
     header += ["TTFT p50 / p95 s", "errors", "machine", "date", "result"]
     title = "The server under load (`specdec bench-serve`, streaming clients)"
     return [block("transformers", title, header, cells, [r for r, _ in rows.values()])]
+
+
+def serve_runs(results: list[Result]) -> list[Block]:
+    """`bench-serve` runs at several client counts (against llama-server where it ran): one table per run."""
+    kept = latest(
+        ((c["max_tokens"], c["temperature"], " ".join(c["server_args"]), r.machine), r, None)
+        for r in results
+        for c in [r.data["config"]]
+    )
+    blocks = []
+    for (tokens, temperature, args, _), (r, _) in kept.items():
+        runs = r.data["runs"]
+        speed = {(run["server"], run["speculation"].split(" ")[0], run["clients"]): run["tokens_per_s"] for run in runs}
+        cells = []
+        for run in runs:
+            solo = speed.get((run["server"], run["speculation"].split(" ")[0], 1))
+            llama = speed.get(("llama-server", "on", run["clients"]))
+            cells.append(
+                [run["server"], run["speculation"], str(run["clients"]), f"{run['tokens_per_s']:.1f}"]
+                + [f"{run['tokens_per_s'] / solo:.2f}x" if solo else "-"]
+                + [f"{run['tokens_per_s'] / llama:.2f}x" if llama else "-"]
+                + [" / ".join(num(run["latency_s"][p]) for p in ("p50", "p99"))]
+                + [f"{run['peak_rss_bytes'] / 2**20:.0f}", num(run["identical_share"], "{:.0%}"), str(run["errors"])]
+            )
+        header = ["server", "speculation", "clients", "tok/s", "vs 1 client", "vs llama-server spec. on"]
+        header += ["latency p50 / p99 s", "peak RSS MiB", "identical", "errors"]
+        sampling = "greedy" if temperature == 0 else f"T = {temperature}"
+        title = f"specdec serve against llama-server ({tokens}-token answers, {sampling}, {r.machine}, {r.date})"
+        note = (
+            f"One run ({r.link}); specdec options: `{args or 'defaults'}`, {r.data['config']['slots']} sequences "
+            "decoded together by each server. vs 1 client: over the same server with one client (requests one after "
+            "another); identical: greedy answers equal to the same server's with speculation off."
+        )
+        blocks.append(block("Across runtimes", title, header, cells, [r], note))
+    return blocks
 
 
 def autoscaling(results: list[Result]) -> list[Block]:
@@ -762,6 +798,7 @@ WRITERS: dict[str, Callable[[list[Result]], list[Block]]] = {
     "bench": bench,
     "batch": batch,
     "serve": serve,
+    "serve-runs": serve_runs,
     "autoscaling": autoscaling,
     "quality": quality,
     "precision-search": precision_search,

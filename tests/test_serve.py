@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import GenerationConfig, Generator
 from specdec.config import PRESETS, GuardConfig, RuntimeConfig, TypicalAcceptance
+from specdec.errors import ConfigError
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -427,13 +428,25 @@ def test_load_benchmark_reports_both_configurations(folder: Path, tmp_path: Path
         "".join(json.dumps({"id": str(i), "category": "c", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS))
     )
     report = run_load_benchmark(
-        LoadConfig(str(prompts), str(folder), clients=3, duration_s=3, max_tokens=16), say=lambda _: None
+        LoadConfig(str(prompts), str(folder), clients=(1, 3), duration_s=3, max_tokens=16), say=lambda _: None
     )
-    assert list(report["results"]) == ["speculation off", "speculation on (auto)"]
-    for figures in report["results"].values():
+    runs = [(r["server"], r["speculation"], r["clients"]) for r in report["runs"]]
+    assert runs == [("specdec", s, c) for s in ("off", "on (auto)") for c in (1, 3)]
+    for figures in report["runs"]:
         assert figures["errors"] == 0 and figures["requests"] > 0 and figures["tokens_per_s"] > 0
         assert figures["latency_s"]["p50"] <= figures["latency_s"]["p99"]
-    assert "speculation on" in markdown(report)
+        assert figures["peak_rss_bytes"] > 2**20
+        assert figures["identical_share"] == 1.0 and figures["answers_compared"] > 0  # greedy: batched = alone
+    assert "on (auto)" in markdown(report)
+
+
+def test_load_benchmark_refuses_a_missing_llama_server() -> None:
+    from specdec.bench.serve_load import LoadConfig
+
+    with pytest.raises(ConfigError, match="no llama-server at"):
+        LoadConfig(llama_server="/nowhere/llama-server")
+    with pytest.raises(ConfigError, match="pass --slots"):
+        LoadConfig(server_args=("--max-batch", "4"))
 
 
 def test_ray_missing_is_a_one_line_error(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -267,25 +267,57 @@ def bench_serve(
     prompts: Prompts = default(LoadConfig, "prompts"),  # clients take its prompts in turn
     target: Target = DEFAULT_TARGET,
     draft: Draft = default(LoadConfig, "draft"),
-    clients: Annotated[int, typer.Option(help="Concurrent streaming clients.")] = default(LoadConfig, "clients"),
-    duration: Annotated[float, typer.Option(help="Seconds of load per configuration.")] = default(
+    clients: Annotated[
+        str, typer.Option(help="Concurrent streaming clients; a comma-separated list loads each server at each count.")
+    ] = ",".join(map(str, default(LoadConfig, "clients"))),
+    duration: Annotated[float, typer.Option(help="Seconds of load per configuration and client count.")] = default(
         LoadConfig, "duration_s"
     ),
     max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = default(LoadConfig, "max_tokens"),
+    temperature: Annotated[
+        float, typer.Option(help="Temperature of every request (0: greedy, and answers are checked for identity).")
+    ] = default(LoadConfig, "temperature"),
+    slots: Annotated[
+        int | None,
+        typer.Option(
+            help="Sequences each server decodes together (specdec --max-batch, llama-server -np); "
+            "default: the most clients."
+        ),
+    ] = None,
     server_args: Annotated[
-        str, typer.Option(help="More `specdec serve` options for both servers, e.g. '--precision cpu --max-batch 8'.")
+        str, typer.Option(help="More `specdec serve` options for both servers, e.g. '--precision cpu'.")
     ] = "",
     keys: Annotated[
         bool, typer.Option(help="The servers require an API key (fresh per run) that the clients send, as deployed.")
     ] = default(LoadConfig, "keys"),
+    llama_server: Annotated[
+        str | None,
+        typer.Option(
+            help="Path of llama.cpp's llama-server: also load it on the target's GGUF file, without and with its "
+            "n-gram speculation."
+        ),
+    ] = None,
     out: Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")] = Path("bench-serve-out"),
     overwrite: Overwrite = False,
 ) -> None:
-    """Load-test `specdec serve` on loopback: N clients for a bounded time, speculation off and on in the same run."""
+    """Load-test `specdec serve` on loopback: clients for a bounded time, speculation off and on in the same run (and
+    llama.cpp's llama-server on the same GGUF file)."""
     from specdec.bench.serve_load import LoadConfig, markdown, run_load_benchmark
 
     fresh_output(out, overwrite)
-    config = LoadConfig(prompts, target, draft, clients, duration, max_tokens, tuple(server_args.split()), keys)
+    config = LoadConfig(
+        prompts,
+        target,
+        draft,
+        int_list("--clients", clients),
+        duration,
+        max_tokens,
+        temperature,
+        slots,
+        tuple(server_args.split()),
+        keys,
+        llama_server,
+    )
     report = run_load_benchmark(config, say=lambda line: err.print(line, style="dim"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2))
