@@ -467,24 +467,32 @@ def bench(results: list[Result]) -> list[Block]:
 
 
 def batch(results: list[Result]) -> list[Block]:
-    rows = latest(
-        ((r.machine, size, way), r, (m, ways["target-only"]["tokens_per_s"]))
-        for r in results
-        for size, ways in r.data["batches"].items()
-        for way, m in ways.items()
-    )
-    cells = [
-        [size, way, f"{m['tokens_per_s']:.1f}", f"{m['tokens_per_s'] / base:.2f}x", f"{m['mean_latency_s']:.2f}"]
-        + [f"{m['p95_latency_s']:.2f}", num(m["acceptance_rate"], "{:.0%}"), r.machine, r.date, r.link]
-        for (machine, size, way), (r, (m, base)) in rows.items()
-    ]
-    header = ["batch", "way", "tok/s", "vs batched target-only", "mean latency s", "p95 latency s", "acceptance"]
-    shown = {r.name: r for r, _ in rows.values()}.values()
-    setups = sorted(
-        {f"{runtime(r.data['machine'])[1]}, {r.data['config']['draft']}, k {r.data['config']['k']}" for r in shown}
-    )
-    title = f"Batched speculative decoding (`specdec bench-batch`: {'; '.join(setups)})"
-    return [block("transformers", title, header + ["machine", "date", "result"], cells, shown)]
+    """`specdec bench-batch` runs: the latest row per machine, batch size and way, one table per runtime."""
+    blocks = []
+    for section in SECTIONS:
+        rows = latest(
+            ((r.machine, size, way), r, (m, ways["target-only"]["tokens_per_s"]))
+            for r in results
+            if runtime(r.data["machine"])[0] == section
+            for size, ways in r.data["batches"].items()
+            for way, m in ways.items()
+        )
+        if not rows:
+            continue
+        cells = [
+            [size, way, f"{m['tokens_per_s']:.1f}", f"{m['tokens_per_s'] / base:.2f}x"]
+            + [" / ".join(num(m.get(f"{s}_latency_s")) for s in ("mean", "p50", "p95", "p99"))]
+            + [num(m["acceptance_rate"], "{:.0%}"), r.machine, r.date, r.link]
+            for (machine, size, way), (r, (m, base)) in rows.items()
+        ]
+        header = ["batch", "way", "tok/s", "vs batched target-only", "latency mean / p50 / p95 / p99 s", "acceptance"]
+        shown = {r.name: r for r, _ in rows.values()}.values()
+        setups = sorted(
+            {f"{runtime(r.data['machine'])[1]}, {r.data['config']['draft']}, k {r.data['config']['k']}" for r in shown}
+        )
+        title = f"Batched speculative decoding (`specdec bench-batch`: {'; '.join(setups)})"
+        blocks.append(block(section, title, header + ["machine", "date", "result"], cells, shown))
+    return blocks
 
 
 def serve(results: list[Result]) -> list[Block]:

@@ -132,6 +132,21 @@ def serve(
             envvar="SPECDEC_PRECISION", help="Precision plan: a preset or parts (see `specdec generate --help`)."
         ),
     ] = None,
+    suffix_scope: Annotated[
+        str,
+        typer.Option(
+            help="With --draft suffix: whose earlier answers a request drafts from: global (everyone's), key (those "
+            "sent with the same API key), request (none), or auto (key when API keys are set, else global). Sharing "
+            "changes speed only, never output, but speed can tell a user whether others asked alike."
+        ),
+    ] = default(ServeConfig, "suffix_scope"),
+    suffix_max_tokens: Annotated[
+        int, typer.Option(help="With --draft suffix: tokens of earlier answers kept (the oldest leave first).")
+    ] = default(ServeConfig, "suffix_max_tokens"),
+    suffix_cache: Annotated[
+        Path | None,
+        typer.Option(help="With --draft suffix: a file the history is loaded from at start and saved to at stop."),
+    ] = None,
     ray: Annotated[
         bool, typer.Option("--ray", help="Run replicas on Ray Serve behind one endpoint (needs the ray extra).")
     ] = False,
@@ -173,7 +188,9 @@ def serve(
 ) -> None:
     """Serve the target over an OpenAI-compatible HTTP API with speculative continuous batching."""
     from specdec import Generator
+    from specdec.models import open_target
     from specdec.serving.server import serve as run_server
+    from specdec.serving.suffix import server_drafter
 
     options = dict(target=target, draft=draft, k=k, k_policy=k_policy, branches=branches, window=window)
     options = with_profile(
@@ -211,6 +228,9 @@ def serve(
         header_timeout_s=header_timeout,
         body_timeout_s=body_timeout,
         keep_alive_s=keep_alive,
+        suffix_scope=suffix_scope,
+        suffix_max_tokens=suffix_max_tokens,
+        suffix_cache=None if suffix_cache is None else str(suffix_cache),
     )
     config = GenerationConfig(k=k, k_policy=k_policy, branches=branches)
     if backend == "llama.cpp":
@@ -219,6 +239,8 @@ def serve(
         )
     runtime = runtime_config(backend, dtype, None, None, precision, native_format)
     if ray:
+        if suffix_cache is not None:
+            raise ConfigError("--suffix-cache keeps one server's history: drop it with --ray (replicas keep their own)")
         from specdec.serving.config import RayConfig
         from specdec.serving.ray_serve import ReplicaSpec, require_ray, serve_on_ray
 
@@ -239,11 +261,18 @@ def serve(
         serve_on_ray(spec, ray_config, ready=lambda: err.print(f"serving on http://{host}:{port}/v1 (Ray Serve)"))
         return
     with status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
-        generator = Generator(target, draft, config, runtime, batch=BatchConfig(window=window))
+        opened = open_target(target, runtime)
+        drafter, history = server_drafter(draft, opened, serve_config)
+        generator = Generator(opened, drafter, config, runtime, batch=BatchConfig(window=window))
         generator.batch_decoder()  # measures this machine's batch costs now (cached), not on the first request
     shown = draft if draft == generator.draft_name else f"{draft} ({generator.draft_name})"
     err.print(f"serving '{generator.target.name}' with draft '{shown}' on http://{host}:{port}/v1")
-    run_server(generator, serve_config)
+    if history is not None:
+        err.print(
+            f"suffix history: {history.token_count} tokens"
+            + (f", kept in {serve_config.suffix_cache}" if serve_config.suffix_cache else "")
+        )
+    run_server(generator, serve_config, history)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

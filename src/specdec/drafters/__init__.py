@@ -17,6 +17,7 @@ from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter, NgramTable
 from specdec.drafters.none import NoDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.drafters.suffix import SuffixDrafter, SuffixStore
 from specdec.errors import ConfigError
 from specdec.models import Target, TransformersBackend, open_target
 from specdec.models.precision import convert_draft
@@ -27,7 +28,8 @@ AUTO_HEAD_MAX_VERIFY = 1.15
 DRAFT_SPECS = (
     "auto (the default: lookup-then-eagle where an eagle head ships for the target and verifying 3 tokens costs "
     "about one step, otherwise prompt-lookup), none, prompt-lookup, lookup-then-draft (prompt lookup, then the "
-    "distilled draft shipped for the target), eagle (the eagle head shipped for the target), lookup-then-eagle "
+    "distilled draft shipped for the target), suffix (what followed the context's longest match in this request and "
+    "in earlier requests' answers), eagle (the eagle head shipped for the target), lookup-then-eagle "
     "(prompt lookup, then the eagle head; with branches both, merged into one tree), ngram:FILE (a table from "
     "`specdec ngram build`), layerskip:L (the target's first L layers), "
     "model:MODEL (transformers; a model with another tokenizer is re-tokenized; a folder from `specdec distill`), "
@@ -60,6 +62,8 @@ def build_drafter(spec: str | Drafter, target: Target, runtime: RuntimeConfig = 
         return NoDrafter()
     if spec == "prompt-lookup":
         return PromptLookupDrafter()
+    if spec == "suffix":
+        return SuffixDrafter(SuffixStore())
     if kind == "ngram" and arg:
         return NgramDrafter(NgramTable.load(arg))
     if kind == "layerskip" and arg:
@@ -157,6 +161,8 @@ __all__ = [
     "NgramTable",
     "NoDrafter",
     "PromptLookupDrafter",
+    "SuffixDrafter",
+    "SuffixStore",
     "Proposal",
     "auto_draft",
     "build_drafter",

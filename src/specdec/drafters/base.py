@@ -27,6 +27,9 @@ class DraftSettings:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seeds: Seeds | None = None  # draw on device d with ``rng_on(seeds, d)`` (seeds.py); None: unseeded
     min_confidence: float = 0.0  # a drafter with probabilities stops before its first token below this
+    # whose history a drafter that learns across sequences (suffix) may read and feed: "" everyone's, None nobody's
+    # (the sequence drafts from itself only), another string the sequences of that same scope (one API key's)
+    scope: str | None = ""
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,10 @@ class Drafter(ABC):
 
         Called after every step that proposed, never after one that did not.
         """
+
+    def finish(self, tokens: torch.Tensor, prompt_length: int) -> None:  # noqa: B027 - an optional hook
+        """The sequence ended (done, cancelled or failed): ``tokens`` [T] are its prompt (the first ``prompt_length``)
+        and its output. A drafter that learns across sequences keeps what it may use for later ones."""
 
     @abstractmethod
     def fork(self) -> Drafter:

@@ -50,6 +50,10 @@ class FallbackDrafter(Drafter):
         self._proposed = [self.first]
         self._forget()
 
+    def finish(self, tokens: torch.Tensor, prompt_length: int) -> None:
+        self.first.finish(tokens, prompt_length)
+        self.second.finish(tokens, prompt_length)
+
     def _forget(self) -> None:
         self.first_rate = AcceptanceEstimate(prior=FIRST_NODE_SCORE)  # how often the first drafter's tokens come true
         # (context length, the first drafter's best run) awaiting the text

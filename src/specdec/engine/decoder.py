@@ -91,6 +91,7 @@ class Decoder:
             completion.seeds,
             completion.stats,
             completion.guards,
+            scope=completion.scope,
         )
         row.stats.lossy = completion.config.typical_acceptance is not None
         drafter.begin(row.draft_settings)
@@ -98,10 +99,12 @@ class Decoder:
         self.rows[completion] = row
 
     def leave(self, completion: Completion) -> None:
-        """Remove ``completion`` (finished, cancelled or failed) and free its cache; one not here is ignored."""
+        """Remove ``completion`` (finished, cancelled or failed), free its cache and tell its drafter; one not here is
+        ignored."""
         if completion in self.rows:
             self.backend.remove_rows([list(self.rows).index(completion)])
-            del self.rows[completion]
+            row = self.rows.pop(completion)
+            row.drafter.finish(row.tokens, len(completion.prompt_ids))
 
     def step(self) -> list[Update]:
         """Advance every row by one speculative step; hand each completion its tokens; retire the rows that ended.

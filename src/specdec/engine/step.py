@@ -72,6 +72,7 @@ class Row:
     guards: Guards | NoGuards = field(default_factory=NoGuards)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # what the batch's window reads
     started: float = field(default_factory=time.perf_counter)
+    scope: str | None = ""  # whose history its drafter may share (DraftSettings.scope)
 
     @property
     def length(self) -> int:
@@ -79,7 +80,7 @@ class Row:
 
     @property
     def draft_settings(self) -> DraftSettings:
-        return DraftSettings(self.config.sampling, self.seeds, self.policy.min_confidence)
+        return DraftSettings(self.config.sampling, self.seeds, self.policy.min_confidence, self.scope)
 
 
 @dataclass(kw_only=True)

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from specdec.drafters import SuffixStore
 from specdec.engine import GenerationResult, Generator
 from specdec.errors import ContextLengthError, SpecDecError
 from specdec.serving import protocol as api
@@ -38,9 +39,12 @@ log = logging.getLogger("specdec.serve")
 REPLICA = uuid.uuid4().hex[:12]
 
 
-def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> FastAPI:
+def create_app(
+    generator: Generator, config: ServeConfig = ServeConfig(), history: SuffixStore | None = None
+) -> FastAPI:
     """An app serving ``generator``'s target under its name; the engine thread (app.state.batcher) runs while the app's
-    lifespan does."""
+    lifespan does. ``history``: the suffix drafter's store, reported in /metrics and saved to ``config.suffix_cache``
+    when the app stops."""
     metrics = Metrics()
     batcher = Batcher(generator, config.max_batch, config.max_queue, metrics)
     model = generator.target.name
@@ -51,6 +55,12 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
         log.info("replica %s: pid %d on %s", REPLICA, os.getpid(), socket.gethostname())  # answers name only the id
         yield
         await asyncio.to_thread(batcher.stop, config.shutdown_timeout_s)
+        if history is not None and config.suffix_cache is not None:
+            try:
+                await asyncio.to_thread(history.save, config.suffix_cache, model)
+                log.info("saved %d tokens of suffix history to %s", history.token_count, config.suffix_cache)
+            except OSError as exc:
+                log.error("could not save the suffix history to %s: %s", config.suffix_cache, exc)
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.batcher = batcher
@@ -68,6 +78,9 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        if history is not None:
+            metrics.suffix_tokens.set(history.token_count)
+            metrics.suffix_bytes.set(history.nbytes)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     card = {"id": model, "object": "model", "created": 0, "owned_by": "specdec"}
@@ -84,7 +97,7 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
         _check_request(body)
-        job, prompt_tokens = await _submit(body, body.prompt, "prompt", body.max_tokens)
+        job, prompt_tokens = await _submit(body, body.prompt, "prompt", body.max_tokens, request)
         rid = api.new_id("cmpl")
         if body.stream:
             chunks = _Chunks(
@@ -100,7 +113,7 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         # Templating and tokenizing take seconds on a long prompt: off the event loop.
         ids = await _encode(generator.chat_ids, messages, "messages")
-        job, prompt_tokens = await _submit(body, ids, "messages", body.token_budget)
+        job, prompt_tokens = await _submit(body, ids, "messages", body.token_budget, request)
         rid = api.new_id("chatcmpl")
         if body.stream:
             chunks = _Chunks(
@@ -136,7 +149,7 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
             raise api.APIError(400, str(exc), param=field) from None
 
     async def _submit(
-        body: api.OpenAIRequest, prompt: str | list[int], field: str, budget: int | None
+        body: api.OpenAIRequest, prompt: str | list[int], field: str, budget: int | None, request: Request
     ) -> tuple[Job, int]:
         max_tokens = budget or config.default_max_tokens
         try:
@@ -153,6 +166,7 @@ def create_app(generator: Generator, config: ServeConfig = ServeConfig()) -> Fas
                 param=field,
                 code="context_length_exceeded",
             )
+        completion.scope = config.scope(bearer_key(request.headers.get("authorization", "")))
         job = Job(completion, asyncio.get_running_loop())
         try:
             batcher.submit(job)
@@ -308,14 +322,20 @@ class _Gate:
         return b"".join(chunks)
 
 
+def bearer_key(authorization: str) -> str | None:
+    """The key of an ``Authorization: Bearer KEY`` header; None for another scheme or none."""
+    scheme, _, given = authorization.partition(" ")
+    return given.strip() or None if scheme.lower() == "bearer" else None
+
+
 def key_refusal(keys: tuple[str, ...], open_metrics: bool, path: str, authorization: str) -> api.APIError | None:
     """OpenAI's 401 when ``path`` needs a key (keys set: /v1 routes, and /metrics and the docs unless open) and
     ``authorization`` has none that matches."""
     guarded = path.startswith("/v1/") or (path in DOCS and not open_metrics)
     if not keys or not guarded:
         return None
-    scheme, _, given = authorization.partition(" ")
-    if scheme.lower() == "bearer" and any(hmac.compare_digest(given.strip().encode(), key.encode()) for key in keys):
+    given = bearer_key(authorization)
+    if given and any(hmac.compare_digest(given.encode(), key.encode()) for key in keys):
         return None
     message = (
         "Incorrect API key provided."

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from specdec.errors import ConfigError
+
+SUFFIX_SCOPES = ("auto", "global", "key", "request")
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,11 @@ class ServeConfig:
     header_timeout_s: float = 10.0  # a connection must send a request's headers within this long (else it is cut off)
     body_timeout_s: float = 30.0  # ... and its body within this long after the headers (408 beyond)
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this long
+    # the suffix drafter's history of earlier answers: whose it shares (auto: per API key when keys are set, else
+    # everyone's; request: none), how many tokens it keeps, and the file that keeps it across restarts
+    suffix_scope: str = "auto"
+    suffix_max_tokens: int = 1_000_000
+    suffix_cache: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -36,9 +44,23 @@ class ServeConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.shutdown_timeout_s < 0:
             raise ConfigError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.suffix_scope not in SUFFIX_SCOPES:
+            raise ConfigError(f"unknown suffix scope '{self.suffix_scope}': use one of {', '.join(SUFFIX_SCOPES)}")
+        if self.suffix_max_tokens < 0:
+            raise ConfigError(f"suffix_max_tokens must be >= 0, got {self.suffix_max_tokens}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def scope(self, key: str | None) -> str | None:
+        """The suffix scope of a request sent with API key ``key`` (DraftSettings.scope): "" everyone's history, None
+        its own only, else a digest of the key (the key itself is never kept)."""
+        kind = self.suffix_scope if self.suffix_scope != "auto" else "key" if self.api_keys else "global"
+        if kind == "request":
+            return None
+        if kind == "global" or not key:
+            return ""
+        return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def host_name(host: str) -> str:

@@ -36,6 +36,12 @@ class Metrics:
         self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting for a batch slot", registry=r)
         self.active = Gauge("specdec_active_sequences", "Sequences in the running batch", registry=r)
         self.kv_bytes = Gauge("specdec_kv_cache_bytes", "Bytes the running batch's KV caches hold", registry=r)
+        self.suffix_tokens = Gauge(
+            "specdec_suffix_history_tokens", "Tokens of earlier answers the suffix drafter keeps", registry=r
+        )
+        self.suffix_bytes = Gauge(
+            "specdec_suffix_history_bytes", "Bytes the suffix drafter's history and its index hold", registry=r
+        )
         self.cancelled = Counter(
             "specdec_cancelled_requests", "Requests dropped because the client went away", registry=r
         )

@@ -80,11 +80,15 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
 
         def __init__(self) -> None:
             from specdec.engine import Generator
+            from specdec.models import open_target
             from specdec.serving.app import REPLICA, create_app  # imported here: the replica's own host and pid
+            from specdec.serving.suffix import server_drafter
 
-            generator = Generator(spec.target, spec.draft, spec.generation, spec.runtime, batch=spec.batch)
+            target = open_target(spec.target, spec.runtime)
+            drafter, history = server_drafter(spec.draft, target, spec.serve)  # a suffix history per replica
+            generator = Generator(target, drafter, spec.generation, spec.runtime, batch=spec.batch)
             generator.batch_decoder()  # measure (or read the cached) batch costs before the first request
-            self.name, self.server = REPLICA, create_app(generator, spec.serve)
+            self.name, self.server = REPLICA, create_app(generator, spec.serve, history)
             # The engine thread: the app's lifespan would start it under a server.
             self.batcher = self.server.state.batcher
             self.batcher.start()
@@ -230,7 +234,8 @@ def app_builder(args: dict):
     """Entry point for a Serve config file (``import_path: specdec.serving.ray_serve:app_builder``).
 
     ``args``: target, draft, k, k_policy, dtype, precision, window, ServeConfig's request limits and keys (max_batch,
-    max_queue, default_max_tokens, shutdown_timeout_s, api_keys, open_metrics, max_request_bytes, allowed_hosts) and
+    max_queue, default_max_tokens, shutdown_timeout_s, api_keys, open_metrics, max_request_bytes, allowed_hosts,
+    suffix_scope, suffix_max_tokens) and
     RayConfig's fields but the address: the settings `specdec serve --ray` takes, by their typed names.
     """
     known = {
@@ -247,6 +252,8 @@ def app_builder(args: dict):
             "open_metrics",
             "max_request_bytes",
             "allowed_hosts",
+            "suffix_scope",
+            "suffix_max_tokens",
         ),
         "ray": tuple(f.name for f in fields(RayConfig) if f.name != "address"),
     }

@@ -21,6 +21,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from specdec.drafters import SuffixStore
 from specdec.engine import Generator
 from specdec.serving.config import ServeConfig
 
@@ -30,12 +31,13 @@ from specdec.serving.config import ServeConfig
 SHUTDOWN_MARGIN_S = 15.0
 
 
-def serve(generator: Generator, config: ServeConfig = ServeConfig()) -> None:
-    """Run the server until SIGTERM or SIGINT, then shut down gracefully (see the module's docstring)."""
+def serve(generator: Generator, config: ServeConfig = ServeConfig(), history: SuffixStore | None = None) -> None:
+    """Run the server until SIGTERM or SIGINT, then shut down gracefully (see the module's docstring); ``history``:
+    the suffix drafter's store (create_app)."""
     from specdec.serving.app import create_app
 
     _log_to_stderr()
-    app = create_app(generator, config)
+    app = create_app(generator, config, history)
     server = _Server(
         uvicorn.Config(
             app,

@@ -1,0 +1,367 @@
+"""Suffix drafting: continue the context with what followed its longest match, in this request and in earlier ones.
+
+Prompt lookup copies from the current request only. In agent loops, tool calls and
+structured extraction, the answer is mostly in *earlier answers*: the same function
+skeletons, JSON keys, SQL clauses. A :class:`SuffixStore` keeps the outputs of
+finished sequences (bounded: the oldest leave first) and an index of their n-grams;
+a :class:`SuffixDrafter` looks up the context's last tokens there and in its own
+request, and proposes the continuations that followed most often, as a tree scored
+by their frequency (or their most frequent path as a chain). The longer the match,
+the deeper it drafts.
+
+The store's index is a few sorted uint64 arrays (hashes of every window of each
+order in ``ORDERS``, with positions), so a lookup costs a binary search per array
+however many tokens are cached, and memory is about 8 + 16 * len(ORDERS) bytes per
+token. Hash collisions only make a draft worse, never the output: the target verifies
+every token, and siblings are distinct tokens, so sampled verification stays exact.
+
+Sharing changes only speed, never content; but speed can tell one user whether
+others asked alike, so each sequence names a ``scope`` (DraftSettings): it reads and
+feeds only the history of its own scope ("" everyone, None no one).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import zipfile
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal, TokenTrie
+from specdec.drafters.ngram import context_hash, context_hashes
+from specdec.errors import ConfigError
+
+ORDERS = (1, 2, 3, 4, 6, 8, 12, 16)  # n-gram lengths indexed; the longest that matches decides
+CANDIDATES = 32  # most recent matches read per source (the request, the store)
+DEPTH_PER_MATCH = 2.0  # a match of n tokens drafts at most this many times n tokens (and k)
+MIN_SCORE = 0.1  # a node followed by fewer than this share of the matches is not drafted
+MAX_SEGMENTS = 8  # index segments before the smallest are merged
+FORMAT, VERSION = "specdec-suffix", 1
+DEFAULT_MAX_TOKENS = 1_000_000
+LEAD_IN = ORDERS[-1]  # prompt tokens kept before each output
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Sorted window hashes over some sequences, with the position of each window's last token."""
+
+    keys: np.ndarray  # uint64, sorted
+    positions: np.ndarray  # int64, ascending within equal keys
+
+    @staticmethod
+    def build(tokens: np.ndarray, start: int) -> _Segment:
+        """The index of one sequence whose first token sits at global position ``start``."""
+        keys, positions = [], []
+        for order in ORDERS:
+            if len(tokens) > order:  # a window needs a token after it to be worth finding
+                keys.append(context_hashes(tokens[:-1], order))
+                positions.append(np.arange(start + order - 1, start + len(tokens) - 1, dtype=np.int64))
+        if not keys:
+            return _Segment(np.zeros(0, np.uint64), np.zeros(0, np.int64))
+        return _Segment.sorted(np.concatenate(keys), np.concatenate(positions))
+
+    @staticmethod
+    def sorted(keys: np.ndarray, positions: np.ndarray) -> _Segment:
+        order = np.lexsort((positions, keys))
+        return _Segment(keys[order], positions[order])
+
+    @staticmethod
+    def merge(segments: Sequence[_Segment]) -> _Segment:
+        """One segment of ``segments``, oldest first: a stable sort of sorted runs is a linear merge."""
+        keys = np.concatenate([s.keys for s in segments])
+        order = np.argsort(keys, kind="stable")
+        return _Segment(keys[order], np.concatenate([s.positions for s in segments])[order])
+
+    def find(self, queries: np.ndarray, limit: int) -> list[np.ndarray]:
+        """For each query hash, the positions of its last ``limit`` windows (the most recent), oldest first."""
+        bounds = self.keys.searchsorted(np.concatenate([queries, queries + np.uint64(1)]))
+        lows, highs = bounds[: len(queries)], bounds[len(queries) :]
+        return [self.positions[max(low, high - limit) : high] for low, high in zip(lows, highs, strict=True)]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.positions.nbytes
+
+
+class SuffixStore:
+    """The outputs of finished sequences, per scope, at most ``max_tokens`` of them (the oldest leave first), with an
+    index of their n-grams. Safe to share between threads."""
+
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+        if max_tokens < 0:
+            raise ConfigError(f"the suffix store's size must be 0 or more tokens, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._lock = threading.Lock()
+        self._tokens = np.zeros(0, np.int32)  # every kept sequence, each followed by -1
+        self._owners = np.zeros(0, np.int32)  # the scope number of each token
+        self._base = 0  # the global position of _tokens[0]
+        self._sequences: deque[tuple[int, int]] = deque()  # (global start, global end) of each kept sequence
+        self._segments: list[_Segment] = []
+        self._scopes: dict[str, int] = {}
+        self._count = 0  # tokens kept
+
+    @property
+    def token_count(self) -> int:
+        return self._count
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held: the tokens, their scopes and the index."""
+        with self._lock:
+            return self._tokens.nbytes + self._owners.nbytes + sum(s.nbytes for s in self._segments)
+
+    def add(self, tokens: Sequence[int] | np.ndarray, scope: str = "") -> None:
+        """Keep ``tokens`` (one finished sequence's output) for later sequences of ``scope``."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if len(tokens) < 2 or len(tokens) > self.max_tokens:
+            return  # nothing to copy from, or more than the whole store
+        with self._lock:
+            owner = self._scopes.setdefault(scope, len(self._scopes))
+            start = self._base + len(self._tokens)
+            self._tokens = np.concatenate([self._tokens, tokens, np.int32([-1])])
+            self._owners = np.concatenate([self._owners, np.full(len(tokens) + 1, owner, np.int32)])
+            self._sequences.append((start, start + len(tokens)))
+            self._count += len(tokens)
+            self._segments.append(_Segment.build(tokens, start))
+            self._evict()
+            self._compact_index()
+
+    def _evict(self) -> None:
+        while self._count > self.max_tokens:
+            start, end = self._sequences.popleft()
+            self._count -= end - start
+        floor = self._sequences[0][0] if self._sequences else self._base + len(self._tokens)
+        # drop the index of evicted sequences: whole segments, or the evicted part of a merged one
+        kept = []
+        for segment in self._segments:
+            if len(segment) and segment.positions.max() < floor:
+                continue
+            if len(segment) and segment.positions.min() < floor:
+                live = segment.positions >= floor
+                segment = _Segment(segment.keys[live], segment.positions[live])
+            kept.append(segment)
+        self._segments = kept
+        dead = floor - self._base
+        if dead > len(self._tokens) // 2:
+            self._tokens, self._owners, self._base = self._tokens[dead:], self._owners[dead:], floor
+
+    def _compact_index(self) -> None:
+        """Merge the newest segments while they are as large as the one before (sizes stay geometric), and the
+        smallest two while there are too many."""
+        while len(self._segments) > 1 and len(self._segments[-1]) * 2 >= len(self._segments[-2]):
+            self._segments[-2:] = [_Segment.merge(self._segments[-2:])]
+        while len(self._segments) > MAX_SEGMENTS:
+            self._segments[-2:] = [_Segment.merge(self._segments[-2:])]
+
+    def matches(self, tail: Sequence[int], scope: str, limit: int = CANDIDATES) -> tuple[int, list[list[int]]]:
+        """(n, continuations): for the longest n in ORDERS whose last n tokens of ``tail`` occurred in ``scope``'s
+        history, what followed the ``limit`` most recent occurrences (each at most the tokens to its sequence's end,
+        at most 64); (0, []) when nothing matches."""
+        with self._lock:
+            owner = self._scopes.get(scope)
+            if owner is None or not self._segments:
+                return 0, []
+            orders = [n for n in ORDERS if n <= len(tail)]
+            queries = _queries(tail, orders)
+            found = [segment.find(queries, 4 * limit) for segment in self._segments]
+            floor = self._sequences[0][0] if self._sequences else 0
+            for i in reversed(range(len(orders))):
+                positions = np.concatenate([f[i] for f in found])
+                positions = positions[positions >= floor]
+                positions = positions[self._owners[positions - self._base] == owner]
+                if len(positions):
+                    return orders[i], self._continuations(np.sort(positions)[-limit:][::-1])
+            return 0, []
+
+    def _continuations(self, positions: np.ndarray, length: int = 64) -> list[list[int]]:
+        offsets = positions[:, None] - self._base + 1 + np.arange(length)
+        windows = self._tokens[np.minimum(offsets, len(self._tokens) - 1)]
+        windows = np.where(offsets < len(self._tokens), windows, -1)
+        runs = []
+        for window in windows.tolist():
+            end = window.index(-1) if -1 in window else length
+            runs.append(window[:end])
+        return runs
+
+    def save(self, path: str | Path, model: str) -> None:
+        """Write the kept sequences (not the index: it is rebuilt on load) for ``model``'s tokenizer."""
+        with self._lock:
+            spans = np.array(self._sequences, dtype=np.int64).reshape(-1, 2)
+            tokens = [self._tokens[s - self._base : e - self._base] for s, e in spans]
+            owners = np.array([self._owners[s - self._base] for s, _ in spans], dtype=np.int32)
+            scopes = sorted(self._scopes, key=self._scopes.__getitem__)
+        flat = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
+        lengths = np.array([len(t) for t in tokens], dtype=np.int64)
+        meta = {"format": FORMAT, "version": VERSION, "model": model, "scopes": scopes}
+        meta["checksum"] = zlib.crc32(flat.tobytes() + lengths.tobytes() + owners.tobytes())
+        path = Path(path)
+        temporary = path.with_name(path.name + ".tmp")
+        with open(temporary, "wb") as out:  # a stopped write leaves the old file whole
+            np.savez(out, meta=np.array(json.dumps(meta)), tokens=flat, lengths=lengths, owners=owners)
+        temporary.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path, model: str, vocab_size: int, max_tokens: int = DEFAULT_MAX_TOKENS) -> SuffixStore:
+        """A store with the sequences saved in ``path``; ConfigError (one line) for a file that is not a suffix cache
+        of ``model``, is damaged, or holds tokens outside the vocabulary."""
+        fix = f"delete it or pass another --suffix-cache (it is rewritten when the server stops): {path}"
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                meta = json.loads(str(data["meta"]))
+                flat, lengths, owners = data["tokens"], data["lengths"], data["owners"]
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+            raise ConfigError(f"not a specdec suffix cache ({type(exc).__name__}): {fix}") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ConfigError(f"not a specdec suffix cache: {fix}")
+        if meta.get("version") != VERSION:
+            raise ConfigError(
+                f"a suffix cache of format version {meta.get('version')}, this specdec reads {VERSION}: {fix}"
+            )
+        if meta.get("model") != model:
+            raise ConfigError(f"a suffix cache of another model ({meta.get('model')}, not {model}): {fix}")
+        shapes_ok = (
+            flat.dtype == np.int32
+            and lengths.dtype == np.int64
+            and owners.dtype == np.int32
+            and lengths.ndim == owners.ndim == flat.ndim == 1
+            and len(lengths) == len(owners)
+            and int(lengths.sum()) == len(flat)
+            and (lengths >= 0).all()
+        )
+        checksum = zlib.crc32(flat.tobytes() + lengths.tobytes() + owners.tobytes()) if shapes_ok else None
+        scopes = meta.get("scopes")
+        if not shapes_ok or checksum != meta.get("checksum") or not isinstance(scopes, list):
+            raise ConfigError(f"a damaged suffix cache: {fix}")
+        if len(flat) and (flat.min() < 0 or flat.max() >= vocab_size) or len(owners) and owners.max() >= len(scopes):
+            raise ConfigError(f"a suffix cache with tokens or scopes out of range: {fix}")
+        store = cls(max_tokens)
+        for tokens, owner in zip(np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else [], owners, strict=True):
+            store.add(tokens, scopes[owner])
+        return store
+
+
+def _queries(tail: Sequence[int], orders: Sequence[int]) -> np.ndarray:
+    """The hashes of the last n tokens of ``tail`` for each n in ``orders``."""
+    return np.array([context_hash(list(tail[len(tail) - n :])) for n in orders], dtype=np.uint64)
+
+
+class _RequestIndex:
+    """The current sequence's own windows: its prompt's in a segment, then those of its output as it grows."""
+
+    def __init__(self) -> None:
+        self.prompt: _Segment | None = None
+        self.positions: dict[int, list[int]] = {}  # windows ending in the output (and the prompt's last token)
+        self.indexed = 0  # windows ending before this position are in
+
+    def update(self, context: list[int]) -> None:
+        """Index every window of ``context`` that a token follows."""
+        if self.prompt is None:
+            self.prompt = _Segment.build(np.asarray(context, dtype=np.int64), 0)
+            self.indexed = len(context) - 1
+        for end in range(self.indexed, len(context) - 1):
+            for n in ORDERS:
+                if n > end + 1:
+                    break
+                self.positions.setdefault(context_hash(context[end - n + 1 : end + 1]), []).append(end)
+        self.indexed = max(self.indexed, len(context) - 1)
+
+    def matches(self, context: list[int], limit: int = CANDIDATES) -> tuple[int, list[list[int]]]:
+        """Like :meth:`SuffixStore.matches`, within ``context`` itself."""
+        orders = [n for n in ORDERS if n < len(context)]
+        queries = _queries(context, orders)
+        in_prompt = self.prompt.find(queries, limit) if self.prompt is not None else [[] for _ in orders]
+        for i in reversed(range(len(orders))):
+            ends = list(in_prompt[i]) + self.positions.get(int(queries[i]), [])
+            if ends:
+                return orders[i], [context[end + 1 : end + 65] for end in reversed(ends[-limit:])]
+        return 0, []
+
+
+class SuffixDrafter(Drafter):
+    """Drafts what followed the context's longest match in this sequence and in the ``store``'s history of its scope.
+
+    Forks share the store; each sequence adds its output to it when it ends (``finish``).
+    """
+
+    capabilities = DrafterCapabilities(trees=True, scores=True)
+    vocab_size = None
+    backend = None  # no model drafts
+
+    def __init__(self, store: SuffixStore | None = None) -> None:
+        self.store = store if store is not None else SuffixStore()
+        self.scope: str | None = ""
+        self._own = _RequestIndex()
+
+    def begin(self, settings: DraftSettings) -> None:
+        self.scope = settings.scope
+        self._own = _RequestIndex()
+
+    def fork(self) -> SuffixDrafter:
+        return SuffixDrafter(self.store)
+
+    def finish(self, tokens: torch.Tensor, prompt_length: int) -> None:
+        """Keep the output, led in by the prompt's last tokens (so the step from a prompt to its answer matches)."""
+        if self.scope is not None:
+            self.store.add(tokens[max(0, prompt_length - LEAD_IN) :].numpy(), self.scope)
+
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
+        """Up to ``k`` nodes: the continuations of the longest match (this sequence's and the store's, the longer
+        match wins, both when equal), merged into a tree where each node scores the share of matches it continues;
+        with one branch, the most frequent path."""
+        tokens = context.tolist()
+        self._own.update(tokens)
+        n_own, own = self._own.matches(tokens)
+        n_store, stored = (0, []) if self.scope is None else self.store.matches(tokens[-ORDERS[-1] :], self.scope)
+        n = max(n_own, n_store)
+        runs = (own if n_own == n else []) + (stored if n_store == n else [])
+        if not runs:
+            return Proposal(context[:0], steps=0)
+        depth = min(k, max(1, round(DEPTH_PER_MATCH * n)))
+        return _scored_tree(runs, depth, k, branches)
+
+
+def _scored_tree(runs: list[list[int]], depth: int, budget: int, branches: int) -> Proposal:
+    """The runs' first ``depth`` tokens as a trie where a node's score is the share of runs through it; nodes below
+    MIN_SCORE, beyond ``branches`` children of one node or beyond ``budget`` nodes are left out; best first."""
+    trie, counts = TokenTrie(), []
+    for run in runs:
+        parent = -1
+        for token in run[:depth]:
+            node = trie.find(parent, token)
+            if node is None:
+                node = trie.add(parent, token)
+                counts.append(0)
+            counts[node] += 1
+            parent = node
+    total = len(runs)
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(trie.parents):
+        children.setdefault(parent, []).append(node)
+    kept: list[int] = []  # best first: a parent scores at least its children and comes before them
+    frontier = sorted(children.get(-1, []), key=lambda c: -counts[c])[:branches]
+    while frontier and len(kept) < budget:
+        best = max(frontier, key=lambda c: (counts[c], -c))
+        frontier.remove(best)
+        if counts[best] < MIN_SCORE * total:
+            break  # the frontier's best: every other node scores less
+        kept.append(best)
+        frontier += sorted(children.get(best, []), key=lambda c: -counts[c])[:branches]
+    number = {node: i for i, node in enumerate(kept)}
+    return Proposal(
+        torch.tensor([trie.tokens[node] for node in kept], dtype=torch.long),
+        parents=None if branches == 1 else torch.tensor([number.get(trie.parents[node], -1) for node in kept]),
+        scores=torch.tensor([counts[node] / total for node in kept]),
+        steps=0,
+    )

@@ -1,0 +1,195 @@
+"""The suffix drafter: a store of earlier outputs shared by a Generator's sequences (and a server's), exact drafts.
+
+The store: matches, scopes, eviction, persistence (round trip; a damaged or foreign file refused in one line) and
+threads. The drafter: scored trees and chains from this request and earlier ones. Through the engine: greedy output
+identical to target-only's, alone and batched, and sampled output in the target's law with a negative control.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import loaded, tiny_llama
+from test_trees import MIN_PVALUE, PROMPT, SAMPLINGS, VOCAB, _sample
+
+import specdec.drafters.suffix as suffix
+import specdec.verification.tree as tree_verifier
+from specdec import GenerationConfig, Generator
+from specdec.bench.lossless import TargetLaw, sequential_pvalue
+from specdec.drafters import build_drafter
+from specdec.drafters.base import DraftSettings
+from specdec.drafters.suffix import SuffixDrafter, SuffixStore
+from specdec.errors import ConfigError
+
+
+def drafter(store: SuffixStore, scope: str | None = "") -> SuffixDrafter:
+    d = SuffixDrafter(store)
+    d.begin(DraftSettings(scope=scope))
+    return d
+
+
+def test_a_store_finds_the_longest_match_and_what_followed_it_most_recently_first() -> None:
+    store = SuffixStore()
+    store.add([1, 2, 3, 4, 5])
+    store.add([9, 3, 4, 7, 8])
+    store.add([3, 4, 6])
+    n, runs = store.matches([0, 3, 4], "")
+    assert n == 2 and runs == [[6], [7, 8], [5]]  # "3 4" matched three times, the latest first
+    assert store.matches([2, 3, 4], "") == (3, [[5]])  # a longer match wins
+    assert store.matches([42], "") == (0, [])
+    assert store.token_count == 13
+
+
+def test_a_drafter_scores_its_tree_by_how_often_each_path_followed() -> None:
+    store = SuffixStore()
+    for tail in ([12, 13, 14], [12, 13, 15], [12, 20, 21], [12, 13, 14]):
+        store.add([10, 11, *tail])
+    tree = drafter(store).propose(torch.tensor([40, 10, 11]), k=6, branches=2)
+    assert tree.tokens.tolist() == [12, 13, 14, 20, 21, 15]  # ties: the most recent match first
+    assert tree.parents.tolist() == [-1, 0, 1, 0, 3, 1]  # parents first; siblings are distinct tokens
+    assert tree.scores.tolist() == [1.0, 0.75, 0.5, 0.25, 0.25, 0.25]  # best first
+    chain = drafter(store).propose(torch.tensor([40, 10, 11]), k=6)
+    assert chain.parents is None and chain.tokens.tolist() == [12, 13, 14]  # the most frequent path
+    # the depth follows the match: one matched token drafts at most DEPTH_PER_MATCH
+    short = drafter(store).propose(torch.tensor([40, 11]), k=6)
+    assert len(short) == round(suffix.DEPTH_PER_MATCH * 1)
+
+
+def test_a_drafter_copies_from_its_own_request_and_the_longer_match_wins() -> None:
+    store = SuffixStore()
+    store.add([7, 8, 1, 2])
+    own = drafter(store)
+    proposal = own.propose(torch.tensor([7, 8, 9, 5, 5, 7, 8]), k=6, branches=2)
+    # "7 8" matches in its own text and in the store: both, its own first and whole (ties go to the first listed)
+    assert proposal.tokens.tolist() == [9, 5, 5, 7, 1, 2] and proposal.parents.tolist() == [-1, 0, 1, 2, -1, 4]
+    proposal = own.propose(torch.tensor([7, 8, 9, 5, 5, 7, 8, 9]), k=4)  # its own "7 8 9": longer than the store's
+    assert proposal.tokens.tolist() == [5, 5, 7, 8]
+
+
+def test_scopes_keep_histories_apart_and_none_keeps_nothing() -> None:
+    store = SuffixStore()
+    alice = drafter(store, "alice")
+    alice.finish(torch.tensor([0] * 20 + [5, 6, 7, 8]), prompt_length=20)  # the output, and the prompt's last tokens
+    assert store.token_count == 4 + suffix.LEAD_IN
+    assert drafter(store, "alice").propose(torch.tensor([1, 5, 6]), k=2).tokens.tolist() == [7, 8]
+    assert len(drafter(store, "bob").propose(torch.tensor([1, 5, 6]), k=2)) == 0
+    assert len(drafter(store, "").propose(torch.tensor([1, 5, 6]), k=2)) == 0
+    private = drafter(store, None)
+    assert len(private.propose(torch.tensor([1, 5, 6]), k=2)) == 0
+    private.finish(torch.tensor([5, 6, 9, 9]), prompt_length=0)
+    assert store.token_count == 4 + suffix.LEAD_IN
+
+
+def test_the_oldest_sequences_leave_first_and_memory_follows() -> None:
+    store = SuffixStore(max_tokens=10)
+    store.add([1, 2, 3, 4])
+    store.add([5, 6, 7, 8])
+    full = store.nbytes
+    store.add([9, 10, 11, 12])  # 12 tokens: the first sequence leaves
+    assert store.token_count == 8
+    assert store.matches([1, 2], "") == (0, [])
+    assert store.matches([5, 6], "")[1] == [[7, 8]] and store.matches([10], "")[1] == [[11, 12]]
+    for i in range(50):  # many evictions: the index and the tokens are compacted
+        store.add([100 + i, 200 + i, 300 + i])
+    assert store.token_count <= 10 and store.nbytes <= 2 * full
+    assert store.matches([149], "")[1] == [[249, 349]]
+
+
+def test_a_saved_store_loads_back_and_a_bad_file_is_refused_in_one_line(tmp_path: Path) -> None:
+    store = SuffixStore()
+    store.add([1, 2, 3, 4], "alice")
+    store.add([5, 6, 7], "")
+    path = tmp_path / "suffix.npz"
+    store.save(path, model="tiny")
+    loaded_store = SuffixStore.load(path, model="tiny", vocab_size=10)
+    assert loaded_store.token_count == 7
+    assert loaded_store.matches([2], "alice")[1] == [[3, 4]] and loaded_store.matches([2], "")[1] == []
+    assert loaded_store.matches([5], "")[1] == [[6, 7]]
+
+    refusals = {
+        "another model": lambda: SuffixStore.load(path, model="other", vocab_size=10),
+        "out of range": lambda: SuffixStore.load(path, model="tiny", vocab_size=5),
+    }
+    for match, load in refusals.items():
+        with pytest.raises(ConfigError, match=match) as error:
+            load()
+        assert "\n" not in str(error.value)
+    data = bytearray(path.read_bytes())
+    for name, damage in {"garbage": b"not a cache at all", "truncated": bytes(data[: len(data) // 2])}.items():
+        bad = tmp_path / f"{name}.npz"
+        bad.write_bytes(damage)
+        with pytest.raises(ConfigError, match="not a specdec suffix cache"):
+            SuffixStore.load(bad, model="tiny", vocab_size=10)
+    with np.load(path) as npz:
+        parts = dict(npz)
+    parts["tokens"] = parts["tokens"][::-1].copy()  # the checksum no longer holds
+    tampered = tmp_path / "tampered.npz"
+    np.savez(tampered, **parts)
+    with pytest.raises(ConfigError, match="damaged"):
+        SuffixStore.load(tampered, model="tiny", vocab_size=10)
+
+
+def test_the_store_is_safe_under_threads() -> None:
+    store = SuffixStore(max_tokens=5_000)
+    errors: list[BaseException] = []
+
+    def feed(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(200):
+                store.add(rng.integers(0, 20, 40), scope=str(seed % 2))
+                n, runs = store.matches(rng.integers(0, 20, 8).tolist(), str(seed % 2))
+                assert all(-1 not in run for run in runs)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=feed, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and store.token_count <= 5_000
+
+
+def test_greedy_suffix_drafts_give_the_target_only_tokens_alone_and_batched() -> None:
+    """Requests that repeat earlier answers: every output is target-only's, and later requests accept drafts from the
+    earlier ones (shared by the Generator's sequences, one at a time and in a batch)."""
+    model = tiny_llama(4, vocab=32)
+    reference = Generator(loaded(model), "none")
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [1, 2, 3, 4], [9, 8], [5, 6, 7]]
+    expected = [reference.generate(p, max_new_tokens=24, stop_on_eos=False).token_ids for p in prompts]
+    gen = Generator(loaded(model), "suffix")
+    config = GenerationConfig(k=6, k_policy="fixed", branches=2, max_new_tokens=24, stop_on_eos=False)
+    alone = [gen.generate(p, config) for p in prompts]
+    assert [r.token_ids for r in alone] == expected
+    assert alone[2].stats.draft_tokens_accepted >= 18  # the first answer, drafted from the store
+    batched = gen.generate_batch(prompts, [config] * len(prompts))
+    assert [r.token_ids for r in batched] == expected
+    assert all(r.stats.draft_tokens_accepted >= 18 for r in batched)
+    assert build_drafter("suffix", gen.target).store is not gen.drafter.store  # one store per Generator
+
+
+@pytest.mark.parametrize("broken", [False, pytest.param(True, id="negative control")])
+def test_sampled_suffix_trees_keep_the_target_law(monkeypatch: pytest.MonkeyPatch, broken: bool) -> None:
+    """Earlier samples' outputs become later rows' trees of deterministic siblings: the target's law; judging the next
+    sibling against p instead of the residual must fail."""
+    trees = []
+    original = suffix._scored_tree
+
+    def counting(*args):
+        proposal = original(*args)
+        trees.append(proposal.is_tree)
+        return proposal
+
+    monkeypatch.setattr(suffix, "_scored_tree", counting)
+    if broken:
+        monkeypatch.setattr(tree_verifier, "residual_distribution", lambda p, q: p)
+    target = tiny_llama(3, vocab=VOCAB, scale=0.15)
+    samples = _sample(Generator(loaded(target), "suffix"), SAMPLINGS["plain"], 2000, batched=True)
+    assert sum(trees) > 1000
+    pvalue, dof = sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["plain"]))
+    assert pvalue < MIN_PVALUE if broken else (pvalue > MIN_PVALUE and dof > 50)
