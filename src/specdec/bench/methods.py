@@ -48,6 +48,7 @@ class Method(Protocol):
     family: str  # "specdec", "transformers" or "llama.cpp"
     k: int | None
     k_policy: str | None
+    learns: bool  # its drafts improve with the requests it has run (a suffix history): measured in one pass
 
     def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
         """Generate from ``prompt_ids``; ``reference`` is the target's own greedy output (for the oracle)."""
@@ -118,6 +119,7 @@ class SpecdecMethod:
         accuracy = oracle_accuracy(spec)
         self.oracle = OracleDrafter(accuracy, config.seed or 0) if accuracy is not None else None
         self.generator = Generator(target, self.oracle or drafter_spec, config, runtime)
+        self.learns = self.generator.drafter.capabilities.learns
 
     def run(self, prompt_ids: list[int], reference: list[int] | None) -> RunRecord:
         if self.oracle is not None:
@@ -150,6 +152,7 @@ class TransformersMethod:
         self.config = config
         self.kwargs: dict[str, object] = {}
         self.k = None
+        self.learns = False
         if spec == "hf-greedy":
             self.name = spec
         elif spec == "hf-prompt-lookup":
@@ -223,6 +226,7 @@ class LlamaCppMethod:
 
         self.config = config
         self.k = config.k if spec == "llamacpp-prompt-lookup" else None
+        self.learns = False
         self.name = spec if self.k is None else f"{spec}@k{self.k}"
         draft = LlamaPromptLookupDecoding(num_pred_tokens=config.k) if self.k else None
         threads = runtime.threads or os.cpu_count() or 1

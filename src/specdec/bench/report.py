@@ -111,6 +111,22 @@ def markdown(results: dict) -> str:
                 f"| {fmt(r['draft_ms_p50'], '{:.3f}')} / {fmt(r['draft_ms_p99'], '{:.3f}')} |"
             )
         lines.append("")
+    positions = results.get("positions", {})
+    groups = [point["positions"] for point in next(iter(positions.values()), [])]
+    if len(groups) > 1:
+        lines += [
+            "## Along the run (prompts by position in their category, in run order)",
+            "",
+            "Speed-up over target-only (tokens per step) on the prompts at these positions: a drafter that learns "
+            "from earlier answers gets faster along the run.",
+            "",
+            "| method | " + " | ".join(groups) + " |",
+            "|---|" + "---|" * len(groups),
+        ]
+        for name, points in positions.items():
+            cells = [f"{p['speedup_vs_none']:.2f}x ({fmt(p['tokens_per_step'], '{:.2f}')})" for p in points]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
     curve = results["target_forward_cost_ms"]
     lines += [
         "## Target forward cost on this machine (n tokens after 64 cached)",

@@ -91,6 +91,9 @@ class MethodRuns:
     records: dict[int, list[tuple[BenchPrompt, RunRecord]]] = field(default_factory=dict)  # repeat -> runs
 
 
+WARM_UP = "A few words to warm up every method before the measured prompts:"
+
+
 def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _: None) -> dict:
     """Run the benchmark; ``advance`` is called once per generation (for a progress bar)."""
     skipped = {spec: check_method(spec, config.target) for spec in config.methods}
@@ -120,11 +123,18 @@ def run_benchmark(config: BenchConfig, advance: Callable[[str], None] = lambda _
         method = build_method(spec, target, hf_model, gen_config, runtime)
         runs.append(MethodRuns(method, max(0, current_bytes() - before)))
 
+    learning = [e.method.name for e in runs if e.method.learns]
+    if learning and config.repeats > 1:
+        raise ConfigError(
+            f"{', '.join(learning)} drafts from the answers it has given, so a repeat would copy the first pass: "
+            "run it with --repeats 1"
+        )
     cost_curve = forward_cost_curve(target.backend)  # measured before any method runs, on a quiet process
     baseline = runs[0].method
     references = {p.id: baseline.run(prompt_ids[p.id], None).token_ids for p in prompts}  # also warms up `none`
+    warm_up = target.tokenizer(WARM_UP)["input_ids"]  # not a measured prompt: a learning drafter would keep its answer
     for entry in runs[1:]:
-        entry.method.run(prompt_ids[prompts[0].id], references[prompts[0].id])  # warm-up
+        entry.method.run(warm_up, None)
     # Methods take turns on each prompt, in an order rotated per prompt and repeat, so drift hits all alike.
     for repeat in range(config.repeats):
         for index, p in enumerate(prompts):
@@ -204,6 +214,37 @@ def _summary(entry: MethodRuns, items: set[str]) -> dict[str, object]:
     }
 
 
+POSITION_GROUP = 3  # prompts per point of the curve over the run's order
+
+
+def _by_position(runs: list[MethodRuns], prompts: list[BenchPrompt]) -> dict[str, list[dict]]:
+    """Per method, speed-up over target-only and tokens per step by the prompts' position in their category (in run
+    order, POSITION_GROUP at a time): how a drafter that learns from earlier answers improves along the run."""
+    position: dict[str, int] = {}
+    seen: Counter[str] = Counter()
+    for p in prompts:
+        position[p.id] = seen[p.category]
+        seen[p.category] += 1
+    groups: dict[int, set[str]] = {}
+    for item, index in position.items():
+        groups.setdefault(index // POSITION_GROUP, set()).add(item)
+    curves: dict[str, list[dict]] = {}
+    for entry in runs:
+        curve = []
+        for group, items in sorted(groups.items()):
+            row, base = _summary(entry, items), _summary(runs[0], items)
+            first, last = group * POSITION_GROUP + 1, group * POSITION_GROUP + POSITION_GROUP
+            curve.append(
+                {
+                    "positions": f"{first}-{last}",
+                    "speedup_vs_none": row["tokens_per_s"] / base["tokens_per_s"],
+                    "tokens_per_step": row["tokens_per_step"],
+                }
+            )
+        curves[entry.method.name] = curve
+    return curves
+
+
 def _percentile(ordered: list[float], q: float) -> float | None:
     """The q-quantile of sorted values (nearest rank), or None when there are none."""
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
@@ -280,6 +321,7 @@ def _aggregate(
             )
     return {
         "config": asdict(config) | {"max_new_tokens_used": max_new, "prompt_count": len(prompts)},
+        "positions": _by_position(runs, prompts),
         "machine": machine_info(config.runtime),
         "categories": sorted(categories, key=lambda c: (c != "overall", c)),
         "methods": methods,

@@ -157,6 +157,7 @@ class DrafterCapabilities:
     scores: bool = False  # its tree proposals carry ``scores``: the engine asks for the most nodes and keeps the best
     features: bool = False  # reads the target's final hidden states: ``observe_features`` after every step
     measures_steps: bool = False  # runs a model outside a Backend: ``measure_step`` prices one of its draft steps
+    learns: bool = False  # keeps what ended sequences taught it (``finish``): later sequences draft from earlier ones
 
 
 class Drafter(ABC):

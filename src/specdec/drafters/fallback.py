@@ -40,6 +40,7 @@ class FallbackDrafter(Drafter):
             scores=second.capabilities.scores,  # the second's proposals may carry scores (the first's are cut to k)
             features=bool(self._readers),
             measures_steps=self.backend is None and self._priced is not None,
+            learns=first.capabilities.learns or second.capabilities.learns,
         )
         self._proposed: list[Drafter] = [first]
         self._forget()

@@ -295,7 +295,7 @@ class SuffixDrafter(Drafter):
     Forks share the store; each sequence adds its output to it when it ends (``finish``).
     """
 
-    capabilities = DrafterCapabilities(trees=True, scores=True)
+    capabilities = DrafterCapabilities(trees=True, scores=True, learns=True)
     vocab_size = None
     backend = None  # no model drafts
 
