@@ -102,7 +102,8 @@ def main() -> None:
         r = results[-1]
         print(
             f"{r['cached_tokens']:>9} tokens: propose p50 {r['propose_ms_p50']:.3f} ms, "
-            f"p99 {r['propose_ms_p99']:.3f} ms; {r['bytes_per_token']:.0f} B/token; peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",
+            f"p99 {r['propose_ms_p99']:.3f} ms; {r['bytes_per_token']:.0f} B/token; "
+            f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",
             flush=True,
         )
     machine = {"cpu": cpu_name(), "cores": os.cpu_count()}
