@@ -968,3 +968,39 @@ def test_tree_drafts_through_the_server(folder: Path, local: Generator) -> None:
         assert got.choices[0].text == local.generate(PROMPTS[0], config).text
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_suffix_history_is_scoped_per_key_reported_and_kept_across_restarts(folder: Path, tmp_path: Path) -> None:
+    """With keys, a request drafts from the answers sent with its own key only; the history's size is in /metrics,
+    saved when the server stops and loaded when it starts again; a damaged file stops the start in one line."""
+    cache = tmp_path / "history.npz"
+    args = ("--draft", "suffix", "--k-policy", "fixed", "--k", "6", "--suffix-cache", str(cache), "--api-key", "bob")
+    prompt = "Name three colours and three animals, then three more colours:"
+
+    def accepted_for(server: Server, key: str) -> float:
+        before = server.metric("specdec_draft_tokens_accepted_total")
+        client = OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+        client.completions.create(model=str(folder), prompt=prompt, max_tokens=48, temperature=0)
+        return server.metric("specdec_draft_tokens_accepted_total") - before
+
+    server = Server(str(folder), *args, key="alice")
+    try:
+        first = accepted_for(server, "alice")
+        assert server.metric("specdec_suffix_history_tokens") > 0 and server.metric("specdec_suffix_history_bytes") > 0
+        bob = accepted_for(server, "bob")  # alice's answer is not his to draft from
+        again = accepted_for(server, "alice")
+        assert again >= 30 and again > bob and again > first
+    finally:
+        code, log = server.stop()
+    assert code == 0 and cache.exists() and "saved" in log
+    restarted = Server(str(folder), *args, key="alice")
+    try:
+        assert restarted.metric("specdec_suffix_history_tokens") > 0
+        assert accepted_for(restarted, "alice") >= 30  # the history survived the restart
+    finally:
+        restarted.stop()
+    cache.write_bytes(b"not a history")
+    with pytest.raises(RuntimeError, match="server exited early") as error:
+        Server(str(folder), *args, key="alice")
+    assert "not a specdec suffix cache" in str(error.value) and "Traceback" not in str(error.value)

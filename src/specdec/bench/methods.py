@@ -289,6 +289,7 @@ def check_method(spec: str, target: str) -> str | None:
         "auto",
         "none",
         "prompt-lookup",
+        "suffix",
         "lookup-then-draft",
         "default",
         "eagle",
