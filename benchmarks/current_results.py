@@ -380,6 +380,7 @@ def kind(data: Any) -> str:
         "results": "serve",
         "runs": "serve-runs",
         "runtimes": "where-time-goes",
+        "store_sizes": "suffix-store",
     }
     found = [name for key, name in shapes.items() if key in data]
     return found[0] if found else "ppl" if all(" " in key for key in data) else "unknown"
@@ -463,7 +464,51 @@ def bench(results: list[Result]) -> list[Block]:
         header = ["prompts", "new tokens", "T", "method", "tok/s", "vs none", "tokens/step", "acceptance", "identical"]
         title = f"{rt}: `{target}` on {machine}"
         blocks.append(block(section, title, header + ["date", "result"], cells, [e[5] for e in entries]))
+    return blocks + by_category(results)
+
+
+def by_category(results: list[Result]) -> list[Block]:
+    """`specdec bench` runs with a drafter that learns from earlier answers (suffix): each method's speed-up over
+    target-only per category and along the run, one table per run."""
+    blocks = []
+    for r in results:
+        methods, c = r.data["methods"], r.data["config"]
+        if not any(name.startswith("suffix") for name in methods):
+            continue
+        categories = [k for k in r.data["categories"] if k != "overall"] + ["overall"]
+        positions = r.data.get("positions", {})
+        groups = [p["positions"] for p in next(iter(positions.values()), [])]
+        cells = [
+            [name]
+            + [f"{m['categories'][k]['speedup_vs_none']:.2f}x" for k in categories]
+            + [f"{p['speedup_vs_none']:.2f}x" for p in positions.get(name, [])]
+            for name, m in methods.items()
+        ]
+        header = ["method"] + categories + [f"prompts {g}" for g in groups]
+        sampling = "greedy" if c["temperature"] == 0 else f"T = {c['temperature']}"
+        prompts = c["prompts"].removeprefix("benchmarks/prompts/").removesuffix(".jsonl")
+        title = f"Speed-up over target-only by category and along the run: `{prompts}`, {sampling}, {r.machine}"
+        note = (
+            f"One run ({r.link}), {c['max_new_tokens_used']} new tokens; prompts k-n: the k-th to n-th prompt of each "
+            "category in run order (a drafter that learns from earlier answers speeds up along the run)."
+        )
+        blocks.append(block(runtime(r.data["machine"])[0], title, header, cells, [r], note))
     return blocks
+
+
+def suffix_store(results: list[Result]) -> list[Block]:
+    """benchmarks/suffix_store.py: the suffix drafter's proposal time and memory by store size."""
+    cells = [
+        [f"{s['cached_tokens']:,}", f"{s['propose_ms_p50']:.3f} / {s['propose_ms_p99']:.3f}"]
+        + [f"{s['bytes_per_token']:.0f}", f"{s['store_bytes'] / 2**20:.0f}", f"{s['peak_rss_bytes'] / 2**20:.0f}"]
+        + [f"{s['add_ms_per_answer']:.2f}", r.machine, r.date, r.link]
+        for r in newest_per_machine(results)
+        for s in r.data["store_sizes"]
+    ]
+    header = ["cached tokens", "propose p50 / p99 ms", "bytes per token", "store MiB", "peak RSS MiB"]
+    header += ["add ms per 256-token answer", "machine", "date", "result"]
+    title = "The suffix drafter's store at scale (`benchmarks/suffix_store.py`)"
+    return [block("Across runtimes", title, header, cells, newest_per_machine(results))] if cells else []
 
 
 def batch(results: list[Result]) -> list[Block]:
@@ -820,6 +865,7 @@ WRITERS: dict[str, Callable[[list[Result]], list[Block]]] = {
     "model-sizes": model_sizes,
     "native-formats": native_formats,
     "ppl": perplexity,
+    "suffix-store": suffix_store,
 }
 
 

@@ -253,3 +253,22 @@ def test_the_old_drafter_name_still_works_with_a_deprecation_warning(tiny_folder
             build_drafter("default", target)
     with pytest.raises(ConfigError, match="no draft ships with specdec for"):
         build_drafter("lookup-then-draft", target)
+
+
+def test_a_bench_of_the_suffix_drafter_reports_the_curve_and_refuses_repeats(tiny_folder: Path, tmp_path: Path) -> None:
+    """Prompts that repeat across the run: suffix's later prompts draft from earlier answers (the curve rises), output
+    identical; a repeat would copy the first pass, so --repeats > 1 is refused for it."""
+    path = tmp_path / "repeating.jsonl"
+    rows = [{"id": str(i), "category": "c", "prompt": "q: tell me a story. a:"} for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out"
+    args = ["bench", "--target", str(tiny_folder), "--prompts", str(path), "--out", str(out)]
+    result = runner.invoke(app, args + ["--methods", "none,prompt-lookup,suffix", "--max-new-tokens", "24", "--strict"])
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    curve = results["positions"]["suffix@k4"]
+    assert [p["positions"] for p in curve] == ["1-3", "4-6"]
+    assert curve[1]["tokens_per_step"] > results["positions"]["prompt-lookup@k4"][1]["tokens_per_step"]
+    assert "Along the run" in (out / "report.md").read_text()
+    refused = runner.invoke(app, args + ["--methods", "none,suffix", "--repeats", "2", "--overwrite"])
+    assert refused.exit_code == 2 and "--repeats 1" in refused.output
