@@ -238,9 +238,36 @@ COMMANDS_TEXT = """
   --model /tmp/sizes/llama-1b
 2026-12-03-cpu-native-formats-perplexity-paged.json
   python benchmarks/native_formats.py --out ${J}2026-12-03-cpu-native-formats-perplexity-paged.json
+2026-12-03-cpu-native-vs-llama-server-64-t0
+  specdec bench-serve --draft prompt-lookup --clients 1,8,32 --duration 30 --max-tokens 64 --temperature 0
+  --llama-server $LLAMA_SERVER
+2026-12-03-cpu-native-vs-llama-server-64-t0.7
+  specdec bench-serve --draft prompt-lookup --clients 1,8,32 --duration 20 --max-tokens 64 --temperature 0.7
+  --llama-server $LLAMA_SERVER
+2026-12-03-cpu-native-vs-llama-server-256-t0
+  specdec bench-serve --draft prompt-lookup --clients 1,8,32 --duration 30 --max-tokens 256 --temperature 0
+  --llama-server $LLAMA_SERVER
+2026-12-03-cpu-native-vs-llama-server-256-t0.7
+  specdec bench-serve --draft prompt-lookup --clients 1,8,32 --duration 20 --max-tokens 256 --temperature 0.7
+  --llama-server $LLAMA_SERVER
+2026-12-03-cpu-native-batch-windows
+  specdec bench-batch --draft prompt-lookup --batch-sizes 8,32 --max-new-tokens 64 --backend native
+2026-12-03-cpu-suffix-store.json
+  python benchmarks/suffix_store.py --out ${J}2026-12-03-cpu-suffix-store.json
+2026-12-03-cpu-native-suffix-agentic-t0
+  $SUFFIX --prompts agentic --temperature 0
+2026-12-03-cpu-native-suffix-default-t0
+  $SUFFIX --prompts default --temperature 0
+2026-12-03-cpu-native-suffix-agentic-t0.7
+  $SUFFIX --prompts agentic --temperature 0.7
+2026-12-03-cpu-native-suffix-default-t0.7
+  $SUFFIX --prompts default --temperature 0.7
 """
 VARIABLES = {
     "J": "benchmarks/results/",
+    "LLAMA_SERVER": "vendor/llama.cpp/build/bin/llama-server",
+    "SUFFIX": "specdec bench --methods none,prompt-lookup,prompt-lookup+tree,suffix,suffix+tree --k 8 "
+    "--k-policy cost-model --max-new-tokens 64 --backend native",
     "N": "ngram:/tmp/gemma-corpus.ngram",
     "D": "model:src/specdec/data/drafts/gemma-3-270m",
     "TREES": "specdec bench --precision cpu --k 10 --k-policy cost-model --max-new-tokens 64",

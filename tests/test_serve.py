@@ -981,7 +981,9 @@ def test_suffix_history_is_scoped_per_key_reported_and_kept_across_restarts(fold
     def accepted_for(server: Server, key: str) -> float:
         before = server.metric("specdec_draft_tokens_accepted_total")
         client = OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
-        client.completions.create(model=str(folder), prompt=prompt, max_tokens=48, temperature=0)
+        client.completions.create(
+            model=str(folder), prompt=prompt, max_tokens=48, temperature=0, extra_body={"ignore_eos": True}
+        )
         return server.metric("specdec_draft_tokens_accepted_total") - before
 
     server = Server(str(folder), *args, key="alice")
