@@ -94,11 +94,12 @@ class Server:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A saved tiny Llama with a character tokenizer and a chat template."""
+    """A saved tiny Llama with a character tokenizer and a chat template, in a shape the native runtime runs (head size
+    16), so that `specdec serve`'s default (`--backend auto`) serves it on native, as it would a real model."""
     tokenizer = char_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     folder = tmp_path_factory.mktemp("serve") / "tiny-chat"
-    tiny_llama(0, vocab=len(tokenizer)).save_pretrained(folder)
+    tiny_llama(0, vocab=len(tokenizer), hidden=64).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -118,8 +119,8 @@ def server(request: pytest.FixtureRequest, folder: Path) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def local(folder: Path) -> Generator:
-    """The same target and drafter in this process: what `specdec generate` computes."""
-    return Generator(str(folder), "prompt-lookup", GenerationConfig(k=4, k_policy="fixed"))
+    """The same target, runtime and drafter in this process: what `specdec generate` computes."""
+    return Generator(str(folder), "prompt-lookup", GenerationConfig(k=4, k_policy="fixed"), RuntimeConfig("auto"))
 
 
 def test_completions_streamed_and_not(server: Server, local: Generator) -> None:

@@ -49,25 +49,32 @@ def test_a_drafter_scores_its_tree_by_how_often_each_path_followed() -> None:
     for tail in ([12, 13, 14], [12, 13, 15], [12, 20, 21], [12, 13, 14]):
         store.add([10, 11, *tail])
     tree = drafter(store).propose(torch.tensor([40, 10, 11]), k=6, branches=2)
-    assert tree.tokens.tolist() == [12, 13, 14, 20, 21, 15]  # ties: the most recent match first
+    assert tree.tokens.tolist() == [12, 13, 14, 20, 21, 15]
     assert tree.parents.tolist() == [-1, 0, 1, 0, 3, 1]  # parents first; siblings are distinct tokens
-    assert tree.scores.tolist() == [1.0, 0.75, 0.5, 0.25, 0.25, 0.25]  # best first
+    # shares of the four matches, the i-th most recent weighing RECENCY**i (the latest: 12 13 14, then 12 20 21)
+    weights = [suffix.RECENCY**i for i in range(4)]
+    total = sum(weights)
+    expected = [1.0, (weights[0] + weights[2] + weights[3]) / total, (weights[0] + weights[3]) / total]
+    assert tree.scores[:3].tolist() == pytest.approx(expected)
+    assert tree.scores[3] == pytest.approx(weights[1] / total)  # 20 after 12: one match, the second most recent
+    assert all(a >= b for a, b in zip(tree.scores, tree.scores[1:], strict=False))  # best first
     chain = drafter(store).propose(torch.tensor([40, 10, 11]), k=6)
-    assert chain.parents is None and chain.tokens.tolist() == [12, 13, 14]  # the most frequent path
+    # the likeliest path, without scores: the k policy sizes chains from the acceptance it measures
+    assert chain.parents is None and chain.scores is None and chain.tokens.tolist() == [12, 13, 14]
     # the depth follows the match: one matched token drafts at most DEPTH_PER_MATCH
-    short = drafter(store).propose(torch.tensor([40, 11]), k=6)
-    assert len(short) == round(suffix.DEPTH_PER_MATCH * 1)
+    short = drafter(store).propose(torch.tensor([40, 11]), k=8)
+    assert len(short) == min(3, round(suffix.DEPTH_PER_MATCH * 1))
 
 
-def test_a_drafter_copies_from_its_own_request_and_the_longer_match_wins() -> None:
+def test_a_drafter_copies_from_its_own_request_unless_the_store_matches_longer() -> None:
     store = SuffixStore()
     store.add([7, 8, 1, 2])
+    store.add([5, 5, 7, 8, 3, 4])
     own = drafter(store)
-    proposal = own.propose(torch.tensor([7, 8, 9, 5, 5, 7, 8]), k=6, branches=2)
-    # "7 8" matches in its own text and in the store: both, its own first and whole (ties go to the first listed)
-    assert proposal.tokens.tolist() == [9, 5, 5, 7, 1, 2] and proposal.parents.tolist() == [-1, 0, 1, 2, -1, 4]
-    proposal = own.propose(torch.tensor([7, 8, 9, 5, 5, 7, 8, 9]), k=4)  # its own "7 8 9": longer than the store's
-    assert proposal.tokens.tolist() == [5, 5, 7, 8]
+    # "7 8" matches in its own text and in the store: its own text wins a tie
+    assert own.propose(torch.tensor([7, 8, 9, 5, 6, 7, 8]), k=6, branches=2).tokens.tolist() == [9, 5, 6, 7, 8]
+    # "5 7 8": only the store has it
+    assert own.propose(torch.tensor([7, 8, 9, 5, 6, 7, 8, 9, 5, 7, 8]), k=2).tokens.tolist() == [3, 4]
 
 
 def test_scopes_keep_histories_apart_and_none_keeps_nothing() -> None:

@@ -5,9 +5,9 @@ structured extraction, the answer is mostly in *earlier answers*: the same funct
 skeletons, JSON keys, SQL clauses. A :class:`SuffixStore` keeps the outputs of
 finished sequences (bounded: the oldest leave first) and an index of their n-grams;
 a :class:`SuffixDrafter` looks up the context's last tokens there and in its own
-request, and proposes the continuations that followed most often, as a tree scored
-by their frequency (or their most frequent path as a chain). The longer the match,
-the deeper it drafts.
+request, and proposes the continuations that followed most often (recent ones
+weighing more), as a tree scored by their frequency or, asked for a chain, their
+likeliest path. The longer the match, the deeper it drafts.
 
 The store's index is a few sorted uint64 arrays (hashes of every window of each
 order in ``ORDERS``, with positions), so a lookup costs a binary search per array
@@ -28,24 +28,51 @@ import zipfile
 import zlib
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal, TokenTrie
-from specdec.drafters.ngram import context_hash, context_hashes
+from specdec.drafters.ngram import MASK64, PRIME
 from specdec.errors import ConfigError
 
 ORDERS = (1, 2, 3, 4, 6, 8, 12, 16)  # n-gram lengths indexed; the longest that matches decides
 CANDIDATES = 32  # most recent matches read per source (the request, the store)
-DEPTH_PER_MATCH = 2.0  # a match of n tokens drafts at most this many times n tokens (and k)
-MIN_SCORE = 0.1  # a node followed by fewer than this share of the matches is not drafted
+DEPTH_PER_MATCH = 4.0  # a match of n tokens drafts at most this many times n tokens (and k)
+MIN_SCORE = 0.1  # a node followed by less than this share of the matches (by weight) is not drafted
+RECENCY = 0.8  # the i-th most recent match weighs RECENCY**i: text repeats what it said last most
 MAX_SEGMENTS = 8  # index segments before the smallest are merged
 FORMAT, VERSION = "specdec-suffix", 1
 DEFAULT_MAX_TOKENS = 1_000_000
 LEAD_IN = ORDERS[-1]  # prompt tokens kept before each output
+
+
+_SALTS = {n: (0x9E3779B97F4A7C15 * n) & MASK64 for n in ORDERS}  # each order its own keys
+
+
+def _tail_hashes(tokens: Sequence[int], end: int) -> list[int]:
+    """The hash of the window of each n in ORDERS (that fits) ending at ``tokens[end]``, in one pass backwards."""
+    hashes, h, n = [], 0, 0
+    for order in ORDERS:
+        if order > end + 1:
+            break
+        while n < order:
+            h = (h * PRIME + tokens[end - n] + 1) & MASK64
+            n += 1
+        hashes.append(h ^ _SALTS[order])
+    return hashes
+
+
+def _window_hashes(tokens: np.ndarray, order: int) -> np.ndarray:
+    """:func:`_tail_hashes`' hash of every window of ``order`` tokens in ``tokens``, by the window's last token."""
+    windows = len(tokens) - order + 1
+    h = np.zeros(max(windows, 0), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(order):
+            h = h * np.uint64(PRIME) + tokens[order - 1 - j : order - 1 - j + windows].astype(np.uint64) + np.uint64(1)
+    return h ^ np.uint64(_SALTS[order])
 
 
 @dataclass(frozen=True)
@@ -61,7 +88,7 @@ class _Segment:
         keys, positions = [], []
         for order in ORDERS:
             if len(tokens) > order:  # a window needs a token after it to be worth finding
-                keys.append(context_hashes(tokens[:-1], order))
+                keys.append(_window_hashes(tokens[:-1], order))
                 positions.append(np.arange(start + order - 1, start + len(tokens) - 1, dtype=np.int64))
         if not keys:
             return _Segment(np.zeros(0, np.uint64), np.zeros(0, np.int64))
@@ -163,27 +190,32 @@ class SuffixStore:
         while len(self._segments) > MAX_SEGMENTS:
             self._segments[-2:] = [_Segment.merge(self._segments[-2:])]
 
-    def matches(self, tail: Sequence[int], scope: str, limit: int = CANDIDATES) -> tuple[int, list[list[int]]]:
+    def matches(self, tail: Sequence[int], scope: str, length: int = 64) -> tuple[int, list[list[int]]]:
         """(n, continuations): for the longest n in ORDERS whose last n tokens of ``tail`` occurred in ``scope``'s
-        history, what followed the ``limit`` most recent occurrences (each at most the tokens to its sequence's end,
-        at most 64); (0, []) when nothing matches."""
+        history, the ``length`` tokens that followed each of its CANDIDATES most recent occurrences, the latest first
+        (fewer at a sequence's end); (0, []) when none matches."""
+        return self.lookup(_tail_hashes(tail, len(tail) - 1), scope, length)
+
+    def lookup(
+        self, queries: list[int], scope: str, length: int, limit: int = CANDIDATES
+    ) -> tuple[int, list[list[int]]]:
+        """:meth:`matches` for the hashes of the tail's windows (:func:`_tail_hashes`), computed once per step."""
         with self._lock:
             owner = self._scopes.get(scope)
-            if owner is None or not self._segments:
+            if owner is None or not self._segments or not queries:
                 return 0, []
-            orders = [n for n in ORDERS if n <= len(tail)]
-            queries = _queries(tail, orders)
-            found = [segment.find(queries, 4 * limit) for segment in self._segments]
+            keys = np.array(queries, dtype=np.uint64)
+            found = [segment.find(keys, 4 * limit) for segment in self._segments]
             floor = self._sequences[0][0] if self._sequences else 0
-            for i in reversed(range(len(orders))):
+            for i in reversed(range(len(queries))):
                 positions = np.concatenate([f[i] for f in found])
                 positions = positions[positions >= floor]
                 positions = positions[self._owners[positions - self._base] == owner]
                 if len(positions):
-                    return orders[i], self._continuations(np.sort(positions)[-limit:][::-1])
+                    return ORDERS[i], self._continuations(np.sort(positions)[-limit:][::-1], length)
             return 0, []
 
-    def _continuations(self, positions: np.ndarray, length: int = 64) -> list[list[int]]:
+    def _continuations(self, positions: np.ndarray, length: int) -> list[list[int]]:
         offsets = positions[:, None] - self._base + 1 + np.arange(length)
         windows = self._tokens[np.minimum(offsets, len(self._tokens) - 1)]
         windows = np.where(offsets < len(self._tokens), windows, -1)
@@ -252,11 +284,6 @@ class SuffixStore:
         return store
 
 
-def _queries(tail: Sequence[int], orders: Sequence[int]) -> np.ndarray:
-    """The hashes of the last n tokens of ``tail`` for each n in ``orders``."""
-    return np.array([context_hash(list(tail[len(tail) - n :])) for n in orders], dtype=np.uint64)
-
-
 class _RequestIndex:
     """The current sequence's own windows: its prompt's in a segment, then those of its output as it grows."""
 
@@ -271,21 +298,19 @@ class _RequestIndex:
             self.prompt = _Segment.build(np.asarray(context, dtype=np.int64), 0)
             self.indexed = len(context) - 1
         for end in range(self.indexed, len(context) - 1):
-            for n in ORDERS:
-                if n > end + 1:
-                    break
-                self.positions.setdefault(context_hash(context[end - n + 1 : end + 1]), []).append(end)
+            for h in _tail_hashes(context, end):
+                self.positions.setdefault(h, []).append(end)
         self.indexed = max(self.indexed, len(context) - 1)
 
-    def matches(self, context: list[int], limit: int = CANDIDATES) -> tuple[int, list[list[int]]]:
+    def matches(
+        self, context: list[int], queries: list[int], length: int, limit: int = CANDIDATES
+    ) -> tuple[int, list[list[int]]]:
         """Like :meth:`SuffixStore.matches`, within ``context`` itself."""
-        orders = [n for n in ORDERS if n < len(context)]
-        queries = _queries(context, orders)
-        in_prompt = self.prompt.find(queries, limit) if self.prompt is not None else [[] for _ in orders]
-        for i in reversed(range(len(orders))):
-            ends = list(in_prompt[i]) + self.positions.get(int(queries[i]), [])
+        in_prompt = self.prompt.find(np.array(queries, dtype=np.uint64), limit) if self.prompt is not None else None
+        for i in reversed(range(len(queries))):
+            ends = ([] if in_prompt is None else in_prompt[i].tolist()) + self.positions.get(queries[i], [])
             if ends:
-                return orders[i], [context[end + 1 : end + 65] for end in reversed(ends[-limit:])]
+                return ORDERS[i], [context[end + 1 : end + 1 + length] for end in reversed(ends[-limit:])]
         return 0, []
 
 
@@ -317,51 +342,54 @@ class SuffixDrafter(Drafter):
             self.store.add(tokens[max(0, prompt_length - LEAD_IN) :].numpy(), self.scope)
 
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
-        """Up to ``k`` nodes: the continuations of the longest match (this sequence's and the store's, the longer
-        match wins, both when equal), merged into a tree where each node scores the share of matches it continues;
-        with one branch, the most frequent path."""
+        """Up to ``k`` nodes: the continuations of the longest match (in this sequence, or in the store when it
+        matches longer), merged into a tree where each node scores the share of matches it continues, the recent ones
+        weighing more; with one branch, the likeliest path as a chain, without scores (a share of few matches
+        understates how often a copy comes true: the k policy sizes chains from the acceptance it measures)."""
         tokens = context.tolist()
         self._own.update(tokens)
-        n_own, own = self._own.matches(tokens)
-        n_store, stored = (0, []) if self.scope is None else self.store.matches(tokens[-ORDERS[-1] :], self.scope)
-        n = max(n_own, n_store)
-        runs = (own if n_own == n else []) + (stored if n_store == n else [])
+        queries = _tail_hashes(tokens, len(tokens) - 1) if tokens else []
+        n_own, own = self._own.matches(tokens, queries, k)
+        n_store, stored = (0, []) if self.scope is None else self.store.lookup(queries, self.scope, k)
+        n, runs = (n_own, own) if n_own >= n_store else (n_store, stored)
         if not runs:
             return Proposal(context[:0], steps=0)
         depth = min(k, max(1, round(DEPTH_PER_MATCH * n)))
-        return _scored_tree(runs, depth, k, branches)
+        tree = _scored_tree(runs, depth, k, branches)
+        return tree if branches > 1 else replace(tree, scores=None)
 
 
 def _scored_tree(runs: list[list[int]], depth: int, budget: int, branches: int) -> Proposal:
-    """The runs' first ``depth`` tokens as a trie where a node's score is the share of runs through it; nodes below
-    MIN_SCORE, beyond ``branches`` children of one node or beyond ``budget`` nodes are left out; best first."""
-    trie, counts = TokenTrie(), []
-    for run in runs:
-        parent = -1
+    """The runs' (most recent first) first ``depth`` tokens as a trie where a node's score is the share of runs
+    through it, run i weighing RECENCY**i; nodes below MIN_SCORE, beyond ``branches`` children of one node or beyond
+    ``budget`` nodes are left out; best first."""
+    trie, weights = TokenTrie(), []
+    for i, run in enumerate(runs):
+        parent, weight = -1, RECENCY**i
         for token in run[:depth]:
             node = trie.find(parent, token)
             if node is None:
                 node = trie.add(parent, token)
-                counts.append(0)
-            counts[node] += 1
+                weights.append(0.0)
+            weights[node] += weight
             parent = node
-    total = len(runs)
+    total = sum(RECENCY**i for i in range(len(runs)))
     children: dict[int, list[int]] = {}
     for node, parent in enumerate(trie.parents):
         children.setdefault(parent, []).append(node)
     kept: list[int] = []  # best first: a parent scores at least its children and comes before them
-    frontier = sorted(children.get(-1, []), key=lambda c: -counts[c])[:branches]
+    frontier = sorted(children.get(-1, []), key=lambda c: -weights[c])[:branches]
     while frontier and len(kept) < budget:
-        best = max(frontier, key=lambda c: (counts[c], -c))
+        best = max(frontier, key=lambda c: (weights[c], -c))
         frontier.remove(best)
-        if counts[best] < MIN_SCORE * total:
+        if weights[best] < MIN_SCORE * total:
             break  # the frontier's best: every other node scores less
         kept.append(best)
-        frontier += sorted(children.get(best, []), key=lambda c: -counts[c])[:branches]
+        frontier += sorted(children.get(best, []), key=lambda c: -weights[c])[:branches]
     number = {node: i for i, node in enumerate(kept)}
     return Proposal(
         torch.tensor([trie.tokens[node] for node in kept], dtype=torch.long),
         parents=None if branches == 1 else torch.tensor([number.get(trie.parents[node], -1) for node in kept]),
-        scores=torch.tensor([counts[node] / total for node in kept]),
+        scores=torch.tensor([min(1.0, weights[node] / total) for node in kept]),
         steps=0,
     )
