@@ -244,20 +244,20 @@ def test_seeded_sampling_is_reproducible(server: Server) -> None:
 
 def test_ignore_eos_generates_past_end_of_sequence(server: Server) -> None:
     model = server.client.models.list().data[0].id
-    ended = server.client.completions.create(model=model, prompt="abc", max_tokens=100, temperature=0).choices[0]
+    ended = server.client.completions.create(model=model, prompt="b", max_tokens=100, temperature=0).choices[0]
     forced = server.client.completions.create(
-        model=model, prompt="abc", max_tokens=100, temperature=0, extra_body={"ignore_eos": True}
+        model=model, prompt="b", max_tokens=100, temperature=0, extra_body={"ignore_eos": True}
     )
-    assert ended.finish_reason == "stop" and len(ended.text) < 100, "this tiny model ends 'abc' early"
+    assert ended.finish_reason == "stop" and len(ended.text) < 100, "this tiny model ends 'b' early"
     assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 100
     assert forced.choices[0].text.startswith(ended.text)
 
 
 def test_disconnect_cancels_and_frees_capacity(server: Server) -> None:
-    # ignore_eos: this tiny model would end "abc" after 39 tokens. Even 240 tokens take it only about 0.5 s, so a
+    # ignore_eos: this tiny model would end "b" after 47 tokens. Even 240 tokens take it only about 0.5 s, so a
     # disconnect that reaches the engine late (a busy machine, Serve's proxy and ingress in between) may find the
     # request finished: then nothing was cancelled, and the test asks again, up to 3 times.
-    body = {"prompt": "abc", "max_tokens": 240, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {"prompt": "b", "max_tokens": 240, "temperature": 0, "stream": True, "ignore_eos": True}
     for _ in range(3):
         cancelled = server.metric("specdec_cancelled_requests_total")
         with server.http.stream("POST", "/v1/completions", json=body, timeout=30) as response:
