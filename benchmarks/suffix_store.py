@@ -42,13 +42,15 @@ def corpus(tokens_wanted: int, held_out: bool) -> list[int]:
     return tokens[:tokens_wanted]
 
 
-def measure(size: int, steps: int) -> dict:
+def measure(size: int, steps: int, tokens: Path) -> dict:
+    import numpy as np
     import torch
 
     from specdec.drafters.base import DraftSettings
     from specdec.drafters.suffix import SuffixDrafter, SuffixStore
 
-    stored, queries = corpus(size, held_out=False), corpus(8_000, held_out=True)
+    with np.load(tokens) as data:
+        stored, queries = data["stored"][:size].tolist(), data["queries"].tolist()
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     store = SuffixStore(max_tokens=size)
     start = time.perf_counter()
@@ -88,15 +90,22 @@ def main() -> None:
     parser.add_argument("--sizes", default="100000,1000000")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.steps)))
+        print(json.dumps(measure(args.child, args.steps, args.tokens)))
         return
+    import numpy as np
+
     from specdec.machine import cpu_name
 
+    sizes = [int(s) for s in args.sizes.split(",")]
+    tokens = args.out.with_name(args.out.name + ".tokens.npz")
+    np.savez(tokens, stored=np.array(corpus(max(sizes), held_out=False)), queries=np.array(corpus(8_000, True)))
     results = []
-    for size in (int(s) for s in args.sizes.split(",")):
+    for size in sizes:
         command = [sys.executable, __file__, "--out", str(args.out), "--steps", str(args.steps), "--child", str(size)]
+        command += ["--tokens", str(tokens)]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
         r = results[-1]
@@ -106,6 +115,7 @@ def main() -> None:
             f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",
             flush=True,
         )
+    tokens.unlink()
     machine = {"cpu": cpu_name(), "cores": os.cpu_count()}
     args.out.write_text(json.dumps({"machine": machine, "store_sizes": results}, indent=2))
 

@@ -1000,7 +1000,7 @@ def test_suffix_history_is_scoped_per_key_reported_and_kept_across_restarts(fold
     restarted = Server(str(folder), *args, key="alice")
     try:
         assert restarted.metric("specdec_suffix_history_tokens") > 0
-        assert accepted_for(restarted, "alice") >= 30  # the history survived the restart
+        assert accepted_for(restarted, "alice") > first  # the history survived the restart
     finally:
         restarted.stop()
     cache.write_bytes(b"not a history")

@@ -61,9 +61,10 @@ def test_a_drafter_scores_its_tree_by_how_often_each_path_followed() -> None:
     chain = drafter(store).propose(torch.tensor([40, 10, 11]), k=6)
     # the likeliest path, without scores: the k policy sizes chains from the acceptance it measures
     assert chain.parents is None and chain.scores is None and chain.tokens.tolist() == [12, 13, 14]
-    # the depth follows the match: one matched token drafts at most DEPTH_PER_MATCH
-    short = drafter(store).propose(torch.tensor([40, 11]), k=8)
-    assert len(short) == min(3, round(suffix.DEPTH_PER_MATCH * 1))
+    # the depth follows the match: one matched token drafts at most DEPTH_PER_MATCH, two twice as many
+    store.add([7, 8, *range(50, 60)])
+    assert len(drafter(store).propose(torch.tensor([40, 8]), k=16)) == round(suffix.DEPTH_PER_MATCH * 1)
+    assert len(drafter(store).propose(torch.tensor([7, 8]), k=16)) == round(suffix.DEPTH_PER_MATCH * 2)
 
 
 def test_a_drafter_copies_from_its_own_request_unless_the_store_matches_longer() -> None:
@@ -126,11 +127,15 @@ def test_a_saved_store_loads_back_and_a_bad_file_is_refused_in_one_line(tmp_path
             load()
         assert "\n" not in str(error.value)
     data = bytearray(path.read_bytes())
-    for name, damage in {"garbage": b"not a cache at all", "truncated": bytes(data[: len(data) // 2])}.items():
+    npy = tmp_path / "array.npy"
+    np.save(npy, np.arange(4))
+    damages = {"garbage": b"not a cache at all", "truncated": bytes(data[: len(data) // 2]), "npy": npy.read_bytes()}
+    for name, damage in damages.items():
         bad = tmp_path / f"{name}.npz"
         bad.write_bytes(damage)
         with pytest.raises(ConfigError, match="not a specdec suffix cache"):
             SuffixStore.load(bad, model="tiny", vocab_size=10)
+    assert path.stat().st_mode & 0o077 == 0  # it holds users' answers: its owner's only
     with np.load(path) as npz:
         parts = dict(npz)
     parts["tokens"] = parts["tokens"][::-1].copy()  # the checksum no longer holds
@@ -177,7 +182,8 @@ def test_greedy_suffix_drafts_give_the_target_only_tokens_alone_and_batched() ->
     batched = gen.generate_batch(prompts, [config] * len(prompts))
     assert [r.token_ids for r in batched] == expected
     assert all(r.stats.draft_tokens_accepted >= 18 for r in batched)
-    assert build_drafter("suffix", gen.target).store is not gen.drafter.store  # one store per Generator
+    assert gen.drafter.fork().store is gen.drafter.store  # one store per Generator, shared by its sequences
+    assert build_drafter("suffix", gen.target).store is not gen.drafter.store
 
 
 @pytest.mark.parametrize("broken", [False, pytest.param(True, id="negative control")])
@@ -200,3 +206,23 @@ def test_sampled_suffix_trees_keep_the_target_law(monkeypatch: pytest.MonkeyPatc
     assert sum(trees) > 1000
     pvalue, dof = sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["plain"]))
     assert pvalue < MIN_PVALUE if broken else (pvalue > MIN_PVALUE and dof > 50)
+
+
+def test_commands_refuse_what_a_learning_drafter_would_fake() -> None:
+    """Settings that would measure copies of earlier answers, or share history by unchecked keys: one-line errors."""
+    from typer.testing import CliRunner
+
+    from specdec.bench.batch import BatchBenchConfig
+    from specdec.cli.main import app
+    from specdec.serving.config import ServeConfig
+
+    with pytest.raises(ConfigError, match="no keys are set"):
+        ServeConfig(suffix_scope="key")
+    assert ServeConfig(api_keys=("k",)).scope("k") not in ("", None) and ServeConfig().scope("k") == ""
+    assert ServeConfig(suffix_scope="request").scope("k") is None
+    with pytest.raises(ConfigError, match="learns"):
+        BatchBenchConfig(draft="suffix")
+    result = CliRunner().invoke(app, ["serve", "--draft", "prompt-lookup", "--suffix-max-tokens", "10"])
+    assert result.exit_code == 2 and "add --draft suffix" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["tune", "--drafters", "suffix", "--out", "/nonexistent/tuned"])
+    assert result.exit_code == 2 and "learns" in result.output

@@ -18,6 +18,7 @@ from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts, round_robin
 from specdec.bench.report import fmt, machine_line
 from specdec.bench.runner import machine_info
 from specdec.config import DEFAULT_DRAFT, BatchConfig, GenerationConfig, RuntimeConfig
+from specdec.drafters import LEARNING_SPECS
 from specdec.engine import GenerationResult, Generator
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET, open_target
@@ -40,6 +41,11 @@ class BatchBenchConfig:
         if self.draft == "none":
             raise ConfigError(
                 "the batching benchmark compares speculation windows: pass a drafter (--draft prompt-lookup)"
+            )
+        if self.draft in LEARNING_SPECS:
+            raise ConfigError(
+                f"'{self.draft}' learns from the answers it has drafted, and bench-batch decodes the same prompts with "
+                "every window: compare windows with --draft prompt-lookup"
             )
 
 

@@ -18,6 +18,7 @@ the same prompt with speculation off (the reference: target-only, alone or batch
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import secrets
@@ -35,7 +36,9 @@ from pathlib import Path
 import httpx
 
 from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts
+from specdec.bench.runner import WARM_UP
 from specdec.config import DEFAULT_DRAFT
+from specdec.drafters import LEARNING_SPECS
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET
 
@@ -102,19 +105,24 @@ def run_load_benchmark(config: LoadConfig, say: Callable[[str], None] = print) -
             ("llama-server", "off", _LlamaServer(config, speculation=False)),
             ("llama-server", f"on ({LLAMA_SPECULATION})", _LlamaServer(config, speculation=True)),
         ]
+    # A drafter that learns (suffix) would copy answers to prompts sent before: then each client count gets a fresh
+    # server and each prompt is sent once.
+    learns = config.draft in LEARNING_SPECS
     runs = []
     for server_name, speculation, server in servers:
         label = f"{server_name}, speculation {speculation}"
-        say(f"{label}: starting the server")
-        with server as url:
-            asyncio.run(_load(server, url, prompts[:2], 1, 5, config))  # warm-up: loading, first-request costs
-            for clients in sorted(config.clients):
-                say(f"{label}: {clients} clients for {config.duration_s:.0f} s")
-                start = time.perf_counter()
-                outcome = asyncio.run(_load(server, url, prompts, clients, config.duration_s, config))
-                figures = _summary(outcome, time.perf_counter() - start) | {"peak_rss_bytes": server.peak_rss()}
-                run = {"server": server_name, "speculation": speculation, "clients": clients}
-                runs.append(run | figures | {"answers": outcome.answers})
+        for counts in [[c] for c in sorted(config.clients)] if learns else [sorted(config.clients)]:
+            say(f"{label}: starting the server")
+            server = server.fresh()
+            with server as url:
+                asyncio.run(_load(server, url, [WARM_UP], 1, 5, config))  # loading, first-request costs
+                for clients in counts:
+                    say(f"{label}: {clients} clients for {config.duration_s:.0f} s")
+                    start = time.perf_counter()
+                    outcome = asyncio.run(_load(server, url, prompts, clients, config.duration_s, config, once=learns))
+                    figures = _summary(outcome, time.perf_counter() - start) | {"peak_rss_bytes": server.peak_rss()}
+                    run = {"server": server_name, "speculation": speculation, "clients": clients}
+                    runs.append(run | figures | {"answers": outcome.answers})
     _compare_answers(runs, greedy=config.temperature == 0)
     return {
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count()},
@@ -140,19 +148,30 @@ def _compare_answers(runs: list[dict], greedy: bool) -> None:
         run["answers_compared"] = len(compared)
 
 
-async def _load(server: _Server, url: str, prompts: list[str], clients: int, duration_s: float, config: LoadConfig):
+async def _load(
+    server: _Server,
+    url: str,
+    prompts: list[str],
+    clients: int,
+    duration_s: float,
+    config: LoadConfig,
+    once: bool = False,
+) -> Outcome:
+    """``clients`` clients send the prompts in turn until ``duration_s`` has passed (``once``: or every prompt has been
+    sent once)."""
     outcome = Outcome()
     deadline = time.perf_counter() + duration_s
+    turns = iter(range(len(prompts)) if once else itertools.count())
     async with httpx.AsyncClient(base_url=url, headers=server.headers(), timeout=600) as client:
 
-        async def one_client(index: int) -> None:
-            turn = index
+        async def one_client() -> None:
             while time.perf_counter() < deadline:
-                body = server.body(prompts[turn % len(prompts)], config)
-                await _request(client, body, turn % len(prompts), outcome)
-                turn += clients
+                turn = next(turns, None)
+                if turn is None:
+                    return
+                await _request(client, server.body(prompts[turn % len(prompts)], config), turn % len(prompts), outcome)
 
-        await asyncio.gather(*(one_client(i) for i in range(clients)))
+        await asyncio.gather(*(one_client() for _ in range(clients)))
     return outcome
 
 
@@ -259,9 +278,14 @@ class _Server:
             self.port = sock.getsockname()[1]
         self.command: list[str] = []
         self.env: dict[str, str] = {}
+        self.arguments: tuple = ()  # what the subclass was built from (fresh)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
+    def fresh(self) -> _Server:
+        """The same server to start anew (a new port and key)."""
+        return self.__class__(*self.arguments)
 
     def body(self, prompt: str, config: LoadConfig) -> dict:
         return {
@@ -312,6 +336,7 @@ class _Server:
 class _SpecdecServer(_Server):
     def __init__(self, config: LoadConfig, draft: str) -> None:
         super().__init__(config)
+        self.arguments = (config, draft)
         self.command = [shutil.which("specdec") or "specdec", "serve", "--target", config.target, "--draft", draft]
         self.command += ["--port", str(self.port), "--max-batch", str(config.batch), *config.server_args]
         self.env = {"SPECDEC_API_KEYS": self.key or ""}
@@ -324,6 +349,7 @@ class _LlamaServer(_Server):
         from specdec.models.target import gguf_path
 
         super().__init__(config)
+        self.arguments = (config, speculation)
         context = 2048 + config.max_tokens  # per slot: the longest prompt of the shipped sets, then the answer
         self.command = [str(config.llama_server), "-m", gguf_path(config.target), "--port", str(self.port)]
         self.command += ["-t", str(os.cpu_count()), "-np", str(config.batch), "-cb", "-c", str(context * config.batch)]

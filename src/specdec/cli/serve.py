@@ -238,6 +238,13 @@ def serve(
             "the server runs transformers or native targets (--backend transformers|native|auto), not llama.cpp"
         )
     runtime = runtime_config(backend, dtype, None, None, precision, native_format)
+    suffix_options = [
+        f"--{name.replace('_', '-')}"
+        for name in ("suffix_scope", "suffix_max_tokens", "suffix_cache")
+        if context.get_parameter_source(name).name == "COMMANDLINE"
+    ]
+    if suffix_options and draft != "suffix":
+        raise ConfigError(f"{', '.join(suffix_options)} set(s) the suffix drafter's history: add --draft suffix")
     if ray:
         if suffix_cache is not None:
             raise ConfigError("--suffix-cache keeps one server's history: drop it with --ray (replicas keep their own)")
@@ -265,7 +272,7 @@ def serve(
         drafter, history = server_drafter(draft, opened, serve_config)
         generator = Generator(opened, drafter, config, runtime, batch=BatchConfig(window=window))
         generator.batch_decoder()  # measures this machine's batch costs now (cached), not on the first request
-    shown = draft if draft == generator.draft_name else f"{draft} ({generator.draft_name})"
+    shown = draft if draft in (generator.draft_name, "suffix") else f"{draft} ({generator.draft_name})"
     err.print(f"serving '{generator.target.name}' with draft '{shown}' on http://{host}:{port}/v1")
     if history is not None:
         err.print(

@@ -23,6 +23,9 @@ from specdec.models import Target, TransformersBackend, open_target
 from specdec.models.precision import convert_draft
 from specdec.models.registry import bundled_draft
 
+# drafter specs whose drafters learn from the sequences they have drafted (DrafterCapabilities.learns): a benchmark
+# sends each prompt once to a fresh one
+LEARNING_SPECS = ("suffix",)
 # ``auto`` drafts with the eagle head where verifying 3 tokens costs at most this many steps
 AUTO_HEAD_MAX_VERIFY = 1.15
 DRAFT_SPECS = (
@@ -150,6 +153,7 @@ def _distilled(folder: str, target: Target, runtime: RuntimeConfig) -> ModelDraf
 
 __all__ = [
     "DRAFT_SPECS",
+    "LEARNING_SPECS",
     "CrossTokenizerDrafter",
     "EagleDrafter",
     "FallbackDrafter",

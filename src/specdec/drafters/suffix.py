@@ -23,6 +23,7 @@ feeds only the history of its own scope ("" everyone, None no one).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import zipfile
 import zlib
@@ -68,7 +69,9 @@ def _tail_hashes(tokens: Sequence[int], end: int) -> list[int]:
 def _window_hashes(tokens: np.ndarray, order: int) -> np.ndarray:
     """:func:`_tail_hashes`' hash of every window of ``order`` tokens in ``tokens``, by the window's last token."""
     windows = len(tokens) - order + 1
-    h = np.zeros(max(windows, 0), dtype=np.uint64)
+    if windows <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    h = np.zeros(windows, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for j in range(order):
             h = h * np.uint64(PRIME) + tokens[order - 1 - j : order - 1 - j + windows].astype(np.uint64) + np.uint64(1)
@@ -77,34 +80,41 @@ def _window_hashes(tokens: np.ndarray, order: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _Segment:
-    """Sorted window hashes over some sequences, with the position of each window's last token."""
+    """Sorted window hashes over some sequences, with the position of each window's last token; its positions span
+    ``low..high`` (the sequences it indexes lie one after another)."""
 
     keys: np.ndarray  # uint64, sorted
     positions: np.ndarray  # int64, ascending within equal keys
+    low: int
+    high: int
 
     @staticmethod
-    def build(tokens: np.ndarray, start: int) -> _Segment:
-        """The index of one sequence whose first token sits at global position ``start``."""
+    def build(tokens: np.ndarray, start: int, salt: int = 0) -> _Segment:
+        """The index of one sequence whose first token sits at global position ``start``; ``salt`` is mixed into its
+        keys (the store's scope number: a lookup never sees another scope's windows)."""
         keys, positions = [], []
         for order in ORDERS:
             if len(tokens) > order:  # a window needs a token after it to be worth finding
-                keys.append(_window_hashes(tokens[:-1], order))
+                keys.append(_window_hashes(tokens[:-1], order) ^ np.uint64(salt))
                 positions.append(np.arange(start + order - 1, start + len(tokens) - 1, dtype=np.int64))
         if not keys:
-            return _Segment(np.zeros(0, np.uint64), np.zeros(0, np.int64))
-        return _Segment.sorted(np.concatenate(keys), np.concatenate(positions))
-
-    @staticmethod
-    def sorted(keys: np.ndarray, positions: np.ndarray) -> _Segment:
-        order = np.lexsort((positions, keys))
-        return _Segment(keys[order], positions[order])
+            return _Segment(np.zeros(0, np.uint64), np.zeros(0, np.int64), start, start)
+        keys_, positions_ = np.concatenate(keys), np.concatenate(positions)
+        order = np.lexsort((positions_, keys_))
+        return _Segment(keys_[order], positions_[order], start, start + len(tokens) - 1)
 
     @staticmethod
     def merge(segments: Sequence[_Segment]) -> _Segment:
         """One segment of ``segments``, oldest first: a stable sort of sorted runs is a linear merge."""
         keys = np.concatenate([s.keys for s in segments])
         order = np.argsort(keys, kind="stable")
-        return _Segment(keys[order], np.concatenate([s.positions for s in segments])[order])
+        positions = np.concatenate([s.positions for s in segments])[order]
+        return _Segment(keys[order], positions, min(s.low for s in segments), max(s.high for s in segments))
+
+    def after(self, floor: int) -> _Segment:
+        """The windows that end at ``floor`` or later."""
+        live = self.positions >= floor
+        return _Segment(self.keys[live], self.positions[live], max(self.low, floor), self.high)
 
     def find(self, queries: np.ndarray, limit: int) -> list[np.ndarray]:
         """For each query hash, the positions of its last ``limit`` windows (the most recent), oldest first."""
@@ -120,22 +130,30 @@ class _Segment:
         return self.keys.nbytes + self.positions.nbytes
 
 
+def _salt(owner: int) -> int:
+    """What a scope number mixes into its windows' keys (0 for the first scope)."""
+    return (owner * 0xD6E8FEB86659FD93) & MASK64
+
+
 class SuffixStore:
-    """The outputs of finished sequences, per scope, at most ``max_tokens`` of them (the oldest leave first), with an
-    index of their n-grams. Safe to share between threads."""
+    """The outputs of finished sequences, per scope, at most ``max_tokens`` of them (the oldest leave first, whatever
+    their scope), with an index of their n-grams. Safe to share between threads; adding costs about the added
+    sequence, not the store (segments merge geometrically, evicted windows are skipped until half a segment is dead)."""
 
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         if max_tokens < 0:
             raise ConfigError(f"the suffix store's size must be 0 or more tokens, got {max_tokens}")
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
-        self._tokens = np.zeros(0, np.int32)  # every kept sequence, each followed by -1
-        self._owners = np.zeros(0, np.int32)  # the scope number of each token
+        self._tokens = np.zeros(1024, np.int32)  # every kept sequence, each followed by -1; grows by doubling
+        self._owners = np.zeros(1024, np.int32)  # the scope number of each token
+        self._used = 0  # entries of _tokens in use
         self._base = 0  # the global position of _tokens[0]
         self._sequences: deque[tuple[int, int]] = deque()  # (global start, global end) of each kept sequence
         self._segments: list[_Segment] = []
         self._scopes: dict[str, int] = {}
         self._count = 0  # tokens kept
+        self._nbytes = 0  # memory held, updated by add (read without the lock)
 
     @property
     def token_count(self) -> int:
@@ -143,9 +161,8 @@ class SuffixStore:
 
     @property
     def nbytes(self) -> int:
-        """Memory held: the tokens, their scopes and the index."""
-        with self._lock:
-            return self._tokens.nbytes + self._owners.nbytes + sum(s.nbytes for s in self._segments)
+        """Memory held: the tokens, their scopes and the index (as of the last add)."""
+        return self._nbytes
 
     def add(self, tokens: Sequence[int] | np.ndarray, scope: str = "") -> None:
         """Keep ``tokens`` (one finished sequence's output) for later sequences of ``scope``."""
@@ -154,33 +171,49 @@ class SuffixStore:
             return  # nothing to copy from, or more than the whole store
         with self._lock:
             owner = self._scopes.setdefault(scope, len(self._scopes))
-            start = self._base + len(self._tokens)
-            self._tokens = np.concatenate([self._tokens, tokens, np.int32([-1])])
-            self._owners = np.concatenate([self._owners, np.full(len(tokens) + 1, owner, np.int32)])
+            self._append(tokens, owner)
+            start = self._base + self._used - len(tokens) - 1
             self._sequences.append((start, start + len(tokens)))
             self._count += len(tokens)
-            self._segments.append(_Segment.build(tokens, start))
+            self._segments.append(_Segment.build(tokens, start, _salt(owner)))
             self._evict()
             self._compact_index()
+            self._nbytes = self._tokens.nbytes + self._owners.nbytes + sum(s.nbytes for s in self._segments)
+
+    def _append(self, tokens: np.ndarray, owner: int) -> None:
+        need = self._used + len(tokens) + 1
+        if need > len(self._tokens):
+            size = max(need, 2 * len(self._tokens))
+            self._tokens = np.concatenate([self._tokens[: self._used], np.zeros(size - self._used, np.int32)])
+            self._owners = np.concatenate([self._owners[: self._used], np.zeros(size - self._used, np.int32)])
+        self._tokens[self._used : need - 1] = tokens
+        self._tokens[need - 1] = -1
+        self._owners[self._used : need] = owner
+        self._used = need
 
     def _evict(self) -> None:
         while self._count > self.max_tokens:
             start, end = self._sequences.popleft()
             self._count -= end - start
-        floor = self._sequences[0][0] if self._sequences else self._base + len(self._tokens)
-        # drop the index of evicted sequences: whole segments, or the evicted part of a merged one
+        floor = self._floor
         kept = []
         for segment in self._segments:
-            if len(segment) and segment.positions.max() < floor:
-                continue
-            if len(segment) and segment.positions.min() < floor:
-                live = segment.positions >= floor
-                segment = _Segment(segment.keys[live], segment.positions[live])
+            if segment.high < floor:
+                continue  # wholly evicted
+            if segment.low < floor and (floor - segment.low) * 2 > segment.high - segment.low:
+                segment = segment.after(floor)  # mostly evicted: lookups skip the rest until then
             kept.append(segment)
         self._segments = kept
         dead = floor - self._base
-        if dead > len(self._tokens) // 2:
-            self._tokens, self._owners, self._base = self._tokens[dead:], self._owners[dead:], floor
+        if dead * 2 > self._used:  # move the live tokens to the front
+            live = self._used - dead
+            self._tokens[:live], self._owners[:live] = self._tokens[dead : self._used], self._owners[dead : self._used]
+            self._used, self._base = live, floor
+
+    @property
+    def _floor(self) -> int:
+        """The global position of the oldest kept token."""
+        return self._sequences[0][0] if self._sequences else self._base + self._used
 
     def _compact_index(self) -> None:
         """Merge the newest segments while they are as large as the one before (sizes stay geometric), and the
@@ -204,21 +237,21 @@ class SuffixStore:
             owner = self._scopes.get(scope)
             if owner is None or not self._segments or not queries:
                 return 0, []
-            keys = np.array(queries, dtype=np.uint64)
-            found = [segment.find(keys, 4 * limit) for segment in self._segments]
-            floor = self._sequences[0][0] if self._sequences else 0
+            keys = np.array(queries, dtype=np.uint64) ^ np.uint64(_salt(owner))
+            found = [segment.find(keys, 2 * limit) for segment in self._segments]
+            floor = self._floor
             for i in reversed(range(len(queries))):
                 positions = np.concatenate([f[i] for f in found])
                 positions = positions[positions >= floor]
-                positions = positions[self._owners[positions - self._base] == owner]
+                positions = positions[self._owners[positions - self._base] == owner]  # a hash collision across scopes
                 if len(positions):
                     return ORDERS[i], self._continuations(np.sort(positions)[-limit:][::-1], length)
             return 0, []
 
     def _continuations(self, positions: np.ndarray, length: int) -> list[list[int]]:
         offsets = positions[:, None] - self._base + 1 + np.arange(length)
-        windows = self._tokens[np.minimum(offsets, len(self._tokens) - 1)]
-        windows = np.where(offsets < len(self._tokens), windows, -1)
+        windows = self._tokens[np.minimum(offsets, self._used - 1)]
+        windows = np.where(offsets < self._used, windows, -1)
         runs = []
         for window in windows.tolist():
             end = window.index(-1) if -1 in window else length
@@ -229,16 +262,18 @@ class SuffixStore:
         """Write the kept sequences (not the index: it is rebuilt on load) for ``model``'s tokenizer."""
         with self._lock:
             spans = np.array(self._sequences, dtype=np.int64).reshape(-1, 2)
-            tokens = [self._tokens[s - self._base : e - self._base] for s, e in spans]
+            # copies: the buffer changes in place once the lock is released
+            flat = np.concatenate([self._tokens[s - self._base : e - self._base] for s, e in spans] or [np.zeros(0)])
             owners = np.array([self._owners[s - self._base] for s, _ in spans], dtype=np.int32)
             scopes = sorted(self._scopes, key=self._scopes.__getitem__)
-        flat = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
-        lengths = np.array([len(t) for t in tokens], dtype=np.int64)
+        flat = flat.astype(np.int32)
+        lengths = (spans[:, 1] - spans[:, 0]).astype(np.int64)
         meta = {"format": FORMAT, "version": VERSION, "model": model, "scopes": scopes}
         meta["checksum"] = zlib.crc32(flat.tobytes() + lengths.tobytes() + owners.tobytes())
         path = Path(path)
         temporary = path.with_name(path.name + ".tmp")
-        with open(temporary, "wb") as out:  # a stopped write leaves the old file whole
+        # readable by its owner only (it holds users' answers); a stopped write leaves the old file whole
+        with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
             np.savez(out, meta=np.array(json.dumps(meta)), tokens=flat, lengths=lengths, owners=owners)
         temporary.replace(path)
 
@@ -248,12 +283,17 @@ class SuffixStore:
         of ``model``, is damaged, or holds tokens outside the vocabulary."""
         fix = f"delete it or pass another --suffix-cache (it is rewritten when the server stops): {path}"
         try:
-            with np.load(path, allow_pickle=False) as data:
+            data = np.load(path, allow_pickle=False)
+            if not isinstance(data, np.lib.npyio.NpzFile):
+                raise ValueError("not an .npz archive")
+            with data:
                 meta = json.loads(str(data["meta"]))
                 flat, lengths, owners = data["tokens"], data["lengths"], data["owners"]
         except FileNotFoundError:
             raise
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        except PermissionError:
+            raise ConfigError(f"cannot read the suffix cache {path}: give this process read access to it") from None
+        except (OSError, ValueError, KeyError, TypeError, EOFError, RecursionError, zipfile.BadZipFile) as exc:
             raise ConfigError(f"not a specdec suffix cache ({type(exc).__name__}): {fix}") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ConfigError(f"not a specdec suffix cache: {fix}")
@@ -274,9 +314,11 @@ class SuffixStore:
         )
         checksum = zlib.crc32(flat.tobytes() + lengths.tobytes() + owners.tobytes()) if shapes_ok else None
         scopes = meta.get("scopes")
-        if not shapes_ok or checksum != meta.get("checksum") or not isinstance(scopes, list):
+        scopes_ok = isinstance(scopes, list) and all(isinstance(scope, str) for scope in scopes)
+        if not shapes_ok or checksum != meta.get("checksum") or not scopes_ok:
             raise ConfigError(f"a damaged suffix cache: {fix}")
-        if len(flat) and (flat.min() < 0 or flat.max() >= vocab_size) or len(owners) and owners.max() >= len(scopes):
+        tokens_bad = len(flat) and (flat.min() < 0 or flat.max() >= vocab_size)
+        if tokens_bad or len(owners) and (owners.min() < 0 or owners.max() >= len(scopes)):
             raise ConfigError(f"a suffix cache with tokens or scopes out of range: {fix}")
         store = cls(max_tokens)
         for tokens, owner in zip(np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else [], owners, strict=True):
@@ -338,7 +380,7 @@ class SuffixDrafter(Drafter):
 
     def finish(self, tokens: torch.Tensor, prompt_length: int) -> None:
         """Keep the output, led in by the prompt's last tokens (so the step from a prompt to its answer matches)."""
-        if self.scope is not None:
+        if self.scope is not None and len(tokens) > prompt_length:  # no output (cancelled at once): nothing to keep
             self.store.add(tokens[max(0, prompt_length - LEAD_IN) :].numpy(), self.scope)
 
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
@@ -389,7 +431,9 @@ def _scored_tree(runs: list[list[int]], depth: int, budget: int, branches: int) 
     number = {node: i for i, node in enumerate(kept)}
     return Proposal(
         torch.tensor([trie.tokens[node] for node in kept], dtype=torch.long),
-        parents=None if branches == 1 else torch.tensor([number.get(trie.parents[node], -1) for node in kept]),
+        parents=None
+        if branches == 1
+        else torch.tensor([number.get(trie.parents[node], -1) for node in kept], dtype=torch.long),
         scores=torch.tensor([min(1.0, weights[node] / total) for node in kept]),
         steps=0,
     )

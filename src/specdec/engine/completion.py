@@ -74,6 +74,7 @@ class Completion:
         """Decode alone: the same step as a batch, on this Generator's own (or a forked) single-sequence backend."""
         gen = self.generator
         backend, drafter = gen.acquire()
+        decoder = None
         try:
             decoder = Decoder(
                 backend.row_backend(batch=False, trees=self.config.branches > 1, cuda_graphs=gen.batch.cuda_graphs)
@@ -85,6 +86,8 @@ class Completion:
                     if update.text:
                         yield update.text
         finally:
+            if decoder is not None:
+                decoder.leave(self)  # abandoned or failed: its drafter still hears that it ended
             gen.release(backend)
 
     def take(self, ids: list[int]) -> str:

@@ -46,6 +46,11 @@ class ServeConfig:
             raise ConfigError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.suffix_scope not in SUFFIX_SCOPES:
             raise ConfigError(f"unknown suffix scope '{self.suffix_scope}': use one of {', '.join(SUFFIX_SCOPES)}")
+        if self.suffix_scope == "key" and not self.api_keys:
+            raise ConfigError(
+                "--suffix-scope key shares history per API key, and no keys are set: set --api-key, or use global or "
+                "request"
+            )
         if self.suffix_max_tokens < 0:
             raise ConfigError(f"suffix_max_tokens must be >= 0, got {self.suffix_max_tokens}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):

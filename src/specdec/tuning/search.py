@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from specdec.bench.methods import PEER_PREFIXES, check_method
 from specdec.bench.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts, round_robin
 from specdec.config import PRESETS, TREE_BRANCHES, TREE_SUFFIX, GenerationConfig, RuntimeConfig, SamplingConfig
-from specdec.drafters import build_drafter
+from specdec.drafters import LEARNING_SPECS, build_drafter
 from specdec.engine import Generator
 from specdec.errors import ConfigError, PromptError, SpecDecError
 from specdec.machine import fingerprint
@@ -182,6 +182,11 @@ def plan(config: TuneConfig) -> tuple[dict[str, RuntimeConfig], list[str], int]:
             or check_method(spec, config.target) is not None
         ):
             raise ConfigError(f"'{spec}' is not a drafter to tune: use a --draft spec, or DRAFTER{TREE_SUFFIX}")
+        if drafter in LEARNING_SPECS:
+            raise ConfigError(
+                f"'{spec}' learns from the answers it has drafted, and tune replays the same prompts: "
+                "compare it with `specdec bench --methods prompt-lookup,suffix`"
+            )
     return available, drafters, len(available) + len(drafters) + 1
 
 
