@@ -262,6 +262,10 @@ COMMANDS_TEXT = """
   $SUFFIX --prompts agentic --temperature 0.7
 2026-12-03-cpu-native-suffix-default-t0.7
   $SUFFIX --prompts default --temperature 0.7
+2026-12-03-cpu-native-serve-agentic-suffix
+  specdec bench-serve --prompts agentic --draft suffix --clients 1,8 --duration 40 --max-tokens 64
+2026-12-03-cpu-native-serve-agentic-prompt-lookup
+  specdec bench-serve --prompts agentic --draft prompt-lookup --clients 1,8 --duration 40 --max-tokens 64
 """
 VARIABLES = {
     "J": "benchmarks/results/",
@@ -528,12 +532,14 @@ def suffix_store(results: list[Result]) -> list[Block]:
     cells = [
         [f"{s['cached_tokens']:,}", f"{s['propose_ms_p50']:.3f} / {s['propose_ms_p99']:.3f}"]
         + [f"{s['bytes_per_token']:.0f}", f"{s['store_bytes'] / 2**20:.0f}", f"{s['peak_rss_bytes'] / 2**20:.0f}"]
-        + [f"{s['add_ms_per_answer']:.2f}", r.machine, r.date, r.link]
+        + [f"{s['peak_rss_before_store_bytes'] / 2**20:.0f}", f"{s['add_ms_per_answer']:.2f}"]
+        + [num(s.get("add_ms_per_answer_when_full")), r.machine, r.date, r.link]
         for r in newest_per_machine(results)
         for s in r.data["store_sizes"]
     ]
     header = ["cached tokens", "propose p50 / p99 ms", "bytes per token", "store MiB", "peak RSS MiB"]
-    header += ["add ms per 256-token answer", "machine", "date", "result"]
+    header += ["RSS before the store MiB", "add ms per 256-token answer", "add ms when full", "machine", "date"]
+    header += ["result"]
     title = "The suffix drafter's store at scale (`benchmarks/suffix_store.py`)"
     return [block("Across runtimes", title, header, cells, newest_per_machine(results))] if cells else []
 
@@ -591,12 +597,12 @@ def serve(results: list[Result]) -> list[Block]:
 def serve_runs(results: list[Result]) -> list[Block]:
     """`bench-serve` runs at several client counts (against llama-server where it ran): one table per run."""
     kept = latest(
-        ((c["max_tokens"], c["temperature"], " ".join(c["server_args"]), r.machine), r, None)
+        ((c["prompts"], c["draft"], c["max_tokens"], c["temperature"], " ".join(c["server_args"]), r.machine), r, None)
         for r in results
         for c in [r.data["config"]]
     )
     blocks = []
-    for (tokens, temperature, args, _), (r, _) in kept.items():
+    for (prompts, _, tokens, temperature, args, _), (r, _) in kept.items():
         runs = r.data["runs"]
         speed = {(run["server"], run["speculation"].split(" ")[0], run["clients"]): run["tokens_per_s"] for run in runs}
         cells = []
@@ -613,7 +619,8 @@ def serve_runs(results: list[Result]) -> list[Block]:
         header = ["server", "speculation", "clients", "tok/s", "vs 1 client", "vs llama-server spec. on"]
         header += ["latency p50 / p99 s", "peak RSS MiB", "identical", "errors"]
         sampling = "greedy" if temperature == 0 else f"T = {temperature}"
-        title = f"specdec serve against llama-server ({tokens}-token answers, {sampling}, {r.machine}, {r.date})"
+        against = " against llama-server" if "llama-server" in {run["server"] for run in runs} else ""
+        title = f"specdec serve{against} (`{prompts}` prompts, {tokens}-token answers, {sampling}, {r.machine})"
         note = (
             f"One run ({r.link}); specdec options: `{args or 'defaults'}`, {r.data['config']['slots']} sequences "
             "decoded together by each server. vs 1 client: over the same server with one client (requests one after "

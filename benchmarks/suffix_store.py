@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,12 @@ def corpus(tokens_wanted: int, held_out: bool) -> list[int]:
     return tokens[:tokens_wanted]
 
 
+def _peak_rss() -> int:
+    """This process's resident-memory high-water mark (VmHWM; ru_maxrss would keep the parent's across exec)."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
 def measure(size: int, steps: int, tokens: Path) -> dict:
     import numpy as np
     import torch
@@ -51,12 +56,16 @@ def measure(size: int, steps: int, tokens: Path) -> dict:
 
     with np.load(tokens) as data:
         stored, queries = data["stored"][:size].tolist(), data["queries"].tolist()
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss_before = _peak_rss()
     store = SuffixStore(max_tokens=size)
     start = time.perf_counter()
     for i in range(0, len(stored), ANSWER):
         store.add(stored[i : i + ANSWER])
     fill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for i in range(0, 100 * ANSWER, ANSWER):  # the store is full: each answer added evicts the oldest
+        store.add(queries[i % 4096 : i % 4096 + ANSWER])
+    full_add_s = (time.perf_counter() - start) / 100
     drafter = SuffixDrafter(store)
     drafter.begin(DraftSettings())
     context = torch.tensor(queries[:512])
@@ -79,7 +88,8 @@ def measure(size: int, steps: int, tokens: Path) -> dict:
         "propose_ms_p99": 1000 * times[int(0.99 * (len(times) - 1))],
         "propose_ms_mean": 1000 * statistics.fmean(times),
         "mean_nodes": statistics.fmean(nodes),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "add_ms_per_answer_when_full": 1000 * full_add_s,
+        "peak_rss_bytes": _peak_rss(),
         "peak_rss_before_store_bytes": rss_before,
     }
 
