@@ -86,6 +86,7 @@ def test_quick_bench_writes_every_output(
         "greedy_identical_share",
         "notes",
         "target_forward_cost_ms",
+        "positions",
     }
     assert list(data["target_forward_cost_ms"]) == ["1", "2", "3", "5", "9", "13", "17"]
     assert all(ms > 0 for ms in data["target_forward_cost_ms"].values())
