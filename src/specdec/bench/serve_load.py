@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -96,24 +97,25 @@ def run_load_benchmark(config: LoadConfig, say: Callable[[str], None] = print) -
     from specdec.machine import cpu_name
 
     prompts = [p.prompt for p in load_prompts(config.prompts)]
-    servers: list[tuple[str, str, _Server]] = [
-        ("specdec", "off", _SpecdecServer(config, "none")),
-        ("specdec", f"on ({config.draft})", _SpecdecServer(config, config.draft)),
+    # (server, speculation, how to start one: each start gets a fresh port and key)
+    servers: list[tuple[str, str, Callable[[], _Server]]] = [
+        ("specdec", "off", partial(_SpecdecServer, config, "none")),
+        ("specdec", f"on ({config.draft})", partial(_SpecdecServer, config, config.draft)),
     ]
     if config.llama_server is not None:
         servers += [
-            ("llama-server", "off", _LlamaServer(config, speculation=False)),
-            ("llama-server", f"on ({LLAMA_SPECULATION})", _LlamaServer(config, speculation=True)),
+            ("llama-server", "off", partial(_LlamaServer, config, speculation=False)),
+            ("llama-server", f"on ({LLAMA_SPECULATION})", partial(_LlamaServer, config, speculation=True)),
         ]
     # A drafter that learns (suffix) would copy answers to prompts sent before: then each client count gets a fresh
     # server and each prompt is sent once.
     learns = config.draft in LEARNING_SPECS
     runs = []
-    for server_name, speculation, server in servers:
+    for server_name, speculation, start in servers:
         label = f"{server_name}, speculation {speculation}"
         for counts in [[c] for c in sorted(config.clients)] if learns else [sorted(config.clients)]:
             say(f"{label}: starting the server")
-            server = server.fresh()
+            server = start()
             with server as url:
                 asyncio.run(_load(server, url, [WARM_UP], 1, 5, config))  # loading, first-request costs
                 for clients in counts:
@@ -278,14 +280,9 @@ class _Server:
             self.port = sock.getsockname()[1]
         self.command: list[str] = []
         self.env: dict[str, str] = {}
-        self.arguments: tuple = ()  # what the subclass was built from (fresh)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key}"} if self.key else {}
-
-    def fresh(self) -> _Server:
-        """The same server to start anew (a new port and key)."""
-        return self.__class__(*self.arguments)
 
     def body(self, prompt: str, config: LoadConfig) -> dict:
         return {
@@ -336,7 +333,6 @@ class _Server:
 class _SpecdecServer(_Server):
     def __init__(self, config: LoadConfig, draft: str) -> None:
         super().__init__(config)
-        self.arguments = (config, draft)
         self.command = [shutil.which("specdec") or "specdec", "serve", "--target", config.target, "--draft", draft]
         self.command += ["--port", str(self.port), "--max-batch", str(config.batch), *config.server_args]
         self.env = {"SPECDEC_API_KEYS": self.key or ""}
@@ -349,7 +345,6 @@ class _LlamaServer(_Server):
         from specdec.models.target import gguf_path
 
         super().__init__(config)
-        self.arguments = (config, speculation)
         context = 2048 + config.max_tokens  # per slot: the longest prompt of the shipped sets, then the answer
         self.command = [str(config.llama_server), "-m", gguf_path(config.target), "--port", str(self.port)]
         self.command += ["-t", str(os.cpu_count()), "-np", str(config.batch), "-cb", "-c", str(context * config.batch)]

@@ -330,9 +330,17 @@ class _RequestIndex:
     """The current sequence's own windows: its prompt's in a segment, then those of its output as it grows."""
 
     def __init__(self) -> None:
+        self.tokens: list[int] = []  # the sequence so far, extended by what each step adds
         self.prompt: _Segment | None = None
         self.positions: dict[int, list[int]] = {}  # windows ending in the output (and the prompt's last token)
         self.indexed = 0  # windows ending before this position are in
+
+    def extend(self, context: torch.Tensor) -> list[int]:
+        """The sequence as a list, converting only the tokens added since the last step (``context`` continues it);
+        indexed."""
+        self.tokens += context[len(self.tokens) :].tolist()
+        self.update(self.tokens)
+        return self.tokens
 
     def update(self, context: list[int]) -> None:
         """Index every window of ``context`` that a token follows."""
@@ -388,8 +396,9 @@ class SuffixDrafter(Drafter):
         matches longer), merged into a tree where each node scores the share of matches it continues, the recent ones
         weighing more; with one branch, the likeliest path as a chain, without scores (a share of few matches
         understates how often a copy comes true: the k policy sizes chains from the acceptance it measures)."""
-        tokens = context.tolist()
-        self._own.update(tokens)
+        if len(context) < len(self._own.tokens):  # not a continuation of this sequence: start over
+            self._own = _RequestIndex()
+        tokens = self._own.extend(context)
         queries = _tail_hashes(tokens, len(tokens) - 1) if tokens else []
         n_own, own = self._own.matches(tokens, queries, k)
         n_store, stored = (0, []) if self.scope is None else self.store.lookup(queries, self.scope, k)
