@@ -224,5 +224,3 @@ def test_commands_refuse_what_a_learning_drafter_would_fake() -> None:
         BatchBenchConfig(draft="suffix")
     result = CliRunner().invoke(app, ["serve", "--draft", "prompt-lookup", "--suffix-max-tokens", "10"])
     assert result.exit_code == 2 and "add --draft suffix" in result.output and "Traceback" not in result.output
-    result = CliRunner().invoke(app, ["tune", "--drafters", "suffix", "--out", "/nonexistent/tuned"])
-    assert result.exit_code == 2 and "learns" in result.output

@@ -16,10 +16,10 @@ from specdec.bench.methods import OracleDrafter, check_method, oracle_accuracy
 from specdec.bench.prompts import BenchPrompt, round_robin
 from specdec.cli.main import app
 from specdec.config import PRESETS, GenerationConfig, RuntimeConfig, SamplingConfig
-from specdec.drafters import PromptLookupDrafter
+from specdec.drafters import PromptLookupDrafter, build_drafter
 from specdec.errors import ConfigError, PromptError
 from specdec.profile import Profile, ProfileError, ProfileWarning
-from specdec.tuning.search import MARGIN, TuneConfig, plan, tune
+from specdec.tuning.search import DEFAULT_DRAFTER, MIN_HELD_OUT, TuneConfig, plan, tune
 
 RUNTIMES = ("transformers/float32", "transformers/cpu")  # on every CPU; native needs head sizes the tiny model lacks
 
@@ -32,6 +32,10 @@ def prompts_file(tmp_path: Path) -> Path:
         ("chat", "hello there hello there"),
         ("code", "x = 1; x = 1; x ="),
         ("chat", "the cat the cat"),
+        ("code", "def f(): return f"),
+        ("chat", "why not? why not?"),
+        ("code", "a, b = b, a; a, b ="),
+        ("chat", "good day to you, good day"),
     ]
     path.write_text(
         "".join(json.dumps({"id": f"p{i}", "category": c, "prompt": p}) + "\n" for i, (c, p) in enumerate(items))
@@ -201,28 +205,84 @@ def test_the_prediction_replays_sampled_steps_on_each_runtimes_curve() -> None:
     # on the flat curve verifying is nearly free; on the steep one each position costs a step
     flat = RuntimeFigures("flat", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.011}), 1 / 0.011, 0.001, 0.0)
     steep = RuntimeFigures("steep", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.090}), 95.0, 0.001, 0.0)
-    steps = [(8, 8, 0.0008), (8, 0, 0.0008)]  # one step accepted all 8, one none
-    sample = DrafterSample("prompt-lookup", ["flat", "steep"], steps)
-    tree = DrafterSample("prompt-lookup+tree", ["flat"], steps)
+    steps = [(8, 8), (8, 0)]  # one step accepted all 8, one none
+    drafting = {1: 0.0004, 8: 0.0008}  # measured at k = 1 and k = 8: a fixed cost and a cost per token
+    sample = DrafterSample("prompt-lookup", ["flat", "steep"], steps, drafting)
+    tree = DrafterSample("prompt-lookup+tree", ["flat"], steps, {8: 0.0008})
     candidates = _predict({"flat": flat, "steep": steep}, [sample, tree], max_k=8)
     by_key = {(c.runtime, c.drafter, c.k): c.predicted_tokens_per_s for c in candidates}
     # at k = 8 on the flat curve: (9 + 1) tokens over 2 x (11 ms + 1 ms overhead + 0.8 ms drafting)
     assert by_key[("flat", "prompt-lookup", 8)] == pytest.approx(10 / (2 * 0.0128))
-    # at k = 2: min(8, 2) + 1 and 0 + 1 tokens; forwards over 3 tokens; drafting scaled by 2 / 8
-    assert by_key[("flat", "prompt-lookup", 2)] == pytest.approx(4 / (2 * (0.01025 + 0.001 + 0.0002)))
+    # at k = 2: min(8, 2) + 1 and 0 + 1 tokens; forwards over 3 tokens; drafting between k = 1's and k = 8's
+    assert sample.draft_s(2) == pytest.approx(0.0004 + 0.0004 / 7)
+    assert by_key[("flat", "prompt-lookup", 2)] == pytest.approx(4 / (2 * (0.01025 + 0.001 + sample.draft_s(2))))
     assert by_key[("flat", "none", 1)] == pytest.approx(1 / 0.011)
     # steep's target-only ran at 95 tok/s where curve and overhead say 1 / 11 ms: its predictions scale by 95 x 0.011
     assert by_key[("steep", "none", 1)] == pytest.approx(95.0)
-    assert by_key[("steep", "prompt-lookup", 1)] == pytest.approx(95 * 0.011 * 3 / (2 * (0.020 + 0.001 + 0.0001)))
+    assert by_key[("steep", "prompt-lookup", 1)] == pytest.approx(95 * 0.011 * 3 / (2 * (0.020 + 0.001 + 0.0004)))
     assert ("steep", "prompt-lookup+tree", 8) not in by_key  # the tree does not run there
     assert [k for r, d, k in by_key if d == "prompt-lookup+tree"] == [8]  # a tree is not cut to a prefix
     assert candidates[0].runtime == "flat" and candidates[0].drafter != "none"
     steep_best = max((c for c in candidates if c.runtime == "steep"), key=lambda c: c.predicted_tokens_per_s)
     assert steep_best.k == 1 or steep_best.drafter == "none"  # where positions cost a step, drafting deep never pays
     chosen = _confirmation_set(candidates, {"flat": flat, "steep": steep}, count=2, max_k=8)
-    labels = [c.label for c in chosen]
-    assert labels[-2:] == ["flat / none", "steep / none"] or set(labels[-2:]) == {"flat / none", "steep / none"}
-    assert any(c.k_policy == "cost-model" for c in chosen)
+    labels = {c.label for c in chosen}
+    assert {"flat / none", "steep / none"} <= labels  # target-only where a contender runs, and on the fastest
+    defaults = [c for c in chosen if c.drafter == DEFAULT_DRAFTER]
+    assert {c.runtime for c in defaults} == {"flat", "steep"} and all(
+        c.predicted_tokens_per_s is None for c in defaults
+    )
+    assert all((c.k, c.k_policy) == (GenerationConfig().k, GenerationConfig().k_policy) for c in defaults)
+    assert any(c.k_policy == "cost-model" and c.drafter == "prompt-lookup" for c in chosen)
+
+
+def test_a_fixed_cost_per_step_is_not_scaled_away_at_small_k() -> None:
+    from specdec.tuning.search import DrafterSample
+
+    head = DrafterSample("eagle", ["native"], [(8, 1)], {1: 0.005, 8: 0.006})
+    assert head.draft_s(1) == 0.005 and head.draft_s(4) == pytest.approx(0.005 + 0.003 / 7)
+    assert head.draft_s(12) == 0.006  # flat beyond the measured k
+    assert DrafterSample("x", ["native"], [(8, 1)], {8: 0.002}).draft_s(1) == 0.002  # one measurement: flat
+
+
+def test_prompts_are_split_per_category_and_small_files_or_budgets_are_refused() -> None:
+    from specdec.tuning.search import _split
+
+    pool = [(BenchPrompt(f"{c}{i}", c, "x"), [1, 2]) for c in ("a", "b", "c") for i in range(4)]
+    search, held_out = _split(pool, TuneConfig(), prompt_s=0.01, drafters=3, runtimes=2, spent_s=1.0)
+    assert [p.id for p, _ in held_out] == ["a0", "b0", "c0", "a2", "b2", "c2"]
+    assert [p.id for p, _ in search] == ["a1", "b1", "c1", "a3", "b3", "c3"]
+    with pytest.raises(PromptError, match=f"at least {MIN_HELD_OUT} held-out prompts.*give at least 8 prompts"):
+        _split(pool[:2] + pool[4:6], TuneConfig(), prompt_s=0.01, drafters=3, runtimes=2, spent_s=1.0)
+    with pytest.raises(PromptError, match="two of every category"):
+        _split(pool[:9], TuneConfig(), prompt_s=0.01, drafters=3, runtimes=2, spent_s=1.0)  # c has one prompt
+    # at 5 s a prompt, 8 contenders on 4 held-out prompts need 160 s of the 40% left for confirmation
+    with pytest.raises(ConfigError, match="--budget-s 120 buys .* held-out prompts here.*give at least 400 s"):
+        _split(pool, TuneConfig(budget_s=120), prompt_s=5.0, drafters=3, runtimes=2, spent_s=10.0)
+    # 200 s buy 5 held-out prompts at 40 s; 290 s buy 3 search prompts at 80 s (10 drafters): every category
+    search, held_out = _split(pool, TuneConfig(budget_s=500), prompt_s=5.0, drafters=10, runtimes=2, spent_s=10.0)
+    assert len(held_out) == 5 and [p.category for p, _ in search] == ["a", "b", "c"]
+
+
+def test_the_default_is_kept_unless_a_contender_beats_it_beyond_the_noise() -> None:
+    from specdec.tuning.search import Candidate, _choose
+
+    def measured(drafter: str, rates: list[float]) -> Candidate:
+        c = Candidate("native", drafter, 8, "fixed", 100.0)
+        c.measured_by_prompt, c.measured_tokens_per_s = rates, sum(rates) / len(rates)
+        return c
+
+    default = measured(DEFAULT_DRAFTER, [100, 100, 100, 100])
+    target_only = measured("none", [60, 60, 60, 60])
+    steady = measured("eagle", [106, 106, 106, 106])  # 6% faster on every prompt: beyond the margin and the noise
+    assert _choose([default, target_only, steady])[0] is steady
+    noisy = measured("eagle", [150, 70, 140, 80])  # 10% faster overall, but up and down by prompt
+    chosen, reference, threshold = _choose([default, target_only, noisy])
+    assert chosen is default and reference is default and threshold > 1.10
+    slight = measured("eagle", [102, 102, 102, 102])  # within the margin
+    assert _choose([default, target_only, slight])[0] is default
+    slow_default = measured(DEFAULT_DRAFTER, [50, 50, 50, 50])  # the default loses to target-only: target-only wins
+    assert _choose([slow_default, target_only])[0] is target_only
 
 
 def test_sampled_prompts_cover_every_category() -> None:
@@ -231,7 +291,7 @@ def test_sampled_prompts_cover_every_category() -> None:
     assert len(round_robin(prompts)) == 15
 
 
-def test_tune_measures_predicts_confirms_and_never_picks_slower_than_target_only(
+def test_tune_measures_predicts_confirms_on_held_out_prompts_and_never_picks_slower_than_the_default(
     tmp_path: Path, prompts_file: Path
 ) -> None:
     tokenizer = char_tokenizer()
@@ -246,20 +306,87 @@ def test_tune_measures_predicts_confirms_and_never_picks_slower_than_target_only
     assert len(seen) == plan(config)[2]  # one progress unit per runtime, per drafter, and the confirmation
     assert set(results["runtimes"]) == set(RUNTIMES)
     for figures in results["runtimes"].values():
-        assert figures["cost_ms"][1] > 0 and figures["target_only_tokens_per_s"] > 0
-    assert results["drafters"]["prompt-lookup"]["steps"] > 0
+        assert figures["cost_ms"][1] > 0 and figures["target_only_tokens_per_s"] > 0 and figures["prompt_s"] > 0
+    sampled = results["drafters"]["prompt-lookup"]
+    assert sampled["steps"] > 0 and set(sampled["draft_ms_by_k"]) == {1, 8}
+    # the search and the confirmation use different prompts, each covering both categories
+    split = results["prompts"]
+    assert len(split["held_out"]) == len(split["search"]) == 4 and not set(split["held_out"]) & set(split["search"])
+    assert set(results["categories"]) == {"code", "chat"}
     predicted = {(c["runtime"], c["drafter"], c["k"]) for c in results["candidates"]}
     assert {(r, "prompt-lookup", k) for r in RUNTIMES for k in range(1, 9)} <= predicted
     confirmed = results["confirmed"]
-    assert any(c["drafter"] == "none" for c in confirmed) and all(c["measured_tokens_per_s"] > 0 for c in confirmed)
+    assert all(len(c["measured_by_prompt"]) == 4 and c["measured_tokens_per_s"] > 0 for c in confirmed)
+    assert {c["drafter"] for c in confirmed} >= {"none", DEFAULT_DRAFTER, "prompt-lookup"}
+    default = [c for c in confirmed if c["label"] == results["default"]][0]
+    assert default["drafter"] == DEFAULT_DRAFTER and default["drafts_with"] == "prompt-lookup"  # auto, resolved
     fastest = max(confirmed, key=lambda c: c["measured_tokens_per_s"])
-    target_only = max((c for c in confirmed if c["drafter"] == "none"), key=lambda c: c["measured_tokens_per_s"])
-    # The fastest, unless it beats target-only by less than the margin that short runs' noise calls for.
-    best = fastest if fastest["measured_tokens_per_s"] >= MARGIN * target_only["measured_tokens_per_s"] else target_only
-    assert results["chosen"] == best["label"]
-    assert profile.measured["tokens_per_s"] == best["measured_tokens_per_s"] >= target_only["measured_tokens_per_s"]
+    # the fastest, unless it beats the default by less than the margin or the noise: then the default
+    beats = fastest["measured_tokens_per_s"] >= results["threshold"] * default["measured_tokens_per_s"]
+    assert results["chosen"] == (fastest if beats else default)["label"]
+    assert profile.measured["tokens_per_s"] >= default["measured_tokens_per_s"]
+    assert profile.measured["held_out_prompts"] == 4
     assert profile.target == str(folder) and profile.runtime.backend == "transformers"
+    assert profile.drafter != DEFAULT_DRAFTER  # a profile names what runs
     assert results["elapsed_s"] < config.budget_s + 15  # the last confirmation round may overrun a little
+
+
+class SlowsDownLater(PromptLookupDrafter):
+    """Prompt lookup that sleeps at every step once it has drafted ``fast_steps``: a drafter whose short sample
+    misjudges its cost (one that slows as its history grows, or a model the sample found in a warm cache)."""
+
+    def __init__(self, fast_steps: int) -> None:
+        super().__init__()
+        self.left = fast_steps
+
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1):
+        self.left -= 1
+        if self.left < 0:
+            import time
+
+            time.sleep(0.02)
+        return super().propose(context, k, branches)
+
+
+def test_a_drafter_far_slower_than_predicted_is_re_measured_and_not_chosen(
+    tmp_path: Path, prompts_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import specdec.tuning.search as search
+
+    tokenizer = char_tokenizer()
+    folder = tmp_path / "model"
+    tiny_llama(1, vocab=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    built = []
+
+    def build(spec, target, runtime):  # the stand-in for every prompt-lookup the tuner builds (auto builds its own)
+        if spec != "prompt-lookup":
+            return build_drafter(spec, target, runtime)
+        built.append(SlowsDownLater(fast_steps=10_000 if len(built) == 0 else 0))  # fast while sampled only
+        return built[-1]
+
+    monkeypatch.setattr(search, "build_drafter", build)
+    config = TuneConfig(
+        target=str(folder),
+        prompts=str(prompts_file),
+        budget_s=60,
+        runtimes=RUNTIMES[:1],
+        drafters=("prompt-lookup",),
+        new_tokens=16,
+    )
+    profile, results = tune(config)
+    stand_in = [c for c in results["confirmed"] if c["drafter"] == "prompt-lookup" and c["k_policy"] == "fixed"]
+    assert stand_in and all(c["off_by"] < -0.15 for c in stand_in)  # far slower than predicted
+    assert any("predicted" in note and "measured" in note for note in results["notes"])
+    drafting = results["drafters"]["prompt-lookup"]["draft_ms_by_k"]
+    assert any(ms >= 20 for ms in drafting.values())  # its drafting cost re-measured from the confirmation
+    assert "prompt-lookup fixed" not in results["chosen"]
+    report = tmp_path / "report.md"
+    from specdec.tuning.report import write_tune_report
+
+    write_tune_report(profile, results, tmp_path / "out")
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "off by more than 15%" in report and "Held out (4" in report
 
 
 def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path, tiny_folder: Path) -> None:
@@ -321,7 +448,7 @@ def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path
 @pytest.mark.real_model
 def test_tune_on_the_real_gemma_picks_a_configuration_at_least_as_fast_as_target_only(tmp_path: Path) -> None:
     config = TuneConfig(
-        prompts="core", budget_s=45, runtimes=("transformers/cpu",), drafters=("prompt-lookup",), temperature=0.7
+        prompts="core", budget_s=120, runtimes=("transformers/cpu",), drafters=("prompt-lookup",), temperature=0.7
     )
     profile, results = tune(config)
     sampled = results["drafters"]["prompt-lookup"]

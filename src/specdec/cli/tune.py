@@ -50,7 +50,8 @@ def tune(
         str | None,
         typer.Option(
             help="Comma-separated drafters to sample (any --draft spec, DRAFTER+tree for trees); default: "
-            "prompt-lookup and the drafts shipped for the target."
+            "prompt-lookup, suffix and the drafts shipped for the target. Target-only and the default (auto) always "
+            "run."
         ),
     ] = None,
     new_tokens: Annotated[
@@ -88,14 +89,15 @@ def tune(
     write_tune_report(profile, results, out)
     for note in results["notes"]:
         say("note:", "yellow", note)
-    table = Table("candidate", "predicted tok/s", "measured tok/s")
+    table = Table("contender", "predicted tok/s", "measured tok/s (held-out prompts)")
     for c in sorted(results["confirmed"], key=lambda c: -(c["measured_tokens_per_s"] or 0)):
-        table.add_row(c["label"], f"{c['predicted_tokens_per_s']:.1f}", fmt(c["measured_tokens_per_s"], "{:.1f}"))
+        table.add_row(c["label"], fmt(c["predicted_tokens_per_s"], "{:.1f}"), fmt(c["measured_tokens_per_s"], "{:.1f}"))
     console.print(table)
     m = profile.measured
     console.print(
-        f"chosen: {results['chosen']}, {m['tokens_per_s']:.1f} tok/s, {m['speedup_vs_target_only']:.2f}x the fastest "
-        f"target-only ({results['elapsed_s']:.0f} s)\n"
+        f"chosen: {results['chosen']}, {m['tokens_per_s']:.1f} tok/s on {m['held_out_prompts']} held-out prompts, "
+        f"{m['speedup_vs_target_only']:.2f}x the fastest target-only, {m['speedup_vs_default']:.2f}x the default "
+        f"({results['elapsed_s']:.0f} s)\n"
         f"profile: {out / 'profile.json'} (use it: specdec generate --profile {out / 'profile.json'} ...); "
         f"report: {out / 'report.md'}, plot: {out / PLOT}"
     )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from specdec.bench.report import fmt, pyplot
 from specdec.profile import Profile
+from specdec.tuning.search import OFF_BY
 
 PLOT = "predicted_vs_measured.png"
 
@@ -20,17 +21,27 @@ def write_tune_report(profile: Profile, results: dict, out: Path) -> None:
 
 
 def markdown(results: dict) -> str:
-    cfg, machine = results["config"], results["machine"]
+    cfg, machine, measured = results["config"], results["machine"], results["profile"]["measured"]
     sampling = "greedy" if cfg["temperature"] == 0 else f"temperature {cfg['temperature']}"
+    split = results["prompts"]
     lines = [
         "# specdec tune",
         "",
-        f"Target `{cfg['target']}`, prompts `{cfg['prompts']}` "
-        f"({results['profile']['measured']['sampled_prompts']} sampled), {sampling}, "
-        f"{cfg['new_tokens']} new tokens per prompt, budget {cfg['budget_s']:g} s (used {results['elapsed_s']:.0f} s).",
+        f"Target `{cfg['target']}`, prompts `{cfg['prompts']}`, {sampling}, {cfg['new_tokens']} new tokens per prompt, "
+        f"budget {cfg['budget_s']:g} s (used {results['elapsed_s']:.0f} s).",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, accelerator {machine['accelerator']}.",
         "",
-        f"**Chosen: {results['chosen']}** (profile.json).",
+        f"**Chosen: {results['chosen']}** (profile.json): {measured['tokens_per_s']:.1f} tok/s held out, "
+        f"{measured['speedup_vs_target_only']:.2f}x target-only and {measured['speedup_vs_default']:.2f}x the default "
+        f"({results['default']}). A contender had to beat the default by {results['threshold']:.3f}x "
+        "(the larger of the margin and the run's noise, the standard error of the per-prompt ratio).",
+        "",
+        "## Prompts",
+        "",
+        f"Search ({len(split['search'])}: drafters sampled, predictions made): {', '.join(split['search'])}.",
+        "",
+        f"Held out ({len(split['held_out'])}: every contender confirmed, the profile's figures): "
+        f"{', '.join(split['held_out'])}.",
         "",
         "## Runtimes",
         "",
@@ -48,34 +59,45 @@ def markdown(results: dict) -> str:
         "as the cost-model policy reads them;",
         "the overhead is a target-only step's time beyond the forward.",
         "",
-        "## Drafters (chains of max k, sampled on the fastest runtime each runs on)",
+        "## Drafters (chains of max k on the search prompts, on the fastest runtime each runs on)",
         "",
-        "| drafter | sampled on | runs on | steps | acceptance | accepted/step | draft ms/step |",
+        "| drafter | sampled on | runs on | steps | acceptance | accepted/step | draft ms/step by k |",
         "|---|---|---|---|---|---|---|",
     ]
     for spec, d in results["drafters"].items():
+        by_k = ", ".join(f"{k}: {ms:.2f}" for k, ms in d["draft_ms_by_k"].items())
         lines.append(
             f"| {spec} | {d['sampled_on']} | {', '.join(d['runs_on'])} | {d['steps']} | {d['acceptance']:.0%} | "
-            f"{d['accepted_per_step']:.2f} | {d['draft_ms_per_step']:.2f} |"
-        )
-    categories = results["categories"]
-    lines += ["", "## Candidates confirmed by a real run (tok/s)", ""]
-    lines.append("| candidate | predicted | measured | measured / predicted | " + " | ".join(categories) + " |")
-    lines.append("|---|---|---|---|" + "---|" * len(categories))
-    for c in sorted(results["confirmed"], key=lambda c: -(c["measured_tokens_per_s"] or 0)):
-        ratio = c["measured_tokens_per_s"] / c["predicted_tokens_per_s"] if c["measured_tokens_per_s"] else None
-        by_category = " | ".join(fmt(c["measured_by_category"].get(category), "{:.1f}") for category in categories)
-        lines.append(
-            f"| {c['label']} | {c['predicted_tokens_per_s']:.1f} | {fmt(c['measured_tokens_per_s'], '{:.1f}')} "
-            f"| {fmt(ratio)} | {by_category} |"
+            f"{d['accepted_per_step']:.2f} | {by_k} |"
         )
     lines.append("")
     lines.append(
-        "A cost-model candidate carries the best fixed k's prediction: the policy aims at that k step by step."
+        "Drafting time per step is measured at k = max k and k = 1 and interpolated between; a confirmed contender "
+        "that missed its prediction adds its own k's measured time."
+    )
+    categories = results["categories"]
+    lines += ["", "## Contenders confirmed on the held-out prompts (tok/s)", ""]
+    lines.append("| candidate | predicted | measured | measured / predicted | " + " | ".join(categories) + " |")
+    lines.append("|---|---|---|---|" + "---|" * len(categories))
+    for c in sorted(results["confirmed"], key=lambda c: -(c["measured_tokens_per_s"] or 0)):
+        off = c["off_by"]
+        ratio = (
+            "" if off is None else f"{1 + off:.2f}" + (f" (off by more than {OFF_BY:.0%})" if abs(off) > OFF_BY else "")
+        )
+        by_category = " | ".join(fmt(c["measured_by_category"].get(category), "{:.1f}") for category in categories)
+        mark = " (second round)" if c["second_round"] else ""
+        lines.append(
+            f"| {c['label']}{mark} | {fmt(c['predicted_tokens_per_s'], '{:.1f}')} "
+            f"| {fmt(c['measured_tokens_per_s'], '{:.1f}')} | {ratio} | {by_category} |"
+        )
+    lines.append("")
+    lines.append(
+        "A cost-model candidate carries the best fixed k's prediction: the policy aims at that k step by step. "
+        "The default (`auto`, cost-model k) is not predicted."
     )
     lines += [
         "",
-        "## Every candidate, predicted (best k of each runtime and drafter)",
+        "## Every candidate, predicted (best k of each runtime and drafter, after any re-measurement)",
         "",
         "| candidate | predicted tok/s |",
         "|---|---|",
@@ -94,7 +116,7 @@ def _plot(results: dict, path: Path) -> None:
     """Predicted against measured tokens/s of the confirmed candidates (the diagonal is a perfect prediction)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 5))
-    confirmed = [c for c in results["confirmed"] if c["measured_tokens_per_s"]]
+    confirmed = [c for c in results["confirmed"] if c["measured_tokens_per_s"] and c["predicted_tokens_per_s"]]
     for c in confirmed:
         ax.scatter(
             c["predicted_tokens_per_s"], c["measured_tokens_per_s"], marker="o" if c["drafter"] != "none" else "s"

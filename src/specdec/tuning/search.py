@@ -2,21 +2,28 @@
 
 Whether speculation pays depends on three things no default can know: the runtime's price of verifying n tokens
 on this machine, the drafter's acceptance on the user's text, and the drafter's own cost. The search measures
-each, predicts every configuration from them, and lets a real run decide among the best predicted:
+each, predicts every configuration from them, and lets a real run on prompts it did not use decide:
 
 1. runtimes: the target opens on each runtime that runs here; its forward cost curve is measured, and a short
-   target-only run gives its tokens/s and the engine's per-step cost outside the forward;
-2. drafters: each drafts chains of max_k tokens on a sample of the prompts, on the fastest runtime it runs on,
-   and every step's proposed and accepted tokens and drafting time are kept;
-3. prediction: those steps are replayed on every runtime's curve for every k up to max_k (a step that accepted
-   a tokens of p keeps min(a, k) of min(p, k)); acceptance is assumed the same on every runtime;
-4. confirmation: the best predicted configurations, the cost-model policy for the best, and each of their
-   runtimes' target-only run on the same prompts, taking turns; the fastest measured is the profile. Target-only
-   is a candidate, so the profile is never slower than target-only was measured to be.
+   target-only run gives its tokens/s, the engine's per-step cost outside the forward and a prompt's time, which
+   sizes the sample to the budget;
+2. split: the prompts are dealt per category into a search part and a held-out part, each covering every category;
+   a budget or a prompt file too small for that is refused in one line, before anything is written;
+3. drafters: each drafts chains of max_k tokens on the search part, on the fastest runtime it runs on, keeping
+   every step's proposed and accepted tokens; its drafting time is measured at k = max_k and at k = 1;
+4. prediction: those steps are replayed on every runtime's curve for every k up to max_k (a step that accepted
+   a tokens of p keeps min(a, k) of min(p, k)), with the drafting cost interpolated between the measured k;
+5. confirmation, on the held-out part: the best predicted configurations, the cost-model policy for the best, each
+   of their runtimes' target-only and the library's default (the ``auto`` drafter, cost-model k) run in turns. A
+   contender measured more than OFF_BY from its prediction has its drafting cost re-measured from that run, and what
+   then predicts above the fastest measured is confirmed too. The fastest measured is the profile, unless it beats
+   the default by less than the run's noise: then the default is.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -24,8 +31,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 from specdec.bench.methods import PEER_PREFIXES, check_method
 from specdec.bench.prompts import DEFAULT_PROMPTS, BenchPrompt, load_prompts, round_robin
+from specdec.bench.runner import WARM_UP
 from specdec.config import PRESETS, TREE_BRANCHES, TREE_SUFFIX, GenerationConfig, RuntimeConfig, SamplingConfig
-from specdec.drafters import LEARNING_SPECS, build_drafter
+from specdec.drafters import Drafter, build_drafter
 from specdec.engine import Generator
 from specdec.errors import ConfigError, PromptError, SpecDecError
 from specdec.machine import fingerprint
@@ -39,9 +47,12 @@ from specdec.scheduling import CostCurve
 
 MIN_BUDGET_S = 30.0  # below this not even one runtime's curve and a short run fit
 PHASE_ENDS = (0.3, 0.6)  # shares of the budget by which runtime measurement, then drafter sampling, stop starting work
-SECONDS_PER_PROMPT = 50.0  # the budget buys one sampled prompt per this many seconds (at least 2, at most the set)
 PROBE_PROMPTS = 2  # prompts of each runtime's target-only run
-MARGIN = 1.03  # speculation must beat the fastest target-only measured by this much to be chosen (short runs are noisy)
+MIN_HELD_OUT = 4  # the fewest held-out prompts a choice is confirmed on (and at least one per category)
+DRAFTING_SLOWDOWN = 1.5  # a sampled prompt's time over target-only's, for sizing the search part
+MARGIN = 1.03  # a contender must beat the default by this much, or by the run's noise if larger, to be chosen
+OFF_BY = 0.15  # a confirmed contender this far from its prediction has its drafting cost re-measured
+DEFAULT_DRAFTER = "auto"  # the library's default configuration: this drafter with GenerationConfig's k and policy
 # A runtime that fails to open is skipped, with the reason.
 OPEN_ERRORS = (SpecDecError, RuntimeError, OSError, MemoryError)
 
@@ -73,6 +84,9 @@ class TuneConfig:
             raise ConfigError(f"new_tokens must be >= 8 and confirm >= 1, got {self.new_tokens} and {self.confirm}")
 
 
+Encoded = list[tuple[BenchPrompt, list[int]]]
+
+
 @dataclass
 class RuntimeFigures:
     label: str
@@ -82,6 +96,7 @@ class RuntimeFigures:
     target_only_tokens_per_s: float
     overhead_s: float  # per step, outside the forward (the engine, sampling, bookkeeping)
     load_s: float
+    prompt_s: float = 0.0  # a target-only prompt's time, prefill included
 
     @property
     def calibration(self) -> float:
@@ -94,7 +109,8 @@ class RuntimeFigures:
 class DrafterSample:
     spec: str  # as given: "prompt-lookup", "prompt-lookup+tree"
     runs_on: list[str] = field(default_factory=list)  # every measured runtime it can draft for, fastest first
-    steps: list[tuple[int, int, float]] = field(default_factory=list)  # (proposed, accepted, draft seconds) per step
+    steps: list[tuple[int, int]] = field(default_factory=list)  # (proposed, accepted) per step at max_k
+    draft_s_by_k: dict[int, float] = field(default_factory=dict)  # measured drafting seconds per step, by k
 
     @property
     def runtime(self) -> str:
@@ -111,24 +127,48 @@ class DrafterSample:
 
     @property
     def acceptance(self) -> float:
-        proposed = sum(p for p, _, _ in self.steps)
-        return sum(a for _, a, _ in self.steps) / proposed if proposed else 0.0
+        proposed = sum(p for p, _ in self.steps)
+        return sum(a for _, a in self.steps) / proposed if proposed else 0.0
+
+    def draft_s(self, k: int) -> float:
+        """Drafting seconds per step at ``k``: linear between the nearest measured k, flat beyond them."""
+        known = sorted(self.draft_s_by_k.items())
+        if not known:
+            return 0.0
+        below = [(n, s) for n, s in known if n <= k] or known[:1]
+        above = [(n, s) for n, s in known if n >= k] or known[-1:]
+        (k0, s0), (k1, s1) = below[-1], above[0]
+        return s0 if k1 == k0 else s0 + (s1 - s0) * (k - k0) / (k1 - k0)
 
 
 @dataclass
 class Candidate:
     runtime: str
-    drafter: str  # a spec, "none" for target-only
+    drafter: str  # a spec; "none" for target-only, DEFAULT_DRAFTER for the library's default
     k: int  # 1 for target-only (a GenerationConfig's least; nothing is drafted)
     k_policy: str
-    predicted_tokens_per_s: float  # for the cost-model policy: the best fixed k's prediction (the policy aims at it)
+    # for the cost-model policy: the best fixed k's prediction (the policy aims at it); None for the default
+    predicted_tokens_per_s: float | None
     measured_tokens_per_s: float | None = None
     measured_by_category: dict[str, float] = field(default_factory=dict)
+    measured_by_prompt: list[float | None] = field(default_factory=list)  # tokens/s on each held-out prompt
+    measured_draft_ms_per_step: float | None = None
+    drafts_with: str | None = None  # what the default's ``auto`` resolved to
+    second_round: bool = False  # confirmed after re-measuring a drafter's cost
 
     @property
     def label(self) -> str:
-        depth = "" if self.drafter == "none" else f" {self.k_policy} k={self.k}"
-        return f"{self.runtime} / {self.drafter}{depth}"
+        if self.drafter == "none":
+            return f"{self.runtime} / none"
+        name = f"{DEFAULT_DRAFTER} ({self.drafts_with})" if self.drafts_with else self.drafter
+        return f"{self.runtime} / {name} {self.k_policy} k={self.k}"
+
+    @property
+    def off_by(self) -> float | None:
+        """Measured over predicted, less one; None where either is missing."""
+        if self.measured_tokens_per_s is None or not self.predicted_tokens_per_s:
+            return None
+        return self.measured_tokens_per_s / self.predicted_tokens_per_s - 1
 
 
 def runtime_candidates(target: str) -> dict[str, RuntimeConfig]:
@@ -152,8 +192,8 @@ def runtime_candidates(target: str) -> dict[str, RuntimeConfig]:
 
 
 def drafter_candidates(target: str) -> list[str]:
-    """prompt-lookup, and the drafts shipped for ``target``."""
-    found = ["prompt-lookup"]
+    """prompt-lookup, suffix, and the drafts shipped for ``target``."""
+    found = ["prompt-lookup", "suffix"]
     if bundled_draft(target) is not None:
         found.append("lookup-then-draft")
     if bundled_draft(target, "eagle") is not None:
@@ -172,8 +212,10 @@ def plan(config: TuneConfig) -> tuple[dict[str, RuntimeConfig], list[str], int]:
                 f"choose among {', '.join(available)}"
             )
         available = {r: available[r] for r in config.runtimes}
-    # Target-only always runs.
-    drafters = [d for d in dict.fromkeys(config.drafters or drafter_candidates(config.target)) if d != "none"]
+    # Target-only and the default always run.
+    drafters = [
+        d for d in dict.fromkeys(config.drafters or drafter_candidates(config.target)) if d not in ("none", "auto")
+    ]
     for spec in drafters:
         drafter = spec.removesuffix(TREE_SUFFIX)
         if (
@@ -182,16 +224,12 @@ def plan(config: TuneConfig) -> tuple[dict[str, RuntimeConfig], list[str], int]:
             or check_method(spec, config.target) is not None
         ):
             raise ConfigError(f"'{spec}' is not a drafter to tune: use a --draft spec, or DRAFTER{TREE_SUFFIX}")
-        if drafter in LEARNING_SPECS:
-            raise ConfigError(
-                f"'{spec}' learns from the answers it has drafted, and tune replays the same prompts: "
-                "compare it with `specdec bench --methods prompt-lookup,suffix`"
-            )
     return available, drafters, len(available) + len(drafters) + 1
 
 
 def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) -> tuple[Profile, dict]:
-    """Search; return the profile of the fastest measured configuration and every figure behind the choice."""
+    """Search; return the profile of the fastest configuration measured on held-out prompts (the default where
+    nothing beats it beyond the noise) and every figure behind the choice."""
     start = time.perf_counter()
 
     def elapsed() -> float:
@@ -206,7 +244,7 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
     notes: list[str] = []
 
     measured: dict[str, RuntimeFigures] = {}
-    prompts: list[tuple[BenchPrompt, list[int]]] = []
+    pool: Encoded = []
     for label, runtime in runtimes.items():
         if measured and elapsed() > PHASE_ENDS[0] * config.budget_s:
             notes.append(f"runtime {label} not measured: the budget's share for runtimes was spent")
@@ -221,14 +259,14 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
             continue
         load_s = time.perf_counter() - opened
         try:
-            prompts = _fitting(prompts or _encode(config, texts, target), target, config)
+            pool = _fitting(pool or _encode(config, texts, target), target, config)
         except PromptError as exc:
             if not measured:
                 raise  # the prompts fit no runtime
             notes.append(f"runtime {label} skipped: {exc}")  # its context is shorter than an earlier runtime's
             advance(f"{label} skipped")
             continue
-        measured[label] = _measure_runtime(label, runtime, target, load_s, prompts, base)
+        measured[label] = _measure_runtime(label, runtime, target, load_s, pool, base)
         advance(f"{label}: {measured[label].target_only_tokens_per_s:.1f} tok/s target-only")
         if len(measured) == 1 and elapsed() > config.budget_s:
             raise ConfigError(
@@ -239,13 +277,14 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
         raise ConfigError(f"no runtime could open '{config.target}' here: {'; '.join(notes)}")
 
     by_speed = sorted(measured.values(), key=lambda f: -f.target_only_tokens_per_s)
+    search, held_out = _split(pool, config, by_speed[0].prompt_s, len(drafters), len(measured), elapsed())
     samples: list[DrafterSample] = []
     for spec in drafters:
         if elapsed() > PHASE_ENDS[1] * config.budget_s:
             notes.append(f"drafter {spec} not sampled: the budget's share for drafters was spent")
             advance(f"{spec} skipped (budget)")
             continue
-        sample = _sample_drafter(spec, by_speed, prompts, config, base, start + PHASE_ENDS[1] * config.budget_s, notes)
+        sample = _sample_drafter(spec, by_speed, search, config, base, start + PHASE_ENDS[1] * config.budget_s, notes)
         if sample is not None:
             samples.append(sample)
         advance(f"{spec}: " + (f"{sample.acceptance:.0%} accepted" if sample else "skipped"))
@@ -254,19 +293,22 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
     chosen_set = _confirmation_set(candidates, measured, config.confirm, config.max_k)
     for label in set(measured) - {c.runtime for c in chosen_set}:
         measured[label].target = None  # type: ignore[assignment]  # free the models no confirmation needs
-    _confirm(chosen_set, measured, prompts, config, base, start, notes)
+    _confirm(chosen_set, measured, held_out, config, base, start, notes)
+    _enough_confirmed(chosen_set, held_out, config, elapsed())
+    candidates, second = _remeasure(chosen_set, samples, measured, config, notes)
+    if second:
+        if elapsed() + _round_s(second, held_out, measured) > config.budget_s:
+            notes.append("not confirmed for want of budget after re-measuring: " + ", ".join(c.label for c in second))
+        else:
+            _confirm(second, measured, held_out, config, base, start, notes)
+            chosen_set += second
     advance("confirmed")
     confirmed = [c for c in chosen_set if c.measured_tokens_per_s is not None]
-    target_only = max((c for c in confirmed if c.drafter == "none"), key=lambda c: c.measured_tokens_per_s or 0.0)
-    fastest = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0)
-    best = (
-        fastest
-        if (fastest.measured_tokens_per_s or 0.0) >= MARGIN * (target_only.measured_tokens_per_s or 0.0)
-        else target_only
-    )
+    best, reference, threshold = _choose(confirmed)
+    target_only = max((c for c in confirmed if c.drafter == "none"), key=_rate)
     profile = Profile(
         target=config.target,
-        drafter=best.drafter.removesuffix(TREE_SUFFIX),
+        drafter=best.drafts_with or best.drafter.removesuffix(TREE_SUFFIX),
         runtime=measured[best.runtime].runtime,
         generation=GenerationConfig(
             k=best.k,
@@ -275,10 +317,13 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
             sampling=sampling,
         ),
         measured={
-            "tokens_per_s": best.measured_tokens_per_s or 0.0,
-            "target_only_tokens_per_s": target_only.measured_tokens_per_s or 0.0,
-            "speedup_vs_target_only": (best.measured_tokens_per_s or 0.0) / (target_only.measured_tokens_per_s or 1.0),
-            "sampled_prompts": len(prompts),
+            "tokens_per_s": _rate(best),
+            "target_only_tokens_per_s": _rate(target_only),
+            "speedup_vs_target_only": _rate(best) / (_rate(target_only) or 1.0),
+            "default_tokens_per_s": _rate(reference),
+            "speedup_vs_default": _rate(best) / (_rate(reference) or 1.0),
+            "sampled_prompts": len(search),
+            "held_out_prompts": len(held_out),
         },
     )
     results = {
@@ -292,8 +337,13 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
                 "cost_ms": {n: 1000 * s for n, s in f.curve.seconds.items()},
                 "overhead_ms": 1000 * f.overhead_s,
                 "target_only_tokens_per_s": f.target_only_tokens_per_s,
+                "prompt_s": f.prompt_s,
             }
             for f in measured.values()
+        },
+        "prompts": {
+            "search": [p.id for p, _ in search],
+            "held_out": [p.id for p, _ in held_out],
         },
         "drafters": {
             s.spec: {
@@ -301,14 +351,16 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
                 "runs_on": s.runs_on,
                 "steps": len(s.steps),
                 "acceptance": s.acceptance,
-                "accepted_per_step": sum(a for _, a, _ in s.steps) / max(len(s.steps), 1),
-                "draft_ms_per_step": 1000 * sum(d for _, _, d in s.steps) / max(len(s.steps), 1),
+                "accepted_per_step": sum(a for _, a in s.steps) / max(len(s.steps), 1),
+                "draft_ms_by_k": {k: 1000 * t for k, t in sorted(s.draft_s_by_k.items())},
             }
             for s in samples
         },
-        "categories": sorted({p.category for p, _ in prompts}),
-        "candidates": [vars(c) | {"label": c.label} for c in candidates],
-        "confirmed": [vars(c) | {"label": c.label} for c in chosen_set],
+        "categories": sorted({p.category for p, _ in held_out}),
+        "candidates": [_row(c) for c in candidates],
+        "confirmed": [_row(c) for c in chosen_set],
+        "default": reference.label,
+        "threshold": threshold,
         "chosen": best.label,
         "profile": profile.to_dict(),
         "notes": notes,
@@ -316,18 +368,23 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
     return profile, results
 
 
-def _encode(config: TuneConfig, texts: list[BenchPrompt], target: Target) -> list[tuple[BenchPrompt, list[int]]]:
-    """A sample of the prompts, taken in turn from each category, with their token ids; blank ones are left out."""
+def _rate(c: Candidate) -> float:
+    return c.measured_tokens_per_s or 0.0
+
+
+def _row(c: Candidate) -> dict:
+    return vars(c) | {"label": c.label, "off_by": c.off_by}
+
+
+def _encode(config: TuneConfig, texts: list[BenchPrompt], target: Target) -> Encoded:
+    """Every prompt, taken in turn from each category, with its token ids; blank ones are left out."""
     if target.tokenizer is None:
         raise ConfigError(f"target '{config.target}' has no tokenizer; tuning needs one to encode the prompts")
     usable = [(p, target.tokenizer(p.prompt)["input_ids"]) for p in round_robin(texts) if p.prompt.strip()]
-    count = max(2, int(config.budget_s / SECONDS_PER_PROMPT))
-    return [(p, ids) for p, ids in usable if ids][:count] or _nothing_usable(config, texts, "blank")
+    return [(p, ids) for p, ids in usable if ids] or _nothing_usable(config, texts, "blank")
 
 
-def _fitting(
-    prompts: list[tuple[BenchPrompt, list[int]]], target: Target, config: TuneConfig
-) -> list[tuple[BenchPrompt, list[int]]]:
+def _fitting(prompts: Encoded, target: Target, config: TuneConfig) -> Encoded:
     """The prompts that leave room for the new tokens and a draft in this runtime's context."""
     room = target.backend.max_context - config.new_tokens - config.max_k
     return [(p, ids) for p, ids in prompts if len(ids) < room] or _nothing_usable(
@@ -337,45 +394,99 @@ def _fitting(
 
 def _nothing_usable(config: TuneConfig, prompts: list[BenchPrompt], why: str) -> list:
     raise PromptError(
-        f"prompts '{config.prompts}' have nothing usable: all {len(prompts)} sampled are {why} "
+        f"prompts '{config.prompts}' have nothing usable: all {len(prompts)} are {why} "
         f"(the model's context less {config.new_tokens + config.max_k} tokens for the output and a draft); "
         "give prompts like the requests you will serve"
     )
 
 
+def _split(
+    pool: Encoded, config: TuneConfig, prompt_s: float, drafters: int, runtimes: int, spent_s: float
+) -> tuple[Encoded, Encoded]:
+    """The search part and the held-out part: each category's prompts dealt alternately (held-out first), each part in
+    turns of the categories, as many as the budget's phases buy at ``prompt_s`` a prompt.
+
+    Refuses, in one line, a prompt file or a budget that cannot give both parts every category and the held-out part
+    MIN_HELD_OUT prompts."""
+    by_category: dict[str, list[tuple[BenchPrompt, list[int]]]] = {}
+    for item in pool:
+        by_category.setdefault(item[0].category, []).append(item)
+    held_out = _turns([items[0::2] for items in by_category.values()])
+    search = _turns([items[1::2] for items in by_category.values()])
+    categories = len(by_category)
+    needed = max(MIN_HELD_OUT, categories)
+    if len(held_out) < needed or len({p.category for p, _ in search}) < categories:
+        raise PromptError(
+            f"prompts '{config.prompts}' give {len(pool)} usable prompts in {categories} categories: tune samples "
+            f"drafters on one half and confirms on the other, which needs at least {needed} held-out prompts and "
+            f"two of every category; give at least {max(2 * needed, 2 * categories)} prompts like the requests you "
+            "will serve"
+        )
+    # the best pairs, the cost-model policy, target-only and the default on (at most) two runtimes
+    contenders = min(config.confirm, max(drafters, 1) * runtimes) + 1 + 2 * min(2, runtimes)
+    held_out_s = prompt_s * contenders
+    search_s = prompt_s * (DRAFTING_SLOWDOWN * max(drafters, 1) + 1)
+    confirm_budget = (1 - PHASE_ENDS[1]) * config.budget_s
+    search_budget = PHASE_ENDS[1] * config.budget_s - spent_s
+    held_out = held_out[: max(0, int(confirm_budget / held_out_s))]
+    search = search[: max(0, int(search_budget / search_s))]
+    if len(held_out) < needed or len(search) < categories:
+        least = max(needed * held_out_s / (1 - PHASE_ENDS[1]), (spent_s + categories * search_s) / PHASE_ENDS[1])
+        raise ConfigError(
+            f"--budget-s {config.budget_s:g} buys {len(search)} search and {len(held_out)} held-out prompts here "
+            f"(a prompt takes about {prompt_s:.1f} s): a reliable choice needs {categories} and {needed}; "
+            f"give at least {math.ceil(least / 10) * 10:.0f} s"
+        )
+    return search, held_out
+
+
+def _turns(columns: list[Encoded]) -> Encoded:
+    """Items taken in turn from each column, so that any prefix mixes the categories."""
+    return [item for row in itertools.zip_longest(*columns) for item in row if item is not None]
+
+
 def _measure_runtime(
-    label: str,
-    runtime: RuntimeConfig,
-    target: Target,
-    load_s: float,
-    prompts: list[tuple[BenchPrompt, list[int]]],
-    base: GenerationConfig,
+    label: str, runtime: RuntimeConfig, target: Target, load_s: float, prompts: Encoded, base: GenerationConfig
 ) -> RuntimeFigures:
     """The runtime's cost curve (measured once per machine and cached, as the cost-model policy reads it) and a short
     target-only run."""
     generator = Generator(target, "none", base)
     curve = generator.costs()
-    generator.generate(prompts[0][1], max_new_tokens=4)  # warm-up
-    rates, overheads = [], []
+    generator.generate(_warm_up(target), max_new_tokens=4)
+    rates, overheads, walls = [], [], []
     for _, ids in prompts[:PROBE_PROMPTS]:
         s = generator.generate(ids).stats
         rates.append(s.tokens_per_s)
+        walls.append(s.wall_s)
         if s.steps > 1:
             overheads.append(max(0.0, (s.wall_s - s.ttft_s) / (s.steps - 1) - curve(1)))
     overhead = statistics.median(overheads) if overheads else 0.0
-    return RuntimeFigures(label, runtime, target, curve, statistics.median(rates), overhead, load_s)
+    return RuntimeFigures(
+        label, runtime, target, curve, statistics.median(rates), overhead, load_s, statistics.median(walls)
+    )
+
+
+def _warm_up(target: Target) -> list[int]:
+    """Not a measured prompt: a drafter that learns would keep its answer."""
+    return target.tokenizer(WARM_UP)["input_ids"]
+
+
+def _drafter(spec: str, figures: RuntimeFigures) -> str | Drafter:
+    """What a Generator drafts with for ``spec``: the default stays ``auto``, which Generator resolves from costs."""
+    return spec if spec == DEFAULT_DRAFTER else build_drafter(spec, figures.target, figures.runtime)
 
 
 def _sample_drafter(
     spec: str,
     by_speed: list[RuntimeFigures],
-    prompts: list[tuple[BenchPrompt, list[int]]],
+    prompts: Encoded,
     config: TuneConfig,
     base: GenerationConfig,
     deadline: float,
     notes: list[str],
 ) -> DrafterSample | None:
-    """Every step of chains (or trees) of max_k drafts on the sampled prompts, on the drafter's fastest runtime.
+    """Every step of chains (or trees) of max_k drafts on the search prompts, on the drafter's fastest runtime, and
+    its drafting time per step at max_k and at k = 1 (a chain drafter's fixed cost per step shows there).
 
     The first step of each prompt (it also reads the prompt) and those whose drafts the length limit cut are left out.
     The drafter is also built on every other runtime: the prediction covers only those it runs on.
@@ -386,9 +497,7 @@ def _sample_drafter(
     reasons = []
     for figures in by_speed:
         try:
-            built = Generator(
-                figures.target, build_drafter(sample.drafter, figures.target, figures.runtime), gen_config
-            )
+            built = Generator(figures.target, _drafter(sample.drafter, figures), gen_config)
             built.completion(prompts[0][1])  # refuses what this backend cannot verify (trees on llama.cpp)
         except OPEN_ERRORS as exc:
             reasons.append(f"{figures.label}: {exc}")
@@ -398,7 +507,8 @@ def _sample_drafter(
     if generator is None:
         notes.append(f"drafter {spec} skipped: it runs on none of the measured runtimes ({'; '.join(reasons)})")
         return None
-    generator.generate(prompts[0][1], max_new_tokens=4)  # warm-up
+    generator.generate(_warm_up(generator.target), max_new_tokens=4)
+    drafting: list[float] = []
     for _, ids in prompts:
         if sample.steps and time.perf_counter() > deadline:
             notes.append(
@@ -410,8 +520,15 @@ def _sample_drafter(
         for step, (p, a) in enumerate(zip(s.proposed_per_step, s.accepted_per_step, strict=True)):
             room = config.new_tokens - produced - 1  # drafts this step could take before the length limit
             if step and room >= config.max_k:  # every step drafts (no guards), so draft_s_per_step lines up with them
-                sample.steps.append((p, a, s.draft_s_per_step[step]))
+                sample.steps.append((p, a))
+                drafting.append(s.draft_s_per_step[step])
             produced += a + 1
+    if drafting:
+        sample.draft_s_by_k[config.max_k] = statistics.mean(drafting)
+    if not sample.tree and config.max_k > 1:
+        short = generator.generate(prompts[0][1], k=1).stats.draft_s_per_step[1:]
+        if short:
+            sample.draft_s_by_k[1] = statistics.mean(short)
     return sample
 
 
@@ -420,9 +537,8 @@ def _predict(measured: dict[str, RuntimeFigures], samples: list[DrafterSample], 
     runtime's curve; best first.
 
     A step that proposed p tokens and had a accepted, replayed at k, proposes min(p, k) and keeps min(a, k); it costs a
-    forward over min(p, k) + 1 tokens, the runtime's per-step overhead and its drafting time scaled by k / max_k (a
-    drafting cost proportional to k: a drafter's fixed cost per step is underestimated at small k). Each runtime's rates
-    are scaled by its calibration, so that its target-only prediction is its measured rate.
+    forward over min(p, k) + 1 tokens, the runtime's per-step overhead and the drafter's measured drafting time at k.
+    Each runtime's rates are scaled by its calibration, so that its target-only prediction is its measured rate.
     """
     candidates = [Candidate(f.label, "none", 1, "fixed", f.target_only_tokens_per_s) for f in measured.values()]
     for s in samples:
@@ -431,17 +547,17 @@ def _predict(measured: dict[str, RuntimeFigures], samples: list[DrafterSample], 
         for label in s.runs_on:
             f = measured[label]
             for k in [max_k] if s.tree else range(1, max_k + 1):  # a tree's nodes cannot be cut to a prefix
-                tokens = sum(1 + min(a, k) for _, a, _ in s.steps)
-                seconds = sum(f.curve(min(p, k) + 1) + f.overhead_s + d * k / max_k for p, _, d in s.steps)
+                tokens = sum(1 + min(a, k) for _, a in s.steps)
+                seconds = sum(f.curve(min(p, k) + 1) + f.overhead_s + s.draft_s(k) for p, _ in s.steps)
                 candidates.append(Candidate(label, s.spec, k, "fixed", f.calibration * tokens / seconds))
-    return sorted(candidates, key=lambda c: -c.predicted_tokens_per_s)
+    return sorted(candidates, key=lambda c: -(c.predicted_tokens_per_s or 0.0))
 
 
 def _confirmation_set(
     candidates: list[Candidate], measured: dict[str, RuntimeFigures], count: int, max_k: int
 ) -> list[Candidate]:
     """The best predicted k of the ``count`` best (runtime, drafter) pairs, the cost-model policy for the best, and
-    target-only on each of their runtimes and on the fastest."""
+    target-only and the library's default on each of their runtimes and on the fastest."""
     chosen: list[Candidate] = []
     pairs: set[tuple[str, str]] = set()
     for c in candidates:
@@ -451,50 +567,146 @@ def _confirmation_set(
     if chosen and not chosen[0].drafter.endswith(TREE_SUFFIX):
         top = chosen[0]
         chosen.append(Candidate(top.runtime, top.drafter, max_k, "cost-model", top.predicted_tokens_per_s))
-    runtimes = {c.runtime for c in chosen} | {max(measured.values(), key=lambda f: f.target_only_tokens_per_s).label}
+    fastest = max(measured.values(), key=lambda f: f.target_only_tokens_per_s).label
+    runtimes = list(dict.fromkeys([fastest] + [c.runtime for c in chosen]))
     chosen += [c for c in candidates if c.drafter == "none" and c.runtime in runtimes]
+    default = GenerationConfig()
+    chosen += [Candidate(r, DEFAULT_DRAFTER, default.k, default.k_policy, None) for r in runtimes]
     return chosen
 
 
 def _confirm(
     chosen: list[Candidate],
     measured: dict[str, RuntimeFigures],
-    prompts: list[tuple[BenchPrompt, list[int]]],
+    prompts: Encoded,
     config: TuneConfig,
     base: GenerationConfig,
     start: float,
     notes: list[str],
 ) -> None:
-    """Run every chosen candidate on the sampled prompts, taking turns per prompt;
-    one round, then more while the budget lasts."""
+    """Run every chosen candidate on the held-out prompts, taking turns per prompt, each prompt once (a drafter that
+    learns sees every prompt for the first time), until the budget is spent."""
     generators: dict[int, Generator] = {}
     for i, c in enumerate(chosen):
         f = measured[c.runtime]
         spec = c.drafter.removesuffix(TREE_SUFFIX)
         gen_config = replace(base, k=c.k, k_policy=c.k_policy, branches=TREE_BRANCHES if spec != c.drafter else 1)
         try:
-            generators[i] = Generator(f.target, build_drafter(spec, f.target, f.runtime), gen_config)
-            generators[i].generate(prompts[0][1], max_new_tokens=4)  # warm-up
+            generators[i] = Generator(f.target, _drafter(spec, f), gen_config, runtime=f.runtime)
+            generators[i].generate(_warm_up(f.target), max_new_tokens=4)
         except OPEN_ERRORS as exc:
             notes.append(f"{c.label} not confirmed: {exc}")
-    tokens: dict[int, dict[str, int]] = {i: {} for i in generators}
-    seconds: dict[int, dict[str, float]] = {i: {} for i in generators}
+            continue
+        if spec == DEFAULT_DRAFTER:
+            c.drafts_with = generators[i].draft_name
+    tokens = {i: [0] * len(prompts) for i in generators}
+    seconds = {i: [0.0] * len(prompts) for i in generators}
+    drafting: dict[int, list[float]] = {i: [] for i in generators}
+    done = 0
     round_s = 0.0
-    for index, (prompt, ids) in enumerate(prompts):
+    for index, (_, ids) in enumerate(prompts):
         if index and time.perf_counter() - start + round_s > config.budget_s:
-            notes.append(f"confirmation ran {index} of {len(prompts)} sampled prompts: the budget was spent")
+            notes.append(f"confirmation ran {index} of {len(prompts)} held-out prompts: the budget was spent")
             break
         round_start = time.perf_counter()
         order = list(generators)
         shift = index % len(order)
         for i in order[shift:] + order[:shift]:  # rotated, so that drift falls on all alike
             result = generators[i].generate(ids)
-            tokens[i][prompt.category] = tokens[i].get(prompt.category, 0) + len(result.token_ids)
-            seconds[i][prompt.category] = seconds[i].get(prompt.category, 0.0) + result.stats.wall_s
+            tokens[i][index] = len(result.token_ids)
+            seconds[i][index] = result.stats.wall_s
+            drafting[i] += result.stats.draft_s_per_step[1:]
         round_s = time.perf_counter() - round_start
+        done = index + 1
     for i in generators:
-        if sum(tokens[i].values()):
-            chosen[i].measured_tokens_per_s = sum(tokens[i].values()) / sum(seconds[i].values())
-            chosen[i].measured_by_category = {
-                category: tokens[i][category] / seconds[i][category] for category in tokens[i]
-            }
+        c = chosen[i]
+        if not sum(tokens[i][:done]):
+            continue
+        c.measured_tokens_per_s = sum(tokens[i][:done]) / sum(seconds[i][:done])
+        c.measured_by_prompt = [t / s if s else None for t, s in zip(tokens[i][:done], seconds[i][:done], strict=True)]
+        by_category: dict[str, list[float]] = {}
+        for (prompt, _), t, s in zip(prompts[:done], tokens[i][:done], seconds[i][:done], strict=True):
+            by_category.setdefault(prompt.category, [0, 0.0])
+            by_category[prompt.category][0] += t
+            by_category[prompt.category][1] += s
+        c.measured_by_category = {cat: t / s for cat, (t, s) in by_category.items() if s}
+        if drafting[i]:
+            c.measured_draft_ms_per_step = 1000 * statistics.mean(drafting[i])
+
+
+def _enough_confirmed(chosen: list[Candidate], held_out: Encoded, config: TuneConfig, spent_s: float) -> None:
+    """Refuse to write a profile the confirmation could not back: fewer than MIN_HELD_OUT held-out prompts run."""
+    runs = max((len(c.measured_by_prompt) for c in chosen), default=0)
+    if runs < min(max(MIN_HELD_OUT, len({p.category for p, _ in held_out})), len(held_out)):
+        raise ConfigError(
+            f"--budget-s {config.budget_s:g} ran out after confirming on {runs} held-out prompts "
+            f"({spent_s:.0f} s): no profile written; give at least {math.ceil(1.5 * spent_s / 10) * 10:.0f} s"
+        )
+
+
+def _remeasure(
+    chosen: list[Candidate],
+    samples: list[DrafterSample],
+    measured: dict[str, RuntimeFigures],
+    config: TuneConfig,
+    notes: list[str],
+) -> tuple[list[Candidate], list[Candidate]]:
+    """Where a fixed-k contender ran more than OFF_BY from its prediction, take its drafting time per step from that
+    run as the drafter's cost at that k, scale its cost at every other k alike, and predict again; return the new
+    predictions and those (at most ``config.confirm``) that now predict above the fastest measured and were not
+    confirmed."""
+    by_spec = {s.spec: s for s in samples}
+    changed = False
+    for c in chosen:
+        off = c.off_by
+        if off is None or abs(off) <= OFF_BY or c.drafter not in by_spec:
+            continue
+        notes.append(
+            f"{c.label}: predicted {c.predicted_tokens_per_s:.1f} tok/s, measured {c.measured_tokens_per_s:.1f} "
+            f"({off:+.0%})"
+        )
+        sample = by_spec[c.drafter]
+        if c.k_policy == "fixed" and c.measured_draft_ms_per_step is not None and sample.draft_s(c.k) > 0:
+            # a cost misjudged at one k is misjudged at every k (a slow step, not a slow token): all scale alike
+            scale = c.measured_draft_ms_per_step / 1000 / sample.draft_s(c.k)
+            sample.draft_s_by_k = {k: s * scale for k, s in sample.draft_s_by_k.items()}
+            sample.draft_s_by_k[c.k] = c.measured_draft_ms_per_step / 1000
+            changed = True
+    candidates = _predict(measured, samples, config.max_k)
+    if not changed:
+        return candidates, []
+    fastest = max((_rate(c) for c in chosen), default=0.0)
+    tried = {(c.runtime, c.drafter, c.k, c.k_policy) for c in chosen}
+    fresh = [
+        replace(c, second_round=True)
+        for c in candidates
+        if c.drafter != "none"
+        and (c.runtime, c.drafter, c.k, c.k_policy) not in tried
+        and (c.predicted_tokens_per_s or 0.0) > fastest
+    ]
+    return candidates, fresh[: config.confirm]
+
+
+def _round_s(chosen: list[Candidate], held_out: Encoded, measured: dict[str, RuntimeFigures]) -> float:
+    """About what a confirmation of ``chosen`` on the held-out prompts takes."""
+    return sum(DRAFTING_SLOWDOWN * measured[c.runtime].prompt_s for c in chosen) * len(held_out)
+
+
+def _choose(confirmed: list[Candidate]) -> tuple[Candidate, Candidate, float]:
+    """The fastest confirmed, unless the default's fastest runtime is within the margin or the noise of it: then the
+    default. Returns the choice, the default it was held against and the ratio a contender had to beat it by.
+
+    The noise is the standard error of the per-prompt log ratio of the two over the held-out prompts."""
+    defaults = [c for c in confirmed if c.drafter == DEFAULT_DRAFTER] or [c for c in confirmed if c.drafter == "none"]
+    reference = max(defaults, key=_rate)
+    fastest = max(confirmed, key=_rate)
+    ratios = [
+        math.log(a / b)
+        for a, b in zip(fastest.measured_by_prompt, reference.measured_by_prompt, strict=False)
+        if a and b
+    ]
+    noise = statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else 0.0
+    threshold = max(MARGIN, math.exp(noise))
+    if fastest is reference or _rate(fastest) >= threshold * _rate(reference):
+        return fastest, reference, threshold
+    return reference, reference, threshold
