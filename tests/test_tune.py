@@ -300,7 +300,11 @@ def test_tune_measures_predicts_confirms_on_held_out_prompts_and_never_picks_slo
     tokenizer.save_pretrained(folder)
     seen: list[str] = []
     config = TuneConfig(
-        target=str(folder), prompts=str(prompts_file), budget_s=40, runtimes=RUNTIMES, drafters=("prompt-lookup",)
+        target=str(folder),
+        prompts=str(prompts_file),
+        budget_s=40,
+        runtimes=RUNTIMES,
+        drafters=("prompt-lookup", "suffix"),
     )
     profile, results = tune(config, seen.append)
     assert len(seen) == plan(config)[2]  # one progress unit per runtime, per drafter, and the confirmation

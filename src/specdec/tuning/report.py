@@ -57,7 +57,8 @@ def markdown(results: dict) -> str:
         "",
         "Cost curves are measured once per machine and runtime and cached (`$SPECDEC_CACHE/costs/`), "
         "as the cost-model policy reads them;",
-        "the overhead is a target-only step's time beyond the forward.",
+        "the overhead is a target-only step's time beyond the forward; target-only tok/s is on the search prompts "
+        "(measured on the fastest runtime, the others' short probe scaled alike).",
         "",
         "## Drafters (chains of max k on the search prompts, on the fastest runtime each runs on)",
         "",

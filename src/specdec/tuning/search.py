@@ -6,7 +6,7 @@ each, predicts every configuration from them, and lets a real run on prompts it 
 
 1. runtimes: the target opens on each runtime that runs here; its forward cost curve is measured, and a short
    target-only run gives its tokens/s, the engine's per-step cost outside the forward and a prompt's time, which
-   sizes the sample to the budget;
+   sizes the sample to the budget; target-only's rate on the search part (below) rescales every runtime's;
 2. split: the prompts are dealt per category into a search part and a held-out part, each covering every category;
    a budget or a prompt file too small for that is refused in one line, before anything is written;
 3. drafters: each drafts chains of max_k tokens on the search part, on the fastest runtime it runs on, keeping
@@ -51,6 +51,7 @@ PROBE_PROMPTS = 2  # prompts of each runtime's target-only run
 MIN_HELD_OUT = 4  # the fewest held-out prompts a choice is confirmed on (and at least one per category)
 DRAFTING_SLOWDOWN = 1.5  # a sampled prompt's time over target-only's, for sizing the search part
 MARGIN = 1.03  # a contender must beat the default by this much, or by the run's noise if larger, to be chosen
+MAX_ROUNDS = 4  # confirmation rounds over the held-out prompts, budget permitting
 OFF_BY = 0.15  # a confirmed contender this far from its prediction has its drafting cost re-measured
 DEFAULT_DRAFTER = "auto"  # the library's default configuration: this drafter with GenerationConfig's k and policy
 # A runtime that fails to open is skipped, with the reason.
@@ -278,6 +279,7 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
 
     by_speed = sorted(measured.values(), key=lambda f: -f.target_only_tokens_per_s)
     search, held_out = _split(pool, config, by_speed[0].prompt_s, len(drafters), len(measured), elapsed())
+    _calibrate_on(search, by_speed, base)
     samples: list[DrafterSample] = []
     for spec in drafters:
         if elapsed() > PHASE_ENDS[1] * config.budget_s:
@@ -293,15 +295,24 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
     chosen_set = _confirmation_set(candidates, measured, config.confirm, config.max_k)
     for label in set(measured) - {c.runtime for c in chosen_set}:
         measured[label].target = None  # type: ignore[assignment]  # free the models no confirmation needs
-    _confirm(chosen_set, measured, held_out, config, base, start, notes)
+    deadline = start + config.budget_s
+    confirmation = Confirmation(measured, held_out, base, notes)
+    confirmation.add(chosen_set)
+    per_contender_s = confirmation.run(deadline) / len(chosen_set)  # a round's time per contender
+    confirmation.record()
     _enough_confirmed(chosen_set, held_out, config, elapsed())
     candidates, second = _remeasure(chosen_set, samples, measured, config, notes)
-    if second:
-        if elapsed() + _round_s(second, held_out, measured) > config.budget_s:
-            notes.append("not confirmed for want of budget after re-measuring: " + ", ".join(c.label for c in second))
-        else:
-            _confirm(second, measured, held_out, config, base, start, notes)
-            chosen_set += second
+    if second and elapsed() + per_contender_s * len(second) > config.budget_s:
+        notes.append("not confirmed for want of budget after re-measuring: " + ", ".join(c.label for c in second))
+    elif second:
+        confirmation.add(second)
+        confirmation.run(deadline, only=second)
+        chosen_set += second
+    rounds = 1
+    while rounds < MAX_ROUNDS and elapsed() + per_contender_s * len(chosen_set) < config.budget_s:
+        confirmation.run(deadline)  # more rounds while the budget lasts: less timing noise
+        rounds += 1
+    confirmation.record()
     advance("confirmed")
     confirmed = [c for c in chosen_set if c.measured_tokens_per_s is not None]
     best, reference, threshold = _choose(confirmed)
@@ -466,6 +477,17 @@ def _measure_runtime(
     )
 
 
+def _calibrate_on(search: Encoded, by_speed: list[RuntimeFigures], base: GenerationConfig) -> None:
+    """Target-only's rate on the search prompts, the ones the drafters are sampled on, measured on the fastest runtime;
+    every runtime's probe rate scales by the same factor (how these prompts differ from the probes is the text's)."""
+    generator = Generator(by_speed[0].target, "none", base)
+    results = [generator.generate(ids) for _, ids in search]
+    rate = sum(len(r.token_ids) for r in results) / sum(r.stats.wall_s for r in results)
+    factor = rate / by_speed[0].target_only_tokens_per_s
+    for figures in by_speed:
+        figures.target_only_tokens_per_s *= factor
+
+
 def _warm_up(target: Target) -> list[int]:
     """Not a measured prompt: a drafter that learns would keep its answer."""
     return target.tokenizer(WARM_UP)["input_ids"]
@@ -575,68 +597,86 @@ def _confirmation_set(
     return chosen
 
 
-def _confirm(
-    chosen: list[Candidate],
-    measured: dict[str, RuntimeFigures],
-    prompts: Encoded,
-    config: TuneConfig,
-    base: GenerationConfig,
-    start: float,
-    notes: list[str],
-) -> None:
-    """Run every chosen candidate on the held-out prompts, taking turns per prompt, each prompt once (a drafter that
-    learns sees every prompt for the first time), until the budget is spent."""
-    generators: dict[int, Generator] = {}
-    for i, c in enumerate(chosen):
-        f = measured[c.runtime]
+class Confirmation:
+    """Contenders run on the held-out prompts in turns per prompt (rotated, so that drift falls on all alike), each
+    prompt once a round; a drafter that learns is rebuilt every round, so that it sees each prompt for the first time.
+    Per prompt, tokens and seconds add up over rounds; ``record`` writes the figures into the candidates."""
+
+    def __init__(
+        self, measured: dict[str, RuntimeFigures], prompts: Encoded, base: GenerationConfig, notes: list[str]
+    ) -> None:
+        self.measured, self.prompts, self.base, self.notes = measured, prompts, base, notes
+        self.candidates: list[Candidate] = []
+        self.generators: list[Generator | None] = []
+        self.tokens: list[list[int]] = []
+        self.seconds: list[list[float]] = []
+        self.drafting: list[list[float]] = []
+        self.rounds = 0
+
+    def add(self, candidates: list[Candidate]) -> None:
+        for c in candidates:
+            self.candidates.append(c)
+            self.generators.append(self._build(c))
+            self.tokens.append([0] * len(self.prompts))
+            self.seconds.append([0.0] * len(self.prompts))
+            self.drafting.append([])
+
+    def _build(self, c: Candidate) -> Generator | None:
+        f = self.measured[c.runtime]
         spec = c.drafter.removesuffix(TREE_SUFFIX)
-        gen_config = replace(base, k=c.k, k_policy=c.k_policy, branches=TREE_BRANCHES if spec != c.drafter else 1)
+        config = replace(self.base, k=c.k, k_policy=c.k_policy, branches=TREE_BRANCHES if spec != c.drafter else 1)
         try:
-            generators[i] = Generator(f.target, _drafter(spec, f), gen_config, runtime=f.runtime)
-            generators[i].generate(_warm_up(f.target), max_new_tokens=4)
+            generator = Generator(f.target, _drafter(spec, f), config, runtime=f.runtime)
+            generator.generate(_warm_up(f.target), max_new_tokens=4)
         except OPEN_ERRORS as exc:
-            notes.append(f"{c.label} not confirmed: {exc}")
-            continue
+            self.notes.append(f"{c.label} not confirmed: {exc}")
+            return None
         if spec == DEFAULT_DRAFTER:
-            c.drafts_with = generators[i].draft_name
-    tokens = {i: [0] * len(prompts) for i in generators}
-    seconds = {i: [0.0] * len(prompts) for i in generators}
-    drafting: dict[int, list[float]] = {i: [] for i in generators}
-    done = 0
-    round_s = 0.0
-    for index, (_, ids) in enumerate(prompts):
-        if index and time.perf_counter() - start + round_s > config.budget_s:
-            notes.append(f"confirmation ran {index} of {len(prompts)} held-out prompts: the budget was spent")
-            break
-        round_start = time.perf_counter()
-        order = list(generators)
-        shift = index % len(order)
-        for i in order[shift:] + order[:shift]:  # rotated, so that drift falls on all alike
-            result = generators[i].generate(ids)
-            tokens[i][index] = len(result.token_ids)
-            seconds[i][index] = result.stats.wall_s
-            drafting[i] += result.stats.draft_s_per_step[1:]
-        round_s = time.perf_counter() - round_start
-        done = index + 1
-    for i in generators:
-        c = chosen[i]
-        if not sum(tokens[i][:done]):
-            continue
-        c.measured_tokens_per_s = sum(tokens[i][:done]) / sum(seconds[i][:done])
-        c.measured_by_prompt = [t / s if s else None for t, s in zip(tokens[i][:done], seconds[i][:done], strict=True)]
-        by_category: dict[str, list[float]] = {}
-        for (prompt, _), t, s in zip(prompts[:done], tokens[i][:done], seconds[i][:done], strict=True):
-            by_category.setdefault(prompt.category, [0, 0.0])
-            by_category[prompt.category][0] += t
-            by_category[prompt.category][1] += s
-        c.measured_by_category = {cat: t / s for cat, (t, s) in by_category.items() if s}
-        if drafting[i]:
-            c.measured_draft_ms_per_step = 1000 * statistics.mean(drafting[i])
+            c.drafts_with = generator.draft_name
+        return generator
+
+    def run(self, deadline: float, only: list[Candidate] | None = None) -> float:
+        """One round over the held-out prompts, for ``only`` those candidates if given, starting no prompt after
+        ``deadline`` (a perf_counter time); its seconds."""
+        began = time.perf_counter()
+        members = [i for i, c in enumerate(self.candidates) if self.generators[i] and (only is None or c in only)]
+        if not members:
+            return 0.0
+        for index, (_, ids) in enumerate(self.prompts):
+            if time.perf_counter() > deadline:
+                self.notes.append(f"a confirmation round ran {index} of {len(self.prompts)} prompts: budget spent")
+                break
+            shift = (index + self.rounds) % len(members)
+            for i in members[shift:] + members[:shift]:
+                result = self.generators[i].generate(ids)  # type: ignore[union-attr]
+                self.tokens[i][index] += len(result.token_ids)
+                self.seconds[i][index] += result.stats.wall_s
+                self.drafting[i] += result.stats.draft_s_per_step[1:]
+        self.rounds += 1
+        for i in members:
+            if self.generators[i].drafter.capabilities.learns:  # type: ignore[union-attr]
+                self.generators[i] = self._build(self.candidates[i])
+        return time.perf_counter() - began
+
+    def record(self) -> None:
+        for c, tokens, seconds, drafting in zip(self.candidates, self.tokens, self.seconds, self.drafting, strict=True):
+            if not sum(tokens):
+                continue
+            c.measured_tokens_per_s = sum(tokens) / sum(seconds)
+            c.measured_by_prompt = [t / s if s else None for t, s in zip(tokens, seconds, strict=True)]
+            by_category: dict[str, list[float]] = {}
+            for (prompt, _), t, s in zip(self.prompts, tokens, seconds, strict=True):
+                totals = by_category.setdefault(prompt.category, [0.0, 0.0])
+                totals[0] += t
+                totals[1] += s
+            c.measured_by_category = {category: t / s for category, (t, s) in by_category.items() if s}
+            if drafting:
+                c.measured_draft_ms_per_step = 1000 * statistics.mean(drafting)
 
 
 def _enough_confirmed(chosen: list[Candidate], held_out: Encoded, config: TuneConfig, spent_s: float) -> None:
     """Refuse to write a profile the confirmation could not back: fewer than MIN_HELD_OUT held-out prompts run."""
-    runs = max((len(c.measured_by_prompt) for c in chosen), default=0)
+    runs = max((sum(rate is not None for rate in c.measured_by_prompt) for c in chosen), default=0)
     if runs < min(max(MIN_HELD_OUT, len({p.category for p, _ in held_out})), len(held_out)):
         raise ConfigError(
             f"--budget-s {config.budget_s:g} ran out after confirming on {runs} held-out prompts "
@@ -685,11 +725,6 @@ def _remeasure(
         and (c.predicted_tokens_per_s or 0.0) > fastest
     ]
     return candidates, fresh[: config.confirm]
-
-
-def _round_s(chosen: list[Candidate], held_out: Encoded, measured: dict[str, RuntimeFigures]) -> float:
-    """About what a confirmation of ``chosen`` on the held-out prompts takes."""
-    return sum(DRAFTING_SLOWDOWN * measured[c.runtime].prompt_s for c in chosen) * len(held_out)
 
 
 def _choose(confirmed: list[Candidate]) -> tuple[Candidate, Candidate, float]:
