@@ -266,6 +266,14 @@ COMMANDS_TEXT = """
   specdec bench-serve --prompts agentic --draft suffix --clients 1,8 --duration 40 --max-tokens 64
 2026-12-03-cpu-native-serve-agentic-prompt-lookup
   specdec bench-serve --prompts agentic --draft prompt-lookup --clients 1,8 --duration 40 --max-tokens 64
+2026-12-03-cpu-tune-default
+  specdec tune
+2026-12-03-cpu-tune-unseen
+  specdec tune --prompts benchmarks/prompts/tune-unseen.jsonl
+2026-12-03-cpu-tune-agentic
+  specdec tune --prompts agentic
+2026-12-03-cpu-tune-default-t0.7
+  specdec tune --sampling 0.7
 """
 VARIABLES = {
     "J": "benchmarks/results/",
@@ -751,7 +759,8 @@ def where_time_goes(results: list[Result]) -> list[Block]:
 
 def tune(results: list[Result]) -> list[Block]:
     blocks = []
-    for r in newest_per_machine(results):
+    held_out = [r for r in results if "default" in r.data]  # tuned on a search part, confirmed on a held-out part
+    for r in newest_per_machine([r for r in results if r not in held_out]):
         d = r.data
         cells = [
             [c["label"] + (" (chosen)" if c["label"] == d["chosen"] else ""), f"{c['predicted_tokens_per_s']:.1f}"]
@@ -764,6 +773,39 @@ def tune(results: list[Result]) -> list[Block]:
         title = f"`specdec tune`: the configurations it confirmed, on {r.machine}"
         header = ["configuration", "predicted tok/s", "measured tok/s", "date", "result"]
         blocks.append(block("Across runtimes", title, header, cells, [r], note))
+    keyed = [((r.machine, r.data["config"]["prompts"], r.data["config"]["temperature"]), r, None) for r in held_out]
+    for r, _ in latest(keyed).values():
+        d, cfg = r.data, r.data["config"]
+        confirmed = [c for c in d["confirmed"] if c["measured_tokens_per_s"]]
+        by_label = {c["label"]: c["measured_tokens_per_s"] for c in confirmed}
+        best, default, chosen = max(by_label.values()), by_label[d["default"]], by_label[d["chosen"]]
+        cells = []
+        for c in sorted(confirmed, key=lambda c: -c["measured_tokens_per_s"]):
+            role = " (chosen)" if c["label"] == d["chosen"] else ""
+            role += " (default)" if c["label"] == d["default"] else ""
+            predicted = c["predicted_tokens_per_s"]
+            cells.append(
+                [
+                    c["label"] + role,
+                    "-" if predicted is None else f"{predicted:.1f}",
+                    f"{c['measured_tokens_per_s']:.1f}",
+                    "-" if predicted is None else f"{c['measured_tokens_per_s'] / predicted:.2f}",
+                    f"{c['measured_tokens_per_s'] / default:.2f}x",
+                    r.date,
+                    r.link,
+                ]
+            )
+        split = d["prompts"]
+        note = (
+            f"`{cfg['target']}`, prompts `{cfg['prompts']}`, T {cfg['temperature']:g}, budget {cfg['budget_s']:g} s "
+            f"(used {d['elapsed_s']:.0f}); sampled on {len(split['search'])} prompts, confirmed on "
+            f"{len(split['held_out'])} others. The profile, out of sample: {chosen / best:.2f}x the best confirmed "
+            f"contender, {chosen / default:.2f}x the default; a contender had to beat the default by "
+            f"{d['threshold']:.3f}x."
+        )
+        title = f"`specdec tune` on `{Path(cfg['prompts']).stem}`, held-out prompts, on {r.machine}"
+        header = ["contender", "predicted tok/s", "measured tok/s", "measured / predicted", "vs default", "date"]
+        blocks.append(block("Across runtimes", title, header + ["result"], cells, [r], note))
     return blocks
 
 

@@ -62,20 +62,27 @@ def test_a_drafter_scores_its_tree_by_how_often_each_path_followed() -> None:
     # the likeliest path, without scores: the k policy sizes chains from the acceptance it measures
     assert chain.parents is None and chain.scores is None and chain.tokens.tolist() == [12, 13, 14]
     # the depth follows the match: one matched token drafts at most DEPTH_PER_MATCH, two twice as many
-    store.add([7, 8, *range(50, 60)])
+    store.add([7, 8, *range(50, 80)])
     assert len(drafter(store).propose(torch.tensor([40, 8]), k=16)) == round(suffix.DEPTH_PER_MATCH * 1)
     assert len(drafter(store).propose(torch.tensor([7, 8]), k=16)) == round(suffix.DEPTH_PER_MATCH * 2)
 
 
-def test_a_drafter_copies_from_its_own_request_unless_the_store_matches_longer() -> None:
+def test_a_drafter_copies_from_its_own_request_unless_the_store_matches_far_longer() -> None:
     store = SuffixStore()
     store.add([7, 8, 1, 2])
     store.add([5, 5, 7, 8, 3, 4])
     own = drafter(store)
     # "7 8" matches in its own text and in the store: its own text wins a tie
     assert own.propose(torch.tensor([7, 8, 9, 5, 6, 7, 8]), k=6, branches=2).tokens.tolist() == [9, 5, 6, 7, 8]
-    # "5 7 8": only the store has it
-    assert own.propose(torch.tensor([7, 8, 9, 5, 6, 7, 8, 9, 5, 7, 8]), k=2).tokens.tolist() == [3, 4]
+    # the store's "5 7 8" is longer than its own "7 8", but not OWN_WEIGHT times: its own text still wins
+    assert suffix.OWN_WEIGHT * 2 >= 3
+    assert own.propose(torch.tensor([7, 8, 9, 5, 6, 7, 8, 9, 5, 7, 8]), k=2).tokens.tolist() == [9, 5]
+    # "5 7 8" where the request has no earlier "8": the store's
+    assert drafter(store).propose(torch.tensor([6, 6, 5, 7, 8]), k=2).tokens.tolist() == [3, 4]
+    # eight tokens of the store's against one of its own: the store's
+    store.add(list(range(100, 120)))
+    assert suffix.OWN_WEIGHT * 1 < 8
+    assert drafter(store).propose(torch.tensor([113, 60, *range(104, 114)]), k=2).tokens.tolist() == [114, 115]
 
 
 def test_scopes_keep_histories_apart_and_none_keeps_nothing() -> None:

@@ -41,7 +41,10 @@ from specdec.errors import ConfigError
 
 ORDERS = (1, 2, 3, 4, 6, 8, 12, 16)  # n-gram lengths indexed; the longest that matches decides
 CANDIDATES = 32  # most recent matches read per source (the request, the store)
-DEPTH_PER_MATCH = 4.0  # a match of n tokens drafts at most this many times n tokens (and k)
+DEPTH_PER_MATCH = 8.0  # a match of n tokens drafts at most this many times n tokens (and k)
+# the history's match wins only when longer than this many times the sequence's own: what a text said itself predicts
+# it better than what other texts said after a somewhat longer shared context (other answers, other samples)
+OWN_WEIGHT = 4
 MIN_SCORE = 0.1  # a node followed by less than this share of the matches (by weight) is not drafted
 RECENCY = 0.8  # the i-th most recent match weighs RECENCY**i: text repeats what it said last most
 MAX_SEGMENTS = 8  # index segments before the smallest are merged
@@ -392,17 +395,18 @@ class SuffixDrafter(Drafter):
             self.store.add(tokens[max(0, prompt_length - LEAD_IN) :].numpy(), self.scope)
 
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
-        """Up to ``k`` nodes: the continuations of the longest match (in this sequence, or in the store when it
-        matches longer), merged into a tree where each node scores the share of matches it continues, the recent ones
-        weighing more; with one branch, the likeliest path as a chain, without scores (a share of few matches
-        understates how often a copy comes true: the k policy sizes chains from the acceptance it measures)."""
+        """Up to ``k`` nodes: the continuations of the longest match in this sequence (or in the store, when its
+        match is more than OWN_WEIGHT times longer), merged into a tree where each node scores the share of matches it
+        continues, the recent ones weighing more; with one branch, the likeliest path as a chain, without scores (a
+        share of few matches understates how often a copy comes true: the k policy sizes chains from the acceptance
+        it measures)."""
         if len(context) < len(self._own.tokens):  # not a continuation of this sequence: start over
             self._own = _RequestIndex()
         tokens = self._own.extend(context)
         queries = _tail_hashes(tokens, len(tokens) - 1) if tokens else []
         n_own, own = self._own.matches(tokens, queries, k)
         n_store, stored = (0, []) if self.scope is None else self.store.lookup(queries, self.scope, k)
-        n, runs = (n_own, own) if n_own >= n_store else (n_store, stored)
+        n, runs = (n_own, own) if n_own * OWN_WEIGHT >= n_store else (n_store, stored)
         if not runs:
             return Proposal(context[:0], steps=0)
         depth = min(k, max(1, round(DEPTH_PER_MATCH * n)))
