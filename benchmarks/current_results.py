@@ -266,6 +266,14 @@ COMMANDS_TEXT = """
   specdec bench-serve --prompts agentic --draft suffix --clients 1,8 --duration 40 --max-tokens 64
 2026-12-03-cpu-native-serve-agentic-prompt-lookup
   specdec bench-serve --prompts agentic --draft prompt-lookup --clients 1,8 --duration 40 --max-tokens 64
+2026-12-03-cpu-native-suffix-own-default-t0.7
+  $SUFFIX --prompts default --temperature 0.7
+2026-12-03-cpu-native-suffix-own-agentic-t0
+  $SUFFIX --prompts agentic --temperature 0
+2026-12-03-cpu-native-suffix-own-default-t0
+  $SUFFIX --prompts default --temperature 0
+2026-12-03-cpu-native-suffix-own-agentic-t0.7
+  $SUFFIX --prompts agentic --temperature 0.7
 2026-12-03-cpu-tune-default
   specdec tune
 2026-12-03-cpu-tune-unseen
@@ -508,12 +516,12 @@ def bench(results: list[Result]) -> list[Block]:
 
 def by_category(results: list[Result]) -> list[Block]:
     """`specdec bench` runs with a drafter that learns from earlier answers (suffix): each method's speed-up over
-    target-only per category and along the run, one table per run."""
+    target-only per category and along the run, one table per prompt set and temperature (the latest)."""
     blocks = []
-    for r in results:
+    learning = [r for r in results if any(name.startswith("suffix") for name in r.data["methods"])]
+    keyed = [((r.machine, r.data["config"]["prompts"], r.data["config"]["temperature"]), r, None) for r in learning]
+    for r, _ in latest(keyed).values():
         methods, c = r.data["methods"], r.data["config"]
-        if not any(name.startswith("suffix") for name in methods):
-            continue
         categories = [k for k in r.data["categories"] if k != "overall"] + ["overall"]
         positions = r.data.get("positions", {})
         groups = [p["positions"] for p in next(iter(positions.values()), [])]

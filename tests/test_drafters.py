@@ -144,6 +144,32 @@ def test_ngram_build_cli(tmp_path: Path, tiny_folder: Path) -> None:
     assert result.exit_code == 0, result.output
 
 
+def test_ngram_build_seeds_a_suffix_history_the_server_starts_from(tmp_path: Path, tiny_folder: Path) -> None:
+    from specdec.models import open_target
+    from specdec.serving.config import ServeConfig
+    from specdec.serving.suffix import server_drafter
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("SELECT name FROM users WHERE id = 1;\n" * 5)
+    history = tmp_path / "history.npz"
+    args = ["ngram", "build", str(corpus), "--target", str(tiny_folder), "-o", str(tmp_path / "t.ngram")]
+    result = CliRunner().invoke(app, args + ["--suffix-cache", str(history)])
+    assert result.exit_code == 0, result.output
+    assert "suffix history" in result.output and history.stat().st_mode & 0o777 == 0o600
+    target = open_target(str(tiny_folder))
+    drafter, store = server_drafter("suffix", target, ServeConfig(suffix_cache=str(history)))
+    expected = target.tokenizer(corpus.read_text(), add_special_tokens=False)["input_ids"]
+    assert store is not None and store.token_count == len(expected)
+    # a new request starting like the corpus drafts the corpus's continuation
+    context = torch.tensor(expected[:12])
+    drafter.begin(DraftSettings())
+    assert drafter.propose(context, k=4).tokens.tolist() == expected[12:16]
+    again = CliRunner().invoke(app, args + ["--overwrite", "--suffix-cache", str(history)])
+    assert again.exit_code == 0, again.output
+    refused = CliRunner().invoke(app, args[:-1] + [str(tmp_path / "u.ngram"), "--suffix-cache", str(history)])
+    assert refused.exit_code == 2 and "--suffix-cache" in refused.output and "--overwrite" in refused.output
+
+
 @pytest.mark.parametrize("make_target", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
 def test_layer_skip_view_shares_weights_and_matches_early_exit(make_target) -> None:
     model = make_target(0)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -236,6 +238,22 @@ def test_the_prediction_replays_sampled_steps_on_each_runtimes_curve() -> None:
     assert any(c.k_policy == "cost-model" and c.drafter == "prompt-lookup" for c in chosen)
 
 
+def test_a_prompts_first_token_costs_what_target_onlys_did_whatever_drafts_after_it() -> None:
+    from specdec.scheduling import CostCurve
+    from specdec.tuning.search import DrafterSample, RuntimeFigures, _predict
+
+    # decoding at 100 tok/s after a 0.1 s first token, 33 tokens a prompt: 33 / (0.1 + 32 / 100) tok/s over a prompt
+    figures = RuntimeFigures("r", RuntimeConfig(), None, CostCurve({1: 0.010, 9: 0.010}), 0.0, 0.0, 0.0)
+    figures.target_only_tokens_per_s, figures.decode_tokens_per_s = 33 / 0.42, 100.0
+    figures.first_token_s, figures.tokens_per_prompt = 0.1, 33
+    assert figures.prompt_rate(100.0) == pytest.approx(33 / 0.42)
+    # a drafter that doubles the decoding rate (one of every step's 2 drafts kept, verifying free) does not double
+    # the prompt's rate: its first token still takes 0.1 s
+    sample = DrafterSample("prompt-lookup", ["r"], [(2, 1)] * 10, {1: 0.0, 2: 0.0})
+    drafted = [c for c in _predict({"r": figures}, [sample], max_k=2) if c.k == 2][0]
+    assert drafted.predicted_tokens_per_s == pytest.approx(33 / (0.1 + 32 / 200))
+
+
 def test_a_fixed_cost_per_step_is_not_scaled_away_at_small_k() -> None:
     from specdec.tuning.search import DrafterSample
 
@@ -269,20 +287,46 @@ def test_the_default_is_kept_unless_a_contender_beats_it_beyond_the_noise() -> N
 
     def measured(drafter: str, rates: list[float]) -> Candidate:
         c = Candidate("native", drafter, 8, "fixed", 100.0)
-        c.measured_by_prompt, c.measured_tokens_per_s = rates, sum(rates) / len(rates)
+        c.measured_by_prompt = rates
+        c.measured_tokens_per_s = statistics.mean(r for r in rates if r)
         return c
 
     default = measured(DEFAULT_DRAFTER, [100, 100, 100, 100])
     target_only = measured("none", [60, 60, 60, 60])
     steady = measured("eagle", [106, 106, 106, 106])  # 6% faster on every prompt: beyond the margin and the noise
-    assert _choose([default, target_only, steady])[0] is steady
+    assert _choose([default, target_only, steady], 4)[0] is steady
     noisy = measured("eagle", [150, 70, 140, 80])  # 10% faster overall, but up and down by prompt
-    chosen, reference, threshold = _choose([default, target_only, noisy])
+    chosen, reference, threshold = _choose([default, target_only, noisy], 4)
     assert chosen is default and reference is default and threshold > 1.10
     slight = measured("eagle", [102, 102, 102, 102])  # within the margin
-    assert _choose([default, target_only, slight])[0] is default
+    assert _choose([default, target_only, slight], 4)[0] is default
     slow_default = measured(DEFAULT_DRAFTER, [50, 50, 50, 50])  # the default loses to target-only: target-only wins
-    assert _choose([slow_default, target_only])[0] is target_only
+    assert _choose([slow_default, target_only], 4)[0] is target_only
+    once = measured("eagle", [300, None, None, None])  # fast on the one prompt it ran: too few to rest a choice on
+    assert _choose([default, target_only, once], 4)[0] is default
+
+
+def test_a_drafter_that_learns_starts_every_confirmation_round_afresh(tiny_folder: Path) -> None:
+    from specdec.drafters.suffix import LEAD_IN
+    from specdec.models import open_target
+    from specdec.scheduling import CostCurve
+    from specdec.tuning.search import Candidate, Confirmation, RuntimeFigures
+
+    target = open_target(str(tiny_folder))
+    figures = RuntimeFigures("t", RuntimeConfig(), target, CostCurve({1: 0.01}), 100.0, 0.0, 0.0)
+    prompts = [(BenchPrompt(f"p{i}", "chat", "x"), target.tokenizer(f"ab ab ab {i}")["input_ids"]) for i in range(3)]
+    notes: list[str] = []
+    confirmation = Confirmation({"t": figures}, prompts, GenerationConfig(max_new_tokens=8), notes)
+    learning, fixed = Candidate("t", "suffix", 4, "fixed", 1.0), Candidate("t", "prompt-lookup", 4, "fixed", 1.0)
+    confirmation.add([learning, fixed])
+    before = list(confirmation.generators)
+    confirmation.run(deadline=float("inf"))
+    confirmation.run(deadline=float("inf"), only=[learning])
+    assert confirmation.generators[0] is not before[0] and confirmation.generators[1] is before[1]
+    # nothing of the earlier rounds kept: only the warm-up's 4 tokens, led in by its prompt's last tokens
+    assert confirmation.generators[0].drafter.store.token_count == 4 + LEAD_IN
+    confirmation.record()
+    assert learning.measured_tokens_per_s and len(learning.measured_by_prompt) == 3 and not notes
 
 
 def test_sampled_prompts_cover_every_category() -> None:
@@ -320,15 +364,18 @@ def test_tune_measures_predicts_confirms_on_held_out_prompts_and_never_picks_slo
     predicted = {(c["runtime"], c["drafter"], c["k"]) for c in results["candidates"]}
     assert {(r, "prompt-lookup", k) for r in RUNTIMES for k in range(1, 9)} <= predicted
     confirmed = results["confirmed"]
-    assert all(len(c["measured_by_prompt"]) == 4 and c["measured_tokens_per_s"] > 0 for c in confirmed)
+    measured = [c for c in confirmed if c["measured_tokens_per_s"]]
+    assert all(len(c["measured_by_prompt"]) == 4 for c in measured)
+    # auto resolves to prompt lookup here: the cost-model contender is the default's configuration, run once
+    assert [c["k_policy"] for c in confirmed if c not in measured] in ([], ["cost-model"])
     assert {c["drafter"] for c in confirmed} >= {"none", DEFAULT_DRAFTER, "prompt-lookup"}
     default = [c for c in confirmed if c["label"] == results["default"]][0]
     assert default["drafter"] == DEFAULT_DRAFTER and default["drafts_with"] == "prompt-lookup"  # auto, resolved
-    fastest = max(confirmed, key=lambda c: c["measured_tokens_per_s"])
     # the fastest, unless it beats the default by less than the margin or the noise: then the default
-    beats = fastest["measured_tokens_per_s"] >= results["threshold"] * default["measured_tokens_per_s"]
-    assert results["chosen"] == (fastest if beats else default)["label"]
-    assert profile.measured["tokens_per_s"] >= default["measured_tokens_per_s"]
+    chosen = [c for c in confirmed if c["label"] == results["chosen"]][0]
+    ratios = [a / b for a, b in zip(chosen["measured_by_prompt"], default["measured_by_prompt"], strict=True)]
+    # the default, or a contender faster than it by the bar on the geometric mean of per-prompt ratios
+    assert chosen is default or math.prod(ratios) ** (1 / len(ratios)) >= results["threshold"] > 1
     assert profile.measured["held_out_prompts"] == 4
     assert profile.target == str(folder) and profile.runtime.backend == "transformers"
     assert profile.drafter != DEFAULT_DRAFTER  # a profile names what runs
@@ -384,8 +431,9 @@ def test_a_drafter_far_slower_than_predicted_is_re_measured_and_not_chosen(
     assert any("predicted" in note and "measured" in note for note in results["notes"])
     drafting = results["drafters"]["prompt-lookup"]["draft_ms_by_k"]
     assert any(ms >= 20 for ms in drafting.values())  # its drafting cost re-measured from the confirmation
-    assert "prompt-lookup fixed" not in results["chosen"]
-    report = tmp_path / "report.md"
+    assert all(ms < 20 for ms in results["drafters"]["prompt-lookup"]["sampled_draft_ms_by_k"].values())
+    chosen = [c for c in results["confirmed"] if c["label"] == results["chosen"]][0]
+    assert chosen["drafter"] in (DEFAULT_DRAFTER, "none")  # neither the stand-in's fixed k nor its cost-model policy
     from specdec.tuning.report import write_tune_report
 
     write_tune_report(profile, results, tmp_path / "out")
@@ -447,6 +495,14 @@ def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path
     assert too_small.exit_code == 2 and "too small to measure anything" in too_small.output
     sampling = runner.invoke(app, args[:-2] + ["--sampling", "hot", "--out", str(tmp_path / "y")])
     assert sampling.exit_code == 2 and "greedy or a temperature" in sampling.output
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(prompts_file.read_text().splitlines(keepends=True)[:4]))
+    few = runner.invoke(
+        app, args[:-2] + ["--runtimes", RUNTIMES[0], "--prompts", str(small), "--out", str(tmp_path / "z")]
+    )
+    said = " ".join(few.output.split())
+    assert few.exit_code == 2 and "needs at least 4 held-out prompts" in said and "Traceback" not in said
+    assert not (tmp_path / "z").exists()  # nothing written
 
 
 @pytest.mark.real_model

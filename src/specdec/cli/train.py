@@ -154,21 +154,32 @@ def ngram_build(
         float, typer.Option(help="Size limit of the table; the rarest n-grams are dropped to fit.")
     ] = default(NgramBuildConfig, "max_mb"),
     overwrite: Annotated[bool, typer.Option(help="Replace an existing table.")] = False,
+    suffix_cache: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also write the corpus (its last 1,000,000 tokens) as a suffix history that "
+            "`specdec serve --draft suffix --suffix-cache FILE` starts from."
+        ),
+    ] = None,
 ) -> None:
-    """Tokenize a corpus with the target's tokenizer and save an n-gram table for the target."""
+    """Tokenize a corpus with the target's tokenizer and save an n-gram table for the target (and, with
+    --suffix-cache, a suffix history)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+    from specdec.drafters import SuffixStore
     from specdec.models import load_model
     from specdec.training.ngram import NgramBuildConfig, build_ngram_table
 
     config = NgramBuildConfig(order=order, max_mb=max_mb)
-    if out.exists() and not overwrite:
-        raise SpecDecError(f"'{out}' exists: pass --overwrite or choose another --out")
+    for path, flag in ((out, "--out"), (suffix_cache, "--suffix-cache")):
+        if path is not None and path.exists() and not overwrite:
+            raise SpecDecError(f"'{path}' exists: pass --overwrite or choose another {flag}")
     with status(f"loading the tokenizer of {target}"):
         model = load_model(target)
     if model.tokenizer is None:
         raise SpecDecError(f"model '{target}' has no tokenizer to tokenize the corpus with")
     tokenizer = model.tokenizer
+    store = None if suffix_cache is None else SuffixStore()
     columns = (
         TextColumn("counting n-grams"),
         BarColumn(),
@@ -185,9 +196,17 @@ def ngram_build(
             config,
             {"target": model.name, "tokenizer": getattr(tokenizer, "name_or_path", "")},
             lambda done, total: progress.update(task, completed=done, total=total),
+            None if store is None else store.add,
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     table.save(out)
+    if store is not None and suffix_cache is not None:
+        suffix_cache.parent.mkdir(parents=True, exist_ok=True)
+        store.save(suffix_cache, model.name)
+        console.print(
+            f"suffix history: {store.token_count:,} tokens -> {suffix_cache} "
+            f"(use specdec serve --draft suffix --suffix-cache {suffix_cache})"
+        )
     console.print(
         f"{table.meta['tokens']:,} tokens from {len(table.meta['sources'])} file(s) -> {len(table.keys):,} n-grams, "
         f"{out.stat().st_size / 2**20:.1f} MB: {out}  (use --draft ngram:{out})"

@@ -43,7 +43,8 @@ ORDERS = (1, 2, 3, 4, 6, 8, 12, 16)  # n-gram lengths indexed; the longest that 
 CANDIDATES = 32  # most recent matches read per source (the request, the store)
 DEPTH_PER_MATCH = 8.0  # a match of n tokens drafts at most this many times n tokens (and k)
 # the history's match wins only when longer than this many times the sequence's own: what a text said itself predicts
-# it better than what other texts said after a somewhat longer shared context (other answers, other samples)
+# it better than what other texts said after a somewhat longer shared context (other answers, other samples); an own
+# match of 4 tokens or more always wins (16 is the longest order)
 OWN_WEIGHT = 4
 MIN_SCORE = 0.1  # a node followed by less than this share of the matches (by weight) is not drafted
 RECENCY = 0.8  # the i-th most recent match weighs RECENCY**i: text repeats what it said last most

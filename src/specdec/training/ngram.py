@@ -156,8 +156,10 @@ def build_ngram_table(
     config: NgramBuildConfig,
     meta: dict,
     progress: Callable[[int, int], None] = lambda done, total: None,
+    keep: Callable[[list[int]], None] | None = None,
 ) -> NgramTable:
-    """Count the n-grams of every source; ``progress(bytes_done, bytes_total)`` follows the reading."""
+    """Count the n-grams of every source; ``progress(bytes_done, bytes_total)`` follows the reading; ``keep`` is
+    given every piece's tokens too (a suffix store seeded from the same corpus)."""
     files = corpus_files(sources)
     total = sum(f.stat().st_size for f in files)
     counter = NgramCounter(config.order, vocab_size, config.max_entries)
@@ -169,6 +171,8 @@ def build_ngram_table(
         nonlocal done, batch, batch_bytes
         for ids in tokenize(batch):
             counter.add(ids)
+            if keep is not None:
+                keep(ids)
         done += batch_bytes
         progress(done, total)
         batch, batch_bytes = [], 0

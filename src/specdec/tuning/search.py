@@ -35,6 +35,7 @@ from specdec.bench.runner import WARM_UP
 from specdec.config import PRESETS, TREE_BRANCHES, TREE_SUFFIX, GenerationConfig, RuntimeConfig, SamplingConfig
 from specdec.drafters import Drafter, build_drafter
 from specdec.engine import Generator
+from specdec.engine.stats import DecodeStats
 from specdec.errors import ConfigError, PromptError, SpecDecError
 from specdec.machine import fingerprint
 from specdec.models import DEFAULT_TARGET, Target, open_target, resolve
@@ -98,12 +99,25 @@ class RuntimeFigures:
     overhead_s: float  # per step, outside the forward (the engine, sampling, bookkeeping)
     load_s: float
     prompt_s: float = 0.0  # a target-only prompt's time, prefill included
+    first_token_s: float = 0.0  # a prompt's prefill and first token; 0: rates are decoding rates alone
+    decode_tokens_per_s: float = 0.0  # target-only after the first token (0: target_only_tokens_per_s)
+    tokens_per_prompt: float = 0.0  # new tokens a prompt gets (fewer than asked where it ends)
+
+    def __post_init__(self) -> None:
+        self.decode_tokens_per_s = self.decode_tokens_per_s or self.target_only_tokens_per_s
 
     @property
     def calibration(self) -> float:
-        """Measured target-only tokens/s over the curve's own prediction: what a step costs beyond the curve and the
-        overhead (the prompt's prefill, a cached curve from a busier or quieter day), applied to every prediction."""
-        return self.target_only_tokens_per_s * (self.curve(1) + self.overhead_s)
+        """Measured target-only decoding tokens/s over the curve's own prediction: what a step costs beyond the curve
+        and the overhead (a cached curve from a busier or quieter day), applied to every prediction."""
+        return self.decode_tokens_per_s * (self.curve(1) + self.overhead_s)
+
+    def prompt_rate(self, decode_tokens_per_s: float) -> float:
+        """Tokens/s over a whole prompt, its first token's time included, at a decoding rate."""
+        if not self.first_token_s or self.tokens_per_prompt <= 1:
+            return decode_tokens_per_s
+        n = self.tokens_per_prompt
+        return n / (self.first_token_s + (n - 1) / decode_tokens_per_s)
 
 
 @dataclass
@@ -111,7 +125,8 @@ class DrafterSample:
     spec: str  # as given: "prompt-lookup", "prompt-lookup+tree"
     runs_on: list[str] = field(default_factory=list)  # every measured runtime it can draft for, fastest first
     steps: list[tuple[int, int]] = field(default_factory=list)  # (proposed, accepted) per step at max_k
-    draft_s_by_k: dict[int, float] = field(default_factory=dict)  # measured drafting seconds per step, by k
+    draft_s_by_k: dict[int, float] = field(default_factory=dict)  # drafting seconds per step, by k, as modelled
+    sampled_draft_s_by_k: dict[int, float] = field(default_factory=dict)  # as sampled (before any re-measurement)
 
     @property
     def runtime(self) -> str:
@@ -315,7 +330,7 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
     confirmation.record()
     advance("confirmed")
     confirmed = [c for c in chosen_set if c.measured_tokens_per_s is not None]
-    best, reference, threshold = _choose(confirmed)
+    best, reference, threshold = _choose(confirmed, _needed(held_out))
     target_only = max((c for c in confirmed if c.drafter == "none"), key=_rate)
     profile = Profile(
         target=config.target,
@@ -363,6 +378,7 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
                 "steps": len(s.steps),
                 "acceptance": s.acceptance,
                 "accepted_per_step": sum(a for _, a in s.steps) / max(len(s.steps), 1),
+                "sampled_draft_ms_by_k": {k: 1000 * t for k, t in sorted(s.sampled_draft_s_by_k.items())},
                 "draft_ms_by_k": {k: 1000 * t for k, t in sorted(s.draft_s_by_k.items())},
             }
             for s in samples
@@ -433,12 +449,13 @@ def _split(
             f"two of every category; give at least {max(2 * needed, 2 * categories)} prompts like the requests you "
             "will serve"
         )
-    # the best pairs, the cost-model policy, target-only and the default on (at most) two runtimes
-    contenders = min(config.confirm, max(drafters, 1) * runtimes) + 1 + 2 * min(2, runtimes)
+    # the best pairs, the cost-model policy, and target-only and the default on each of their runtimes
+    pairs = min(config.confirm, max(drafters, 1) * runtimes)
+    contenders = pairs + 1 + 2 * min(pairs + 1, runtimes)
     held_out_s = prompt_s * contenders
     search_s = prompt_s * (DRAFTING_SLOWDOWN * max(drafters, 1) + 1)
     confirm_budget = (1 - PHASE_ENDS[1]) * config.budget_s
-    search_budget = PHASE_ENDS[1] * config.budget_s - spent_s
+    search_budget = PHASE_ENDS[1] * config.budget_s - spent_s - drafters * prompt_s  # less each one's k = 1 run
     held_out = held_out[: max(0, int(confirm_budget / held_out_s))]
     search = search[: max(0, int(search_budget / search_s))]
     if len(held_out) < needed or len(search) < categories:
@@ -464,28 +481,45 @@ def _measure_runtime(
     generator = Generator(target, "none", base)
     curve = generator.costs()
     generator.generate(_warm_up(target), max_new_tokens=4)
-    rates, overheads, walls = [], [], []
-    for _, ids in prompts[:PROBE_PROMPTS]:
-        s = generator.generate(ids).stats
-        rates.append(s.tokens_per_s)
-        walls.append(s.wall_s)
-        if s.steps > 1:
-            overheads.append(max(0.0, (s.wall_s - s.ttft_s) / (s.steps - 1) - curve(1)))
-    overhead = statistics.median(overheads) if overheads else 0.0
-    return RuntimeFigures(
-        label, runtime, target, curve, statistics.median(rates), overhead, load_s, statistics.median(walls)
+    runs = [generator.generate(ids).stats for _, ids in prompts[:PROBE_PROMPTS]]
+    overheads = [max(0.0, (s.wall_s - s.ttft_s) / (s.steps - 1) - curve(1)) for s in runs if s.steps > 1]
+    figures = RuntimeFigures(
+        label,
+        runtime,
+        target,
+        curve,
+        statistics.median(s.tokens_per_s for s in runs),
+        statistics.median(overheads) if overheads else 0.0,
+        load_s,
+        statistics.median(s.wall_s for s in runs),
     )
+    _set_rates(figures, runs)
+    return figures
+
+
+def _set_rates(figures: RuntimeFigures, runs: list[DecodeStats]) -> None:
+    """Target-only's rates from ``runs``: over whole prompts, after the first token, and the first token's time."""
+    tokens = sum(s.new_tokens for s in runs)
+    figures.target_only_tokens_per_s = tokens / sum(s.wall_s for s in runs)
+    decoding = sum(s.wall_s - s.ttft_s for s in runs)
+    figures.decode_tokens_per_s = (tokens - len(runs)) / decoding if decoding > 0 else figures.target_only_tokens_per_s
+    figures.first_token_s = statistics.mean(s.ttft_s for s in runs)
+    figures.tokens_per_prompt = tokens / len(runs)
 
 
 def _calibrate_on(search: Encoded, by_speed: list[RuntimeFigures], base: GenerationConfig) -> None:
-    """Target-only's rate on the search prompts, the ones the drafters are sampled on, measured on the fastest runtime;
-    every runtime's probe rate scales by the same factor (how these prompts differ from the probes is the text's)."""
-    generator = Generator(by_speed[0].target, "none", base)
-    results = [generator.generate(ids) for _, ids in search]
-    rate = sum(len(r.token_ids) for r in results) / sum(r.stats.wall_s for r in results)
-    factor = rate / by_speed[0].target_only_tokens_per_s
-    for figures in by_speed:
-        figures.target_only_tokens_per_s *= factor
+    """Target-only's rates on the search prompts, the ones the drafters are sampled on, measured on the fastest
+    runtime; every other runtime's probe figures scale by the same factors (how these prompts differ from the probes
+    is the text's: their length sets the first token's time, their answers' length the tokens per prompt)."""
+    fastest = by_speed[0]
+    before = (fastest.decode_tokens_per_s, fastest.first_token_s)
+    _set_rates(fastest, [Generator(fastest.target, "none", base).generate(ids).stats for _, ids in search])
+    decode, first = fastest.decode_tokens_per_s / before[0], fastest.first_token_s / (before[1] or 1.0)
+    for figures in by_speed[1:]:
+        figures.decode_tokens_per_s *= decode
+        figures.first_token_s *= first
+        figures.tokens_per_prompt = fastest.tokens_per_prompt
+        figures.target_only_tokens_per_s = figures.prompt_rate(figures.decode_tokens_per_s)
 
 
 def _warm_up(target: Target) -> list[int]:
@@ -537,21 +571,29 @@ def _sample_drafter(
                 f"drafter {spec} sampled on {len(sample.steps)} steps only: the budget's share for drafters was spent"
             )
             break
-        s = generator.generate(ids).stats
-        produced = 0
-        for step, (p, a) in enumerate(zip(s.proposed_per_step, s.accepted_per_step, strict=True)):
-            room = config.new_tokens - produced - 1  # drafts this step could take before the length limit
-            if step and room >= config.max_k:  # every step drafts (no guards), so draft_s_per_step lines up with them
-                sample.steps.append((p, a))
-                drafting.append(s.draft_s_per_step[step])
-            produced += a + 1
+        for p, a, d in _full_steps(generator.generate(ids).stats, config.max_k, config.new_tokens):
+            sample.steps.append((p, a))
+            drafting.append(d)
     if drafting:
         sample.draft_s_by_k[config.max_k] = statistics.mean(drafting)
     if not sample.tree and config.max_k > 1:
         short = generator.generate(prompts[0][1], k=1).stats.draft_s_per_step[1:]
         if short:
             sample.draft_s_by_k[1] = statistics.mean(short)
+    sample.sampled_draft_s_by_k = dict(sample.draft_s_by_k)
     return sample
+
+
+def _full_steps(stats: DecodeStats, k: int, new_tokens: int) -> list[tuple[int, int, float]]:
+    """(proposed, accepted, drafting seconds) of a fixed-k run's steps that drafted k in full: not the first (it also
+    reads the prompt) nor those the length limit cut. Every step drafts (no guards), so the lists line up."""
+    steps, produced = [], 0
+    for step, (p, a) in enumerate(zip(stats.proposed_per_step, stats.accepted_per_step, strict=True)):
+        room = new_tokens - produced - 1  # drafts this step could take before the length limit
+        if step and room >= k and step < len(stats.draft_s_per_step):
+            steps.append((p, a, stats.draft_s_per_step[step]))
+        produced += a + 1
+    return steps
 
 
 def _predict(measured: dict[str, RuntimeFigures], samples: list[DrafterSample], max_k: int) -> list[Candidate]:
@@ -560,7 +602,8 @@ def _predict(measured: dict[str, RuntimeFigures], samples: list[DrafterSample], 
 
     A step that proposed p tokens and had a accepted, replayed at k, proposes min(p, k) and keeps min(a, k); it costs a
     forward over min(p, k) + 1 tokens, the runtime's per-step overhead and the drafter's measured drafting time at k.
-    Each runtime's rates are scaled by its calibration, so that its target-only prediction is its measured rate.
+    Each runtime's decoding rates are scaled by its calibration, so that its target-only prediction is its measured
+    decoding rate; a prompt's first token (prefill) costs what target-only's did, whatever drafts after it.
     """
     candidates = [Candidate(f.label, "none", 1, "fixed", f.target_only_tokens_per_s) for f in measured.values()]
     for s in samples:
@@ -571,7 +614,8 @@ def _predict(measured: dict[str, RuntimeFigures], samples: list[DrafterSample], 
             for k in [max_k] if s.tree else range(1, max_k + 1):  # a tree's nodes cannot be cut to a prefix
                 tokens = sum(1 + min(a, k) for _, a in s.steps)
                 seconds = sum(f.curve(min(p, k) + 1) + f.overhead_s + s.draft_s(k) for p, _ in s.steps)
-                candidates.append(Candidate(label, s.spec, k, "fixed", f.calibration * tokens / seconds))
+                rate = f.prompt_rate(f.calibration * tokens / seconds)
+                candidates.append(Candidate(label, s.spec, k, "fixed", rate))
     return sorted(candidates, key=lambda c: -(c.predicted_tokens_per_s or 0.0))
 
 
@@ -633,13 +677,26 @@ class Confirmation:
             return None
         if spec == DEFAULT_DRAFTER:
             c.drafts_with = generator.draft_name
+            for i, other in enumerate(self.candidates):  # the same configuration under its own name runs once
+                if (other.runtime, other.drafter, other.k, other.k_policy) == (
+                    c.runtime,
+                    c.drafts_with,
+                    c.k,
+                    c.k_policy,
+                ):
+                    self.generators[i] = None
+                    self.notes.append(f"{other.label} is the default's configuration: confirmed as the default")
         return generator
 
     def run(self, deadline: float, only: list[Candidate] | None = None) -> float:
         """One round over the held-out prompts, for ``only`` those candidates if given, starting no prompt after
         ``deadline`` (a perf_counter time); its seconds."""
         began = time.perf_counter()
-        members = [i for i, c in enumerate(self.candidates) if self.generators[i] and (only is None or c in only)]
+        members = [
+            i
+            for i, c in enumerate(self.candidates)
+            if self.generators[i] and (only is None or any(c is o for o in only))
+        ]
         if not members:
             return 0.0
         for index, (_, ids) in enumerate(self.prompts):
@@ -651,7 +708,9 @@ class Confirmation:
                 result = self.generators[i].generate(ids)  # type: ignore[union-attr]
                 self.tokens[i][index] += len(result.token_ids)
                 self.seconds[i][index] += result.stats.wall_s
-                self.drafting[i] += result.stats.draft_s_per_step[1:]
+                if self.candidates[i].k_policy == "fixed":
+                    k = self.candidates[i].k
+                    self.drafting[i] += [d for _, _, d in _full_steps(result.stats, k, self.base.max_new_tokens)]
         self.rounds += 1
         for i in members:
             if self.generators[i].drafter.capabilities.learns:  # type: ignore[union-attr]
@@ -674,12 +733,22 @@ class Confirmation:
                 c.measured_draft_ms_per_step = 1000 * statistics.mean(drafting)
 
 
+def _needed(held_out: Encoded) -> int:
+    """The fewest held-out prompts a choice rests on: MIN_HELD_OUT, and one per category."""
+    return min(max(MIN_HELD_OUT, len({p.category for p, _ in held_out})), len(held_out))
+
+
 def _enough_confirmed(chosen: list[Candidate], held_out: Encoded, config: TuneConfig, spent_s: float) -> None:
-    """Refuse to write a profile the confirmation could not back: fewer than MIN_HELD_OUT held-out prompts run."""
-    runs = max((sum(rate is not None for rate in c.measured_by_prompt) for c in chosen), default=0)
-    if runs < min(max(MIN_HELD_OUT, len({p.category for p, _ in held_out})), len(held_out)):
+    """Refuse to write a profile the confirmation could not back: the default (or target-only) and a contender
+    measured on fewer than ``_needed`` held-out prompts."""
+    runs = sorted((sum(rate is not None for rate in c.measured_by_prompt) for c in chosen), reverse=True)
+    if len(runs) < 2 or runs[1] == 0:
         raise ConfigError(
-            f"--budget-s {config.budget_s:g} ran out after confirming on {runs} held-out prompts "
+            "fewer than two contenders could run on the held-out prompts (see the notes above): no profile written"
+        )
+    if runs[1] < _needed(held_out):
+        raise ConfigError(
+            f"--budget-s {config.budget_s:g} ran out after confirming on {runs[1]} held-out prompts "
             f"({spent_s:.0f} s): no profile written; give at least {math.ceil(1.5 * spent_s / 10) * 10:.0f} s"
         )
 
@@ -691,26 +760,36 @@ def _remeasure(
     config: TuneConfig,
     notes: list[str],
 ) -> tuple[list[Candidate], list[Candidate]]:
-    """Where a fixed-k contender ran more than OFF_BY from its prediction, take its drafting time per step from that
-    run as the drafter's cost at that k, scale its cost at every other k alike, and predict again; return the new
-    predictions and those (at most ``config.confirm``) that now predict above the fastest measured and were not
-    confirmed."""
+    """Where a contender ran more than OFF_BY from its prediction, say so; where it was a fixed-k chain on the runtime
+    its drafter was sampled on and its drafting time per step there was more than OFF_BY from the drafter's modelled
+    cost at that k, take the measured time as that cost, scale the cost at every other k alike, and predict again.
+    Return the new predictions and those (at most ``config.confirm``) that now predict above the fastest measured, on
+    a runtime still loaded, and were not confirmed."""
     by_spec = {s.spec: s for s in samples}
     changed = False
     for c in chosen:
         off = c.off_by
-        if off is None or abs(off) <= OFF_BY or c.drafter not in by_spec:
+        if off is None or abs(off) <= OFF_BY:
             continue
         notes.append(
             f"{c.label}: predicted {c.predicted_tokens_per_s:.1f} tok/s, measured {c.measured_tokens_per_s:.1f} "
             f"({off:+.0%})"
         )
-        sample = by_spec[c.drafter]
-        if c.k_policy == "fixed" and c.measured_draft_ms_per_step is not None and sample.draft_s(c.k) > 0:
-            # a cost misjudged at one k is misjudged at every k (a slow step, not a slow token): all scale alike
-            scale = c.measured_draft_ms_per_step / 1000 / sample.draft_s(c.k)
+        sample = by_spec.get(c.drafter)
+        if (
+            sample is None
+            or c.runtime != sample.runtime
+            or c.k_policy != "fixed"
+            or c.measured_draft_ms_per_step is None
+            or sample.draft_s(c.k) <= 0
+        ):
+            continue
+        # a cost misjudged at one k is misjudged at every k (a slow step, not a slow token): all scale alike
+        scale = c.measured_draft_ms_per_step / 1000 / sample.draft_s(c.k)
+        if abs(scale - 1) > OFF_BY:
             sample.draft_s_by_k = {k: s * scale for k, s in sample.draft_s_by_k.items()}
             sample.draft_s_by_k[c.k] = c.measured_draft_ms_per_step / 1000
+            notes.append(f"{c.drafter}: drafting re-measured at k={c.k}, {scale:.2f}x its modelled cost")
             changed = True
     candidates = _predict(measured, samples, config.max_k)
     if not changed:
@@ -721,27 +800,31 @@ def _remeasure(
         replace(c, second_round=True)
         for c in candidates
         if c.drafter != "none"
+        and measured[c.runtime].target is not None
         and (c.runtime, c.drafter, c.k, c.k_policy) not in tried
         and (c.predicted_tokens_per_s or 0.0) > fastest
     ]
     return candidates, fresh[: config.confirm]
 
 
-def _choose(confirmed: list[Candidate]) -> tuple[Candidate, Candidate, float]:
-    """The fastest confirmed, unless the default's fastest runtime is within the margin or the noise of it: then the
-    default. Returns the choice, the default it was held against and the ratio a contender had to beat it by.
-
-    The noise is the standard error of the per-prompt log ratio of the two over the held-out prompts."""
+def _choose(confirmed: list[Candidate], needed: int) -> tuple[Candidate, Candidate, float]:
+    """The contender with the best geometric mean of per-prompt speed ratios to the default (its fastest runtime), on
+    the held-out prompts both ran (at least ``needed``), among those whose mean beats the margin and the noise (the
+    standard error of the per-prompt log ratios); the default when none does. Returns the choice, the default it was
+    held against and the ratio the choice (or, keeping the default, the best contender) had to beat it by."""
     defaults = [c for c in confirmed if c.drafter == DEFAULT_DRAFTER] or [c for c in confirmed if c.drafter == "none"]
     reference = max(defaults, key=_rate)
-    fastest = max(confirmed, key=_rate)
-    ratios = [
-        math.log(a / b)
-        for a, b in zip(fastest.measured_by_prompt, reference.measured_by_prompt, strict=False)
-        if a and b
-    ]
-    noise = statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else 0.0
-    threshold = max(MARGIN, math.exp(noise))
-    if fastest is reference or _rate(fastest) >= threshold * _rate(reference):
-        return fastest, reference, threshold
-    return reference, reference, threshold
+    contenders = []  # (mean log ratio, the bar it must beat, candidate)
+    for c in confirmed:
+        ratios = [
+            math.log(a / b) for a, b in zip(c.measured_by_prompt, reference.measured_by_prompt, strict=False) if a and b
+        ]
+        if c is not reference and len(ratios) >= max(needed, 2):
+            noise = statistics.stdev(ratios) / math.sqrt(len(ratios))
+            contenders.append((statistics.mean(ratios), max(math.log(MARGIN), noise), c))
+    winners = [entry for entry in contenders if entry[0] > entry[1]]
+    if winners:
+        _, bar, best = max(winners, key=lambda entry: entry[0])
+        return best, reference, math.exp(bar)
+    bar = max(contenders, key=lambda entry: entry[0])[1] if contenders else math.log(MARGIN)
+    return reference, reference, math.exp(bar)
