@@ -508,7 +508,12 @@ def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path
 @pytest.mark.real_model
 def test_tune_on_the_real_gemma_picks_a_configuration_at_least_as_fast_as_target_only(tmp_path: Path) -> None:
     config = TuneConfig(
-        prompts="core", budget_s=120, runtimes=("transformers/cpu",), drafters=("prompt-lookup",), temperature=0.7
+        prompts="core",
+        budget_s=150,
+        runtimes=("transformers/cpu",),
+        drafters=("prompt-lookup",),
+        temperature=0.7,
+        new_tokens=16,
     )
     profile, results = tune(config)
     sampled = results["drafters"]["prompt-lookup"]

@@ -39,7 +39,7 @@ from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, P
 from specdec.drafters.ngram import MASK64, PRIME
 from specdec.errors import ConfigError
 
-ORDERS = (1, 2, 3, 4, 6, 8, 12, 16)  # n-gram lengths indexed; the longest that matches decides
+ORDERS = (1, 2, 3, 4, 6, 8, 12, 16)  # n-gram lengths indexed; in each source the longest that matches decides
 CANDIDATES = 32  # most recent matches read per source (the request, the store)
 DEPTH_PER_MATCH = 8.0  # a match of n tokens drafts at most this many times n tokens (and k)
 # the history's match wins only when longer than this many times the sequence's own: what a text said itself predicts

@@ -15,9 +15,10 @@ each, predicts every configuration from them, and lets a real run on prompts it 
    a tokens of p keeps min(a, k) of min(p, k)), with the drafting cost interpolated between the measured k;
 5. confirmation, on the held-out part: the best predicted configurations, the cost-model policy for the best, each
    of their runtimes' target-only and the library's default (the ``auto`` drafter, cost-model k) run in turns. A
-   contender measured more than OFF_BY from its prediction has its drafting cost re-measured from that run, and what
-   then predicts above the fastest measured is confirmed too. The fastest measured is the profile, unless it beats
-   the default by less than the run's noise: then the default is.
+   contender whose drafting time missed its model by more than OFF_BY has that cost re-measured from the run, and
+   what then predicts above the fastest measured is confirmed too. The profile is the contender that beats the
+   default prompt by prompt (geometric mean of the ratios) by more than the margin and the run's noise, else the
+   default.
 """
 
 from __future__ import annotations
