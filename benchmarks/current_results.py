@@ -282,6 +282,8 @@ COMMANDS_TEXT = """
   specdec tune --prompts agentic
 2026-12-03-cpu-tune-default-t0.7
   specdec tune --sampling 0.7
+2026-12-03-cpu-tune-unseen-300s
+  specdec tune --prompts benchmarks/prompts/tune-unseen.jsonl --budget-s 300
 """
 VARIABLES = {
     "J": "benchmarks/results/",
@@ -781,7 +783,14 @@ def tune(results: list[Result]) -> list[Block]:
         title = f"`specdec tune`: the configurations it confirmed, on {r.machine}"
         header = ["configuration", "predicted tok/s", "measured tok/s", "date", "result"]
         blocks.append(block("Across runtimes", title, header, cells, [r], note))
-    keyed = [((r.machine, r.data["config"]["prompts"], r.data["config"]["temperature"]), r, None) for r in held_out]
+    keyed = [
+        (
+            (r.machine, r.data["config"]["prompts"], r.data["config"]["temperature"], r.data["config"]["budget_s"]),
+            r,
+            None,
+        )
+        for r in held_out
+    ]
     for r, _ in latest(keyed).values():
         d, cfg = r.data, r.data["config"]
         confirmed = [c for c in d["confirmed"] if c["measured_tokens_per_s"]]
@@ -811,7 +820,9 @@ def tune(results: list[Result]) -> list[Block]:
             f"contender, {chosen / default:.2f}x the default; a contender had to beat the default by "
             f"{d['threshold']:.3f}x."
         )
-        title = f"`specdec tune` on `{Path(cfg['prompts']).stem}`, held-out prompts, on {r.machine}"
+        title = (
+            f"`specdec tune` on `{Path(cfg['prompts']).stem}`, {cfg['budget_s']:g} s, held-out prompts, on {r.machine}"
+        )
         header = ["contender", "predicted tok/s", "measured tok/s", "measured / predicted", "vs default", "date"]
         blocks.append(block("Across runtimes", title, header + ["result"], cells, [r], note))
     return blocks
