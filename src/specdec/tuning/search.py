@@ -23,7 +23,6 @@ each, predicts every configuration from them, and lets a real run on prompts it 
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 import time
@@ -439,8 +438,8 @@ def _split(
     by_category: dict[str, list[tuple[BenchPrompt, list[int]]]] = {}
     for item in pool:
         by_category.setdefault(item[0].category, []).append(item)
-    held_out = _turns([items[0::2] for items in by_category.values()])
-    search = _turns([items[1::2] for items in by_category.values()])
+    held_out = _in_turns([item for items in by_category.values() for item in items[0::2]])
+    search = _in_turns([item for items in by_category.values() for item in items[1::2]])
     categories = len(by_category)
     needed = max(MIN_HELD_OUT, categories)
     if len(held_out) < needed or len({p.category for p, _ in search}) < categories:
@@ -469,9 +468,10 @@ def _split(
     return search, held_out
 
 
-def _turns(columns: list[Encoded]) -> Encoded:
-    """Items taken in turn from each column, so that any prefix mixes the categories."""
-    return [item for row in itertools.zip_longest(*columns) for item in row if item is not None]
+def _in_turns(items: Encoded) -> Encoded:
+    """``items`` taken in turn from each category (round_robin), so that any prefix mixes the categories."""
+    ids = {id(prompt): tokens for prompt, tokens in items}
+    return [(prompt, ids[id(prompt)]) for prompt in round_robin([prompt for prompt, _ in items])]
 
 
 def _measure_runtime(
