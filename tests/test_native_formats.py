@@ -241,8 +241,9 @@ BUILDS = [name for name, (needs, _) in cpu_kernels.VARIANTS.items() if set(needs
 def test_every_kernel_build_this_cpu_runs_gives_the_same_bits(
     name: str, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The AVX2 builds (plain, and with AVX-VNNI) forced here against the default build: each kernel bit for bit, rows
-    independent of their neighbours, NaN refused, and a whole model's logits and greedy speculation the same."""
+    """Each build this CPU runs (AMX, AVX-512, AVX2 with AVX-VNNI, plain AVX2) against the default: each kernel bit for
+    bit, rows independent of their neighbours, NaN refused, and a whole model's logits and greedy speculation the
+    same."""
     build, default = cpu_kernels.build(name=name), cpu_kernels.compiled()
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(13, 1024, generator=generator)
@@ -253,6 +254,10 @@ def test_every_kernel_build_this_cpu_runs_gives_the_same_bits(
         got = packed.product(build, x)
         assert torch.equal(got, packed.product(default, x))
         assert torch.equal(got[:5], packed.product(build, x[:5].contiguous()))
+    wide, packed = torch.randn(35, 640, generator=generator), cpu_kernels.PackedInt8(torch.randn(600, 640))
+    for rows in (1, 2, 16, 17, 35):  # AMX takes 2 rows or more, in tiles of 16: a partial last tile
+        chosen = wide[:rows].contiguous()
+        assert torch.equal(packed.product(build, chosen), packed.product(default, chosen)), rows
     gate_up = torch.randn(11, 2 * 14336 + 74, generator=generator) * 4  # a partial last vector: the masked tail
     for gelu in (0, 1):
         assert torch.equal(build.gated(gate_up, gelu), default.gated(gate_up, gelu))

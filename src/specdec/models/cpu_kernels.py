@@ -16,10 +16,10 @@ more than one. The kernels are built for that:
   so their bits depend on the row count and threads).
 
 One C++ source, compiled on first use with torch's cpp_extension (g++ and ninja, under a minute, then cached in
-``build_folder()``) for the best of ``VARIANTS`` this CPU runs: AVX-512 VNNI, AVX2 with AVX-VNNI, AVX2, or ARM NEON
-with SDOT; all give the same bits. Where none can be built (no AVX2 or SDOT, no compiler), ``linear`` gives the same
-numbers from each format's float64 reference (exact, only slower) and the other kernels are unavailable (the native
-backend says so).
+``build_folder()``) for the best of ``VARIANTS`` this CPU runs: AVX-512 with AMX (tile products for 2 positions or
+more), AVX-512 VNNI, AVX2 with AVX-VNNI, AVX2, or ARM NEON with SDOT; all give the same bits. Where none can be built
+(no AVX2 or SDOT, no compiler), ``linear`` gives the same numbers from each format's float64 reference (exact, only
+slower) and the other kernels are unavailable (the native backend says so).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
 # The compiled module's name: change it with SOURCE (a cached build is reused by name).
-BUILD = "specdec_cpu_kernels_v21"
+BUILD = "specdec_cpu_kernels_v23"
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -51,6 +51,10 @@ SOURCE = r"""
 #include <arm_neon.h>
 #else
 #include <immintrin.h>
+#endif
+#if defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 #include <algorithm>
 #include <cmath>
@@ -422,6 +426,72 @@ static void tile(const uint8_t* q, const float* qs, const int8_t* wb, const int3
     for (int i = 0; i < N; ++i) v_storeu_ps(out + i * outs, v_mul_ps(total[i], scale));
 }
 
+#if defined(__AMX_INT8__)
+// AMX: the same int32 group sums from tile products (TDPBUSD, unsigned activations by signed weights, exact), then the
+// same float32 steps in the same order as tile<N>, so the bits do not change; only the integer products move from one
+// VNNI instruction per row and 4 inputs to one tile instruction per 16 rows and 64 inputs. The packed weights are
+// already in the layout a B tile reads: per 4 inputs, 16 outputs of 4 bytes.
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static bool amx_ready() {  // Linux grants the tile registers' state to a process that asks (once) for it
+    static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ready;
+}
+
+static void amx_configure(int rows) {  // tile 0: the sums [rows x 16]; 1: activations [rows x 64]; 2: weights [16 x 64]
+    TileConfig c{};
+    c.palette = 1;
+    for (int t = 0; t < 3; ++t) c.colsb[t] = 64;
+    c.rows[0] = c.rows[1] = (uint8_t)rows;
+    c.rows[2] = 16;
+    _tile_loadconfig(&c);
+}
+
+static void amx_block(const uint8_t* q, const float* qs, const int8_t* wb, const int32_t* gsum, const float* ws,
+                      float* out, int64_t rows, int64_t k, int64_t group, int64_t outs) {
+    const int64_t groups = k / group, steps = group / 64;
+    alignas(64) int32_t sums[16 * 16];
+    vf total[16];
+    for (int64_t i = 0; i < rows; ++i) total[i] = v_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        _tile_zero(0);
+        for (int64_t s = 0; s < steps; ++s) {
+            _tile_loadd(1, q + g * group + s * 64, k);
+            _tile_loadd(2, wb + (g * group + s * 64) * 16, 64);
+            _tile_dpbusd(0, 1, 2);
+        }
+        _tile_stored(0, sums, 64);
+        const vi corr = v_mullo_epi32(v_loadu_si512((const void*)(gsum + g * 16)), v_set1_epi32(OFFSET));
+        for (int64_t i = 0; i < rows; ++i) {
+            const vf sum = v_cvtepi32_ps(v_sub_epi32(v_loadu_si512((const void*)(sums + i * 16)), corr));
+            total[i] = v_add_ps(total[i], v_mul_ps(sum, v_set1_ps(qs[i * groups + g])));
+        }
+    }
+    const vf scale = v_loadu_ps(ws);
+    for (int64_t i = 0; i < rows; ++i) v_storeu_ps(out + i * outs, v_mul_ps(total[i], scale));
+}
+
+static void amx_linear(const uint8_t* qp, const float* qsp, const int8_t* w, const int32_t* gs, const float* ws,
+                       float* out, int64_t n, int64_t k, int64_t group, int64_t blocks, int64_t outs) {
+    const int64_t groups = k / group;
+    at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t r = 0; r < n; r += 16) {
+            const int64_t rows = std::min<int64_t>(16, n - r);
+            amx_configure((int)rows);
+            for (int64_t b = begin; b < end; ++b)
+                amx_block(qp + r * k, qsp + r * groups, w + b * 16 * k, gs + b * groups * 16, ws + b * 16,
+                          out + r * outs + b * 16, rows, k, group, outs);
+        }
+        _tile_release();
+    });
+}
+#endif
+#define AMX_MIN_ROWS 2  // one row reads every weight for one product: VNNI keeps up with memory there
+
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor gsum,
                           int64_t group) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
@@ -448,6 +518,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
     const int32_t* gs = gsum.data_ptr<int32_t>();
     const float* ws = w_scale.data_ptr<float>();
     float* out = y.data_ptr<float>();
+#if defined(__AMX_INT8__)
+    if (n >= AMX_MIN_ROWS && group % 64 == 0 && amx_ready()) {
+        amx_linear(qp, qsp, w, gs, ws, out, n, k, group, blocks, outs);
+        return y;
+    }
+#endif
     const int64_t groups = k / group;
     at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
@@ -669,7 +745,24 @@ static void attend(const float* qp, float* op, const Pages& pages, int64_t n, in
                     const auto& read = reads[c];
                     const int64_t i = (first + c) / group, h = kv * group + (first + c) % group;
                     const float* query = qp + (i * heads + h) * dim;
-                    for (size_t& r = cursor[c]; r < read.size() && read[r] < b + block; ++r) {
+                    size_t& r = cursor[c];
+                    // four keys at a time, each its own chain of the same steps: the chains overlap in the CPU
+                    for (; r + 4 <= read.size() && read[r + 3] < b + block; r += 4) {
+                        const char *k0 = rows[c][r], *k1 = rows[c][r + 1], *k2 = rows[c][r + 2], *k3 = rows[c][r + 3];
+                        vf s0 = v_setzero_ps(), s1 = v_setzero_ps(), s2 = v_setzero_ps(), s3 = v_setzero_ps();
+                        for (int64_t d = 0; d < dim; d += 16) {
+                            const vf qd = v_loadu_ps(query + d);
+                            s0 = v_fmadd_ps(qd, v_load_kv<KIND>(k0 + d * bytes), s0);
+                            s1 = v_fmadd_ps(qd, v_load_kv<KIND>(k1 + d * bytes), s1);
+                            s2 = v_fmadd_ps(qd, v_load_kv<KIND>(k2 + d * bytes), s2);
+                            s3 = v_fmadd_ps(qd, v_load_kv<KIND>(k3 + d * bytes), s3);
+                        }
+                        scores[c][r] = v_reduce_add_ps(s0) * scale;
+                        scores[c][r + 1] = v_reduce_add_ps(s1) * scale;
+                        scores[c][r + 2] = v_reduce_add_ps(s2) * scale;
+                        scores[c][r + 3] = v_reduce_add_ps(s3) * scale;
+                    }
+                    for (; r < read.size() && read[r] < b + block; ++r) {
                         const char* key = rows[c][r];
                         vf sum = v_setzero_ps();
                         for (int64_t d = 0; d < dim; d += 16)
@@ -693,7 +786,24 @@ static void attend(const float* qp, float* op, const Pages& pages, int64_t n, in
                     size_t& r = cursor[c];
                     const size_t from = r;
                     while (r < read.size() && read[r] < b + block) ++r;
-                    for (int64_t d = 0; d < dim; d += 16) {
+                    int64_t d = 0;
+                    for (; d + 64 <= dim; d += 64) {  // four lanes at a time, each its own chain in key order
+                        vf l0 = v_loadu_ps(a + d), l1 = v_loadu_ps(a + d + 16), l2 = v_loadu_ps(a + d + 32),
+                           l3 = v_loadu_ps(a + d + 48);
+                        for (size_t x = from; x < r; ++x) {
+                            const vf p = v_set1_ps(scores[c][x]);
+                            const char* value = rows[c][x] + values + d * bytes;
+                            l0 = v_fmadd_ps(p, v_load_kv<KIND>(value), l0);
+                            l1 = v_fmadd_ps(p, v_load_kv<KIND>(value + 16 * bytes), l1);
+                            l2 = v_fmadd_ps(p, v_load_kv<KIND>(value + 32 * bytes), l2);
+                            l3 = v_fmadd_ps(p, v_load_kv<KIND>(value + 48 * bytes), l3);
+                        }
+                        v_storeu_ps(a + d, l0);
+                        v_storeu_ps(a + d + 16, l1);
+                        v_storeu_ps(a + d + 32, l2);
+                        v_storeu_ps(a + d + 48, l3);
+                    }
+                    for (; d < dim; d += 16) {
                         vf lane = v_loadu_ps(a + d);
                         for (size_t x = from; x < r; ++x)
                             lane = v_fmadd_ps(v_set1_ps(scores[c][x]),
@@ -1267,6 +1377,10 @@ def vnni_available() -> bool:
 
 # The kernels' builds, fastest first: the CPU flags each needs and the compiler's. One source; the same bits on each.
 VARIANTS = {
+    "amx": (
+        ("avx512f", "avx512bw", "avx512_vnni", "f16c", "amx_tile", "amx_int8"),
+        ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-mamx-tile", "-mamx-int8"],
+    ),
     "avx512": (("avx512f", "avx512bw", "avx512_vnni", "f16c"), ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c"]),
     "avx2-vnni": (("avx2", "fma", "f16c", "avx_vnni"), ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
