@@ -42,7 +42,7 @@ GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
 # The compiled module's name: change it with SOURCE (a cached build is reused by name).
-BUILD = "specdec_cpu_kernels_v23"
+BUILD = "specdec_cpu_kernels_v25"
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -442,29 +442,39 @@ static bool amx_ready() {  // Linux grants the tile registers' state to a proces
     return ready;
 }
 
-static void amx_configure(int rows) {  // tile 0: the sums [rows x 16]; 1: activations [rows x 64]; 2: weights [16 x 64]
+static void amx_configure(int last) {  // sums, activations: tiles 0, 1 of 16 rows and 3, 4 of `last` rows; weights: 2
     TileConfig c{};
     c.palette = 1;
-    for (int t = 0; t < 3; ++t) c.colsb[t] = 64;
-    c.rows[0] = c.rows[1] = (uint8_t)rows;
-    c.rows[2] = 16;
+    for (int t = 0; t < 5; ++t) c.colsb[t] = 64;
+    c.rows[0] = c.rows[1] = c.rows[2] = 16;
+    c.rows[3] = c.rows[4] = (uint8_t)last;
     _tile_loadconfig(&c);
 }
 
+// One group's int32 sums of a block, in tile SUMS, from activations read into tile ACTS (the intrinsics take the
+// tiles' numbers as literals).
+#define AMX_GROUP(SUMS, ACTS)                                        \
+    _tile_zero(SUMS);                                                \
+    for (int64_t s = 0; s < steps; ++s) {                            \
+        _tile_loadd(ACTS, q + g * group + s * 64, k);                \
+        _tile_loadd(2, wb + (g * group + s * 64) * 16, 64);          \
+        _tile_dpbusd(SUMS, ACTS, 2);                                 \
+    }                                                                \
+    _tile_stored(SUMS, sums, 64);
+
+// One block of 16 outputs for `rows` rows: 16 (tiles 0 and 1) or the last few (`last`: tiles 3 and 4).
 static void amx_block(const uint8_t* q, const float* qs, const int8_t* wb, const int32_t* gsum, const float* ws,
-                      float* out, int64_t rows, int64_t k, int64_t group, int64_t outs) {
+                      float* out, int64_t rows, bool last, int64_t k, int64_t group, int64_t outs) {
     const int64_t groups = k / group, steps = group / 64;
     alignas(64) int32_t sums[16 * 16];
     vf total[16];
     for (int64_t i = 0; i < rows; ++i) total[i] = v_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        _tile_zero(0);
-        for (int64_t s = 0; s < steps; ++s) {
-            _tile_loadd(1, q + g * group + s * 64, k);
-            _tile_loadd(2, wb + (g * group + s * 64) * 16, 64);
-            _tile_dpbusd(0, 1, 2);
+        if (last) {
+            AMX_GROUP(3, 4)
+        } else {
+            AMX_GROUP(0, 1)
         }
-        _tile_stored(0, sums, 64);
         const vi corr = v_mullo_epi32(v_loadu_si512((const void*)(gsum + g * 16)), v_set1_epi32(OFFSET));
         for (int64_t i = 0; i < rows; ++i) {
             const vf sum = v_cvtepi32_ps(v_sub_epi32(v_loadu_si512((const void*)(sums + i * 16)), corr));
@@ -474,17 +484,21 @@ static void amx_block(const uint8_t* q, const float* qs, const int8_t* wb, const
     const vf scale = v_loadu_ps(ws);
     for (int64_t i = 0; i < rows; ++i) v_storeu_ps(out + i * outs, v_mul_ps(total[i], scale));
 }
+#undef AMX_GROUP
 
 static void amx_linear(const uint8_t* qp, const float* qsp, const int8_t* w, const int32_t* gs, const float* ws,
                        float* out, int64_t n, int64_t k, int64_t group, int64_t blocks, int64_t outs) {
-    const int64_t groups = k / group;
+    const int64_t groups = k / group, full = n / 16 * 16;
     at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-        for (int64_t r = 0; r < n; r += 16) {
-            const int64_t rows = std::min<int64_t>(16, n - r);
-            amx_configure((int)rows);
-            for (int64_t b = begin; b < end; ++b)
-                amx_block(qp + r * k, qsp + r * groups, w + b * 16 * k, gs + b * groups * 16, ws + b * 16,
-                          out + r * outs + b * 16, rows, k, group, outs);
+        amx_configure((int)std::max<int64_t>(1, n - full));
+        for (int64_t b = begin; b < end; ++b) {  // a block's weights stay in L1 for all the rows
+            const int8_t* wb = w + b * 16 * k;
+            for (int64_t r = 0; r < full; r += 16)
+                amx_block(qp + r * k, qsp + r * groups, wb, gs + b * groups * 16, ws + b * 16, out + r * outs + b * 16,
+                          16, false, k, group, outs);
+            if (full < n)
+                amx_block(qp + full * k, qsp + full * groups, wb, gs + b * groups * 16, ws + b * 16,
+                          out + full * outs + b * 16, n - full, true, k, group, outs);
         }
         _tile_release();
     });
