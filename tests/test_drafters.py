@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from specdec import Generator, SamplingConfig
 from specdec.cli.main import app
-from specdec.drafters import DraftSettings, NgramDrafter, NgramTable, build_drafter
+from specdec.drafters import DraftSettings, NgramDrafter, NgramTable, SuffixDrafter, build_drafter
 from specdec.drafters.layer_skip import shallow_view
 from specdec.drafters.ngram import context_hash, context_hashes
 from specdec.errors import ConfigError
@@ -168,6 +168,10 @@ def test_ngram_build_seeds_a_suffix_history_the_server_starts_from(tmp_path: Pat
     assert again.exit_code == 0, again.output
     refused = CliRunner().invoke(app, args[:-1] + [str(tmp_path / "u.ngram"), "--suffix-cache", str(history)])
     assert refused.exit_code == 2 and "--suffix-cache" in refused.output and "--overwrite" in refused.output
+    # the default drafter drafts with suffix where no eagle head pays: the server's history is then the same
+    auto, kept = server_drafter("auto", target, ServeConfig(suffix_cache=str(history), suffix_max_tokens=10_000))
+    assert isinstance(auto, SuffixDrafter) and kept is not None and kept.max_tokens == 10_000
+    assert kept.token_count == len(expected)
 
 
 @pytest.mark.parametrize("make_target", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])

@@ -14,10 +14,11 @@ from test_native import models
 from specdec import GenerationConfig, Generator, SamplingConfig, drafters
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig, RuntimeConfig
-from specdec.drafters import FallbackDrafter, PromptLookupDrafter, auto_draft, build_drafter
+from specdec.drafters import FallbackDrafter, PromptLookupDrafter, SuffixDrafter, auto_draft, build_drafter
 from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.drafters.eagle import EagleDrafter, ModuleHead, NativeHead, build_eagle, load_eagle, why_not_native
 from specdec.drafters.fallback import merge_trees
+from specdec.engine.costs import MachineCosts
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend, cpu_kernels, open_target
 from specdec.models.backend import OneRow
@@ -335,16 +336,19 @@ def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path, monkeypatch: 
     got = gen.generate(TEXT[:20], max_new_tokens=30, branches=2, stop_on_eos=False)
     assert got.token_ids == plain.token_ids  # (a random target's output is nothing like the corpus: few drafts pass)
     assert got.stats.draft_tokens_proposed > 0
-    assert isinstance(Generator(target, "auto").drafter, PromptLookupDrafter)  # no head ships for this target
+    assert isinstance(Generator(target, "auto").drafter, SuffixDrafter)  # no head ships for this target
     with pytest.raises(ConfigError, match="measured costs"):
         build_drafter("auto", open_target(target))
     monkeypatch.setattr(
         drafters, "bundled_draft", lambda name, kind="": Path(settings.out) if kind == "eagle" else None
     )
     cheap, costly = CostCurve({1: 0.010, 3: 0.0105}), CostCurve({1: 0.010, 3: 0.020})
-    assert auto_draft(open_target(target), lambda: cheap) == "lookup-then-eagle"  # as if this head shipped for it
-    assert auto_draft(open_target(target), lambda: costly) == "prompt-lookup"  # its short drafts would not pay
-    monkeypatch.setattr(Generator, "costs", lambda self: cheap)
+    light, heavy = (lambda head: 0.0002), (lambda head: 0.001)  # a head's draft step: 2% or 10% of a target step
+    assert auto_draft(open_target(target), lambda: cheap, light) == "lookup-then-eagle"  # as if this head shipped
+    assert auto_draft(open_target(target), lambda: costly, light) == "suffix"  # its short drafts would not pay
+    assert auto_draft(open_target(target), lambda: cheap, heavy) == "suffix"  # drafting them costs too much
+    monkeypatch.setattr(MachineCosts, "forward", lambda self: cheap)
+    monkeypatch.setattr(MachineCosts, "draft_step", lambda self, drafter, branches=1: 0.0002)
     auto = Generator(target, "auto")
     assert auto.draft_name == "lookup-then-eagle" and isinstance(auto.drafter.second, EagleDrafter)
     assert auto.generate(TEXT[:20], max_new_tokens=30, stop_on_eos=False).token_ids == plain.token_ids

@@ -219,7 +219,6 @@ def test_commands_refuse_what_a_learning_drafter_would_fake() -> None:
     """Settings that would measure copies of earlier answers, or share history by unchecked keys: one-line errors."""
     from typer.testing import CliRunner
 
-    from specdec.bench.batch import BatchBenchConfig
     from specdec.cli.main import app
     from specdec.serving.config import ServeConfig
 
@@ -227,7 +226,33 @@ def test_commands_refuse_what_a_learning_drafter_would_fake() -> None:
         ServeConfig(suffix_scope="key")
     assert ServeConfig(api_keys=("k",)).scope("k") not in ("", None) and ServeConfig().scope("k") == ""
     assert ServeConfig(suffix_scope="request").scope("k") is None
-    with pytest.raises(ConfigError, match="learns"):
-        BatchBenchConfig(draft="suffix")
     result = CliRunner().invoke(app, ["serve", "--draft", "prompt-lookup", "--suffix-max-tokens", "10"])
     assert result.exit_code == 2 and "add --draft suffix" in result.output and "Traceback" not in result.output
+
+
+def test_bench_batch_gives_a_learning_drafter_afresh_to_every_batch_and_method(
+    tiny_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Suffix drafting in bench-batch: each window and batch size drafts from a new history (none copies the answers
+    another method gave to the same prompts), and every method's greedy answers are target-only's."""
+    from specdec.bench.batch import BatchBenchConfig, run_batch_benchmark
+
+    built: list[SuffixStore] = []
+    original = SuffixStore.__init__
+
+    def counting(self: SuffixStore, *args: object, **kwargs: object) -> None:
+        original(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(SuffixStore, "__init__", counting)
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [f'{{"id": "p{i}", "category": "c{i % 2}", "prompt": "abcab{i}cabc"}}' for i in range(4)]
+    prompts.write_text("\n".join(lines) + "\n")
+    config = BatchBenchConfig(
+        target=str(tiny_folder), draft="suffix", batch_sizes=(2, 3), max_new_tokens=8, k=3, prompts=str(prompts)
+    )
+    results = run_batch_benchmark(config)
+    for figures in results["batches"].values():
+        assert all(entry["identical_share"] == 1.0 for entry in figures.values())
+    # the first Generator's, the warm-up's three, then three a batch size (fixed, dynamic, one at a time)
+    assert len(built) == 1 + 3 + 3 * 2

@@ -370,7 +370,7 @@ def test_tune_measures_predicts_confirms_on_held_out_prompts_and_never_picks_slo
     assert [c["k_policy"] for c in confirmed if c not in measured] in ([], ["cost-model"])
     assert {c["drafter"] for c in confirmed} >= {"none", DEFAULT_DRAFTER, "prompt-lookup"}
     default = [c for c in confirmed if c["label"] == results["default"]][0]
-    assert default["drafter"] == DEFAULT_DRAFTER and default["drafts_with"] == "prompt-lookup"  # auto, resolved
+    assert default["drafter"] == DEFAULT_DRAFTER and default["drafts_with"] == "suffix"  # auto, resolved
     # the fastest, unless it beats the default by less than the margin or the noise: then the default
     chosen = [c for c in confirmed if c["label"] == results["chosen"]][0]
     ratios = [a / b for a, b in zip(chosen["measured_by_prompt"], default["measured_by_prompt"], strict=True)]

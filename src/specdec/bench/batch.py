@@ -18,7 +18,7 @@ from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts, round_robin
 from specdec.bench.report import fmt, machine_line
 from specdec.bench.runner import machine_info
 from specdec.config import DEFAULT_DRAFT, BatchConfig, GenerationConfig, RuntimeConfig
-from specdec.drafters import LEARNING_SPECS
+from specdec.drafters import build_drafter
 from specdec.engine import GenerationResult, Generator
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET, open_target
@@ -42,11 +42,6 @@ class BatchBenchConfig:
             raise ConfigError(
                 "the batching benchmark compares speculation windows: pass a drafter (--draft prompt-lookup)"
             )
-        if self.draft in LEARNING_SPECS:
-            raise ConfigError(
-                f"'{self.draft}' learns from the answers it has drafted, and bench-batch decodes the same prompts with "
-                "every window: compare windows with --draft prompt-lookup"
-            )
 
 
 METHODS = ("target-only", "fixed window", "dynamic window", "one at a time")
@@ -62,15 +57,29 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
         GenerationConfig(k=config.k, k_policy="cost-model", max_new_tokens=config.max_new_tokens),
         config.runtime,
     )
-    drafter = sequential.drafter  # ``auto`` made concrete once, shared by every method
     fixed = GenerationConfig(k=config.k, k_policy="fixed", max_new_tokens=config.max_new_tokens)
-    generators = {
-        "target-only": Generator(target, "none", fixed, batch=BatchConfig(window="fixed")),  # nothing to cap
-        "fixed window": Generator(target, drafter, fixed, batch=BatchConfig(window="fixed")),
-        "dynamic window": Generator(target, drafter, fixed, batch=BatchConfig(window="dynamic")),
-    }
+    window_kinds = {"fixed window": "fixed", "dynamic window": "dynamic"}
+
+    def fresh() -> dict[str, Generator]:
+        """The batched methods' generators. ``auto`` is made concrete once (``sequential``); a drafter that learns
+        from the answers it drafted (suffix) is new for every batch and method, so none copies another's answers."""
+        if not sequential.drafter.capabilities.learns:
+            return {"one at a time": sequential} | {
+                name: Generator(target, sequential.drafter, fixed, batch=BatchConfig(window=window))
+                for name, window in window_kinds.items()
+            }
+        generators = {
+            name: Generator(
+                target, build_drafter(sequential.draft_name, target, config.runtime), fixed, batch=BatchConfig(window)
+            )
+            for name, window in window_kinds.items()
+        }
+        one = build_drafter(sequential.draft_name, target, config.runtime)
+        return generators | {"one at a time": Generator(target, one, sequential.config, config.runtime)}
+
+    target_only = Generator(target, "none", fixed, batch=BatchConfig(window="fixed"))  # nothing to cap
     warm = [p.prompt for p in prompts[:2]]
-    generators["dynamic window"].generate_batch(warm, max_new_tokens=4)  # measures the batch cost curve once (cached)
+    fresh()["dynamic window"].generate_batch(warm, max_new_tokens=4)  # measures the batch cost curve once (cached)
     sequential.generate(warm[0], max_new_tokens=4)  # measures the single-sequence cost curve once (cached)
 
     results: dict[str, dict] = {}
@@ -78,12 +87,15 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
         batch = [prompts[i % len(prompts)].prompt for i in range(size)]
         figures: dict[str, dict] = {}
         reference: list[list[int]] | None = None
+        generators = fresh()
         for name in METHODS:
             if name == "one at a time" and not config.sequential:
                 continue
             advance(f"batch {size}: {name}")
-            if name == "one at a time":
-                outputs, latencies, wall, windows = _one_at_a_time(sequential, batch)
+            if name == "target-only":
+                outputs, latencies, wall, windows = _together(target_only, batch)
+            elif name == "one at a time":
+                outputs, latencies, wall, windows = _one_at_a_time(generators[name], batch)
             else:
                 outputs, latencies, wall, windows = _together(generators[name], batch)
             ids = [o.token_ids for o in outputs]

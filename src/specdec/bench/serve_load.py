@@ -39,7 +39,7 @@ import httpx
 from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from specdec.bench.runner import WARM_UP
 from specdec.config import DEFAULT_DRAFT
-from specdec.drafters import LEARNING_SPECS
+from specdec.drafters import may_learn
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET
 
@@ -109,7 +109,7 @@ def run_load_benchmark(config: LoadConfig, say: Callable[[str], None] = print) -
         ]
     # A drafter that learns (suffix) would copy answers to prompts sent before: then each client count gets a fresh
     # server and each prompt is sent once.
-    learns = config.draft in LEARNING_SPECS
+    learns = may_learn(config.draft)
     runs = []
     for server_name, speculation, start in servers:
         label = f"{server_name}, speculation {speculation}"

@@ -243,7 +243,7 @@ def serve(
         for name in ("suffix_scope", "suffix_max_tokens", "suffix_cache")
         if context.get_parameter_source(name).name == "COMMANDLINE"
     ]
-    if suffix_options and draft != "suffix":
+    if suffix_options and draft not in ("suffix", "auto"):
         raise ConfigError(f"{', '.join(suffix_options)} set(s) the suffix drafter's history: add --draft suffix")
     if ray:
         if suffix_cache is not None:
@@ -270,9 +270,15 @@ def serve(
     with status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
         opened = open_target(target, runtime)
         drafter, history = server_drafter(draft, opened, serve_config)
+        if suffix_options and history is None:
+            raise ConfigError(
+                f"{', '.join(suffix_options)} set(s) the suffix drafter's history, and 'auto' drafts with {drafter} on "
+                "this machine: add --draft suffix"
+            )
         generator = Generator(opened, drafter, config, runtime, batch=BatchConfig(window=window))
         generator.batch_decoder()  # measures this machine's batch costs now (cached), not on the first request
-    shown = draft if draft in (generator.draft_name, "suffix") else f"{draft} ({generator.draft_name})"
+    concrete = "suffix" if history is not None else generator.draft_name
+    shown = draft if draft == concrete else f"{draft} ({concrete})"
     err.print(f"serving '{generator.target.name}' with draft '{shown}' on http://{host}:{port}/v1")
     if history is not None:
         err.print(

@@ -26,11 +26,14 @@ from specdec.models.registry import bundled_draft
 # drafter specs whose drafters learn from the sequences they have drafted (DrafterCapabilities.learns): a benchmark
 # sends each prompt once to a fresh one
 LEARNING_SPECS = ("suffix",)
-# ``auto`` drafts with the eagle head where verifying 3 tokens costs at most this many steps
+# ``auto`` drafts with the eagle head where verifying 3 tokens costs at most this many steps and one of the head's
+# draft steps at most this share of a step
 AUTO_HEAD_MAX_VERIFY = 1.15
+AUTO_HEAD_MAX_SHARE = 0.03
 DRAFT_SPECS = (
-    "auto (the default: lookup-then-eagle where an eagle head ships for the target and verifying 3 tokens costs "
-    "about one step, otherwise prompt-lookup), none, prompt-lookup, lookup-then-draft (prompt lookup, then the "
+    "auto (the default: lookup-then-eagle where an eagle head ships for the target, verifying 3 tokens costs "
+    "about one step and the head's own step little beside it, otherwise suffix), none, prompt-lookup, "
+    "lookup-then-draft (prompt lookup, then the "
     "distilled draft shipped for the target), suffix (what followed the context's longest match in this request and "
     "in earlier requests' answers), eagle (the eagle head shipped for the target), lookup-then-eagle "
     "(prompt lookup, then the eagle head; with branches both, merged into one tree), ngram:FILE (a table from "
@@ -114,20 +117,34 @@ def build_drafter(spec: str | Drafter, target: Target, runtime: RuntimeConfig = 
     raise ConfigError(f"unknown draft '{spec}': use one of {DRAFT_SPECS}")
 
 
-def auto_draft(target: Target, verify_cost: Callable[[], Callable[[int], float]]) -> str:
-    """What ``auto`` drafts with on ``target``: prompt lookup, then the shipped eagle head, where a head ships for it,
-    its backend gives hidden states and verifying 3 tokens costs at most AUTO_HEAD_MAX_VERIFY one-token steps
-    (``verify_cost()``: the target's forward cost over n tokens on this machine, asked only then); prompt lookup alone
-    elsewhere.
+def may_learn(spec: str) -> bool:
+    """Whether the drafter a spec names may learn from the sequences it drafts: a learning spec, or ``auto``, which
+    drafts with suffix on most machines."""
+    return spec in LEARNING_SPECS or spec == "auto"
 
-    The head's drafts are short (one or two accepted per step), so they pay only where verifying them is nearly free:
-    where verifying 3 tokens costs about as much as one, the head beats prompt lookup; where it costs more, it ties or
-    loses and takes more memory.
+
+def auto_draft(
+    target: Target, verify_cost: Callable[[], Callable[[int], float]], draft_cost: Callable[[Drafter], float]
+) -> str:
+    """What ``auto`` drafts with on ``target``: prompt lookup, then the shipped eagle head, where a head ships for it,
+    its backend gives hidden states, verifying 3 tokens costs at most AUTO_HEAD_MAX_VERIFY one-token steps
+    (``verify_cost()``: the target's forward cost over n tokens on this machine) and one of the head's draft steps
+    (``draft_cost(head)``) at most AUTO_HEAD_MAX_SHARE of a one-token step; suffix elsewhere. Costs are asked for
+    only where a head ships.
+
+    The head's drafts are short (one or two accepted per step), so they pay only where verifying them is nearly free
+    and drafting them is cheap beside a target step: on a slow target whose verification is flat (a transformers
+    bfloat16 plan) it beats copying; on a fast one (native) its step costs too much of the target's and copying wins.
+    Suffix drafting copies from the request itself as prompt lookup does, and also from earlier answers: it ties prompt
+    lookup where text repeats within a request and wins where requests repeat each other (tool calls, house styles).
     """
-    if not target.backend.capabilities.features or bundled_draft(target.name, "eagle") is None:
-        return "prompt-lookup"
+    folder = bundled_draft(target.name, "eagle")
+    if not target.backend.capabilities.features or folder is None:
+        return "suffix"
     cost = verify_cost()
-    return "lookup-then-eagle" if cost(3) <= AUTO_HEAD_MAX_VERIFY * cost(1) else "prompt-lookup"
+    if cost(3) > AUTO_HEAD_MAX_VERIFY * cost(1):
+        return "suffix"
+    return "lookup-then-eagle" if draft_cost(_eagle(str(folder), target)) <= AUTO_HEAD_MAX_SHARE * cost(1) else "suffix"
 
 
 def _eagle(folder: str, target: Target) -> EagleDrafter:
@@ -169,6 +186,7 @@ __all__ = [
     "SuffixStore",
     "Proposal",
     "auto_draft",
+    "may_learn",
     "build_drafter",
     "drafter_name",
 ]

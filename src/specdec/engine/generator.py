@@ -24,6 +24,14 @@ from specdec.scheduling import CostCurve, KPolicy, LoadWindow, WayRates, build_k
 __all__ = ["Completion", "GenerationResult", "Generator"]
 
 
+def concrete_draft(spec: str | Drafter, target: Target, measured: MachineCosts) -> str | Drafter:
+    """``auto`` made concrete for ``target`` from this machine's ``measured`` costs (drafters.auto_draft); any other
+    drafter as it is."""
+    if spec != "auto":
+        return spec
+    return auto_draft(target, measured.forward, measured.draft_step)
+
+
 class Generator:
     """Speculative text generation whose output is the target's own.
 
@@ -53,8 +61,7 @@ class Generator:
         self.measured = MachineCosts(self.backend, self.batch.cuda_graphs)
         # Timed tree rows' rates of tree and chain steps, by k, branches, greedy, batched.
         self._ways: dict[tuple[int, int, bool, bool], WayRates] = {}
-        if drafter == "auto":
-            drafter = auto_draft(self.target, self.costs)
+        drafter = concrete_draft(drafter, self.target, self.measured)
         self.draft_name = drafter_name(drafter)  # what drafts (``auto`` resolved)
         self.drafter = build_drafter(drafter, self.target, runtime)
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != self.backend.vocab_size:

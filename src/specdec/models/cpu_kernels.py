@@ -1452,6 +1452,12 @@ def compiled():
     return _load()[0]
 
 
+def build_name() -> str:
+    """The kernels' build in use (its module's name: version and variant), or the float64 reference where none runs."""
+    module = compiled()
+    return module.__name__ if module is not None else "float64 reference"
+
+
 def kernels_problem() -> str | None:
     """Why the kernels are not available here (no AVX2 or ARM SDOT, or the build's error), or None."""
     return _load()[1]

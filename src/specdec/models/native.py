@@ -460,7 +460,8 @@ def _identity(model: NativeModel, cache_dtype: str) -> str:
     """What decides a native model's speed: its weights and format, the KV cache's type, the kernels' build, threads."""
     threads = torch.get_num_threads()
     return (
-        f"native|{model.name}|{model.weights}|{model.format}|kv={cache_dtype}|{cpu_kernels.BUILD}|cpu|threads={threads}"
+        f"native|{model.name}|{model.weights}|{model.format}|kv={cache_dtype}|{cpu_kernels.build_name()}|cpu|"
+        f"threads={threads}"
     )
 
 
