@@ -42,7 +42,7 @@ GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
 # The compiled module's name: change it with SOURCE (a cached build is reused by name).
-BUILD = "specdec_cpu_kernels_v25"
+BUILD = "specdec_cpu_kernels_v27"
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -715,6 +715,23 @@ static Pages pages_of(torch::Tensor tables, int64_t layer, int64_t kind, int64_t
             kind == 0 ? 4 : 2, shift};
 }
 
+// exp(x) by Cephes' method: x = m ln2 + r, exp(r) by a polynomial, times 2^m. NaN stays NaN (max and min return their
+// second operand when one is NaN); beyond +-88 the result is the bound's.
+static inline vf v_exp(vf x) {
+    x = v_min_ps(v_set1_ps(88.3762626647949f), v_max_ps(v_set1_ps(-88.3762626647949f), x));
+    const vf m = v_round_ps(v_mul_ps(x, v_set1_ps(1.44269504088896341f)));
+    vf r = v_fnmadd_ps(m, v_set1_ps(0.693359375f), x);
+    r = v_fnmadd_ps(m, v_set1_ps(-2.12194440e-4f), r);
+    vf p = v_set1_ps(1.9875691500e-4f);
+    p = v_fmadd_ps(p, r, v_set1_ps(1.3981999507e-3f));
+    p = v_fmadd_ps(p, r, v_set1_ps(8.3334519073e-3f));
+    p = v_fmadd_ps(p, r, v_set1_ps(4.1665795894e-2f));
+    p = v_fmadd_ps(p, r, v_set1_ps(1.6666665459e-1f));
+    p = v_fmadd_ps(p, r, v_set1_ps(5.0000001201e-1f));
+    p = v_add_ps(v_fmadd_ps(p, v_mul_ps(r, r), r), v_set1_ps(1.f));
+    return v_scalef_ps(p, m);
+}
+
 // The body of `attention`, for one cache element type. Each task takes a chunk of one KV head's queries and reads that
 // head's keys and values once, a block at a time, for all of them; the chunks only spread the work over threads. A
 // query's arithmetic is the same in any chunk and at any n: its visible keys in cache order, the scores, their maximum,
@@ -753,9 +770,39 @@ static void attend(const float* qp, float* op, const Pages& pages, int64_t n, in
                 for (size_t r = 0; r < read.size(); ++r) rows[c][r] = pages.at(0, kv, read[r]);
             }
             const int64_t block = 64;
+            // queries c .. c + 3 are four heads of one position (the same keys, in the same order): true from the
+            // first of each run of four within a position's heads, so the runs are the same at every n and chunk
+            // size; the arithmetic per query is that of a query alone
+            auto shares = [&](int64_t c) {
+                return c + 4 <= count && (first + c) % group % 4 == 0 && (first + c) % group + 4 <= group;
+            };
             std::fill(cursor.begin(), cursor.end(), 0);
             for (int64_t b = 0; b < last; b += block)  // scores: each block of keys once for the whole chunk
                 for (int64_t c = 0; c < count; ++c) {
+                    if (shares(c)) {  // four heads of one position: each key read once for the four
+                        const int64_t i = (first + c) / group, h = kv * group + (first + c) % group;
+                        const float* q0 = qp + (i * heads + h) * dim;
+                        const auto& read = reads[c];
+                        size_t& r = cursor[c];
+                        for (; r < read.size() && read[r] < b + block; ++r) {
+                            const char* key = rows[c][r];
+                            vf s0 = v_setzero_ps(), s1 = v_setzero_ps(), s2 = v_setzero_ps(), s3 = v_setzero_ps();
+                            for (int64_t d = 0; d < dim; d += 16) {
+                                const vf kd = v_load_kv<KIND>(key + d * bytes);
+                                s0 = v_fmadd_ps(v_loadu_ps(q0 + d), kd, s0);
+                                s1 = v_fmadd_ps(v_loadu_ps(q0 + dim + d), kd, s1);
+                                s2 = v_fmadd_ps(v_loadu_ps(q0 + 2 * dim + d), kd, s2);
+                                s3 = v_fmadd_ps(v_loadu_ps(q0 + 3 * dim + d), kd, s3);
+                            }
+                            scores[c][r] = v_reduce_add_ps(s0) * scale;
+                            scores[c + 1][r] = v_reduce_add_ps(s1) * scale;
+                            scores[c + 2][r] = v_reduce_add_ps(s2) * scale;
+                            scores[c + 3][r] = v_reduce_add_ps(s3) * scale;
+                        }
+                        cursor[c + 1] = cursor[c + 2] = cursor[c + 3] = r;
+                        c += 3;
+                        continue;
+                    }
                     const auto& read = reads[c];
                     const int64_t i = (first + c) / group, h = kv * group + (first + c) % group;
                     const float* query = qp + (i * heads + h) * dim;
@@ -787,14 +834,48 @@ static void attend(const float* qp, float* op, const Pages& pages, int64_t n, in
             for (int64_t c = 0; c < count; ++c) {
                 float top = -INFINITY;
                 for (float s : scores[c]) top = std::max(top, s);
+                float* e = scores[c].data();
+                const int64_t size = (int64_t)scores[c].size();
+                const vf shift = v_set1_ps(top);
+                for (int64_t r = 0; r < size; r += 16) {  // every score by one vector path, the tail masked
+                    const int64_t lanes = std::min<int64_t>(16, size - r);
+                    v_store_first(lanes, e + r, v_exp(v_sub_ps(v_load_first(lanes, e + r), shift)));
+                }
                 float sum = 0.f;
-                for (auto& s : scores[c]) sum += (s = std::exp(s - top));
+                for (int64_t r = 0; r < size; ++r) sum += e[r];
                 total[c] = sum;
                 std::fill(acc.begin() + c * dim, acc.begin() + (c + 1) * dim, 0.f);
             }
             std::fill(cursor.begin(), cursor.end(), 0);
             for (int64_t b = 0; b < last; b += block)  // values: each block once, p v added in key order per lane
                 for (int64_t c = 0; c < count; ++c) {
+                    if (shares(c)) {  // four heads of one position: each value read once for the four
+                        const auto& read = reads[c];
+                        size_t& r = cursor[c];
+                        const size_t from = r;
+                        while (r < read.size() && read[r] < b + block) ++r;
+                        const float *p0 = scores[c].data(), *p1 = scores[c + 1].data(), *p2 = scores[c + 2].data(),
+                                    *p3 = scores[c + 3].data();
+                        float* a = acc.data() + c * dim;
+                        for (int64_t d = 0; d < dim; d += 16) {
+                            vf l0 = v_loadu_ps(a + d), l1 = v_loadu_ps(a + dim + d), l2 = v_loadu_ps(a + 2 * dim + d),
+                               l3 = v_loadu_ps(a + 3 * dim + d);
+                            for (size_t x = from; x < r; ++x) {
+                                const vf value = v_load_kv<KIND>(rows[c][x] + values + d * bytes);
+                                l0 = v_fmadd_ps(v_set1_ps(p0[x]), value, l0);
+                                l1 = v_fmadd_ps(v_set1_ps(p1[x]), value, l1);
+                                l2 = v_fmadd_ps(v_set1_ps(p2[x]), value, l2);
+                                l3 = v_fmadd_ps(v_set1_ps(p3[x]), value, l3);
+                            }
+                            v_storeu_ps(a + d, l0);
+                            v_storeu_ps(a + dim + d, l1);
+                            v_storeu_ps(a + 2 * dim + d, l2);
+                            v_storeu_ps(a + 3 * dim + d, l3);
+                        }
+                        cursor[c + 1] = cursor[c + 2] = cursor[c + 3] = r;
+                        c += 3;
+                        continue;
+                    }
                     const auto& read = reads[c];
                     float* a = acc.data() + c * dim;
                     size_t& r = cursor[c];
@@ -903,23 +984,6 @@ void move_positions(torch::Tensor tables, int64_t kind, int64_t page, int64_t kv
                     for (int64_t h = 0; h < kv_heads; ++h)
                         std::memcpy(pages.at(part, h, target + r), pages.at(part, h, from[r]), dim * pages.bytes);
     }
-}
-
-// exp(x) by Cephes' method: x = m ln2 + r, exp(r) by a polynomial, times 2^m. NaN stays NaN (max and min return their
-// second operand when one is NaN); beyond +-88 the result is the bound's.
-static inline vf v_exp(vf x) {
-    x = v_min_ps(v_set1_ps(88.3762626647949f), v_max_ps(v_set1_ps(-88.3762626647949f), x));
-    const vf m = v_round_ps(v_mul_ps(x, v_set1_ps(1.44269504088896341f)));
-    vf r = v_fnmadd_ps(m, v_set1_ps(0.693359375f), x);
-    r = v_fnmadd_ps(m, v_set1_ps(-2.12194440e-4f), r);
-    vf p = v_set1_ps(1.9875691500e-4f);
-    p = v_fmadd_ps(p, r, v_set1_ps(1.3981999507e-3f));
-    p = v_fmadd_ps(p, r, v_set1_ps(8.3334519073e-3f));
-    p = v_fmadd_ps(p, r, v_set1_ps(4.1665795894e-2f));
-    p = v_fmadd_ps(p, r, v_set1_ps(1.6666665459e-1f));
-    p = v_fmadd_ps(p, r, v_set1_ps(5.0000001201e-1f));
-    p = v_add_ps(v_fmadd_ps(p, v_mul_ps(r, r), r), v_set1_ps(1.f));
-    return v_scalef_ps(p, m);
 }
 
 // act(gate) * up for rows [n, 2f] (gate: a row's first f values, up: its last f); act = SiLU (kind 0) or GELU's tanh
