@@ -26,12 +26,17 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: 
     return torch.einsum("hnm,mhd->nhd", weights, v)
 
 
+@pytest.mark.parametrize("dim", [32, 256])
 @pytest.mark.parametrize("dtype", list(TYPES))
-def test_each_cache_type_holds_its_rounded_values_and_a_positions_bits_do_not_depend_on_the_others(dtype: str) -> None:
+def test_each_cache_type_holds_its_rounded_values_and_a_positions_bits_do_not_depend_on_the_others(
+    dtype: str, dim: int
+) -> None:
     """Across a page edge: 9 positions at once give the bits of the same positions one at a time, and equal float64
-    attention over the keys and values rounded to the cache's type (to nearest, as torch rounds them)."""
+    attention over the keys and values rounded to the cache's type (to nearest, as torch rounds them). Four heads share
+    a KV head: 9 positions read each key once for four heads, one position alone does not (and 256 lanes take the
+    kernel's four-lanes-at-a-time path)."""
     generator = torch.Generator().manual_seed(0)
-    start, n, heads, kv_heads, dim = PAGE - 4, 9, 8, 2, 32
+    start, n, heads, kv_heads = PAGE - 4, 9, 8, 2
     q = torch.randn(start + n, heads, dim, generator=generator)
     k, v = (
         torch.randn(start + n, kv_heads, dim, generator=generator),

@@ -57,6 +57,12 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
         GenerationConfig(k=config.k, k_policy="cost-model", max_new_tokens=config.max_new_tokens),
         config.runtime,
     )
+    if sequential.drafter.capabilities.learns and max(config.batch_sizes) > len(prompts):
+        raise ConfigError(
+            f"a batch of {max(config.batch_sizes)} repeats some of the {len(prompts)} prompts, and "
+            f"'{sequential.draft_name}' learns from the answers it drafted: decoded one at a time, a repeat would copy "
+            "its first answer. Use batch sizes up to the prompt count, more prompts, or --draft prompt-lookup"
+        )
     fixed = GenerationConfig(k=config.k, k_policy="fixed", max_new_tokens=config.max_new_tokens)
     window_kinds = {"fixed window": "fixed", "dynamic window": "dynamic"}
 
@@ -70,7 +76,10 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
             }
         generators = {
             name: Generator(
-                target, build_drafter(sequential.draft_name, target, config.runtime), fixed, batch=BatchConfig(window)
+                target,
+                build_drafter(sequential.draft_name, target, config.runtime),
+                fixed,
+                batch=BatchConfig(window=window),
             )
             for name, window in window_kinds.items()
         }

@@ -56,11 +56,14 @@ def native_kernels() -> Check:
     built = cpu_kernels.is_built()
     with status("building the native kernels (once; under a minute)" if not built else "loading the native kernels"):
         try:
-            cpu_kernels.build()
+            module = cpu_kernels.build()
         except cpu_kernels.KernelBuildError as exc:
             return Check("native kernels", "problem", f"the {name} kernels do not build: {exc}")
     where = cpu_kernels.build_folder()
-    return Check("native kernels", "ok", f"{name} kernels {'built now' if not built else 'built'}, load ({where})")
+    tiles = "" if name != "amx" or module.tiles_in_use() else "; Linux did not grant the AMX tiles (5.16+), so VNNI"
+    return Check(
+        "native kernels", "ok", f"{name} kernels {'built now' if not built else 'built'}, load ({where}){tiles}"
+    )
 
 
 def llama_cpp() -> Check:

@@ -135,17 +135,18 @@ def serve(
     suffix_scope: Annotated[
         str,
         typer.Option(
-            help="With --draft suffix: whose earlier answers a request drafts from: global (everyone's), key (those "
-            "sent with the same API key), request (none), or auto (key when API keys are set, else global). Sharing "
-            "changes speed only, never output, but speed can tell a user whether others asked alike."
+            help="With suffix drafting (--draft suffix, or auto where it drafts with suffix): whose earlier answers a "
+            "request drafts from: global (everyone's), key (those sent with the same API key), request (none), or auto "
+            "(key when API keys are set, else global). Sharing changes speed only, never output, but speed can tell a "
+            "user whether others asked alike."
         ),
     ] = default(ServeConfig, "suffix_scope"),
     suffix_max_tokens: Annotated[
-        int, typer.Option(help="With --draft suffix: tokens of earlier answers kept (the oldest leave first).")
+        int, typer.Option(help="With suffix drafting: tokens of earlier answers kept (the oldest leave first).")
     ] = default(ServeConfig, "suffix_max_tokens"),
     suffix_cache: Annotated[
         Path | None,
-        typer.Option(help="With --draft suffix: a file the history is loaded from at start and saved to at stop."),
+        typer.Option(help="With suffix drafting: a file the history is loaded from at start and saved to at stop."),
     ] = None,
     ray: Annotated[
         bool, typer.Option("--ray", help="Run replicas on Ray Serve behind one endpoint (needs the ray extra).")
@@ -246,6 +247,11 @@ def serve(
     if suffix_options and draft not in ("suffix", "auto"):
         raise ConfigError(f"{', '.join(suffix_options)} set(s) the suffix drafter's history: add --draft suffix")
     if ray:
+        if suffix_options and draft == "auto":
+            raise ConfigError(
+                f"{', '.join(suffix_options)} set(s) the suffix drafter's history, and with --ray each replica makes "
+                "'auto' concrete on its own: add --draft suffix"
+            )
         if suffix_cache is not None:
             raise ConfigError("--suffix-cache keeps one server's history: drop it with --ray (replicas keep their own)")
         from specdec.serving.config import RayConfig

@@ -176,7 +176,7 @@ class NativeHead:
         self.keep_ids = module.keep_ids
         self.device = torch.device("cpu")
         self.max_position = self.model.shape.max_context
-        self.identity = f"eagle head|native int8|{model_identity(module)}"
+        self.identity = f"eagle head|native int8|{cpu_kernels.build_name()}|{model_identity(module)}"
 
     def new_cache(self) -> PagedCache:
         return native.new_cache(self.model)

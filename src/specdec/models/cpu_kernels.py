@@ -42,7 +42,7 @@ GROUP = 128  # activation inputs per scale (a narrower layer uses the widest of 
 BLOCK = 16  # outputs per packed block: one AVX-512 vector of int32 sums
 FALLBACK_ROWS = 8192  # weight rows per float64 product on the exact path without the kernel
 # The compiled module's name: change it with SOURCE (a cached build is reused by name).
-BUILD = "specdec_cpu_kernels_v27"
+BUILD = "specdec_cpu_kernels_v28"
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -116,8 +116,6 @@ static inline __m256 v_halves(vf x) {
 // NEON: four registers each. Every vector step mirrors the x86 one bit for bit: fused multiply-adds, IEEE division,
 // rounding to nearest even, min and max returning their second operand when a comparison fails, and the same order of
 // the horizontal sum. SDOT multiplies signed bytes by signed bytes, so activations carry no offset.
-// (The softmax's scalar exp is the C library's, which x86 and ARM builds of it need not round alike: bits agree
-// within one build target.)
 struct vf { float32x4_t q[4]; };
 struct vi { int32x4_t q[4]; };
 #define OFFSET 0
@@ -443,11 +441,13 @@ static bool amx_ready() {  // Linux grants the tile registers' state to a proces
 }
 
 static void amx_configure(int last) {  // sums, activations: tiles 0, 1 of 16 rows and 3, 4 of `last` rows; weights: 2
-    TileConfig c{};
+    static thread_local TileConfig c;  // (the intrinsic declares a read of the config's first bytes only)
+    c = TileConfig{};
     c.palette = 1;
     for (int t = 0; t < 5; ++t) c.colsb[t] = 64;
     c.rows[0] = c.rows[1] = c.rows[2] = 16;
     c.rows[3] = c.rows[4] = (uint8_t)last;
+    asm volatile("" ::: "memory");
     _tile_loadconfig(&c);
 }
 
@@ -503,6 +503,10 @@ static void amx_linear(const uint8_t* qp, const float* qsp, const int8_t* w, con
         _tile_release();
     });
 }
+// Whether int8 layers of 2 positions or more multiply in AMX tiles here: the AMX build, where Linux grants their state.
+bool tiles_in_use() { return amx_ready(); }
+#else
+bool tiles_in_use() { return false; }
 #endif
 #define AMX_MIN_ROWS 2  // one row reads every weight for one product: VNNI keeps up with memory there
 
@@ -770,9 +774,9 @@ static void attend(const float* qp, float* op, const Pages& pages, int64_t n, in
                 for (size_t r = 0; r < read.size(); ++r) rows[c][r] = pages.at(0, kv, read[r]);
             }
             const int64_t block = 64;
-            // queries c .. c + 3 are four heads of one position (the same keys, in the same order): true from the
-            // first of each run of four within a position's heads, so the runs are the same at every n and chunk
-            // size; the arithmetic per query is that of a query alone
+            // queries c .. c + 3 are four heads of one position (the same keys, in the same order) that share each
+            // key's and value's load; which queries share depends on the chunking, but a query's arithmetic is the
+            // same shared or alone, so its bits do not
             auto shares = [&](int64_t c) {
                 return c + 4 <= count && (first + c) % group % 4 == 0 && (first + c) % group + 4 <= group;
             };
@@ -1449,7 +1453,7 @@ def _call(function, *args):
 
 
 def vnni_available() -> bool:
-    """Whether this CPU has AVX-512 VNNI (the kernels' fastest build)."""
+    """Whether this CPU has AVX-512 VNNI (which the AVX-512 and AMX builds need)."""
     return "avx512_vnni" in cpu_flags()
 
 
@@ -1517,9 +1521,12 @@ def compiled():
 
 
 def build_name() -> str:
-    """The kernels' build in use (its module's name: version and variant), or the float64 reference where none runs."""
+    """The kernels' build in use (its module's name: version and variant, and whether the AMX build's tiles run), or
+    the float64 reference where none runs."""
     module = compiled()
-    return module.__name__ if module is not None else "float64 reference"
+    if module is None:
+        return "float64 reference"
+    return module.__name__ + ("" if not module.__name__.endswith("_amx") or module.tiles_in_use() else " (no tiles)")
 
 
 def kernels_problem() -> str | None:
@@ -1539,6 +1546,7 @@ def _load():
             return build(name=name), None
         except KernelBuildError as exc:  # unwritable cache, no compiler, a compile error
             failures.append(f"{name}: {exc}")
+            log.warning("specdec's %s kernels could not be built (%s): trying a plainer build", name, exc)
     log.warning(
         "specdec's CPU kernels are not available, so native layers use their exact float64 reference: %s", failures[0]
     )
@@ -1582,7 +1590,15 @@ def build(wait_s: float = BUILD_WAIT_S, name: str | None = None):
             return load_inline(
                 module_name(name),
                 cpp_sources=SOURCE,
-                functions=["int8_linear", "int4_linear", "attention", "move_positions", "rms_norm", "gated"],
+                functions=[
+                    "int8_linear",
+                    "int4_linear",
+                    "attention",
+                    "move_positions",
+                    "rms_norm",
+                    "gated",
+                    "tiles_in_use",
+                ],
                 extra_cflags=["-O3", *VARIANTS[name][1], "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),
