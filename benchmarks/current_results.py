@@ -284,12 +284,27 @@ COMMANDS_TEXT = """
   specdec tune --sampling 0.7
 2026-12-03-cpu-tune-unseen-300s
   specdec tune --prompts benchmarks/prompts/tune-unseen.jsonl --budget-s 300
+2026-12-03-cpu-native-amx-agentic-t0
+  $NATIVE --methods none,prompt-lookup,suffix --k 8 --prompts agentic --temperature 0
+2026-12-03-cpu-native-amx-default-t0
+  $NATIVE --methods none,prompt-lookup,suffix,lookup-then-eagle --k 8 --temperature 0
+2026-12-03-cpu-native-amx-default-t0.7
+  $NATIVE --methods none,prompt-lookup,suffix,lookup-then-eagle --k 8 --temperature 0.7
+2026-12-03-cpu-native-amx-agentic-k16-t0
+  $NATIVE --methods none,prompt-lookup,suffix --k 16 --prompts agentic --temperature 0
+2026-12-03-cpu-native-amx-agentic-t0.7
+  $NATIVE --methods none,prompt-lookup,suffix --k 8 --prompts agentic --temperature 0.7
+2026-12-03-cpu-native-amx2-agentic-t0
+  $NATIVE --methods none,prompt-lookup,suffix,auto --k 8 --prompts agentic --temperature 0
+2026-12-03-cpu-native-amx2-default-t0
+  $NATIVE --methods none,prompt-lookup,suffix,lookup-then-eagle,auto --k 8 --temperature 0
 """
 VARIABLES = {
     "J": "benchmarks/results/",
     "LLAMA_SERVER": "vendor/llama.cpp/build/bin/llama-server",
     "SUFFIX": "specdec bench --methods none,prompt-lookup,prompt-lookup+tree,suffix,suffix+tree --k 8 "
     "--k-policy cost-model --max-new-tokens 64 --backend native",
+    "NATIVE": "specdec bench --k-policy cost-model --max-new-tokens 64 --backend native",
     "N": "ngram:/tmp/gemma-corpus.ngram",
     "D": "model:src/specdec/data/drafts/gemma-3-270m",
     "TREES": "specdec bench --precision cpu --k 10 --k-policy cost-model --max-new-tokens 64",
