@@ -120,9 +120,9 @@ def run_load_benchmark(config: LoadConfig, say: Callable[[str], None] = print) -
                 asyncio.run(_load(server, url, [WARM_UP], 1, 5, config))  # loading, first-request costs
                 for clients in counts:
                     say(f"{label}: {clients} clients for {config.duration_s:.0f} s")
-                    start = time.perf_counter()
+                    began = time.perf_counter()
                     outcome = asyncio.run(_load(server, url, prompts, clients, config.duration_s, config, once=learns))
-                    figures = _summary(outcome, time.perf_counter() - start) | {"peak_rss_bytes": server.peak_rss()}
+                    figures = _summary(outcome, time.perf_counter() - began) | {"peak_rss_bytes": server.peak_rss()}
                     run = {"server": server_name, "speculation": speculation, "clients": clients}
                     runs.append(run | figures | {"answers": outcome.answers})
     _compare_answers(runs, greedy=config.temperature == 0)
