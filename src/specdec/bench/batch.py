@@ -18,7 +18,7 @@ from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts, round_robin
 from specdec.bench.report import fmt, machine_line
 from specdec.bench.runner import machine_info
 from specdec.config import DEFAULT_DRAFT, BatchConfig, GenerationConfig, RuntimeConfig
-from specdec.drafters import build_drafter
+from specdec.drafters import Drafter, build_drafter
 from specdec.engine import GenerationResult, Generator
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET, open_target
@@ -67,24 +67,18 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
     window_kinds = {"fixed window": "fixed", "dynamic window": "dynamic"}
 
     def fresh() -> dict[str, Generator]:
-        """The batched methods' generators. ``auto`` is made concrete once (``sequential``); a drafter that learns
+        """The drafting methods' generators. ``auto`` is made concrete once (``sequential``); a drafter that learns
         from the answers it drafted (suffix) is new for every batch and method, so none copies another's answers."""
-        if not sequential.drafter.capabilities.learns:
-            return {"one at a time": sequential} | {
-                name: Generator(target, sequential.drafter, fixed, batch=BatchConfig(window=window))
-                for name, window in window_kinds.items()
-            }
-        generators = {
-            name: Generator(
-                target,
-                build_drafter(sequential.draft_name, target, config.runtime),
-                fixed,
-                batch=BatchConfig(window=window),
-            )
+        learns = sequential.drafter.capabilities.learns
+
+        def drafter() -> Drafter:
+            return build_drafter(sequential.draft_name, target, config.runtime) if learns else sequential.drafter
+
+        one = Generator(target, drafter(), sequential.config, config.runtime) if learns else sequential
+        return {"one at a time": one} | {
+            name: Generator(target, drafter(), fixed, batch=BatchConfig(window=window))
             for name, window in window_kinds.items()
         }
-        one = build_drafter(sequential.draft_name, target, config.runtime)
-        return generators | {"one at a time": Generator(target, one, sequential.config, config.runtime)}
 
     target_only = Generator(target, "none", fixed, batch=BatchConfig(window="fixed"))  # nothing to cap
     warm = [p.prompt for p in prompts[:2]]
