@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from specdec.machine import fingerprint
-from specdec.models import cpu_kernels
+from specdec.models.native import kernel_build, ops, paged_cache
 
 SHAPES = {"8b": (32, 8, 128), "270m": (4, 1, 256)}
 CONTEXTS = (512, 2048, 8192)
@@ -51,13 +51,13 @@ def inputs(heads: int, kv_heads: int, dim: int, context: int, n: int, seed: int)
 def paged_call(dtype: str, heads: int, kv_heads: int, dim: int, context: int, n: int, seed: int = 0):
     """One layer's attention of n new positions after ``context`` cached ones, over a paged cache of ``dtype``."""
     q, keys, values = inputs(heads, kv_heads, dim, context, n, seed)
-    cache = cpu_kernels.PagedCache((0,), kv_heads, dim, dtype)
+    cache = paged_cache.PagedCache((0,), kv_heads, dim, dtype)
     cache.reserve(context + n)
     for index, page in enumerate(cache.pages[0]):  # the cached positions, written as the kernel writes them
-        span = slice(index * cpu_kernels.PAGE, min(context, (index + 1) * cpu_kernels.PAGE))
+        span = slice(index * paged_cache.PAGE, min(context, (index + 1) * paged_cache.PAGE))
         for part, tensor in enumerate((keys, values)):
             page[part, :, : span.stop - span.start] = tensor[span].transpose(0, 1).to(page.dtype)
-    return lambda: cpu_kernels.attention(q, keys[context:], values[context:], cache, 0, context, 0, 0.1)
+    return lambda: ops.attention(q, keys[context:], values[context:], cache, 0, context, 0, 0.1)
 
 
 def contiguous_call(module, heads: int, kv_heads: int, dim: int, context: int, n: int, seed: int = 0):
@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="an earlier build of the kernels (.so) to compare with")
     parser.add_argument("--model", help="a safetensors folder for whole steps")
     args = parser.parse_args()
-    results: dict = {"machine": fingerprint() | {"threads": torch.get_num_threads(), "kernels": cpu_kernels.variant()}}
+    results: dict = {"machine": fingerprint() | {"threads": torch.get_num_threads(), "kernels": kernel_build.variant()}}
     columns = []
     if args.before:
         spec = importlib.util.spec_from_file_location(args.before.stem, args.before)
@@ -124,7 +124,7 @@ def main() -> None:
         results["before"] = kernel_rows("before", functools.partial(contiguous_call, before))
         results["same_bits"] = same_bits(before)
         columns.append("before")
-    for dtype in cpu_kernels.CACHE_DTYPES:
+    for dtype in paged_cache.CACHE_DTYPES:
         results[dtype] = kernel_rows(f"paged {dtype}", functools.partial(paged_call, dtype))
         columns.append(dtype)
     if args.model:

@@ -2,12 +2,12 @@
 
 Usage: python benchmarks/head_kernel_probe.py [--out FILE]
 
-The int8 AVX-512 VNNI kernel of the `int8a8` format and the native backend (specdec.models.cpu_kernels; needs g++, ninja
-and a CPU with avx512_vnni) computes Gemma-3-270M's head (262,144 x 640) in int8 with a scale per vocabulary row and per
-128 inputs of a position, each block of weights loaded once and used for all n positions. Integer dot products are
-exact, so a row's logits do not depend on n (batch-invariant: a 9-token verification computes what nine one-token steps
-would). Compared with torch's bfloat16 and float32 products on the same shapes and with the measured roofline, and
-checked against a float32 reference of the same int8 values.
+The int8 AVX-512 VNNI kernel of the `int8a8` format and the native backend (specdec.models.native.kernel_build; needs
+g++, ninja and a CPU with avx512_vnni) computes Gemma-3-270M's head (262,144 x 640) in int8 with a scale per vocabulary
+row and per 128 inputs of a position, each block of weights loaded once and used for all n positions. Integer dot
+products are exact, so a row's logits do not depend on n (batch-invariant: a 9-token verification computes what nine
+one-token steps would). Compared with torch's bfloat16 and float32 products on the same shapes and with the measured
+roofline, and checked against a float32 reference of the same int8 values.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.models import cpu_kernels
+from specdec.models.native import formats, kernel_build
 
 
 def best_ms(f, repeats: int = 9) -> float:
@@ -42,19 +42,19 @@ def main() -> None:
 
     weight = load_model("gemma-3-270m").model.get_output_embeddings().weight.detach().float().contiguous()
     vocab, width = weight.shape
-    packed = cpu_kernels.PackedInt8(weight)
-    w8, w_scale = cpu_kernels.quantize_rows(weight)
-    if cpu_kernels.compiled() is None:
-        raise SystemExit("this machine cannot build or run the VNNI kernel (see specdec.models.cpu_kernels)")
+    packed = formats.PackedInt8(weight)
+    w8, w_scale = formats.quantize_rows(weight)
+    if kernel_build.compiled() is None:
+        raise SystemExit("this machine cannot build or run the VNNI kernel (see specdec.models.native.kernel_build)")
     bf16, rows = weight.bfloat16(), {}
     for n in (1, 2, 5, 9, 17):
         hidden = torch.randn(n, width) * 3
-        product = partial(cpu_kernels.linear, hidden, packed)
+        product = partial(formats.linear, hidden, packed)
         logits = product()
-        q, q_scale = cpu_kernels.quantize_rows(hidden, packed.group)
+        q, q_scale = formats.quantize_rows(hidden, packed.group)
         groups = q.float().reshape(n, -1, packed.group), w8.float().reshape(vocab, -1, packed.group)
         reference = (torch.einsum("ngc,vgc->nvg", *groups) * q_scale[:, None, :]).sum(dim=2) * w_scale[None, :]
-        alone = torch.cat([cpu_kernels.linear(hidden[i : i + 1], packed) for i in range(n)])
+        alone = torch.cat([formats.linear(hidden[i : i + 1], packed) for i in range(n)])
         rows[n] = {
             "int8 VNNI, weights read once": best_ms(product),
             "torch bfloat16": best_ms(partial(torch.nn.functional.linear, hidden.bfloat16(), bf16)),

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from specdec.machine import fingerprint
-from specdec.models import cpu_kernels
+from specdec.models.native import formats, kernel_build
 
 OUTPUTS, WIDTH, GROUP = 2 * 14336, 4096, 32
 
@@ -69,16 +69,16 @@ def main() -> None:
     candidates = {
         "torch _weight_int4pack_mm_for_cpu (bf16 activations)": [torch_int4(weight) for _ in range(args.copies)]
     }
-    builds = [name for name, (needs, _) in cpu_kernels.VARIANTS.items() if set(needs) <= cpu_kernels.cpu_flags()]
+    builds = [name for name, (needs, _) in kernel_build.VARIANTS.items() if set(needs) <= kernel_build.cpu_flags()]
     for format in ("int8", "int4"):
-        packed = cpu_kernels.FORMATS[format](weight)
+        packed = formats.FORMATS[format](weight)
         state = packed.state()
         copies = [packed] + [
-            cpu_kernels.Packed.restore({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+            formats.Packed.restore({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
             for _ in range(args.copies - 1)
         ]
         for name in builds:
-            module = cpu_kernels.build(name=name)
+            module = kernel_build.build(name=name)
             candidates[f"native {format}, {name} build"] = [lambda x, p=p, m=module: p.product(m, x) for p in copies]
     for label, products in candidates.items():
         row = {"1": pass_ms(products, 1), "9": pass_ms(products, 9), "rows independent": independent(products[0])}

@@ -30,7 +30,8 @@ import torch
 from specdec import Generator
 from specdec.bench.prompts import load_prompts
 from specdec.config import PrecisionPlan, RuntimeConfig
-from specdec.models import cpu_kernels, open_target
+from specdec.models import open_target
+from specdec.models.native import formats, ops
 from specdec.models.target import gguf_path
 
 SIZES = (1, 2, 5, 9, 17)
@@ -155,7 +156,8 @@ def native_breakdown(backend) -> dict[int, dict[str, float]]:
     """Seconds in each native kernel per forward (the head apart from the other linear layers), timed around the same
     forwards as their total (the prefill before each is not timed); the rest is torch's small operations and Python."""
     seconds: dict[str, float] = defaultdict(float)
-    originals = {name: getattr(cpu_kernels, name) for name in ("linear", "attention", "rms_norm")}
+    homes = {"linear": formats, "attention": ops, "rms_norm": ops, "gated": ops}
+    originals = {name: getattr(home, name) for name, home in homes.items()}
 
     def timed(name: str):
         def call(*args: object) -> torch.Tensor:
@@ -181,14 +183,14 @@ def native_breakdown(backend) -> dict[int, dict[str, float]]:
             backend.reset()
             backend.forward(tokens[:, :CONTEXT], last=1)
             for name in originals:
-                setattr(cpu_kernels, name, timed(name))
+                setattr(homes[name], name, timed(name))
             try:
                 start = time.perf_counter()
                 backend.forward(tokens[:, CONTEXT : CONTEXT + n], last=n)
                 hooked += time.perf_counter() - start
             finally:
                 for name, function in originals.items():
-                    setattr(cpu_kernels, name, function)
+                    setattr(homes[name], name, function)
         parts = {k: v / REPEATS for k, v in seconds.items()}
         parts["other (torch operations, Python)"] = hooked / REPEATS - sum(parts.values())
         rows[n] = {"total": total, "hooked_total": hooked / REPEATS, **parts}

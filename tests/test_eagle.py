@@ -20,9 +20,10 @@ from specdec.drafters.eagle import EagleDrafter, ModuleHead, NativeHead, build_e
 from specdec.drafters.fallback import merge_trees
 from specdec.engine.costs import MachineCosts
 from specdec.errors import ConfigError
-from specdec.models import TransformersBackend, cpu_kernels, open_target
+from specdec.models import TransformersBackend, open_target
 from specdec.models.backend import OneRow
 from specdec.models.batched import BatchedTransformersBackend
+from specdec.models.native import kernel_build
 from specdec.scheduling import CostCurve
 from specdec.scheduling.k_policy import CostModelK, StepOutcome
 from specdec.training.distill import DistillConfig, DraftArch, distill
@@ -32,8 +33,8 @@ PROMPTS = [
     "abc abd abc abd abc",
     "Hello, world! Hello, there! Hello, world!",
 ]
-RUNTIMES = ["transformers"] + (["native"] if cpu_kernels.compiled() is not None else [])
-HEAD_RUNNERS = ["module"] + (["native"] if cpu_kernels.compiled() is not None else [])  # ModuleHead, NativeHead
+RUNTIMES = ["transformers"] + (["native"] if kernel_build.compiled() is not None else [])
+HEAD_RUNNERS = ["module"] + (["native"] if kernel_build.compiled() is not None else [])  # ModuleHead, NativeHead
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -53,7 +54,7 @@ def test_backends_return_the_hidden_states_the_head_reads(family: str) -> None:
     batched.forward([0, 1], [ids[0], ids[0, :7]], last=1, features=True)
     assert [f.shape[0] for f in batched.last_features] == [12, 7]  # each row's real positions only
     assert torch.allclose(batched.last_features[1], reference[:7], atol=1e-4)
-    if cpu_kernels.compiled() is not None:
+    if kernel_build.compiled() is not None:
         native = open_target(loaded(model), RuntimeConfig(backend="native")).backend
         row = OneRow(native)
         row.add_rows(1)
@@ -149,7 +150,7 @@ def test_a_chain_draft_is_the_heads_own_greedy_chain_even_after_an_anchor(runner
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.skipif(cpu_kernels.compiled() is None, reason="the native kernels are not built on this machine")
+@pytest.mark.skipif(kernel_build.compiled() is None, reason="the native kernels are not built on this machine")
 def test_the_native_head_follows_its_module(family: str) -> None:
     """int8 weights and activations: close to the module's float32 logits and features, not equal."""
     (module_drafter, model), (native_drafter, _) = head_runner(family, "module"), head_runner(family, "native")

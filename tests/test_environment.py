@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from specdec.cli.main import app
 from specdec.errors import ConfigError
-from specdec.models import cpu_kernels, llamacpp
+from specdec.models import llamacpp
+from specdec.models.native import kernel_build
 
 runner = CliRunner()
 STAND_IN = """
@@ -94,7 +95,7 @@ def test_generate_on_a_crashing_llama_cpp_says_why_and_the_fix(crashing_llama_cp
 def test_bench_skips_a_crashing_llama_cpp_and_runs_the_rest(crashing_llama_cpp: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "a", "category": "code", "prompt": "def add(a, b):"}) + "\n")
-    backend = "native" if cpu_kernels.compiled() else "transformers"
+    backend = "native" if kernel_build.compiled() else "transformers"
     command = [
         sys.executable, "-m", "specdec", "bench", "--prompts", str(prompts), "--methods", "none,llamacpp-greedy",
         "--max-new-tokens", "4", "--backend", backend, "--out", str(tmp_path / "out"),
@@ -106,22 +107,22 @@ def test_bench_skips_a_crashing_llama_cpp_and_runs_the_rest(crashing_llama_cpp: 
     assert list(methods) == ["none"]
 
 
-needs_kernels = pytest.mark.skipif(cpu_kernels.variant() is None, reason="the native kernels need AVX2")
+needs_kernels = pytest.mark.skipif(kernel_build.variant() is None, reason="the native kernels need AVX2")
 
 
 @needs_kernels
 def test_a_build_lock_left_by_a_killed_build_is_removed() -> None:
-    assert cpu_kernels.compiled() is not None
-    stale = cpu_kernels.build_folder() / "lock"  # what torch leaves when its build is killed; it would wait forever
+    assert kernel_build.compiled() is not None
+    stale = kernel_build.build_folder() / "lock"  # what torch leaves when its build is killed; it would wait forever
     stale.touch()
     start = time.monotonic()
-    assert cpu_kernels.build() is not None
+    assert kernel_build.build() is not None
     assert not stale.exists() and time.monotonic() - start < 60
 
 
 @needs_kernels
 def test_waiting_on_a_live_build_times_out_naming_the_folder() -> None:
-    folder = cpu_kernels.build_folder()
+    folder = kernel_build.build_folder()
     folder.mkdir(parents=True, exist_ok=True)
     holder = textwrap.dedent(
         f"""
@@ -139,8 +140,8 @@ def test_waiting_on_a_live_build_times_out_naming_the_folder() -> None:
     other = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "held"
-        with pytest.raises(cpu_kernels.KernelBuildError, match=f"process {other.pid} has been building") as caught:
-            cpu_kernels.build(wait_s=1)
+        with pytest.raises(kernel_build.KernelBuildError, match=f"process {other.pid} has been building") as caught:
+            kernel_build.build(wait_s=1)
         assert str(folder) in str(caught.value) and "wait for it" in str(caught.value)
     finally:
         other.kill()
@@ -155,10 +156,10 @@ def test_a_failed_build_shows_the_compilers_own_error() -> None:
         "   12 |     _mm512_dpbusd_epi32(acc, a, w);\n"
         "ninja: build stopped: subcommand failed.\n"
     )
-    shown = cpu_kernels.compiler_error(output)
+    shown = kernel_build.compiler_error(output)
     assert "main.cpp:12:5: error: '_mm512_dpbusd_epi32' was not declared in this scope" in shown
     assert "Error building extension" not in shown
-    assert cpu_kernels.compiler_error("g++: command not found") == "g++: command not found"
+    assert kernel_build.compiler_error("g++: command not found") == "g++: command not found"
 
 
 def test_doctor_reports_every_part_with_a_status() -> None:
@@ -242,7 +243,7 @@ def test_generate_on_native_states_its_perplexity_measured_once(
     from conftest import char_tokenizer, tiny_llama
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
-    assert cpu_kernels.compiled() is not None  # built and loaded before the cache folder moves
+    assert kernel_build.compiled() is not None  # built and loaded before the cache folder moves
     tokenizer, folder = char_tokenizer(), tmp_path / "tiny"
     tiny_llama(3, vocab=len(tokenizer), hidden=64, context=1024).save_pretrained(folder)  # heads of 16: native runs it
     tokenizer.save_pretrained(folder)
@@ -261,10 +262,10 @@ def test_generate_on_native_states_its_perplexity_measured_once(
 
 def test_doctor_reports_a_failing_kernel_build_as_a_problem_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(wait_s: float = 0) -> None:
-        raise cpu_kernels.KernelBuildError("main.cpp:12:5: error: '_mm512_dpbusd_epi32' was not declared")
+        raise kernel_build.KernelBuildError("main.cpp:12:5: error: '_mm512_dpbusd_epi32' was not declared")
 
-    monkeypatch.setattr(cpu_kernels, "variant", lambda: "avx512")
-    monkeypatch.setattr(cpu_kernels, "build", broken)
+    monkeypatch.setattr(kernel_build, "variant", lambda: "avx512")
+    monkeypatch.setattr(kernel_build, "build", broken)
     done = runner.invoke(app, ["doctor", "--json"])
     report = json.loads(done.stdout)
     (kernels,) = [c for c in report["checks"] if c["name"] == "native kernels"]

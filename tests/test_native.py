@@ -10,10 +10,11 @@ from conftest import char_tokenizer, loaded, tiny_gemma3, tiny_llama
 from specdec import Generator
 from specdec.config import PRESETS, RuntimeConfig
 from specdec.errors import ConfigError
-from specdec.models import TransformersBackend, cpu_kernels, native, open_target
-from specdec.models.native import FIRST_CAPACITY, NativeBackend, NativeModel
+from specdec.models import TransformersBackend, open_target
+from specdec.models.native import FIRST_CAPACITY, NativeBackend, NativeModel, formats, kernel_build, ops, paged_cache
+from specdec.models.native import model as native_model
 
-pytestmark = pytest.mark.skipif(cpu_kernels.compiled() is None, reason="the native backend needs AVX2 and g++")
+pytestmark = pytest.mark.skipif(kernel_build.compiled() is None, reason="the native backend needs AVX2 and g++")
 NATIVE = RuntimeConfig(backend="native")
 PROMPTS = ["the cat sat on the mat. the cat sat on the", "abc abc abc abc", "Hello, world! Hello, world!"]
 
@@ -220,42 +221,42 @@ def test_the_server_batches_native_requests(tmp_path) -> None:
 def test_kernels_refuse_bad_input_as_the_reference_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """NaN or inf activations: a ValueError from the kernel and from its float64 reference alike (the kernel's quantizer
     used to turn NaN into 0); tensors off the CPU, empty weights and mismatched shapes: a ValueError, no crash."""
-    weights = cpu_kernels.PackedInt8(torch.randn(48, 64))
+    weights = formats.PackedInt8(torch.randn(48, 64))
     x = torch.randn(3, 64)
-    assert cpu_kernels.linear(torch.empty(0, 64), weights).shape == (0, 48)
+    assert formats.linear(torch.empty(0, 64), weights).shape == (0, 48)
     for bad in (float("nan"), float("inf"), -float("inf")):
         poisoned = x.clone()
         poisoned[1, 7] = bad
         with pytest.raises(ValueError, match="NaN or infinite activations"):
-            cpu_kernels.linear(poisoned, weights)
+            formats.linear(poisoned, weights)
         with monkeypatch.context() as patch:
-            patch.setattr(cpu_kernels, "compiled", lambda: None)  # the reference path
+            patch.setattr(kernel_build, "compiled", lambda: None)  # the reference path
             with pytest.raises(ValueError, match="NaN or infinite activations"):
-                cpu_kernels.linear(poisoned, weights)
-    assert torch.isfinite(cpu_kernels.linear(x, weights)).all()
+                formats.linear(poisoned, weights)
+    assert torch.isfinite(formats.linear(x, weights)).all()
     with pytest.raises(ValueError, match="of 64 inputs got activations of width 32"):
-        cpu_kernels.linear(torch.randn(2, 32), weights)
+        formats.linear(torch.randn(2, 32), weights)
     for weight, words in (
         (torch.empty(0, 64), "non-empty matrix"),
         (torch.full((16, 64), float("nan")), "NaN or infinite"),
     ):
         with pytest.raises(ValueError, match=words):
-            cpu_kernels.PackedInt8(weight)
+            formats.PackedInt8(weight)
     meta, kv = torch.empty(2, 4, 16, device="meta"), torch.zeros(2, 2, 16)
-    cache = cpu_kernels.PagedCache((0,), kv_heads=2, head_dim=16)
+    cache = paged_cache.PagedCache((0,), kv_heads=2, head_dim=16)
     cache.reserve(2)
     with pytest.raises(ValueError, match="compute on the CPU"):
-        cpu_kernels.attention(meta, kv, kv, cache, 0, 0, 0, 0.25)
+        ops.attention(meta, kv, kv, cache, 0, 0, 0, 0.25)
     with pytest.raises(ValueError, match="compute on the CPU"):
-        cpu_kernels.rms_norm(torch.empty(2, 16, device="meta"), torch.ones(16), 1e-6)
+        ops.rms_norm(torch.empty(2, 16, device="meta"), torch.ones(16), 1e-6)
     with pytest.raises(ValueError, match="native kernel: attention shapes"):
-        cpu_kernels.attention(torch.randn(2, 3, 16), kv, kv, cache, 0, 0, 0, 0.25)  # 3 query heads over 2 kv heads
+        ops.attention(torch.randn(2, 3, 16), kv, kv, cache, 0, 0, 0, 0.25)  # 3 query heads over 2 kv heads
     with pytest.raises(ValueError, match="native kernel: the cache does not hold the pages"):
-        cpu_kernels.attention(torch.randn(2, 4, 16), kv, kv, cache, 0, cpu_kernels.PAGE, 0, 0.25)  # none reserved there
+        ops.attention(torch.randn(2, 4, 16), kv, kv, cache, 0, paged_cache.PAGE, 0, 0.25)  # none reserved there
     with pytest.raises(ValueError, match="do not fit the cache's pages"):
-        cpu_kernels.attention(torch.randn(2, 4, 16), torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), cache, 0, 0, 0, 0.25)
+        ops.attention(torch.randn(2, 4, 16), torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), cache, 0, 0, 0, 0.25)
     with pytest.raises(ValueError, match="native kernel: the norm's width"):
-        cpu_kernels.rms_norm(torch.randn(2, 16), torch.ones(0), 1e-6)
+        ops.rms_norm(torch.randn(2, 16), torch.ones(0), 1e-6)
 
 
 # an 8B Llama's: torch splits an activation over so many values across threads, at slice ends differently
@@ -267,23 +268,21 @@ def test_the_activation_of_a_row_does_not_depend_on_its_neighbours_or_threads(th
     gate_up = torch.randn(13, 2 * WIDE_FFN, generator=torch.Generator().manual_seed(threads))
     gate, up = gate_up.chunk(2, dim=1)
     for gelu in (False, True):
-        alone = torch.cat([cpu_kernels.gated(gate_up[i : i + 1], gelu) for i in range(13)])
+        alone = torch.cat([ops.gated(gate_up[i : i + 1], gelu) for i in range(13)])
         for n in (5, 11, 13):
-            assert torch.equal(cpu_kernels.gated(gate_up[:n], gelu), alone[:n]), (gelu, n)
+            assert torch.equal(ops.gated(gate_up[:n], gelu), alone[:n]), (gelu, n)
         expected = (torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)) * up
         # torch's values to a few units in the last place
         torch.testing.assert_close(alone, expected, rtol=2e-6, atol=2e-6)
     odd = torch.randn(3, 2 * 37)  # a width that ends in a partial vector: the masked tail
     g, u = odd.chunk(2, dim=1)
-    torch.testing.assert_close(cpu_kernels.gated(odd, False), torch.nn.functional.silu(g) * u, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(ops.gated(odd, False), torch.nn.functional.silu(g) * u, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(
-        cpu_kernels.gated(odd, True), torch.nn.functional.gelu(g, approximate="tanh") * u, rtol=2e-6, atol=2e-6
+        ops.gated(odd, True), torch.nn.functional.gelu(g, approximate="tanh") * u, rtol=2e-6, atol=2e-6
     )
     nan = gate_up[:1].clone()
     nan[0, 3] = float("nan")
-    assert (
-        torch.isnan(cpu_kernels.gated(nan, False)[0, 3]) and torch.isfinite(cpu_kernels.gated(nan, False)[0, 4:]).all()
-    )
+    assert torch.isnan(ops.gated(nan, False)[0, 3]) and torch.isfinite(ops.gated(nan, False)[0, 4:]).all()
 
 
 @pytest.mark.parametrize("threads", [4, 8], indirect=True)
@@ -314,9 +313,9 @@ def test_rotary_embeddings_the_native_backend_does_not_compute_are_refused_by_na
     )
     dynamic = LlamaConfig(**base, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(ConfigError, match="not 'dynamic': use --backend transformers"):
-        native._shape(dynamic)
+        native_model._shape(dynamic)
     partial = LlamaConfig(
         **base, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     )
     with pytest.raises(ConfigError, match="rotates whole heads, not a share of 0.5"):
-        native._shape(partial)
+        native_model._shape(partial)

@@ -7,11 +7,10 @@ import pytest
 import torch
 from conftest import tiny_gemma3
 
-from specdec.models import cpu_kernels
-from specdec.models.cpu_kernels import PAGE, PagedCache
-from specdec.models.native import NativeBackend, NativeModel
+from specdec.models.native import NativeBackend, NativeModel, kernel_build, ops
+from specdec.models.native.paged_cache import PAGE, PagedCache
 
-pytestmark = pytest.mark.skipif(cpu_kernels.compiled() is None, reason="the native backend needs AVX2 and g++")
+pytestmark = pytest.mark.skipif(kernel_build.compiled() is None, reason="the native backend needs AVX2 and g++")
 TYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -45,14 +44,14 @@ def test_each_cache_type_holds_its_rounded_values_and_a_positions_bits_do_not_de
     together, alone = PagedCache((0,), kv_heads, dim, dtype), PagedCache((0,), kv_heads, dim, dtype)
     for cache in (together, alone):
         cache.reserve(start)
-        cpu_kernels.attention(q[:start], k[:start], v[:start], cache, 0, 0, 0, 0.2)
+        ops.attention(q[:start], k[:start], v[:start], cache, 0, 0, 0, 0.2)
         cache.length = start
     together.reserve(start + n)
-    at_once = cpu_kernels.attention(q[start:], k[start:], v[start:], together, 0, start, 0, 0.2)
+    at_once = ops.attention(q[start:], k[start:], v[start:], together, 0, start, 0, 0.2)
     singles = []
     for i in range(start, start + n):
         alone.reserve(i + 1)
-        singles.append(cpu_kernels.attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], alone, 0, i, 0, 0.2))
+        singles.append(ops.attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], alone, 0, i, 0, 0.2))
         alone.length = i + 1
     assert torch.equal(at_once, torch.cat(singles))
     rounded = TYPES[dtype]

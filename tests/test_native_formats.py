@@ -16,21 +16,21 @@ from test_native import FAMILIES, PROMPTS, models
 from specdec import Generator
 from specdec.config import RuntimeConfig
 from specdec.errors import ConfigError
-from specdec.models import cpu_kernels, native_store, open_target
-from specdec.models.native import NativeBackend, NativeModel
+from specdec.models import open_target
+from specdec.models.native import NativeBackend, NativeModel, formats, kernel_build, store
 
-pytestmark = pytest.mark.skipif(cpu_kernels.compiled() is None, reason="the native backend needs AVX2 and g++")
+pytestmark = pytest.mark.skipif(kernel_build.compiled() is None, reason="the native backend needs AVX2 and g++")
 INT4 = RuntimeConfig(backend="native", native_format="int4")
 
 
 @pytest.mark.parametrize("threads", [1, 4, 8], indirect=True)
 def test_int4_products_equal_their_reference_and_a_rows_bits_do_not_depend_on_its_neighbours(threads: int) -> None:
     generator = torch.Generator().manual_seed(threads)
-    weights = cpu_kernels.PackedInt4(torch.randn(600, 1024, generator=generator))  # 600: a partial last block
+    weights = formats.PackedInt4(torch.randn(600, 1024, generator=generator))  # 600: a partial last block
     x = torch.randn(13, 1024, generator=generator)
-    alone = torch.cat([cpu_kernels.linear(x[i : i + 1], weights) for i in range(13)])
+    alone = torch.cat([formats.linear(x[i : i + 1], weights) for i in range(13)])
     for n in (5, 11, 13):
-        assert torch.equal(cpu_kernels.linear(x[:n], weights), alone[:n]), n
+        assert torch.equal(formats.linear(x[:n], weights), alone[:n]), n
     assert torch.equal(alone, weights.reference(x))
     exact = x @ weights.dequantized().T
     assert float((alone - exact).norm() / exact.norm()) < 0.02  # what int8 activations add to the 4-bit weights
@@ -45,7 +45,7 @@ def test_weights_on_a_4bit_grid_are_packed_without_loss() -> None:
     u = torch.randint(0, 16, (64, 8, 32), generator=generator)
     u[:, :, 0], u[:, :, 1] = 0, 15
     weight = (u * step[:, :, None] + least[:, :, None]).reshape(64, 256)
-    assert torch.equal(cpu_kernels.PackedInt4(weight).dequantized(), weight)
+    assert torch.equal(formats.PackedInt4(weight).dequantized(), weight)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -60,7 +60,7 @@ def test_every_family_runs_on_int4_exactly_as_its_own_target_only(family: str) -
     with torch.no_grad():
         for module in on_grid.model.layers.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(cpu_kernels.PackedInt4(module.weight).dequantized())
+                module.weight.copy_(formats.PackedInt4(module.weight).dequantized())
         reference = on_grid(ids).logits[0]
     backend = NativeBackend(native)
     whole = backend.forward(ids, last=ids.shape[1])[0]
@@ -77,18 +77,18 @@ def test_every_family_runs_on_int4_exactly_as_its_own_target_only(family: str) -
 
 def test_int4_refuses_what_it_cannot_hold_in_one_line() -> None:
     with pytest.raises(ValueError, match="multiple of 32, not 48"):
-        cpu_kernels.PackedInt4(torch.randn(16, 48))
+        formats.PackedInt4(torch.randn(16, 48))
     with pytest.raises(ValueError, match="NaN or infinite values"):
-        cpu_kernels.PackedInt4(torch.full((16, 64), float("nan")))
+        formats.PackedInt4(torch.full((16, 64), float("nan")))
     with pytest.raises(ValueError, match="float16's range"):
-        cpu_kernels.PackedInt4(torch.full((16, 64), 1e6))
-    weights = cpu_kernels.PackedInt4(torch.randn(16, 64))
+        formats.PackedInt4(torch.full((16, 64), 1e6))
+    weights = formats.PackedInt4(torch.randn(16, 64))
     poisoned = torch.randn(2, 64)
     poisoned[0, 5] = float("nan")
     with pytest.raises(ValueError, match="NaN or infinite activations"):
-        cpu_kernels.linear(poisoned, weights)
+        formats.linear(poisoned, weights)
     with pytest.raises(ValueError, match="of 64 inputs got activations of width 32"):
-        cpu_kernels.linear(torch.randn(2, 32), weights)
+        formats.linear(torch.randn(2, 32), weights)
     with pytest.raises(ConfigError, match="unknown native format 'int3'"):
         RuntimeConfig(backend="native", native_format="int3")
     with pytest.raises(ConfigError, match="--native-format applies to the native backend"):
@@ -191,7 +191,7 @@ def test_a_checkpoint_of_integer_tensors_is_refused_by_name(tmp_path) -> None:
     header = json.dumps({"w": {"dtype": "I8", "shape": [2, 2], "data_offsets": [0, 4]}}).encode()
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
     with pytest.raises(ConfigError, match="tensor w is I8"):
-        native_store.safetensors_reader(tmp_path)("w")
+        store.safetensors_reader(tmp_path)("w")
 
 
 def test_auto_chooses_a_format_by_measurement_and_says_how(checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -199,7 +199,7 @@ def test_auto_chooses_a_format_by_measurement_and_says_how(checkpoint, monkeypat
     target = open_target(str(folder), RuntimeConfig(backend="native"))
     assert target.backend.model.format in ("int8", "int4")
     assert target.chosen.startswith(f"--native-format auto chose {target.backend.model.format}, measured on ")
-    monkeypatch.setattr(native_store, "_pass_times", lambda *a: pytest.fail("measured again"))
+    monkeypatch.setattr(formats, "_pass_times", lambda *a: pytest.fail("measured again"))
     again = open_target(str(folder), RuntimeConfig(backend="native"))  # the measurement is kept per machine and shape
     assert again.chosen == target.chosen
     from transformers import AutoConfig
@@ -207,13 +207,13 @@ def test_auto_chooses_a_format_by_measurement_and_says_how(checkpoint, monkeypat
     config = AutoConfig.from_pretrained(folder)
     config.num_hidden_layers = 3  # another shape: measured afresh, here with int4 twice as fast
     monkeypatch.setattr(
-        native_store, "_pass_times", lambda packed, copies: [1.0, 2.0] if packed.format == "int4" else [2.0, 4.0]
+        formats, "_pass_times", lambda packed, copies: [1.0, 2.0] if packed.format == "int4" else [2.0, 4.0]
     )
-    chosen, why = native_store.measured_format(config)
+    chosen, why = formats.measured_format(config)
     assert chosen == "int8" and "under 1B weights" in why  # a small model keeps int8
-    monkeypatch.setattr(native_store, "INT4_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(formats, "INT4_MIN_WEIGHTS", 0)
     config.num_hidden_layers = 4
-    assert native_store.measured_format(config)[0] == "int4"
+    assert formats.measured_format(config)[0] == "int4"
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
@@ -233,7 +233,7 @@ def test_logits_do_not_depend_on_the_thread_count(family: str) -> None:
     assert all(torch.equal(r, results[0]) for r in results[1:])
 
 
-BUILDS = [name for name, (needs, _) in cpu_kernels.VARIANTS.items() if set(needs) <= cpu_kernels.cpu_flags()]
+BUILDS = [name for name, (needs, _) in kernel_build.VARIANTS.items() if set(needs) <= kernel_build.cpu_flags()]
 
 
 @pytest.mark.parametrize("name", BUILDS)
@@ -244,18 +244,18 @@ def test_every_kernel_build_this_cpu_runs_gives_the_same_bits(
     """Each build this CPU runs (AMX, AVX-512, AVX2 with AVX-VNNI, plain AVX2) against the default: each kernel bit for
     bit, rows independent of their neighbours, NaN refused, and a whole model's logits and greedy speculation the
     same."""
-    build, default = cpu_kernels.build(name=name), cpu_kernels.compiled()
+    build, default = kernel_build.build(name=name), kernel_build.compiled()
     assert build.tiles_in_use() == (name == "amx")  # the AMX build's tiles do run: this test compares them
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(13, 1024, generator=generator)
     for packed in (
-        cpu_kernels.PackedInt8(torch.randn(600, 1024, generator=generator)),
-        cpu_kernels.PackedInt4(torch.randn(600, 1024)),
+        formats.PackedInt8(torch.randn(600, 1024, generator=generator)),
+        formats.PackedInt4(torch.randn(600, 1024)),
     ):
         got = packed.product(build, x)
         assert torch.equal(got, packed.product(default, x))
         assert torch.equal(got[:5], packed.product(build, x[:5].contiguous()))
-    wide, packed = torch.randn(35, 640, generator=generator), cpu_kernels.PackedInt8(torch.randn(600, 640))
+    wide, packed = torch.randn(35, 640, generator=generator), formats.PackedInt8(torch.randn(600, 640))
     for rows in (1, 2, 16, 17, 35):  # AMX takes 2 rows or more, in tiles of 16: a partial last tile
         chosen = wide[:rows].contiguous()
         assert torch.equal(packed.product(build, chosen), packed.product(default, chosen)), rows
@@ -264,25 +264,25 @@ def test_every_kernel_build_this_cpu_runs_gives_the_same_bits(
         assert torch.equal(build.gated(gate_up, gelu), default.gated(gate_up, gelu))
     poisoned = x.clone()
     poisoned[3, 9] = float("nan")
-    for packed in (cpu_kernels.PackedInt8(torch.randn(16, 1024)), cpu_kernels.PackedInt4(torch.randn(16, 1024))):
+    for packed in (formats.PackedInt8(torch.randn(16, 1024)), formats.PackedInt4(torch.randn(16, 1024))):
         with pytest.raises(RuntimeError, match="NaN or infinite"):
             packed.product(build, poisoned)
-    monkeypatch.setattr(cpu_kernels, "compiled", lambda: build)
+    monkeypatch.setattr(kernel_build, "compiled", lambda: build)
     tokenizer, models_by_family = char_tokenizer(), models()[1]
     for family in ("gemma3", "qwen2"):
         ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
         native = NativeModel.from_module(models_by_family[family], "int4")
         got = NativeBackend(native).forward(ids, last=ids.shape[1])
-        monkeypatch.setattr(cpu_kernels, "compiled", lambda: default)
+        monkeypatch.setattr(kernel_build, "compiled", lambda: default)
         assert torch.equal(got, NativeBackend(native).forward(ids, last=ids.shape[1])), family
-        monkeypatch.setattr(cpu_kernels, "compiled", lambda: build)
+        monkeypatch.setattr(kernel_build, "compiled", lambda: build)
 
 
 def test_an_arm_cpu_with_sdot_gets_the_neon_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """The NEON build is chosen by the flags an ARM CPU reports (compiled for aarch64 with SDOT, not run here)."""
     arm = frozenset({"fp", "asimd", "evtstrm", "aes", "crc32", "asimddp", "fphp", "asimdhp"})
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: arm)
-    monkeypatch.delenv(cpu_kernels.FORCE, raising=False)
-    assert cpu_kernels.variant() == "neon" and "-march=armv8.2-a+dotprod" in cpu_kernels.VARIANTS["neon"][1]
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: arm - {"asimddp"})  # an ARMv8.0 core: no SDOT
-    assert cpu_kernels.variant() is None
+    monkeypatch.setattr(kernel_build, "cpu_flags", lambda: arm)
+    monkeypatch.delenv(kernel_build.FORCE, raising=False)
+    assert kernel_build.variant() == "neon" and "-march=armv8.2-a+dotprod" in kernel_build.VARIANTS["neon"][1]
+    monkeypatch.setattr(kernel_build, "cpu_flags", lambda: arm - {"asimddp"})  # an ARMv8.0 core: no SDOT
+    assert kernel_build.variant() is None

@@ -12,10 +12,10 @@ import torch
 
 from specdec.config import RuntimeConfig
 from specdec.errors import ConfigError
-from specdec.models import cpu_kernels, native_store, open_target
-from specdec.models.native import NativeBackend, NativeModel
+from specdec.models import open_target
+from specdec.models.native import NativeBackend, NativeModel, kernel_build, store
 
-pytestmark = pytest.mark.skipif(cpu_kernels.compiled() is None, reason="the native backend needs AVX2 and g++")
+pytestmark = pytest.mark.skipif(kernel_build.compiled() is None, reason="the native backend needs AVX2 and g++")
 TYPES = ["F16", "BF16", "Q8_0", "Q4_0"]
 LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -121,20 +121,20 @@ def test_a_damaged_gguf_file_is_refused_in_one_line(tmp_path: Path, monkeypatch:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) - 1000])  # the last tensors cut off
     with pytest.raises(ConfigError, match="(truncated|not a GGUF file)"):
-        NativeModel.convert(config, native_store.gguf_reader(path, config), "int8")
+        NativeModel.convert(config, store.gguf_reader(path, config), "int8")
     path.write_bytes(b"GGUF" + b"\xff" * 60)
     with pytest.raises(ConfigError, match="not a GGUF file the native runtime can read"):
-        native_store.gguf_reader(path, config)
+        store.gguf_reader(path, config)
 
 
 def test_a_large_matrix_is_de_quantized_a_chunk_of_rows_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     import gguf
 
-    monkeypatch.setattr(native_store, "DEQUANTIZE_ROWS", 7)
+    monkeypatch.setattr(store, "DEQUANTIZE_ROWS", 7)
     values = np.random.default_rng(0).standard_normal((30, 64)).astype(np.float32)
     raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0)
     whole = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_0)
-    assert np.array_equal(native_store._dequantized(raw, gguf.GGMLQuantizationType.Q4_0), whole)
+    assert np.array_equal(store._dequantized(raw, gguf.GGMLQuantizationType.Q4_0), whole)
 
 
 @pytest.mark.real_model
@@ -149,8 +149,8 @@ def test_the_bundled_gguf_files_pack_as_transformers_reads_them(name: str, tmp_p
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     path = ALIASES[name].locate_gguf()
-    config = AutoConfig.from_pretrained(native_store.gguf_metadata(path)).get_text_config()
-    direct = NativeModel.convert(config, native_store.gguf_reader(path, config), "int8")
+    config = AutoConfig.from_pretrained(store.gguf_metadata(path)).get_text_config()
+    direct = NativeModel.convert(config, store.gguf_reader(path, config), "int8")
     expected = NativeModel.from_module(load_model(name).model, "int8")
     for mine, theirs in zip(direct.layers, expected.layers, strict=True):
         assert torch.equal(mine.qkv.packed, theirs.qkv.packed) and torch.equal(mine.down.packed, theirs.down.packed)

@@ -10,10 +10,9 @@ from test_native import FAMILIES, NATIVE, PROMPTS, models
 
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.config import BatchConfig, GuardConfig
-from specdec.models import cpu_kernels
-from specdec.models.native import NativeBackend, NativeModel, NativeRows
+from specdec.models.native import NativeBackend, NativeModel, NativeRows, kernel_build
 
-pytestmark = pytest.mark.skipif(cpu_kernels.compiled() is None, reason="the native backend needs AVX2 and g++")
+pytestmark = pytest.mark.skipif(kernel_build.compiled() is None, reason="the native backend needs AVX2 and g++")
 
 TREE = torch.tensor([-1, -1, 0, 0, 2])  # two roots; node 0 has two children; node 2 one
 

@@ -95,23 +95,23 @@ def test_int8a8_products_are_exact_and_row_independent(
     on the rows computed with it (what speculative greedy identity needs); both equal the integer products per group of
     inputs, scaled in the documented order. Widths of one group, two groups and a 32-wide group; outputs not a
     multiple of the 16-output block."""
-    from specdec.models import cpu_kernels
+    from specdec.models.native import formats, kernel_build
 
     torch.manual_seed(0)
     weight, x = torch.randn(outputs, width), torch.randn(21, width) * 3  # 21 rows: a tile of 12 and one of 9
     x[3, 5] = 40.0  # an outlier spoils the scale of its own group only
-    packed = cpu_kernels.PackedInt8(weight)
-    got = cpu_kernels.linear(x, packed)
-    w8, w_scale = cpu_kernels.quantize_rows(weight)
-    q, q_scale = cpu_kernels.quantize_rows(x, packed.group)
+    packed = formats.PackedInt8(weight)
+    got = formats.linear(x, packed)
+    w8, w_scale = formats.quantize_rows(weight)
+    q, q_scale = formats.quantize_rows(x, packed.group)
     expected = torch.zeros(21, outputs)
     for g in range(width // packed.group):
         cols = slice(g * packed.group, (g + 1) * packed.group)
         expected = expected + (q[:, cols].long() @ w8[:, cols].long().T).float() * q_scale[:, g : g + 1]
     assert torch.equal(got, expected * w_scale)
-    assert torch.equal(got, torch.cat([cpu_kernels.linear(x[i : i + 1], packed) for i in range(21)]))
-    monkeypatch.setattr(cpu_kernels, "compiled", lambda: None)  # the path of a CPU without VNNI
-    assert torch.equal(cpu_kernels.linear(x, packed), got)
+    assert torch.equal(got, torch.cat([formats.linear(x[i : i + 1], packed) for i in range(21)]))
+    monkeypatch.setattr(kernel_build, "compiled", lambda: None)  # the path of a CPU without VNNI
+    assert torch.equal(formats.linear(x, packed), got)
 
 
 def test_cpu_vnni_greedy_identity_through_the_kernel() -> None:

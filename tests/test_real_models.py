@@ -105,9 +105,9 @@ def test_native_backend_speculation_equals_its_own_target_only(target: str, form
     """Both bundled families in both native formats: prompt lookup and the cost model keep target-only greedy text."""
     from specdec.config import RuntimeConfig
     from specdec.errors import ConfigError
-    from specdec.models import cpu_kernels
+    from specdec.models.native import kernel_build
 
-    if cpu_kernels.compiled() is None:
+    if kernel_build.compiled() is None:
         pytest.skip("the native backend needs AVX2 and g++")
     runtime = RuntimeConfig(backend="native", native_format=format)
     baseline = Generator(target, "none", runtime=runtime)
@@ -133,9 +133,9 @@ def test_int4_re_encodes_a_4bit_gguf_without_loss_of_perplexity() -> None:
     from specdec.bench.perplexity import perplexity
     from specdec.bench.prompts import DEFAULT_PROMPTS, prompt_sets
     from specdec.config import RuntimeConfig
-    from specdec.models import cpu_kernels
+    from specdec.models.native import kernel_build
 
-    if cpu_kernels.compiled() is None:
+    if kernel_build.compiled() is None:
         pytest.skip("the native backend needs AVX2 and g++")
     runtime = RuntimeConfig(backend="native", native_format="int4")
     result = perplexity(
@@ -148,9 +148,9 @@ def test_int4_re_encodes_a_4bit_gguf_without_loss_of_perplexity() -> None:
 def test_gemma_eagle_head_is_identical_as_chain_and_tree(backend: str, branches: int) -> None:
     """The shipped eagle head on the real Gemma: each backend's own target-only tokens, with drafts accepted."""
     from specdec.config import RuntimeConfig
-    from specdec.models import cpu_kernels
+    from specdec.models.native import kernel_build
 
-    if backend == "native" and cpu_kernels.compiled() is None:
+    if backend == "native" and kernel_build.compiled() is None:
         pytest.skip("the native backend needs AVX2 and g++")
     if backend == "llama.cpp" and (why := llama_cpp_problem()):
         pytest.skip(why)

@@ -22,8 +22,9 @@ from specdec.drafters import ModelDrafter
 from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError
-from specdec.models import TransformersBackend, cpu_kernels
+from specdec.models import TransformersBackend
 from specdec.models.backend import tree_mask
+from specdec.models.native import kernel_build
 from specdec.scheduling import CostCurve, KPolicy
 from specdec.scheduling.k_policy import TREE_TRIAL_EVERY, CostModelK, StepOutcome
 from specdec.seeds import rng_on
@@ -78,7 +79,7 @@ def test_prompt_lookup_proposes_several_matches_as_a_tree() -> None:
 
 
 FIXED = BatchConfig(window="fixed")
-RUNTIMES = ["transformers"] + (["native"] if cpu_kernels.compiled() is not None else [])
+RUNTIMES = ["transformers"] + (["native"] if kernel_build.compiled() is not None else [])
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)

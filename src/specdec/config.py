@@ -255,7 +255,7 @@ PRESETS: dict[str, PrecisionPlan] = {
 RENAMED_PRESETS = {"seed": "fp8-draft"}  # old name -> new: "seed" is the random seed's name
 
 
-# native: specdec's own CPU runtime (Gemma-3, Llama, Mistral, Qwen2/3 models, int8 kernels, models/native.py);
+# native: specdec's own CPU runtime (Gemma-3, Llama, Mistral, Qwen2/3 models, int8 kernels, models/native/);
 # auto: native where it runs, else transformers (the fastest exact target-only and speculation measured on CPU).
 RUNTIMES = ("transformers", "llama.cpp", "native", "auto")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -38,9 +38,9 @@ class Check:
 
 def native_kernels() -> Check:
     """Which kernel path this CPU allows, and whether the kernels build and load."""
-    from specdec.models import cpu_kernels
+    from specdec.models.native import kernel_build
 
-    name = cpu_kernels.variant()
+    name = kernel_build.variant()
     if name is None:
         return Check(
             "native kernels",
@@ -53,13 +53,13 @@ def native_kernels() -> Check:
         return Check(
             "native kernels", "problem", f"no C++ compiler ({compiler}) on PATH", "install g++ (apt install g++)"
         )
-    built = cpu_kernels.is_built()
+    built = kernel_build.is_built()
     with status("building the native kernels (once; under a minute)" if not built else "loading the native kernels"):
         try:
-            module = cpu_kernels.build()
-        except cpu_kernels.KernelBuildError as exc:
+            module = kernel_build.build()
+        except kernel_build.KernelBuildError as exc:
             return Check("native kernels", "problem", f"the {name} kernels do not build: {exc}")
-    where = cpu_kernels.build_folder()
+    where = kernel_build.build_folder()
     tiles = "" if name != "amx" or module.tiles_in_use() else "; Linux did not grant the AMX tiles (5.16+), so VNNI"
     return Check(
         "native kernels", "ok", f"{name} kernels {'built now' if not built else 'built'}, load ({where}){tiles}"

@@ -39,11 +39,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Pretrai
 
 from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.errors import ConfigError
-from specdec.models import cpu_kernels, native
+from specdec.models import native
 from specdec.models.backend import tree_mask, tree_positions
-from specdec.models.cpu_kernels import PackedInt8, PagedCache
 from specdec.models.loading import model_identity
-from specdec.models.native import NativeModel
+from specdec.models.native import NativeModel, formats, kernel_build
+from specdec.models.native.formats import PackedInt8
+from specdec.models.native.paged_cache import PagedCache
 from specdec.verification.shaping import to_probs
 
 MAX_DEPTH = 6  # levels of a tree: deeper nodes are rarely reached and each level costs a forward of the head
@@ -161,7 +162,7 @@ class ModuleHead:
 
 
 class NativeHead:
-    """The head on the native CPU runtime (models/native.py): its layer, ``fc`` and output rows in the int8 kernels.
+    """The head on the native CPU runtime (models/native/): its layer, ``fc`` and output rows in the int8 kernels.
 
     As a transformers module one level of drafting is mostly framework time and slow skinny products over float32
     weights; here its int8 weights (a quarter of the bytes) are read once per level by the native kernels
@@ -176,7 +177,7 @@ class NativeHead:
         self.keep_ids = module.keep_ids
         self.device = torch.device("cpu")
         self.max_position = self.model.shape.max_context
-        self.identity = f"eagle head|native int8|{cpu_kernels.build_name()}|{model_identity(module)}"
+        self.identity = f"eagle head|native int8|{kernel_build.build_name()}|{model_identity(module)}"
 
     def new_cache(self) -> PagedCache:
         return native.new_cache(self.model)
@@ -191,7 +192,7 @@ class NativeHead:
         self, cache: PagedCache, tokens: torch.Tensor, features: torch.Tensor, parents: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`ModuleHead.run`."""
-        x = cpu_kernels.linear(torch.cat([self.embed(tokens).float(), features.float()], dim=-1), self.fc)
+        x = formats.linear(torch.cat([self.embed(tokens).float(), features.float()], dim=-1), self.fc)
         visible = None if parents is None else tree_mask(len(tokens), parents)
         logits, hidden = self.model.forward(x, cache, len(tokens), visible, features=True)
         return logits, hidden  # type: ignore[return-value]

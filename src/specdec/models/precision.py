@@ -8,7 +8,7 @@ A plan names the format of the target's attention, its feed-forward blocks
 - ``int8``: weight-only int8 with one scale per output channel, computed by
   torch's own int8-weight matmul kernel (``_weight_int8pack_mm``) in bfloat16.
 - ``int8a8``: int8 weights (one scale per output channel) and int8 activations (one scale
-  per 128 inputs of a position), exact integer products (models/cpu_kernels.py: AVX-512 VNNI,
+  per 128 inputs of a position), exact integer products (models/native/kernels: AVX-512 VNNI,
   every weight read once per call). A position's result does not depend on the others by construction.
 - ``float8``: e4m3 weights with one scale per output channel. On a CPU (and on
   GPUs without float8 matmuls) they are stored in float8 and multiplied in
@@ -53,7 +53,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from specdec.config import PRESETS, PrecisionPlan
 from specdec.errors import ConfigError
-from specdec.models import cpu_kernels
+from specdec.models.native import formats, kernel_build
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PADDED_ATTENTION = "specdec_padded_eager"
@@ -264,10 +264,10 @@ class QuantizedLinear(nn.Module):
         )
         self.in_features, self.out_features = linear.in_features, linear.out_features
         if fmt == "int8a8":
-            self.packed = cpu_kernels.PackedInt8(weight)
+            self.packed = formats.PackedInt8(weight)
             return
         if fmt == "int8":
-            stored, scale = cpu_kernels.quantize_rows(weight)
+            stored, scale = formats.quantize_rows(weight)
         else:
             scale = weight.abs().amax(dim=1).clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max
             stored = (weight / scale[:, None]).to(torch.float8_e4m3fn)
@@ -285,7 +285,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.format == "int8a8":  # integer products: no row depends on another, no stable_rows needed
-            out = cpu_kernels.linear(x, self.packed).to(torch.bfloat16)
+            out = formats.linear(x, self.packed).to(torch.bfloat16)
             return out if self.bias is None else out + self.bias
         return stable_rows(self._matmul, x.to(torch.bfloat16))
 
@@ -312,7 +312,7 @@ def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
             f"this model already runs the precision plan {model.specdec_precision}: load it again for another plan"
         )
     if "int8a8" in (plan.attention, plan.ffn, plan.head):
-        cpu_kernels.compiled()  # a first use compiles the kernels: now, not inside the first request
+        kernel_build.compiled()  # a first use compiles the kernels: now, not inside the first request
     residual = torch.float32 if "float32" in (plan.attention, plan.ffn, plan.head) else torch.bfloat16
     model.specdec_precision = plan.describe()
     model.to(residual)

@@ -74,9 +74,10 @@ def _open_checkpoint(name: str, source: Path, format: str) -> Target | str:
     """The target on the native runtime from a local checkpoint (a safetensors folder or a GGUF file), loaded (or
     memory-mapped from the converted cache) one tensor at a time without building the transformers model; or why it
     cannot run there."""
-    from specdec.models import native, native_store
+    from specdec.models import native
+    from specdec.models.native import formats, store
 
-    folder = native_store.gguf_metadata(source) if source.suffix == ".gguf" else source  # config and tokenizer
+    folder = store.gguf_metadata(source) if source.suffix == ".gguf" else source  # config and tokenizer
     try:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as exc:
@@ -85,8 +86,8 @@ def _open_checkpoint(name: str, source: Path, format: str) -> Target | str:
     if (problem := native.unsupported(text)) is not None:
         return problem
     try:
-        format, chosen = native.choose_format(text, format)
-        weights = native_store.load(source, text, format)
+        format, chosen = formats.choose_format(text, format)
+        weights = store.load(source, text, format)
     except (ConfigError, ValueError) as exc:  # a shape the native formats cannot hold, a damaged file
         return f"the native backend cannot hold this model ({exc})"
     tokenizer = _tokenizer(folder)
@@ -97,6 +98,7 @@ def _open_checkpoint(name: str, source: Path, format: str) -> Target | str:
 def _open_loaded(loaded: LoadedModel, format: str) -> Target | str:
     """The target on the native runtime from a transformers model in memory, or why it cannot run there."""
     from specdec.models import native
+    from specdec.models.native import formats
 
     if next(loaded.model.parameters()).device.type != "cpu":
         return "the native backend runs on the CPU: use --backend transformers on other devices"
@@ -104,7 +106,7 @@ def _open_loaded(loaded: LoadedModel, format: str) -> Target | str:
     if (problem := native.unsupported(text)) is not None:
         return problem
     try:
-        format, chosen = native.choose_format(text, format)
+        format, chosen = formats.choose_format(text, format)
         weights = native.NativeModel.from_module(loaded.model, format)
     except (ConfigError, ValueError) as exc:
         return f"the native backend cannot hold this model ({exc})"

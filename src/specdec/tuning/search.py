@@ -39,9 +39,9 @@ from specdec.engine.stats import DecodeStats
 from specdec.errors import ConfigError, PromptError, SpecDecError
 from specdec.machine import fingerprint
 from specdec.models import DEFAULT_TARGET, Target, open_target, resolve
-from specdec.models.cpu_kernels import variant as kernel_variant
-from specdec.models.cpu_kernels import vnni_available
 from specdec.models.llamacpp import llama_cpp_installed
+from specdec.models.native.kernel_build import variant as kernel_variant
+from specdec.models.native.kernel_build import vnni_available
 from specdec.models.registry import bundled_draft
 from specdec.profile import Profile, runtime_dict
 from specdec.scheduling import CostCurve

@@ -1,10 +1,10 @@
-"""specdec's own CPU runtime for Gemma-3, Llama, Mistral and Qwen2/3 models: one file, a paged KV cache, packed weights.
+"""The native runtime's forward pass for Gemma-3, Llama, Mistral and Qwen2/3 models, and its backends.
 
 On a CPU, transformers verifies nine positions almost for the price of one but pays in framework time and kernels
 made for other shapes; llama.cpp's step is fast but every extra position costs almost as much as the first. Here every
-linear layer, the output head included, runs a kernel of ``cpu_kernels`` (int8 or int4 weights, int8 activations,
-each weight read from memory once per step whatever the number of positions) and attention runs its exact kernel; what
-is left between them is a few dozen small tensor operations per layer.
+linear layer, the output head included, runs ``formats.linear`` (int8 or int4 weights, int8 activations, each weight
+read from memory once per step whatever the number of positions) and attention runs its exact kernel; what is left
+between them is a few dozen small tensor operations per layer.
 
 A position's logits do not depend on how many positions are scored with it, nor on the thread count (integer
 products, attention computed per position, row-wise norms and activations), so speculative greedy decoding on this
@@ -23,9 +23,10 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec.errors import ConfigError
-from specdec.models import cpu_kernels
 from specdec.models.backend import Backend, BackendCapabilities, Embed, OneRow, RowBackend, tree_mask, tree_positions
-from specdec.models.cpu_kernels import FORMATS, Packed, PackedInt8, PagedCache
+from specdec.models.native import formats, kernel_build, ops, paged_cache
+from specdec.models.native.formats import FORMATS, Packed, PackedInt8
+from specdec.models.native.paged_cache import PagedCache
 
 log = logging.getLogger("specdec")
 FAMILIES = ("gemma3_text", "llama", "mistral", "qwen2", "qwen3")
@@ -251,19 +252,19 @@ class NativeModel:
         q_width, kv_width, total = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, len(x)
         for index, layer in enumerate(self.layers):
             norms = layer.norms
-            normed = cpu_kernels.rms_norm(x, norms["input_layernorm"], shape.eps)
+            normed = ops.rms_norm(x, norms["input_layernorm"], shape.eps)
             qkv = _linear(normed, layer.qkv, layer.biases.get("qkv"))
             q, k, v = qkv.split([q_width, kv_width, kv_width], dim=1)
             q, k = q.view(total, shape.heads, -1), k.view(total, shape.kv_heads, -1)
             v = v.view(total, shape.kv_heads, -1)
             if "q_norm" in norms:
-                q = cpu_kernels.rms_norm(q, norms["q_norm"], shape.eps)
-                k = cpu_kernels.rms_norm(k, norms["k_norm"], shape.eps)
+                q = ops.rms_norm(q, norms["q_norm"], shape.eps)
+                k = ops.rms_norm(k, norms["k_norm"], shape.eps)
             cos, sin = rotary[shape.rotary[index]]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             window = shape.windows[index]
             attended = [
-                cpu_kernels.attention(
+                ops.attention(
                     q[end - n : end], k[end - n : end], v[end - n : end], part.cache, index, start, window,
                     shape.scale, part.visible, where,
                 )
@@ -272,15 +273,15 @@ class NativeModel:
             joined = attended[0] if len(attended) == 1 else torch.cat(attended)
             out = _linear(joined.view(total, q_width), layer.out, layer.biases.get("out"))
             if gemma:
-                x = x + cpu_kernels.rms_norm(out, norms["post_attention_layernorm"], shape.eps)
-                h = cpu_kernels.rms_norm(x, norms["pre_feedforward_layernorm"], shape.eps)
+                x = x + ops.rms_norm(out, norms["post_attention_layernorm"], shape.eps)
+                h = ops.rms_norm(x, norms["pre_feedforward_layernorm"], shape.eps)
             else:
                 x = x + out
-                h = cpu_kernels.rms_norm(x, norms["post_attention_layernorm"], shape.eps)
-            gated = cpu_kernels.gated(_linear(h, layer.gate_up, layer.biases.get("gate_up")), gelu=gemma)
+                h = ops.rms_norm(x, norms["post_attention_layernorm"], shape.eps)
+            gated = ops.gated(_linear(h, layer.gate_up, layer.biases.get("gate_up")), gelu=gemma)
             out = _linear(gated, layer.down, layer.biases.get("down"))
             if gemma:
-                out = cpu_kernels.rms_norm(out, norms["post_feedforward_layernorm"], shape.eps)
+                out = ops.rms_norm(out, norms["post_feedforward_layernorm"], shape.eps)
             x = x + out
         for part, start, n in zip(parts, starts, sizes, strict=True):
             part.cache.length = start + n
@@ -288,13 +289,11 @@ class NativeModel:
         read = [torch.arange(end - count, end) for end, count in zip(ends, last, strict=True)]
         rows = read[0] if len(read) == 1 else torch.cat(read)
         if features:
-            hidden = cpu_kernels.rms_norm(x, self.final_norm, shape.eps)
-            logits = cpu_kernels.linear(hidden[rows].contiguous(), self.head)
+            hidden = ops.rms_norm(x, self.final_norm, shape.eps)
+            logits = formats.linear(hidden[rows].contiguous(), self.head)
         else:
             hidden = None
-            logits = cpu_kernels.linear(
-                cpu_kernels.rms_norm(x[rows].contiguous(), self.final_norm, shape.eps), self.head
-            )
+            logits = formats.linear(ops.rms_norm(x[rows].contiguous(), self.final_norm, shape.eps), self.head)
         if shape.softcap is not None:  # part by part: an element-wise kernel's bits may depend on where a run ends
             capped = [torch.tanh(rows / shape.softcap) * shape.softcap for rows in logits.split(last)]
             logits = capped[0] if len(capped) == 1 else torch.cat(capped)
@@ -451,16 +450,16 @@ class NativeRows(RowBackend):
 
     def kv_bytes_for(self, positions: int) -> int:
         shape, element = self.model.shape, getattr(torch, self.cache_dtype).itemsize
-        page = 2 * shape.kv_heads * cpu_kernels.PAGE * shape.head_dim * element
-        pages = -(-positions // cpu_kernels.PAGE)  # whole pages; a windowed layer releases those its window left
-        return page * sum(min(pages, window // cpu_kernels.PAGE + 3) if window else pages for window in shape.windows)
+        page = 2 * shape.kv_heads * paged_cache.PAGE * shape.head_dim * element
+        pages = -(-positions // paged_cache.PAGE)  # whole pages; a windowed layer releases those its window left
+        return page * sum(min(pages, window // paged_cache.PAGE + 3) if window else pages for window in shape.windows)
 
 
 def _identity(model: NativeModel, cache_dtype: str) -> str:
     """What decides a native model's speed: its weights and format, the KV cache's type, the kernels' build, threads."""
     threads = torch.get_num_threads()
     return (
-        f"native|{model.name}|{model.weights}|{model.format}|kv={cache_dtype}|{cpu_kernels.build_name()}|cpu|"
+        f"native|{model.name}|{model.weights}|{model.format}|kv={cache_dtype}|{kernel_build.build_name()}|cpu|"
         f"threads={threads}"
     )
 
@@ -471,22 +470,12 @@ def unsupported(config) -> str | None:
         _shape(config)
     except ConfigError as exc:
         return str(exc)
-    if (problem := cpu_kernels.kernels_problem()) is not None:
+    if (problem := kernel_build.kernels_problem()) is not None:
         return (
             "the native backend needs a CPU with AVX2 (x86) or SDOT (ARM) and a C++ compiler (g++) for its kernels, "
             f"and {problem}: use --backend transformers --precision cpu (`specdec doctor` says more)"
         )
     return None
-
-
-def choose_format(config, format: str) -> tuple[str, str | None]:
-    """``format`` itself, or for ``auto`` the faster format on this machine for the model's shape and why."""
-    if format != "auto":
-        return format, None
-    from specdec.models.native_store import measured_format
-
-    chosen, why = measured_format(config)
-    return chosen, f"--native-format auto chose {chosen}, measured on {why}"
 
 
 def _shape(config) -> Shape:
@@ -578,7 +567,7 @@ def _rotary_frequencies(config, shape: Shape) -> dict[str, tuple[torch.Tensor, f
 
 def _linear(x: torch.Tensor, weights: Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """A packed linear layer plus its bias if it has one (an add per element: exact in any grouping)."""
-    out = cpu_kernels.linear(x, weights)
+    out = formats.linear(x, weights)
     return out if bias is None else out + bias
 
 

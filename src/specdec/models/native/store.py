@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import ConfigError
-from specdec.models import cpu_kernels
-from specdec.models.native import NativeModel, Tensors
+from specdec.models.native.model import NativeModel, Tensors
 from specdec.models.registry import cache_root
 
 log = logging.getLogger("specdec")
@@ -218,7 +217,7 @@ def cached_path(source: Path, format: str) -> Path:
     """Where the packed model of a checkpoint (a safetensors folder or a GGUF file) in ``format`` is cached (keyed by
     the checkpoint's files)."""
     files = [source] if source.suffix == ".gguf" else checkpoint_files(source) + [source / "config.json"]
-    stamp = _stamp(files, format, str(STORE_VERSION), cpu_kernels.BUILD)
+    stamp = _stamp(files, format, str(STORE_VERSION))
     return cache_root() / "native" / f"{source.resolve().name}-{format}-{stamp}.pt"
 
 
@@ -274,78 +273,3 @@ def save(model: NativeModel, path: Path) -> None:
         log.warning(
             "the native model could not be cached in %s (%s): the next start converts it again", path.parent, exc
         )
-
-
-MEASURE_BYTES = 2**30  # most int8 weight bytes the format measurement cycles through (beyond the caches here)
-INT4_MIN_WEIGHTS = 10**9  # auto keeps smaller models on int8: small models lose the most perplexity to 4 bits
-
-
-def measured_format(config) -> tuple[str, str]:
-    """The faster native format on this machine for a model of this (text) config, and the figures that chose it.
-
-    Copies of its MLP's [2 x FFN, width] matrix, as many as its layers' int8 bytes (at most ``MEASURE_BYTES``, so
-    the caches hold what they would hold of the model), are multiplied at 1 and 9 positions (a step's cost and a
-    verification's) in each format; int4 is chosen where it saves at least a tenth, for models of at least
-    ``INT4_MIN_WEIGHTS`` weights. Cached per machine and shape.
-    """
-    from specdec.machine import fingerprint
-
-    width, outputs = config.hidden_size, 2 * config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or width // config.num_attention_heads
-    attention = 2 * (config.num_attention_heads + config.num_key_value_heads) * head_dim * width
-    layer_bytes = config.num_hidden_layers * (3 * config.intermediate_size * width + attention)
-    copies = max(1, min(layer_bytes, MEASURE_BYTES) // (width * outputs))
-    weights = layer_bytes + config.vocab_size * width
-    facts = [
-        fingerprint(),
-        torch.get_num_threads(),
-        cpu_kernels.BUILD,
-        cpu_kernels.variant(),
-        width,
-        outputs,
-        copies,
-        weights,
-    ]
-    key = json.dumps(facts, sort_keys=True)
-    record = cache_root() / "formats" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    try:
-        found = json.loads(record.read_text())
-        return found["format"], found["why"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    weight = torch.randn(outputs, width, generator=torch.Generator().manual_seed(0))
-    costs = {format: _pass_times(cpu_kernels.FORMATS[format](weight), copies) for format in ("int8", "int4")}
-    faster = "int4" if sum(costs["int4"]) < 0.9 * sum(costs["int8"]) else "int8"
-    detail = ", ".join(f"{f} {a:.1f}/{b:.1f} ms" for f, (a, b) in costs.items())
-    why = f"{copies} [{outputs} x {width}] matrices at 1/9 positions: {detail}"
-    chosen = faster
-    if faster == "int4" and weights < INT4_MIN_WEIGHTS:
-        chosen, why = "int8", f"{why}; under {INT4_MIN_WEIGHTS / 1e9:.0f}B weights 4 bits cost too much perplexity"
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        staging = record.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(json.dumps({"format": chosen, "why": why}))
-        os.replace(staging, record)  # readers see a whole record or none
-    except OSError:
-        pass  # measured again next time
-    return chosen, why
-
-
-def _pass_times(packed: cpu_kernels.Packed, copies: int) -> list[float]:
-    """Milliseconds for a product with each of ``copies`` copies of ``packed``, at 1 and 9 positions (best of 3)."""
-    state = packed.state()
-    layers = [packed] + [
-        cpu_kernels.Packed.restore({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
-        for _ in range(copies - 1)
-    ]
-    times = []
-    for n in (1, 9):
-        x = torch.randn(n, packed.in_features, generator=torch.Generator().manual_seed(n))
-        best = float("inf")
-        for _ in range(3):
-            begin = time.perf_counter()
-            for layer in layers:
-                cpu_kernels.linear(x, layer)
-            best = min(best, time.perf_counter() - begin)
-        times.append(best * 1e3)
-    return times
