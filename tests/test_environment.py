@@ -271,3 +271,20 @@ def test_doctor_reports_a_failing_kernel_build_as_a_problem_with_its_error(monke
     (kernels,) = [c for c in report["checks"] if c["name"] == "native kernels"]
     assert kernels["status"] == "problem" and "_mm512_dpbusd_epi32" in kernels["detail"]
     assert done.exit_code == 1 and report["problems"] >= 1
+
+
+def test_doctor_says_why_a_faster_kernel_build_is_not_in_use() -> None:
+    avx2_only = {"avx2", "fma", "f16c"}
+    reasons = kernel_build.faster_builds_not_used("avx2", avx2_only, None)
+    assert [r.split(":")[0] for r in reasons] == ["amx", "avx512", "avx2-vnni"]
+    assert "lacks avx_vnni" in reasons[2] and "neon" not in " ".join(reasons)
+    everything = {*avx2_only, "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "amx_tile", "amx_int8"}
+    forced = kernel_build.faster_builds_not_used("avx2", everything, "avx2")
+    assert len(forced) == 3 and all(f"{kernel_build.FORCE}=avx2 chose avx2" in r for r in forced)
+    assert kernel_build.faster_builds_not_used("amx", everything, None) == []
+    assert "did not grant" in kernel_build.faster_builds_not_used("amx", everything, None, tiles=False)[0]
+    assert kernel_build.faster_builds_not_used("neon", {"asimd", "asimddp"}, None) == []
+    done = runner.invoke(app, ["doctor", "--json"], env={kernel_build.FORCE: ""})
+    (kernels,) = [c for c in json.loads(done.stdout)["checks"] if c["name"] == "native kernels"]
+    if kernels["status"] == "ok":
+        assert f"{kernel_build.variant()} kernels in use" in kernels["detail"]

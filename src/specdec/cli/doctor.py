@@ -60,9 +60,12 @@ def native_kernels() -> Check:
         except kernel_build.KernelBuildError as exc:
             return Check("native kernels", "problem", f"the {name} kernels do not build: {exc}")
     where = kernel_build.build_folder()
-    tiles = "" if name != "amx" or module.tiles_in_use() else "; Linux did not grant the AMX tiles (5.16+), so VNNI"
+    faster = kernel_build.faster_builds_not_used(
+        name, kernel_build.cpu_flags(), os.environ.get(kernel_build.FORCE), module.tiles_in_use()
+    )
+    why = f"; faster builds not in use: {'; '.join(faster)}" if faster else "; the fastest build for this CPU"
     return Check(
-        "native kernels", "ok", f"{name} kernels {'built now' if not built else 'built'}, load ({where}){tiles}"
+        "native kernels", "ok", f"{name} kernels in use, {'built now' if not built else 'built'} ({where}){why}"
     )
 
 

@@ -99,6 +99,25 @@ def module_name(name: str) -> str:
 BUILD_WAIT_S = 600  # longest wait for another process's build of the kernels
 
 
+def faster_builds_not_used(used: str, flags: set[str], forced: str | None, tiles: bool = True) -> list[str]:
+    """Why each build faster than ``used`` for this CPU's family (x86 or ARM) is not in use, one line each: the CPU
+    lacks its instructions, $SPECDEC_KERNELS chose another, or (AMX) Linux did not grant the tiles' state."""
+    arm = used == "neon"
+    reasons = []
+    for name, (needs, _) in VARIANTS.items():
+        if name == used:
+            break
+        if (name == "neon") != arm:
+            continue
+        if missing := sorted(set(needs) - flags):
+            reasons.append(f"{name}: this CPU lacks {', '.join(missing)}")
+        elif forced:
+            reasons.append(f"{name}: {FORCE}={forced} chose {used} (unset it to use {name})")
+    if used == "amx" and not tiles:
+        reasons.append("amx tiles: Linux did not grant their state (5.16+ needed), so its int8 products run on VNNI")
+    return reasons
+
+
 class KernelBuildError(RuntimeError):
     """The kernels could not be built here; the message names the cause (the compiler's own error) and the fix."""
 

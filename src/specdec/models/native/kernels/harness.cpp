@@ -2,7 +2,13 @@
 // stdout, so that builds for different instruction sets (and ARM, under qemu-user) can be compared bit for bit
 // without torch. Built by tests/test_kernel_harness.py with each build's flags: linear.cpp, attention.cpp and
 // elementwise.cpp beside this file, no SPECDEC_TORCH (one thread).
+//
+// `harness int8|int4 ROWS INPUTS OUTPUTS CALLS` instead times one linear layer's shape (one thread): microseconds per
+// call on stdout, for benchmarks/kernel_steps.py and for instruction counts under valgrind --tool=callgrind.
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
@@ -90,7 +96,34 @@ static void elementwise() {
     emit(y.data(), y.size());
 }
 
-int main() {
+static int time_linear(const char* format, int64_t n, int64_t k, int64_t outputs, int64_t calls) {
+    const bool int4 = std::strcmp(format, "int4") == 0;
+    if ((!int4 && std::strcmp(format, "int8") != 0) || n < 1 || k % 128 != 0 || outputs % 16 != 0 || calls < 1) {
+        std::fprintf(stderr, "usage: harness int8|int4 ROWS INPUTS(a multiple of 128) OUTPUTS(of 16) CALLS\n");
+        return 2;
+    }
+    const int64_t blocks = outputs / 16, group = 128;
+    std::vector<uint8_t> w(int4 ? blocks * (k / 32) * 256 : blocks * k * 16);
+    for (auto& x : w) x = (uint8_t)(int4 ? next() : next() % 255);
+    std::vector<uint16_t> steps(blocks * (k / 32) * 16, to_half(1.f / 64.f)), minima(steps.size(), to_half(-0.1f));
+    std::vector<float> scale(outputs, 1.f / 256.f), x(n * k), out(n * outputs);
+    std::vector<int32_t> sums(blocks * (k / group) * 16, 0);
+    for (auto& v : x) v = uniform();
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t c = 0; c < calls; ++c) {
+        const bool ok = int4 ? int4_linear(x.data(), n, k, w.data(), steps.data(), minima.data(), blocks, out.data())
+                             : int8_linear(x.data(), n, k, (const int8_t*)w.data(), scale.data(), sums.data(), group,
+                                           blocks, out.data());
+        if (!ok) std::abort();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("%.3f\n", 1e6 * seconds / (double)calls);
+    return 0;
+}
+
+int main(int argc, char** argv) {
+    if (argc == 6) return time_linear(argv[1], std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]),
+                                      std::atoll(argv[5]));
     for (int64_t n : {1, 2, 3, 9, 13, 17, 35}) {
         linear_int8(n, 256, 128, 3);
         linear_int8(n, 96, 32, 2);

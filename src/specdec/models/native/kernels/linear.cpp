@@ -13,6 +13,10 @@
 
 namespace specdec {
 
+#ifndef AHEAD
+#define AHEAD 1  // weights are prefetched this many blocks of 16 outputs ahead of the products
+#endif
+
 // Activations: per row and group, scale = max(|x|, 1e-8) / 127, q = clamp(round(x / scale), -127, 127), stored as
 // q + OFFSET (VNNI multiplies unsigned by signed bytes; the OFFSET * sum(w) this adds is taken off per group).
 // Returns false if any x is NaN or infinite (no integer stands for it: the caller refuses the input).
@@ -42,8 +46,32 @@ static bool quantize(const float* x, int64_t n, int64_t k, int64_t group, uint8_
     return bad == 0;
 }
 
+// One group's int32 sums for N rows, ROWS8 at a time (the rows whose sums this build keeps in registers beside a
+// vector of weights; more would spill to memory on every product). The group's weights stay in L1 between passes.
+template <int N>
+static inline void group_sums(const uint8_t* qg, int64_t k, const int8_t* wg, int64_t quads, vi* sums,
+                              const int8_t* ahead) {
+    constexpr int R = N < ROWS8 ? N : ROWS8;
+    vi acc[R];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) acc[i] = v_setzero_si512();
+    for (int64_t t = 0; t < quads; ++t) {
+        if (ahead) __builtin_prefetch(ahead + t * 64);  // a line of a later block (a prefetch never faults)
+        const vi w = v_loadu_si512((const void*)(wg + t * 64));
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+            int32_t a4;
+            std::memcpy(&a4, qg + i * k + t * 4, 4);
+            acc[i] = v_dot_int8(acc[i], v_set1_epi32(a4), w);
+        }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) sums[i] = acc[i];
+    if constexpr (N > R) group_sums<N - R>(qg + R * k, k, wg, quads, sums + R, nullptr);
+}
+
 // One block of 16 outputs for N rows: per group, int32 sums, then sum * the row's scale added to a float32 total; at
-// the end, the total times the channel's scale. Plain arrays and unrolled loops: g++ then keeps them all in registers.
+// the end, the total times the channel's scale. Plain arrays and unrolled loops: g++ then keeps them in registers.
 template <int N>
 static void tile(const uint8_t* q, const float* qs, const int8_t* wb, const int32_t* gsum, const float* ws, float* out,
                  int64_t k, int64_t group, int64_t outs) {
@@ -52,24 +80,12 @@ static void tile(const uint8_t* q, const float* qs, const int8_t* wb, const int3
 #pragma GCC unroll 16
     for (int i = 0; i < N; ++i) total[i] = v_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        vi acc[N];
-#pragma GCC unroll 16
-        for (int i = 0; i < N; ++i) acc[i] = v_setzero_si512();
-        const int8_t* wg = wb + g * group * 16;
-        const uint8_t* qg = q + g * group;
-        for (int64_t t = 0; t < quads; ++t) {
-            const vi w = v_loadu_si512((const void*)(wg + t * 64));
-#pragma GCC unroll 16
-            for (int i = 0; i < N; ++i) {
-                int32_t a4;
-                std::memcpy(&a4, qg + i * k + t * 4, 4);
-                acc[i] = v_dot_int8(acc[i], v_set1_epi32(a4), w);
-            }
-        }
+        vi sums[N];
+        group_sums<N>(q + g * group, k, wb + g * group * 16, quads, sums, wb + (AHEAD * k + g * group) * 16);
         const vi corr = v_mullo_epi32(v_loadu_si512((const void*)(gsum + g * 16)), v_set1_epi32(OFFSET));
 #pragma GCC unroll 16
         for (int i = 0; i < N; ++i) {
-            const vf sum = v_cvtepi32_ps(v_sub_epi32(acc[i], corr));
+            const vf sum = v_cvtepi32_ps(v_sub_epi32(sums[i], corr));
             total[i] = v_add_ps(total[i], v_mul_ps(sum, v_set1_ps(qs[i * groups + g])));
         }
     }
@@ -219,43 +235,53 @@ static bool quantize_signed(const float* x, int64_t n, int64_t k, int8_t* q, flo
     return bad == 0;
 }
 
-// One block of 16 outputs of an int4 layer for N rows. Per group of 32 inputs: 256 bytes of weights u in [0, 15] (4
-// vectors; in each, 16 outputs x 4 inputs of one quad in the low nibbles and of the next quad in the high ones), an
-// int32 sum of q u per row; then (sum * d + m * sum(q)) * the row's scale (d, m: the 16 outputs' float16 step and
-// minimum), added to a float32 total. Each row's steps are the same whatever N is.
+// One group's (32 inputs') int32 sums of q u for N rows, ROWS4 at a time (as group_sums). The 256 bytes of weights
+// are 4 vectors, each 16 outputs x 4 inputs of one quad in the low nibbles and of the next quad in the high ones.
+template <int N>
+static inline void group_sums4(const int8_t* qg, int64_t k, const uint8_t* wg, vi* sums, const uint8_t* ahead) {
+    constexpr int R = N < ROWS4 ? N : ROWS4;
+    const vi low = v_set1_epi8(0x0F);
+    vpart acc[R];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) acc[i] = v_part_zero();
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+        if (ahead) __builtin_prefetch(ahead + t * 64);
+        const vi v = v_loadu_si512((const void*)(wg + t * 64));
+        const vi w0 = v_and_si512(v, low), w1 = v_and_si512(v_srli_epi16(v, 4), low);
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+            int32_t a0, a1;
+            std::memcpy(&a0, qg + i * k + t * 8, 4);
+            std::memcpy(&a1, qg + i * k + t * 8 + 4, 4);
+            acc[i] = v_part_dot_int4(acc[i], w0, v_set1_epi32(a0));
+            acc[i] = v_part_dot_int4(acc[i], w1, v_set1_epi32(a1));
+        }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) sums[i] = v_part_sums(acc[i]);
+    if constexpr (N > R) group_sums4<N - R>(qg + R * k, k, wg, sums + R, nullptr);
+}
+
+// One block of 16 outputs of an int4 layer for N rows. Per group of 32 inputs, an int32 sum of q u per row; then
+// (sum * d + m * sum(q)) * the row's scale (d, m: the 16 outputs' float16 step and minimum), added to a float32
+// total. Each row's steps are the same whatever N is.
 template <int N>
 static void tile4(const int8_t* q, const float* qs, const float* qsum, const uint8_t* wb, const uint16_t* ws,
                   const uint16_t* wm, float* out, int64_t k, int64_t outs) {
     const int64_t groups = k / 32;
-    const vi low = v_set1_epi8(0x0F);
     vf total[N];
 #pragma GCC unroll 16
     for (int i = 0; i < N; ++i) total[i] = v_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        vi acc[N];
-#pragma GCC unroll 16
-        for (int i = 0; i < N; ++i) acc[i] = v_setzero_si512();
-        const uint8_t* wg = wb + g * 256;
-        const int8_t* qg = q + g * 32;
-#pragma GCC unroll 4
-        for (int t = 0; t < 4; ++t) {
-            const vi v = v_loadu_si512((const void*)(wg + t * 64));
-            const vi w0 = v_and_si512(v, low), w1 = v_and_si512(v_srli_epi16(v, 4), low);
-#pragma GCC unroll 16
-            for (int i = 0; i < N; ++i) {
-                int32_t a0, a1;
-                std::memcpy(&a0, qg + i * k + t * 8, 4);
-                std::memcpy(&a1, qg + i * k + t * 8 + 4, 4);
-                acc[i] = v_dot_int4(acc[i], w0, v_set1_epi32(a0));
-                acc[i] = v_dot_int4(acc[i], w1, v_set1_epi32(a1));
-            }
-        }
+        vi sums[N];
+        group_sums4<N>(q + g * 32, k, wb + g * 256, sums, wb + AHEAD * k * 8 + g * 256);
         const vf step = v_load_half(ws + g * 16);
         const vf least = v_load_half(wm + g * 16);
 #pragma GCC unroll 16
         for (int i = 0; i < N; ++i) {
-            const vf dot = v_add_ps(v_mul_ps(v_cvtepi32_ps(acc[i]), step),
-                                             v_mul_ps(least, v_set1_ps(qsum[i * groups + g])));
+            const vf dot = v_add_ps(v_mul_ps(v_cvtepi32_ps(sums[i]), step),
+                                    v_mul_ps(least, v_set1_ps(qsum[i * groups + g])));
             total[i] = v_add_ps(total[i], v_mul_ps(dot, v_set1_ps(qs[i * groups + g])));
         }
     }

@@ -100,6 +100,16 @@ static inline vi v_dot_int8(vi acc, vi a, vi w) {
 static inline vi v_dot_int4(vi acc, vi u, vi a) {
     return {_mm256_dpbusd_avx_epi32(acc.lo, u.lo, a.lo), _mm256_dpbusd_avx_epi32(acc.hi, u.hi, a.hi)};
 }
+typedef vi vpart;  // a group's int4 products: int32 sums straight away
+static inline vpart v_part_zero() { return v_setzero_si512(); }
+static inline vpart v_part_dot_int4(vpart p, vi u, vi a) { return v_dot_int4(p, u, a); }
+static inline vi v_part_sums(vpart p) { return p; }
+#ifndef ROWS8
+#define ROWS8 6  // rows whose int32 sums (2 registers each) stay in the 16 registers in the int8 kernel
+#endif
+#ifndef ROWS4
+#define ROWS4 4  // the same in the int4 kernel
+#endif
 #else
 #define OFFSET 0
 static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {  // u unsigned, s signed; pairs within int16 here
@@ -110,6 +120,24 @@ static inline vi v_dot_int8(vi acc, vi a, vi w) {  // a: q, signed
             dot4(acc.hi, _mm256_sign_epi8(w.hi, w.hi), _mm256_sign_epi8(a.hi, w.hi))};
 }
 static inline vi v_dot_int4(vi acc, vi u, vi a) { return {dot4(acc.lo, u.lo, a.lo), dot4(acc.hi, u.hi, a.hi)}; }
+// A group's int4 products (8 vpmaddubsw per lane pair: 32 inputs) add up in int16 before one widening: each pair of
+// products is at most 2 * 15 * 127 in size, so 8 of them stay below 2^15 (exact, no saturation). Half the multiplies.
+typedef vi vpart;
+static inline vpart v_part_zero() { return v_setzero_si512(); }
+static inline vpart v_part_dot_int4(vpart p, vi u, vi a) {
+    return {_mm256_add_epi16(p.lo, _mm256_maddubs_epi16(u.lo, a.lo)),
+            _mm256_add_epi16(p.hi, _mm256_maddubs_epi16(u.hi, a.hi))};
+}
+static inline vi v_part_sums(vpart p) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return {_mm256_madd_epi16(p.lo, ones), _mm256_madd_epi16(p.hi, ones)};
+}
+#ifndef ROWS8
+#define ROWS8 4  // rows whose int32 sums (2 registers each) stay in the 16 registers in the int8 kernel
+#endif
+#ifndef ROWS4
+#define ROWS4 3  // the same in the int4 kernel
+#endif
 #endif
 static inline __m256 v_halves(vf x) { return _mm256_add_ps(x.hi, x.lo); }
 static inline vf v_load_bf16(const uint16_t* p) {

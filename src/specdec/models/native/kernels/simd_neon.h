@@ -117,6 +117,16 @@ static inline vi v_dot_int8(vi acc, vi a, vi w) {  // a: q, signed
     return r;
 }
 static inline vi v_dot_int4(vi acc, vi u, vi a) { return v_dot_int8(acc, u, a); }  // u: 0..15, exact as signed bytes
+typedef vi vpart;  // a group's int4 products: int32 sums straight away
+static inline vpart v_part_zero() { return v_setzero_si512(); }
+static inline vpart v_part_dot_int4(vpart p, vi u, vi a) { return v_dot_int4(p, u, a); }
+static inline vi v_part_sums(vpart p) { return p; }
+#ifndef ROWS8
+#define ROWS8 5  // rows whose int32 sums (4 registers each) stay in the 32 registers in the int8 kernel
+#endif
+#ifndef ROWS4
+#define ROWS4 4  // the same in the int4 kernel
+#endif
 // The horizontal sum in the x86 builds' order: lanes j + 8 and j, then the upper and lower four, then pairs.
 static inline float v_reduce_add_ps(vf x) {
     const float32x4_t t_lo = vaddq_f32(x.q[2], x.q[0]), t_hi = vaddq_f32(x.q[3], x.q[1]);
