@@ -438,6 +438,7 @@ def kind(data: Any) -> str:
         "rows": "head-probe",
         "sizes": "model-sizes",
         "same_bits": "attention",
+        "builds": "kernel-steps",
         "kernels": "kernel-builds",
         "models": "native-formats",
         "clients": "autoscaling",
@@ -928,6 +929,102 @@ def kernel_builds(results: list[Result]) -> list[Block]:
     return blocks
 
 
+def kernel_steps(results: list[Result]) -> list[Block]:
+    """Per machine: each build's step at 1 and 9 positions and where it goes; against llama-bench; the bare kernels."""
+    blocks = []
+    for r in newest_per_machine(results):
+        d, read = r.data, r.data["bandwidth"]["read_GBps"]
+        parts = {
+            "head": ["output head"],
+            "other linear": ["other linear layers"],
+            "attention": ["attention"],
+            "norms, activation": ["rms_norm", "gated"],
+            "rest": ["other (torch operations, Python)"],
+        }
+        cells = []
+        for build, b in d["builds"].items():
+            for name, m in b["models"].items():
+                one, nine = m["steps_ms"]["1"], m["steps_ms"]["9"]
+                cells.append(
+                    [
+                        build,
+                        name,
+                        f"{one['total']:.1f}",
+                        f"{nine['total']:.1f}",
+                        f"{nine['total'] / one['total']:.2f}x",
+                        f"{m['weight_bytes'] / read / 1e6:.1f}",
+                    ]
+                    + [
+                        " / ".join(f"{sum(s.get(k, 0) for k in keys):.1f}" for s in (one, nine))
+                        for keys in parts.values()
+                    ]
+                )
+        header = ["build", "model", "1 position ms", "9 positions ms", "9 over 1", "roofline ms"]
+        header += [f"{p}: 1 / 9 ms" for p in parts]
+        note = (
+            f"A forward over 1 and 9 new positions after 64 cached ones (median of 7; the split: mean of 7 timed "
+            f"apart). Roofline: the weights one step reads over the read bandwidth measured in the same run "
+            f"({read:.1f} GB/s). Each build forced with SPECDEC_KERNELS; a forced build differs from a CPU of its kind "
+            f"only in clock and caches."
+        )
+        title = f"Verification's price per kernel build (`benchmarks/kernel_steps.py`) on {r.machine}, {r.date}"
+        blocks.append(block("native", title, header, cells, [r], note))
+
+        cells = []
+        for build, b in d["builds"].items():
+            peer = d.get("llama_bench_avx2" if build == "avx2" else "llama_bench", {})
+            tg = peer.get(f"tg{d['tokens']}")
+            for fmt, e in b["engine"].items():
+                pre = b["models"][f"gemma-3-270m {fmt}"]["prefill_tok_s"]
+                row = [build, fmt]
+                for prompts in ("default", "kernels-unseen"):
+                    none, auto = e[f"none {prompts}"], e[f"auto {prompts}"]
+                    row += [
+                        f"{none:.1f}",
+                        num(tg and none / tg, "{:.2f}x"),
+                        f"{auto / none:.2f}x",
+                        num(tg and auto / tg, "{:.2f}x"),
+                    ]
+                for n in ("512", "2048"):
+                    row += [f"{pre[n]:.0f}", num(peer.get(f"pp{n}") and pre[n] / peer[f"pp{n}"], "{:.2f}x")]
+                cells.append(row)
+        header = ["build", "format"]
+        for prompts in ("default", "unseen"):
+            header += [f"{prompts}: none tok/s", "none vs llama-bench tg", "auto vs none", "auto vs llama-bench tg"]
+        header += ["prefill 512 tok/s", "vs llama-bench pp512", "prefill 2048 tok/s", "vs llama-bench pp2048"]
+        peers = "; ".join(
+            f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in d[key].items())
+            for key, label in (
+                ("llama_bench", "llama-bench (this machine's build)"),
+                ("llama_bench_avx2", "llama-bench built for AVX2 alone"),
+            )
+            if key in d
+        )
+        note = (
+            f"Gemma-3-270M through the engine (`Generator`, greedy, {d['tokens']} new tokens, prefill included), on "
+            f"the default prompts and on benchmarks/prompts/kernels-unseen.jsonl; llama-bench on the model's GGUF, "
+            f"2 threads, tokens/s: {peers or 'not measured'}. The forced avx2 build is compared with llama-bench built "
+            f"for AVX2 alone, every other build with llama-bench built for this machine."
+        )
+        title = (
+            f"Native against `llama-bench`, per kernel build (`benchmarks/kernel_steps.py`) on {r.machine}, {r.date}"
+        )
+        blocks.append(block("native", title, header, cells, [r], note))
+
+        labels = list(next(iter(d["builds"].values()))["kernels"])
+        cells = [
+            [build] + [f"{b['kernels'][k]['us']:.0f} ({b['kernels'][k]['gmacs']:.0f})" for k in labels]
+            for build, b in d["builds"].items()
+        ]
+        note = (
+            "One thread, kernels/harness.cpp's timing mode: microseconds per call (G multiply-adds per second). The "
+            "head shape (640 x 262,144) streams from memory; the L2 shape (640 x 2,048) is the build's compute ceiling."
+        )
+        title = f"The bare kernels per build (`benchmarks/kernel_steps.py`) on {r.machine}, {r.date}"
+        blocks.append(block("native", title, ["build"] + labels, cells, [r], note))
+    return blocks
+
+
 def native_formats(results: list[Result]) -> list[Block]:
     blocks = []
     for r in newest_per_machine(results):
@@ -969,6 +1066,7 @@ WRITERS: dict[str, Callable[[list[Result]], list[Block]]] = {
     "head-probe": head_probe,
     "quant-types": quant_types,
     "kernel-builds": kernel_builds,
+    "kernel-steps": kernel_steps,
     "attention": attention,
     "where-time-goes": where_time_goes,
     "tune": tune,

@@ -160,9 +160,9 @@ def native_breakdown(backend) -> dict[int, dict[str, float]]:
     originals = {name: getattr(home, name) for name, home in homes.items()}
 
     def timed(name: str):
-        def call(*args: object) -> torch.Tensor:
+        def call(*args: object, **kwargs: object) -> torch.Tensor:
             start = time.perf_counter()
-            out = originals[name](*args)
+            out = originals[name](*args, **kwargs)
             label = (
                 "output head"
                 if name == "linear" and args[1] is backend.model.head

@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from specdec.config import SamplingConfig
 from specdec.verification import rejection, verify
-from specdec.verification.sampling import draw
+from specdec.verification.sampling import draw, greedy
 
 ALPHA = 1e-3  # significance level of every distribution test here
 
@@ -108,3 +108,11 @@ def test_inverse_cdf_draws_follow_the_distribution_and_never_a_zero() -> None:
     assert mass > 0.02  # a token with visible mass among 262,144: float rounding of the sum must not shift it
     hits = sum(int(draw(big, rng)) == top for _ in range(4000))
     assert abs(hits / 4000 - mass) < 5 * (mass * (1 - mass) / 4000) ** 0.5
+
+
+def test_the_greedy_choice_is_argmax_ties_and_nan_included() -> None:
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 5.0], [2.0, 2.0, 2.0, 2.0], [-inf, -inf, 0.0, 0.0]])
+    assert greedy(rows).tolist() == [1, 0, 0, 2] == rows.argmax(dim=-1).tolist()
+    wide = torch.randn(2, 5, 262144, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # many ties
+    assert torch.equal(greedy(wide), wide.argmax(dim=-1)) and greedy(wide).dtype == torch.long

@@ -7,7 +7,7 @@ import torch
 from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.models.backend import Backend
 from specdec.seeds import rng_on
-from specdec.verification.sampling import draw
+from specdec.verification.sampling import draw, greedy
 from specdec.verification.shaping import to_probs
 
 
@@ -56,7 +56,7 @@ class ModelDrafter(Drafter):
             if min_confidence and float(torch.softmax(logits.float(), dim=-1).max()) < min_confidence:
                 break  # the draft is unsure of its next token: stop here
             if sampling.greedy:
-                token = logits.argmax(dim=-1, keepdim=True)
+                token = greedy(logits)[..., None]
             else:
                 dist = to_probs(logits, sampling)
                 token = draw(dist[None], rng_on(self.settings.seeds, dist.device))

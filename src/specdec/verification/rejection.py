@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import SamplingConfig
-from specdec.verification.sampling import draw
+from specdec.verification.sampling import draw, greedy
 from specdec.verification.shaping import to_probs
 
 
@@ -70,7 +70,7 @@ def verify(
     k = draft_tokens.shape[1]
     in_range = torch.arange(k, device=target_logits.device)[None, :] < draft_lengths[:, None]
     if sampling.greedy:
-        choice = target_logits.argmax(dim=-1)
+        choice = greedy(target_logits)
         ok = (draft_tokens == choice[:, :k]) & in_range
         accepted = leading_true(ok)
         return Verdict(accepted, choice.gather(1, accepted[:, None]).squeeze(1))

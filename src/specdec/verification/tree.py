@@ -20,7 +20,7 @@ import torch
 
 from specdec.config import SamplingConfig
 from specdec.verification.rejection import Verdict, residual_distribution
-from specdec.verification.sampling import draw
+from specdec.verification.sampling import draw, greedy
 from specdec.verification.shaping import to_probs
 
 
@@ -34,7 +34,7 @@ def verify_tree_greedy(
         counts: [B] nodes per row. logits: [B, n + 1, V], column j + 1 scoring node j's children.
     """
     n = tokens.shape[1]
-    choice = logits.argmax(dim=-1)  # [B, n + 1]
+    choice = greedy(logits)  # [B, n + 1]
     real = torch.arange(n, device=tokens.device)[None, :] < counts[:, None]
     parents = torch.where(real, parents, -1)
     if n > 1:  # distinct siblings, or two matching nodes could make two paths

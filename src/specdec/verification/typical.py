@@ -14,7 +14,7 @@ import torch
 
 from specdec.config import SamplingConfig, TypicalAcceptance
 from specdec.verification.rejection import Verdict, leading_true
-from specdec.verification.sampling import draw
+from specdec.verification.sampling import draw, greedy
 from specdec.verification.shaping import to_probs
 
 
@@ -37,5 +37,5 @@ def typical_verify(
     in_range = torch.arange(k, device=target_logits.device)[None, :] < draft_lengths[:, None]
     accepted = leading_true((p_draft > threshold[:, :k]) & in_range)
     p_next = p[torch.arange(p.shape[0], device=p.device), accepted]
-    next_token = p_next.argmax(dim=-1) if sampling.greedy else draw(p_next, rng)
+    next_token = greedy(p_next) if sampling.greedy else draw(p_next, rng)
     return Verdict(accepted, next_token)

@@ -133,7 +133,7 @@ static inline vi v_part_sums(vpart p) {
     return {_mm256_madd_epi16(p.lo, ones), _mm256_madd_epi16(p.hi, ones)};
 }
 #ifndef ROWS8
-#define ROWS8 4  // rows whose int32 sums (2 registers each) stay in the 16 registers in the int8 kernel
+#define ROWS8 5  // rows whose int32 sums (2 registers each) stay in the 16 registers in the int8 kernel
 #endif
 #ifndef ROWS4
 #define ROWS4 3  // the same in the int4 kernel
