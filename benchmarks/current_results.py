@@ -298,10 +298,16 @@ COMMANDS_TEXT = """
   $NATIVE --methods none,prompt-lookup,suffix,auto --k 8 --prompts agentic --temperature 0
 2026-12-03-cpu-native-amx2-default-t0
   $NATIVE --methods none,prompt-lookup,suffix,lookup-then-eagle,auto --k 8 --temperature 0
+2026-12-04-cpu-kernel-steps.json
+  python benchmarks/kernel_steps.py --out ${J}2026-12-04-cpu-kernel-steps.json --llama-bench $LLAMA_BENCH
+  --llama-bench-avx2 $LLAMA_BENCH_AVX2
 """
 VARIABLES = {
     "J": "benchmarks/results/",
     "LLAMA_SERVER": "vendor/llama.cpp/build/bin/llama-server",
+    "LLAMA_BENCH": "vendor/llama.cpp/build/bin/llama-bench",  # cmake -DGGML_NATIVE=ON
+    # cmake -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
+    "LLAMA_BENCH_AVX2": "vendor/llama.cpp/build-avx2/bin/llama-bench",
     "SUFFIX": "specdec bench --methods none,prompt-lookup,prompt-lookup+tree,suffix,suffix+tree --k 8 "
     "--k-policy cost-model --max-new-tokens 64 --backend native",
     "NATIVE": "specdec bench --k-policy cost-model --max-new-tokens 64 --backend native",
@@ -1018,7 +1024,8 @@ def kernel_steps(results: list[Result]) -> list[Block]:
         ]
         note = (
             "One thread, kernels/harness.cpp's timing mode: microseconds per call (G multiply-adds per second). The "
-            "head shape (640 x 262,144) streams from memory; the L2 shape (640 x 2,048) is the build's compute ceiling."
+            "head shape (640 x 262,144) streams from memory; the L2 shape (640 x 2,048, 1.3 MB in int8) stays in the "
+            "caches: the build's compute ceiling."
         )
         title = f"The bare kernels per build (`benchmarks/kernel_steps.py`) on {r.machine}, {r.date}"
         blocks.append(block("native", title, ["build"] + labels, cells, [r], note))

@@ -414,8 +414,9 @@ def test_gemma_is_served_with_what_auto_picks_from_this_machines_costs() -> None
         prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
         generator = Generator("gemma-3-270m", "none", runtime=RuntimeConfig(precision=PRESETS["cpu"]))
         expected = generator.generate(prompt, max_new_tokens=32)
-        picked = concrete_draft("auto", generator.target, MachineCosts(generator.target.backend))
         got = server.client.completions.create(model="gemma-3-270m", prompt=prompt, max_tokens=32, temperature=0)
+        # the server has measured and cached this machine's costs by now: the same ones, so the same pick
+        picked = concrete_draft("auto", generator.target, MachineCosts(generator.target.backend))
         assert got.choices[0].text == expected.text
         assert server.metric("specdec_draft_tokens_accepted_total") > 0
     finally:

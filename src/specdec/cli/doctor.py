@@ -38,6 +38,7 @@ class Check:
 
 def native_kernels() -> Check:
     """Which kernel path this CPU allows, and whether the kernels build and load."""
+    from specdec.machine import cpu_flags
     from specdec.models.native import kernel_build
 
     name = kernel_build.variant()
@@ -61,7 +62,7 @@ def native_kernels() -> Check:
             return Check("native kernels", "problem", f"the {name} kernels do not build: {exc}")
     where = kernel_build.build_folder()
     faster = kernel_build.faster_builds_not_used(
-        name, kernel_build.cpu_flags(), os.environ.get(kernel_build.FORCE), module.tiles_in_use()
+        name, cpu_flags(), os.environ.get(kernel_build.FORCE), module.tiles_in_use()
     )
     why = f"; faster builds not in use: {'; '.join(faster)}" if faster else "; the fastest build for this CPU"
     return Check(

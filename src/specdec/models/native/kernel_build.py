@@ -113,6 +113,8 @@ def faster_builds_not_used(used: str, flags: set[str], forced: str | None, tiles
             reasons.append(f"{name}: this CPU lacks {', '.join(missing)}")
         elif forced:
             reasons.append(f"{name}: {FORCE}={forced} chose {used} (unset it to use {name})")
+        else:
+            reasons.append(f"{name}: its build failed here (the warning above says why; {FORCE}={name} retries it)")
     if used == "amx" and not tiles:
         reasons.append("amx tiles: Linux did not grant their state (5.16+ needed), so its int8 products run on VNNI")
     return reasons
