@@ -49,6 +49,10 @@ def test_every_x86_build_gives_the_same_bits(tmp_path: Path) -> None:
     values = np.frombuffer(outputs[X86[0]], dtype=np.float32)
     assert len(values) > 40000 and np.isfinite(values).all() and np.count_nonzero(values) > 0.9 * len(values)
     assert len(set(outputs.values())) == 1, {name: hash(out) for name, out in outputs.items()}
+    # at the bounds (harness.cpp's extremes: every int4 weight 15 times activations of 127, AVX2's int16 sums at
+    # their largest): w = 15 / 64 - 0.25 on 256 inputs of 1 and of -1 give exactly -4 and 4
+    int4 = values[-128:-64]
+    assert (int4[:32] == -4.0).all() and (int4[32:] == 4.0).all(), int4
 
 
 @pytest.mark.skipif(

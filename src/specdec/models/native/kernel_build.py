@@ -25,7 +25,7 @@ from specdec.machine import cpu_flags
 log = logging.getLogger("specdec")
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = ("linear.cpp", "attention.cpp", "elementwise.cpp", "bindings.cpp")  # compiled into the extension
-HEADERS = ("kernels.h", "parallel.h", "simd.h", "simd_avx2.h", "simd_avx512.h", "simd_neon.h")
+HEADERS = tuple(sorted(p.name for p in KERNELS.glob("*.h")))
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-DSPECDEC_TORCH"]  # every build's, before its instruction sets'
 
 

@@ -54,6 +54,26 @@ static void linear_int4(int64_t n, int64_t k, int64_t blocks) {
     emit(out.data(), out.size());
 }
 
+static void extremes() {  // every weight and activation at its largest size: int16 sums at their bound
+    const int64_t n = 2, k = 256, blocks = 2;
+    std::vector<uint8_t> w4(blocks * (k / 32) * 256, 0xFF);  // u = 15 everywhere
+    std::vector<uint16_t> steps(blocks * (k / 32) * 16, to_half(1.f / 64.f)), minima(steps.size(), to_half(-0.25f));
+    std::vector<float> x(n * k), out(n * blocks * 16);
+    for (int64_t i = 0; i < k; ++i) x[i] = 1.f, x[k + i] = -1.f;  // q = 127 and q = -127
+    if (!int4_linear(x.data(), n, k, w4.data(), steps.data(), minima.data(), blocks, out.data())) std::abort();
+    emit(out.data(), out.size());
+    std::vector<int8_t> w8(blocks * k * 16);
+    for (size_t i = 0; i < w8.size(); ++i) w8[i] = (int8_t)(i % 3 == 0 ? -127 : 127);
+    std::vector<float> scale(blocks * 16, 1.f / 256.f);
+    std::vector<int32_t> sums(blocks * (k / 128) * 16, 0);
+    for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t i = 0; i < k; ++i)
+            for (int64_t o = 0; o < 16; ++o)
+                sums[(b * (k / 128) + i / 128) * 16 + o] += w8[((b * (k / 4) + i / 4) * 16 + o) * 4 + i % 4];
+    if (!int8_linear(x.data(), n, k, w8.data(), scale.data(), sums.data(), 128, blocks, out.data())) std::abort();
+    emit(out.data(), out.size());
+}
+
 static void attend(int64_t kind, int64_t window, bool tree) {
     const int64_t kv_heads = 2, heads = 8, dim = 64, page = 16, start = 37, n = 5, pages = 3;
     const int64_t bytes = kind == 0 ? 4 : 2;
@@ -133,5 +153,6 @@ int main(int argc, char** argv) {
         for (int64_t window : {0, 8})
             for (bool tree : {false, true}) attend(kind, window, tree);
     elementwise();
+    extremes();
     return 0;
 }

@@ -6,6 +6,8 @@
 
 namespace specdec {
 
+constexpr int64_t INT4_GROUP = 32;  // inputs per step and minimum of an int4 layer (and per int8 activation scale)
+
 // Packed int8 weights: [blocks][k / 4][16 outputs][4 inputs]; one float32 scale per output; int32 sums of each
 // output's weights per group of `group` inputs, [blocks][k / group][16]. Activations are int8 per group of a row's
 // inputs. out: [n][blocks * 16]. False if x holds NaN or infinity.

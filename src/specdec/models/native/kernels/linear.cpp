@@ -16,6 +16,7 @@ namespace specdec {
 #ifndef AHEAD
 #define AHEAD 1  // weights are prefetched this many blocks of 16 outputs ahead of the products
 #endif
+static_assert(ROWS8 >= 1 && ROWS4 >= 1 && AHEAD >= 1, "rows per pass and blocks ahead are positive");
 
 // Activations: per row and group, scale = max(|x|, 1e-8) / 127, q = clamp(round(x / scale), -127, 127), stored as
 // q + OFFSET (VNNI multiplies unsigned by signed bytes; the OFFSET * sum(w) this adds is taken off per group).
@@ -74,14 +75,14 @@ static inline void group_sums(const uint8_t* qg, int64_t k, const int8_t* wg, in
 // the end, the total times the channel's scale. Plain arrays and unrolled loops: g++ then keeps them in registers.
 template <int N>
 static void tile(const uint8_t* q, const float* qs, const int8_t* wb, const int32_t* gsum, const float* ws, float* out,
-                 int64_t k, int64_t group, int64_t outs) {
+                 int64_t k, int64_t group, int64_t outs, const int8_t* next) {
     const int64_t groups = k / group, quads = group / 4;
     vf total[N];
 #pragma GCC unroll 16
     for (int i = 0; i < N; ++i) total[i] = v_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
         vi sums[N];
-        group_sums<N>(q + g * group, k, wb + g * group * 16, quads, sums, wb + (AHEAD * k + g * group) * 16);
+        group_sums<N>(q + g * group, k, wb + g * group * 16, quads, sums, next ? next + g * group * 16 : nullptr);
         const vi corr = v_mullo_epi32(v_loadu_si512((const void*)(gsum + g * 16)), v_set1_epi32(OFFSET));
 #pragma GCC unroll 16
         for (int i = 0; i < N; ++i) {
@@ -198,8 +199,9 @@ bool int8_linear(const float* x, int64_t n, int64_t k, const int8_t* w, const fl
     parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
             for (int64_t r = 0; r < n; r += 12) {  // a block's weights stay in L1 for every 12 rows after the first
+                const int8_t* next = r == 0 && b + AHEAD < end ? w + (b + AHEAD) * 16 * k : nullptr;
                 auto args = std::make_tuple(qp + r * k, qsp + r * groups, w + b * 16 * k, gs + b * groups * 16,
-                                            ws + b * 16, out + r * outs + b * 16, k, group, outs);
+                                            ws + b * 16, out + r * outs + b * 16, k, group, outs, next);
                 switch (std::min<int64_t>(12, n - r)) {
 #define CASE(N) case N: std::apply(tile<N>, args); break;
                     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
@@ -215,12 +217,12 @@ bool int8_linear(const float* x, int64_t n, int64_t k, const int8_t* w, const fl
 // -127, 127) as signed bytes, and the group's sum of q as a float (exact; a weight is d u + m, so
 // dot(q, w) = d dot(q, u) + m sum(q)).
 static bool quantize_signed(const float* x, int64_t n, int64_t k, int8_t* q, float* scales, float* sums) {
-    const int64_t groups = k / 32;
+    const int64_t groups = k / INT4_GROUP;
     const vf lo = v_set1_ps(-127.f), hi = v_set1_ps(127.f), inf = v_set1_ps(INFINITY);
     vmask bad = 0;
     for (int64_t i = 0; i < n; ++i)
         for (int64_t g = 0; g < groups; ++g) {
-            const float* src = x + i * k + g * 32;
+            const float* src = x + i * k + g * INT4_GROUP;
             const vf a = v_loadu_ps(src), b = v_loadu_ps(src + 16);
             bad |= v_not_below(v_abs_ps(a), inf) | v_not_below(v_abs_ps(b), inf);
             const float scale = std::max(v_reduce_max_ps(v_max_ps(v_abs_ps(a), v_abs_ps(b))), 1e-8f) / 127.f;
@@ -228,8 +230,8 @@ static bool quantize_signed(const float* x, int64_t n, int64_t k, int8_t* q, flo
             const vf divisor = v_set1_ps(scale);
             const vi qa = v_cvtps_epi32(v_min_ps(hi, v_max_ps(lo, v_round_ps(v_div_ps(a, divisor)))));
             const vi qb = v_cvtps_epi32(v_min_ps(hi, v_max_ps(lo, v_round_ps(v_div_ps(b, divisor)))));
-            v_store_epi8(q + i * k + g * 32, qa);
-            v_store_epi8(q + i * k + g * 32 + 16, qb);
+            v_store_epi8(q + i * k + g * INT4_GROUP, qa);
+            v_store_epi8(q + i * k + g * INT4_GROUP + 16, qb);
             sums[i * groups + g] = (float)v_reduce_add_epi32(v_add_epi32(qa, qb));
         }
     return bad == 0;
@@ -268,14 +270,14 @@ static inline void group_sums4(const int8_t* qg, int64_t k, const uint8_t* wg, v
 // total. Each row's steps are the same whatever N is.
 template <int N>
 static void tile4(const int8_t* q, const float* qs, const float* qsum, const uint8_t* wb, const uint16_t* ws,
-                  const uint16_t* wm, float* out, int64_t k, int64_t outs) {
-    const int64_t groups = k / 32;
+                  const uint16_t* wm, float* out, int64_t k, int64_t outs, const uint8_t* next) {
+    const int64_t groups = k / INT4_GROUP;
     vf total[N];
 #pragma GCC unroll 16
     for (int i = 0; i < N; ++i) total[i] = v_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
         vi sums[N];
-        group_sums4<N>(q + g * 32, k, wb + g * 256, sums, wb + AHEAD * k * 8 + g * 256);
+        group_sums4<N>(q + g * INT4_GROUP, k, wb + g * 256, sums, next ? next + g * 256 : nullptr);
         const vf step = v_load_half(ws + g * 16);
         const vf least = v_load_half(wm + g * 16);
 #pragma GCC unroll 16
@@ -291,7 +293,7 @@ static void tile4(const int8_t* q, const float* qs, const float* qsum, const uin
 
 bool int4_linear(const float* x, int64_t n, int64_t k, const uint8_t* w, const uint16_t* ws, const uint16_t* wm,
                  int64_t blocks, float* out) {
-    const int64_t groups = k / 32, outs = blocks * 16;
+    const int64_t groups = k / INT4_GROUP, outs = blocks * 16;
     std::vector<int8_t> q(n * k);
     std::vector<float> qs(n * groups), qsum(n * groups);
     if (!quantize_signed(x, n, k, q.data(), qs.data(), qsum.data())) return false;
@@ -301,9 +303,10 @@ bool int4_linear(const float* x, int64_t n, int64_t k, const uint8_t* w, const u
     parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
             for (int64_t r = 0; r < n; r += 8) {
+                const uint8_t* next = r == 0 && b + AHEAD < end ? w + (b + AHEAD) * groups * 256 : nullptr;
                 auto args = std::make_tuple(qp + r * k, qsp + r * groups, qsump + r * groups, w + b * groups * 256,
                                             ws + b * groups * 16, wm + b * groups * 16, out + r * outs + b * 16,
-                                            k, outs);
+                                            k, outs, next);
                 switch (std::min<int64_t>(8, n - r)) {
 #define CASE(N) case N: std::apply(tile4<N>, args); break;
                     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)

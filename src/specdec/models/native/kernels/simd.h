@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__)
 #include "simd_avx512.h"
 #elif defined(__aarch64__)

@@ -122,6 +122,7 @@ static inline vi v_dot_int8(vi acc, vi a, vi w) {  // a: q, signed
 static inline vi v_dot_int4(vi acc, vi u, vi a) { return {dot4(acc.lo, u.lo, a.lo), dot4(acc.hi, u.hi, a.hi)}; }
 // A group's int4 products (8 vpmaddubsw per lane pair: 32 inputs) add up in int16 before one widening: each pair of
 // products is at most 2 * 15 * 127 in size, so 8 of them stay below 2^15 (exact, no saturation). Half the multiplies.
+static_assert(specdec::INT4_GROUP / 4 * 2 * 15 * 127 < 32768, "int4 group sums would overflow int16");
 typedef vi vpart;
 static inline vpart v_part_zero() { return v_setzero_si512(); }
 static inline vpart v_part_dot_int4(vpart p, vi u, vi a) {
@@ -136,7 +137,7 @@ static inline vi v_part_sums(vpart p) {
 #define ROWS8 5  // rows whose int32 sums (2 registers each) stay in the 16 registers in the int8 kernel
 #endif
 #ifndef ROWS4
-#define ROWS4 3  // the same in the int4 kernel
+#define ROWS4 3  // rows whose int16 sums (2 registers each) stay in registers beside the unpacked weights
 #endif
 #endif
 static inline __m256 v_halves(vf x) { return _mm256_add_ps(x.hi, x.lo); }
