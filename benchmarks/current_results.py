@@ -305,7 +305,9 @@ COMMANDS_TEXT = """
 VARIABLES = {
     "J": "benchmarks/results/",
     "LLAMA_SERVER": "vendor/llama.cpp/build/bin/llama-server",
-    "LLAMA_BENCH": "vendor/llama.cpp/build/bin/llama-bench",  # cmake -DGGML_NATIVE=ON
+    # cmake -DGGML_NATIVE=OFF, AVX2, FMA, F16C, AVX-VNNI, AVX-512 (VNNI, BF16) ON, AMX OFF (a native build's AMX path
+    # crashed in llama-bench here)
+    "LLAMA_BENCH": "vendor/llama.cpp/build-avx512/bin/llama-bench",
     # cmake -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
     "LLAMA_BENCH_AVX2": "vendor/llama.cpp/build-avx2/bin/llama-bench",
     "SUFFIX": "specdec bench --methods none,prompt-lookup,prompt-lookup+tree,suffix,suffix+tree --k 8 "
@@ -1001,16 +1003,17 @@ def kernel_steps(results: list[Result]) -> list[Block]:
         peers = "; ".join(
             f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in d[key].items())
             for key, label in (
-                ("llama_bench", "llama-bench (this machine's build)"),
+                ("llama_bench", "llama-bench built for AVX-512 and AVX-VNNI"),
                 ("llama_bench_avx2", "llama-bench built for AVX2 alone"),
             )
             if key in d
         )
         note = (
             f"Gemma-3-270M through the engine (`Generator`, greedy, {d['tokens']} new tokens, prefill included), on "
-            f"the default prompts and on benchmarks/prompts/kernels-unseen.jsonl; llama-bench on the model's GGUF, "
+            f"the default prompts and on benchmarks/prompts/kernels-unseen.jsonl; llama-bench on its Q4_K_M GGUF, "
             f"2 threads, tokens/s: {peers or 'not measured'}. The forced avx2 build is compared with llama-bench built "
-            f"for AVX2 alone, every other build with llama-bench built for this machine."
+            f"for AVX2 alone, every other build with llama-bench built for AVX-512 (its AMX path, the rest of this "
+            f"CPU, crashed here)."
         )
         title = (
             f"Native against `llama-bench`, per kernel build (`benchmarks/kernel_steps.py`) on {r.machine}, {r.date}"
