@@ -50,7 +50,7 @@ def harness_rates(build: str) -> dict:
     folder = kernel_build.KERNELS
     with tempfile.TemporaryDirectory() as where:
         binary = Path(where) / "harness"
-        sources = [str(folder / f) for f in ("harness.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp")]
+        sources = [str(folder / f) for f in kernel_build.HARNESS_SOURCES]
         flags = [f for f in kernel_build.CFLAGS if f not in ("-fopenmp", "-DSPECDEC_TORCH")]
         command = ["g++", "-std=c++17", *flags, *kernel_build.VARIANTS[build][1], f"-I{folder}", *sources]
         subprocess.run([*command, "-o", str(binary)], check=True)
@@ -131,7 +131,6 @@ def child(build: str, tokens: int, skip_1b: bool) -> dict:
 
     if kernel_build.compiled() is None or kernel_build.build_name().split(" ")[0] != kernel_build.module_name(build):
         raise SystemExit(f"the {build} build did not load here ({kernel_build.build_name()})")
-    where_time_goes.SIZES = SIZES
     result: dict = {"build": kernel_build.build_name(), "kernels": harness_rates(build), "models": {}}
     models = {
         f"gemma-3-270m {fmt}": lambda fmt=fmt: (
@@ -145,7 +144,7 @@ def child(build: str, tokens: int, skip_1b: bool) -> dict:
         )
     for name, make in models.items():
         backend = make()
-        split = where_time_goes.native_breakdown(backend)
+        split = where_time_goes.native_breakdown(backend, SIZES)
         result["models"][name] = {
             "weight_bytes": weight_bytes(backend.model),
             "steps_ms": {n: {part: 1000 * s for part, s in parts.items()} for n, parts in split.items()},

@@ -152,7 +152,7 @@ def llamacpp_breakdown(backend) -> dict[int, dict[str, float]]:
     return rows
 
 
-def native_breakdown(backend) -> dict[int, dict[str, float]]:
+def native_breakdown(backend, sizes: tuple[int, ...] = SIZES) -> dict[int, dict[str, float]]:
     """Seconds in each native kernel per forward (the head apart from the other linear layers), timed around the same
     forwards as their total (the prefill before each is not timed); the rest is torch's small operations and Python."""
     seconds: dict[str, float] = defaultdict(float)
@@ -173,9 +173,9 @@ def native_breakdown(backend) -> dict[int, dict[str, float]]:
 
         return call
 
-    tokens = torch.arange(CONTEXT + max(SIZES), dtype=torch.long)[None] % backend.vocab_size
+    tokens = torch.arange(CONTEXT + max(sizes), dtype=torch.long)[None] % backend.vocab_size
     rows = {}
-    for n in SIZES:
+    for n in sizes:
         total = _timed(backend, n, n)
         seconds.clear()
         hooked = 0.0

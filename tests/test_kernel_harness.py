@@ -14,7 +14,7 @@ import pytest
 from specdec.models.native import kernel_build
 
 KERNELS = kernel_build.KERNELS
-PARTS = [str(KERNELS / name) for name in ("harness.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp")]
+PARTS = [str(KERNELS / name) for name in kernel_build.HARNESS_SOURCES]
 COMMON = ["-O2", "-std=c++17", "-ffp-contract=off", f"-I{KERNELS}"]
 X86 = [
     name

@@ -24,7 +24,9 @@ from specdec.machine import cpu_flags
 
 log = logging.getLogger("specdec")
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = ("linear.cpp", "attention.cpp", "elementwise.cpp", "bindings.cpp")  # compiled into the extension
+KERNEL_SOURCES = ("linear.cpp", "attention.cpp", "elementwise.cpp")  # the kernels, without torch
+SOURCES = (*KERNEL_SOURCES, "bindings.cpp")  # compiled into the extension
+HARNESS_SOURCES = ("harness.cpp", *KERNEL_SOURCES)  # the bare program the tests run on every build (no torch)
 HEADERS = tuple(sorted(p.name for p in KERNELS.glob("*.h")))
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-DSPECDEC_TORCH"]  # every build's, before its instruction sets'
 

@@ -27,9 +27,7 @@ def attention(
     ``visible`` None: the new positions are a chain (start..start+n-1); a bool [n, n] mask: a tree, node i seeing
     the new nodes j where it is True (itself and its ancestors), at ``positions[i]`` in the text (start + its depth).
     """
-    kernel = kernel_build.compiled()
-    if kernel is None:
-        raise RuntimeError("the attention kernel is not built on this machine")
+    kernel = _compiled("attention")
     kernel_build.on_cpu(q, k, v)
     if k.shape[1:] != (cache.kv_heads, cache.head_dim) or v.shape != k.shape:
         raise ValueError(
@@ -47,9 +45,7 @@ def attention(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x**2) + eps) * weight`` over the last dimension, float32, each row alone."""
-    kernel = kernel_build.compiled()
-    if kernel is None:
-        raise RuntimeError("the norm kernel is not built on this machine")
+    kernel = _compiled("norm")
     kernel_build.on_cpu(x, weight)
     return kernel_build.call(kernel.rms_norm, x.contiguous(), weight, eps)
 
@@ -57,8 +53,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     """``act(gate) * up`` for rows [n, 2f] (gate first): SiLU, or GELU's tanh form; each value alone, whatever the rows
     or threads (a float32 approximation of its own, within a few units in the last place of torch's)."""
-    kernel = kernel_build.compiled()
-    if kernel is None:
-        raise RuntimeError("the activation kernel is not built on this machine")
+    kernel = _compiled("activation")
     kernel_build.on_cpu(gate_up)
     return kernel_build.call(kernel.gated, gate_up.contiguous(), 1 if gelu else 0)
+
+
+def _compiled(what: str):
+    kernel = kernel_build.compiled()
+    if kernel is None:
+        raise RuntimeError(f"the {what} kernel is not built on this machine")
+    return kernel

@@ -22,6 +22,15 @@
 #error "specdec's kernels need AVX2, AVX-512 or ARM NEON with SDOT"
 #endif
 
+#if !defined(INT16_PARTS)
+// A group's int4 products (vpart): summed straight into int32 where the dot product widens by itself; plain AVX2
+// defines its own, in int16.
+typedef vi vpart;
+static inline vpart v_part_zero() { return v_setzero_si512(); }
+static inline vpart v_part_dot_int4(vpart p, vi u, vi a) { return v_dot_int4(p, u, a); }
+static inline vi v_part_sums(vpart p) { return p; }
+#endif
+
 #if !defined(__aarch64__)
 // The horizontal sum, in one order on every build: upper half + lower half, then the same within 128 bits, then pairs.
 static inline float v_reduce_add_ps(vf x) {

@@ -100,10 +100,6 @@ static inline vi v_dot_int8(vi acc, vi a, vi w) {
 static inline vi v_dot_int4(vi acc, vi u, vi a) {
     return {_mm256_dpbusd_avx_epi32(acc.lo, u.lo, a.lo), _mm256_dpbusd_avx_epi32(acc.hi, u.hi, a.hi)};
 }
-typedef vi vpart;  // a group's int4 products: int32 sums straight away
-static inline vpart v_part_zero() { return v_setzero_si512(); }
-static inline vpart v_part_dot_int4(vpart p, vi u, vi a) { return v_dot_int4(p, u, a); }
-static inline vi v_part_sums(vpart p) { return p; }
 #ifndef ROWS8
 #define ROWS8 6  // rows whose int32 sums (2 registers each) stay in the 16 registers in the int8 kernel
 #endif
@@ -123,6 +119,7 @@ static inline vi v_dot_int4(vi acc, vi u, vi a) { return {dot4(acc.lo, u.lo, a.l
 // A group's int4 products (8 vpmaddubsw per lane pair: 32 inputs) add up in int16 before one widening: each pair of
 // products is at most 2 * 15 * 127 in size, so 8 of them stay below 2^15 (exact, no saturation). Half the multiplies.
 static_assert(specdec::INT4_GROUP / 4 * 2 * 15 * 127 < 32768, "int4 group sums would overflow int16");
+#define INT16_PARTS
 typedef vi vpart;
 static inline vpart v_part_zero() { return v_setzero_si512(); }
 static inline vpart v_part_dot_int4(vpart p, vi u, vi a) {

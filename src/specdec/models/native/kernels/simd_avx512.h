@@ -43,10 +43,6 @@ static inline vf v_load_first(int64_t n, const float* p) {
 static inline void v_store_first(int64_t n, float* p, vf v) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
 static inline vi v_dot_int8(vi acc, vi a, vi w) { return _mm512_dpbusd_epi32(acc, a, w); }  // a: q + OFFSET
 static inline vi v_dot_int4(vi acc, vi u, vi a) { return _mm512_dpbusd_epi32(acc, u, a); }  // u: 0..15
-typedef vi vpart;  // a group's int4 products: int32 sums straight away
-static inline vpart v_part_zero() { return _mm512_setzero_si512(); }
-static inline vpart v_part_dot_int4(vpart p, vi u, vi a) { return v_dot_int4(p, u, a); }
-static inline vi v_part_sums(vpart p) { return p; }
 #ifndef ROWS8
 #define ROWS8 12  // rows whose int32 sums stay in registers (32 of them) in the int8 kernel
 #endif

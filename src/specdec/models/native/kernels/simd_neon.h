@@ -117,10 +117,6 @@ static inline vi v_dot_int8(vi acc, vi a, vi w) {  // a: q, signed
     return r;
 }
 static inline vi v_dot_int4(vi acc, vi u, vi a) { return v_dot_int8(acc, u, a); }  // u: 0..15, exact as signed bytes
-typedef vi vpart;  // a group's int4 products: int32 sums straight away
-static inline vpart v_part_zero() { return v_setzero_si512(); }
-static inline vpart v_part_dot_int4(vpart p, vi u, vi a) { return v_dot_int4(p, u, a); }
-static inline vi v_part_sums(vpart p) { return p; }
 #ifndef ROWS8
 #define ROWS8 5  // rows whose int32 sums (4 registers each) stay in the 32 registers in the int8 kernel
 #endif
