@@ -99,8 +99,8 @@ def run_load_benchmark(config: LoadConfig, say: Callable[[str], None] = print) -
     prompts = [p.prompt for p in load_prompts(config.prompts)]
     # (server, speculation, how to start one: each start gets a fresh port and key)
     servers: list[tuple[str, str, Callable[[], _Server]]] = [
-        ("specdec", "off", partial(_SpecdecServer, config, "none")),
-        ("specdec", f"on ({config.draft})", partial(_SpecdecServer, config, config.draft)),
+        ("specdec", "off", partial(SpecdecServer, config, "none")),
+        ("specdec", f"on ({config.draft})", partial(SpecdecServer, config, config.draft)),
     ]
     if config.llama_server is not None:
         servers += [
@@ -330,7 +330,7 @@ class _Server:
         self.log.close()
 
 
-class _SpecdecServer(_Server):
+class SpecdecServer(_Server):
     def __init__(self, config: LoadConfig, draft: str) -> None:
         super().__init__(config)
         self.command = [shutil.which("specdec") or "specdec", "serve", "--target", config.target, "--draft", draft]
