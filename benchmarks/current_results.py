@@ -454,6 +454,7 @@ def kind(data: Any) -> str:
         "runs": "serve-runs",
         "runtimes": "where-time-goes",
         "store_sizes": "suffix-store",
+        "soak": "soak",
     }
     found = [name for key, name in shapes.items() if key in data]
     return found[0] if found else "ppl" if all(" " in key for key in data) else "unknown"
@@ -686,6 +687,23 @@ def autoscaling(results: list[Result]) -> list[Block]:
     header = ["clients", "load start to 2nd replica s", "load end to 1 replica s", "requests", "statuses"]
     title = "Ray Serve autoscaling, 1 to 2 replicas (`benchmarks/ray_autoscaling.py`)"
     return [block("transformers", title, header + ["machine", "date", "result"], cells, newest_per_machine(results))]
+
+
+def soak(results: list[Result]) -> list[Block]:
+    def row(r: Result) -> list[str]:
+        d, config = r.data["soak"], r.data["config"]
+        statuses = ", ".join(f"{code}: {n}" for code, n in d["statuses"].items())
+        fives = sum(n for code, n in d["statuses"].items() if code.startswith("5")) + len(d["server_errors"])
+        left = int(sum(d["left_open"].values())) + len(d["hangs"])
+        rss = f"{d['rss_reference_bytes'] / 2**20:.0f} -> {d['rss_end_bytes'] / 2**20:.0f} MiB"
+        rss += f" ({d['rss_end_over_reference'] - 1:+.1%})"
+        first = [str(config["clients"]), f"{config['duration']:.0f}", config["draft"], str(d["requests"]), statuses]
+        return first + [str(fives), str(left), rss, r.machine, r.date, r.link]
+
+    header = ["clients", "s", "draft", "requests", "answers by status", "5xx", "left open", "memory after 1 min -> end"]
+    title = "A soak of `specdec serve` (`benchmarks/soak.py`: a tenth hang up early, a tenth malformed)"
+    used = newest_per_machine(results)
+    return [block("native", title, header + ["machine", "date", "result"], [row(r) for r in used], used)]
 
 
 def quality(results: list[Result]) -> list[Block]:
@@ -1084,6 +1102,7 @@ WRITERS: dict[str, Callable[[list[Result]], list[Block]]] = {
     "native-formats": native_formats,
     "ppl": perplexity,
     "suffix-store": suffix_store,
+    "soak": soak,
 }
 
 
