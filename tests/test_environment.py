@@ -4,15 +4,19 @@ and text with brackets printed as written."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import stat
 import subprocess
 import sys
 import textwrap
-import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from torch.utils import cpp_extension
 from typer.testing import CliRunner
 
 from specdec.cli.main import app
@@ -110,20 +114,45 @@ def test_bench_skips_a_crashing_llama_cpp_and_runs_the_rest(crashing_llama_cpp: 
 needs_kernels = pytest.mark.skipif(kernel_build.variant() is None, reason="the native kernels need AVX2")
 
 
-@needs_kernels
-def test_a_build_lock_left_by_a_killed_build_is_removed() -> None:
-    assert kernel_build.compiled() is not None
-    stale = kernel_build.build_folder() / "lock"  # what torch leaves when its build is killed; it would wait forever
-    stale.touch()
-    start = time.monotonic()
-    assert kernel_build.build() is not None
-    assert not stale.exists() and time.monotonic() - start < 60
+@pytest.fixture
+def fake_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
+    """A kernels' cache of its own, with torch's compile-and-import step faked as torch and ninja behave (a library
+    already in the folder is up to date and imported as it is; otherwise one of known bytes is "compiled"): the
+    variants built and the bytes of every library imported are recorded. Nothing is compiled."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(kernel_build.FORCE, raising=False)
+    seen = SimpleNamespace(compiled=[], imported=[])
+
+    def load(name, sources, extra_cflags, extra_include_paths, extra_ldflags, build_directory):
+        library = Path(build_directory) / f"{name}.so"
+        assert not (Path(build_directory) / "lock").exists(), "torch would wait on its lock file forever"
+        if not library.exists():
+            seen.compiled.append(name)
+            library.write_bytes(f"compiled {name}".encode())
+        return imported(name, library)
+
+    def imported(name: str, library: Path) -> SimpleNamespace:
+        seen.imported.append(library.read_bytes())
+        return SimpleNamespace(__name__=name, tiles_in_use=lambda: True)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(kernel_build, "_import", imported)
+    kernel_build.selected.cache_clear()
+    yield seen
+    kernel_build.selected.cache_clear()
 
 
-@needs_kernels
-def test_waiting_on_a_live_build_times_out_naming_the_folder() -> None:
-    folder = kernel_build.build_folder()
-    folder.mkdir(parents=True, exist_ok=True)
+def test_a_build_lock_left_by_a_killed_build_is_removed(fake_compiler: SimpleNamespace) -> None:
+    folder = kernel_build.build_folder("avx2")
+    folder.mkdir(parents=True)
+    (folder / "lock").touch()  # what torch leaves when its build is killed; it would wait on it forever
+    assert kernel_build.build(name="avx2") is not None
+    assert fake_compiler.compiled == [kernel_build.module_name("avx2")]
+
+
+def test_waiting_on_a_live_build_times_out_naming_the_folder(fake_compiler: SimpleNamespace) -> None:
+    folder = kernel_build.build_folder("avx2")
+    folder.mkdir(parents=True, mode=0o700)
     holder = textwrap.dedent(
         f"""
         import fcntl, os, sys, time
@@ -141,11 +170,78 @@ def test_waiting_on_a_live_build_times_out_naming_the_folder() -> None:
     try:
         assert other.stdout.readline().strip() == "held"
         with pytest.raises(kernel_build.KernelBuildError, match=f"process {other.pid} has been building") as caught:
-            kernel_build.build(wait_s=1)
+            kernel_build.build(wait_s=1, name="avx2")
         assert str(folder) in str(caught.value) and "wait for it" in str(caught.value)
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_library_planted_in_a_build_folder_is_not_imported_but_rebuilt(
+    fake_compiler: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The folders are made private (0700); a library whose SHA-256 is not the one recorded when it was built (the
+    compiler's output, unlike a planted one, is always newer than the sources) is never imported: it is rebuilt from
+    the sources, saying so; the rebuilt one then loads as it is."""
+    kernel_build.build(name="avx2")
+    folder, name = kernel_build.build_folder("avx2"), kernel_build.module_name("avx2")
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(folder.parent.stat().st_mode) == 0o700
+    library = folder / f"{name}.so"
+    built = library.read_bytes()
+    library.write_bytes(b"planted: its init code would run as whoever loads the kernels next")
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        kernel_build.build(name="avx2")
+    assert all(b"planted" not in imported for imported in fake_compiler.imported)
+    assert fake_compiler.compiled == [name, name] and library.read_bytes() == built
+    assert f"{library} does not match the SHA-256 recorded" in caplog.text
+    kernel_build.build(name="avx2")  # verified: imported, not compiled again
+    assert fake_compiler.compiled == [name, name] and fake_compiler.imported[-1] == built
+
+
+@pytest.mark.parametrize("unsafe", ["group-writable kernels folder", "others-writable build", "foreign-owned build"])
+def test_a_kernel_folder_another_user_could_write_is_refused_in_one_line(
+    unsafe: str, fake_compiler: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel_build.build(name="avx2")
+    folder = kernel_build.build_folder("avx2")
+    refused, owner = (folder.parent if unsafe.startswith("group") else folder), 4242
+    if unsafe.startswith("group"):
+        folder.parent.chmod(0o770)
+    elif unsafe.startswith("others"):
+        folder.chmod(0o702)
+    elif os.geteuid() == 0:  # root trusts only its own folders: give it to another user
+        os.chown(folder, owner, owner)
+    else:  # a user cannot give a folder away: be another one
+        owner = os.getuid()
+        monkeypatch.setattr(os, "geteuid", lambda: owner + 1)
+    loads = len(fake_compiler.imported)
+    with pytest.raises(ConfigError) as caught:
+        kernel_build.build(name="avx2")
+    message = str(caught.value)
+    assert "\n" not in message and str(refused) in message and "SPECDEC_CACHE" in message, message
+    assert ("writable by group or others" if "writable" in unsafe else f"belongs to user {owner}") in message
+    assert len(fake_compiler.imported) == loads  # nothing of it was imported
+
+
+def test_a_read_only_kernel_cache_loads_its_verified_build_without_the_lock(fake_compiler: SimpleNamespace) -> None:
+    """As root a chmod does not stop writes, so what proves the cache was only read is that no lock file was created;
+    a lock that cannot be opened (a folder in its place, unopenable even for root) stands for a read-only cache that
+    holds no verified build: one line, naming SPECDEC_CACHE."""
+    kernel_build.build(name="avx2")
+    folder, name = kernel_build.build_folder("avx2"), kernel_build.module_name("avx2")
+    (folder / "specdec.lock").unlink()
+    folder.chmod(0o500)
+    try:
+        assert kernel_build.build(name="avx2").__name__ == name
+        assert not (folder / "specdec.lock").exists() and fake_compiler.compiled == [name]
+    finally:
+        folder.chmod(0o700)
+    (folder / "specdec.lock").mkdir()
+    (folder / f"{name}.so").write_bytes(b"not the library recorded")
+    with pytest.raises(kernel_build.KernelBuildError) as caught:
+        kernel_build.build(name="avx2")
+    assert "\n" not in str(caught.value) and "holds no verified build" in str(caught.value)
+    assert "SPECDEC_CACHE" in str(caught.value) and fake_compiler.compiled == [name]
 
 
 def test_a_failed_build_shows_the_compilers_own_error() -> None:
@@ -260,8 +356,10 @@ def test_generate_on_native_states_its_perplexity_measured_once(
     assert again.exit_code == 0 and first.stderr.splitlines()[:2] == again.stderr.splitlines()[:2]
 
 
-def test_doctor_reports_a_failing_kernel_build_as_a_problem_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(wait_s: float = 0) -> None:
+def test_doctor_reports_a_failing_kernel_build_as_a_problem_with_its_error(
+    fake_compiler: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(wait_s: float = 0, name: str | None = None) -> None:
         raise kernel_build.KernelBuildError("main.cpp:12:5: error: '_mm512_dpbusd_epi32' was not declared")
 
     monkeypatch.setattr(kernel_build, "variant", lambda: "avx512")
@@ -271,6 +369,30 @@ def test_doctor_reports_a_failing_kernel_build_as_a_problem_with_its_error(monke
     (kernels,) = [c for c in report["checks"] if c["name"] == "native kernels"]
     assert kernels["status"] == "problem" and "_mm512_dpbusd_epi32" in kernels["detail"]
     assert done.exit_code == 1 and report["problems"] >= 1
+
+
+def test_doctor_names_the_build_the_runtime_loads_when_a_faster_one_fails(
+    fake_compiler: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specdec import machine
+
+    flags = frozenset({"avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni"})  # no AMX
+    monkeypatch.setattr(kernel_build, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
+    compile_ = cpp_extension.load
+
+    def no_avx512(name: str, **kwargs):
+        if name.startswith("specdec_kernels_avx512_"):
+            raise RuntimeError("Error building extension\nlinear.cpp:3:1: error: this compiler has no AVX-512")
+        return compile_(name, **kwargs)
+
+    monkeypatch.setattr(cpp_extension, "load", no_avx512)
+    done = runner.invoke(app, ["doctor", "--json"])
+    (kernels,) = [c for c in json.loads(done.stdout)["checks"] if c["name"] == "native kernels"]
+    assert kernels["status"] == "ok", kernels
+    assert "avx2-vnni kernels in use" in kernels["detail"] and "this compiler has no AVX-512" in kernels["detail"]
+    assert str(kernel_build.build_folder("avx2-vnni")) in kernels["detail"]
+    assert kernel_build.build_name() == kernel_build.module_name("avx2-vnni")  # what the runtime loads
 
 
 def test_doctor_says_why_a_faster_kernel_build_is_not_in_use(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,7 @@ import typer
 from rich.text import Text
 
 from specdec.cli.options import console, status, user_errors
-from specdec.errors import SpecDecError
+from specdec.errors import ConfigError, SpecDecError
 
 # ok; missing: an optional part that is not installed or not possible here; problem: should work and does not
 Status = Literal["ok", "missing", "problem"]
@@ -37,37 +37,41 @@ class Check:
 
 
 def native_kernels() -> Check:
-    """Which kernel path this CPU allows, and whether the kernels build and load."""
+    """Which kernel build the runtime loads (chosen as the runtime chooses it, fallbacks included), or why none."""
     from specdec.machine import cpu_flags
     from specdec.models.native import kernel_build
 
-    name = kernel_build.variant()
-    if name is None:
+    first = kernel_build.variant()
+    if first is None:
         return Check(
             "native kernels",
             "missing",
             "this CPU lacks AVX2, FMA and F16C (x86) or SDOT (ARM), which the native backend's kernels need at least",
             "use --backend transformers (or llama.cpp); --backend auto chooses transformers by itself",
         )
-    compiler = shlex.split(os.environ.get("CXX") or "c++")[0]
-    if shutil.which(compiler) is None:
-        return Check(
-            "native kernels", "problem", f"no C++ compiler ({compiler}) on PATH", "install g++ (apt install g++)"
-        )
-    built = kernel_build.is_built()
-    with status("building the native kernels (once; under a minute)" if not built else "loading the native kernels"):
+    ready = kernel_build.is_built(first)
+    with status("loading the native kernels" if ready else "building the native kernels (once; under a minute)"):
         try:
-            module = kernel_build.build()
-        except kernel_build.KernelBuildError as exc:
-            return Check("native kernels", "problem", f"the {name} kernels do not build: {exc}")
-    where = kernel_build.build_folder()
+            chosen = kernel_build.selected()
+        except ConfigError as exc:  # a kernels' folder another user could write: refused
+            return Check("native kernels", "problem", str(exc))
+    if chosen.module is None:
+        compiler = shlex.split(os.environ.get("CXX") or "c++")[0]
+        if shutil.which(compiler) is None:
+            return Check(
+                "native kernels", "problem", f"no C++ compiler ({compiler}) on PATH", "install g++ (apt install g++)"
+            )
+        return Check("native kernels", "problem", chosen.problem)
     faster = kernel_build.faster_builds_not_used(
-        name, cpu_flags(), os.environ.get(kernel_build.FORCE), module.tiles_in_use()
+        chosen.name,
+        cpu_flags(),
+        os.environ.get(kernel_build.FORCE),
+        chosen.module.tiles_in_use(),
+        chosen.failures,
     )
     why = f"; faster builds not in use: {'; '.join(faster)}" if faster else "; the fastest build for this CPU"
-    return Check(
-        "native kernels", "ok", f"{name} kernels in use, {'built now' if not built else 'built'} ({where}){why}"
-    )
+    where = kernel_build.build_folder(chosen.name)
+    return Check("native kernels", "ok", f"{chosen.name} kernels in use ({where}){why}")
 
 
 def llama_cpp() -> Check:

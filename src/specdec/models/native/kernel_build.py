@@ -6,20 +6,31 @@ more), AVX-512 VNNI, AVX2 with AVX-VNNI, AVX2, or ARM NEON with SDOT; all give t
 module are named by a hash of the sources and the compiler flags, so a changed source is a new build, never a stale
 one. Where none can be built (no AVX2 or SDOT, no compiler), ``linear`` gives the same numbers from each format's
 float64 reference (exact, only slower) and the other kernels are unavailable (the native backend says so).
+
+A library is imported only where this process built it or verified it: the folders are private (made 0700; one another
+user owns or could write is refused), and the library's SHA-256, recorded when it is built, is checked before every
+import (a library that does not match is rebuilt). A verified build loads without the lock, so a read-only cache works.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
+import shlex
+import shutil
+import stat
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
+from specdec.errors import ConfigError
 from specdec.machine import cpu_flags
 
 log = logging.getLogger("specdec")
@@ -101,9 +112,12 @@ def module_name(name: str) -> str:
 BUILD_WAIT_S = 600  # longest wait for another process's build of the kernels
 
 
-def faster_builds_not_used(used: str, flags: set[str], forced: str | None, tiles: bool = True) -> list[str]:
+def faster_builds_not_used(
+    used: str, flags: set[str], forced: str | None, tiles: bool = True, failures: dict[str, str] | None = None
+) -> list[str]:
     """Why each build faster than ``used`` for this CPU's family (x86 or ARM) is not in use, one line each: the CPU
-    lacks its instructions, $SPECDEC_KERNELS chose another, or (AMX) Linux did not grant the tiles' state."""
+    lacks its instructions, its build failed (``failures``: the error of each one tried), $SPECDEC_KERNELS chose
+    another, or (AMX) Linux did not grant the tiles' state."""
     arm = used == "neon"
     reasons = []
     for name, (needs, _) in VARIANTS.items():
@@ -113,6 +127,8 @@ def faster_builds_not_used(used: str, flags: set[str], forced: str | None, tiles
             continue
         if missing := sorted(set(needs) - flags):
             reasons.append(f"{name}: this CPU lacks {', '.join(missing)}")
+        elif failures and name in failures:
+            reasons.append(f"{name}: its build failed here ({failures[name]}; {FORCE}={name} retries it)")
         elif forced:
             reasons.append(f"{name}: {FORCE}={forced} chose {used} (unset it to use {name})")
         else:
@@ -140,14 +156,14 @@ def build_folder(name: str | None = None) -> Path:
 
 
 def is_built(name: str | None = None) -> bool:
-    name = name or variant() or "avx512"
-    return (build_folder(name) / f"{module_name(name)}.so").exists()
+    """Whether a verified build is cached: its library, with the SHA-256 recorded when it was built."""
+    return _verified(name or variant() or "avx512")
 
 
 def compiled():
     """The compiled kernels, or None (``linear`` then takes its exact float64 path) where this machine cannot run or
     build them."""
-    return _load()[0]
+    return selected().module
 
 
 def build_name() -> str:
@@ -162,72 +178,204 @@ def build_name() -> str:
 
 def kernels_problem() -> str | None:
     """Why the kernels are not available here (no AVX2 or ARM SDOT, or the build's error), or None."""
-    return _load()[1]
+    return selected().problem
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The kernels' build a process loads: the fastest of this CPU's that builds (or is verified in the cache), each
+    faster one that fails giving way to the next plainer one."""
+
+    module: ModuleType | None  # the compiled kernels; None: ``linear`` takes its float64 reference
+    name: str | None  # its key in VARIANTS
+    failures: dict[str, str]  # the error of each build tried before it (of every one tried, where none loads)
+    problem: str | None  # why none loads, or None
 
 
 @functools.cache
-def _load():
+def selected() -> Selection:
+    """The build this process loads, chosen once; the runtime and `specdec doctor` both ask here. A kernels' folder
+    another user could write raises its ConfigError: refused, not worked around with a plainer build."""
     first = variant()
     if first is None:
-        return None, "this CPU lacks AVX2, FMA and F16C (x86) or SDOT (ARM)"
+        return Selection(None, None, {}, "this CPU lacks AVX2, FMA and F16C (x86) or SDOT (ARM)")
     runs = [name for name, (needs, _) in VARIANTS.items() if set(needs) <= cpu_flags()]
-    failures = []
+    failures = {}
     for name in [first] + runs[runs.index(first) + 1 :]:  # a build the compiler refuses gives way to a plainer one
         try:
-            return build(name=name), None
+            return Selection(build(name=name), name, failures, None)
         except KernelBuildError as exc:  # unwritable cache, no compiler, a compile error
-            failures.append(f"{name}: {exc}")
+            failures[name] = str(exc)
             log.warning("specdec's %s kernels could not be built (%s): trying a plainer build", name, exc)
     log.warning(
-        "specdec's CPU kernels are not available, so native layers use their exact float64 reference: %s", failures[0]
+        "specdec's CPU kernels are not available, so native layers use their exact float64 reference: %s",
+        next(iter(failures.values())),
     )
-    return None, f"the kernels' build failed: {'; '.join(failures)}"
+    problem = f"the kernels' build failed: {'; '.join(f'{name}: {error}' for name, error in failures.items())}"
+    return Selection(None, None, failures, problem)
 
 
 def build(wait_s: float = BUILD_WAIT_S, name: str | None = None):
-    """Compile (first use: under a minute, said on stderr) or load a build of the kernels (``name``: a key of
-    ``VARIANTS``; by default this CPU's), one process at a time.
+    """Load a verified build of the kernels (``name``: a key of ``VARIANTS``; by default this CPU's), else compile it
+    (first use: under a minute, said on stderr), one process at a time.
 
-    torch marks a build in progress with a ``lock`` file and waits, without limit, while it exists; a build killed
-    midway leaves it behind. Builds here also hold an OS lock on ``specdec.lock``, which dies with its process: holding
-    it, any ``lock`` file left is stale and removed; a live build is waited for at most ``wait_s`` seconds.
+    A verified build (its library's SHA-256 is the one recorded when it was built) is imported without taking the
+    lock, so a read-only cache serves. Otherwise torch marks a build in progress with a ``lock`` file and waits,
+    without limit, while it exists; a build killed midway leaves it behind. Builds here also hold an OS lock on
+    ``specdec.lock``, which dies with its process: holding it, any ``lock`` file left is stale and removed; a live
+    build is waited for at most ``wait_s`` seconds.
     """
-    from torch.utils.cpp_extension import load
-
     name = name or variant()
     if name is None:
         raise KernelBuildError(
             "this CPU lacks AVX2, FMA and F16C (x86) or SDOT (ARM): the native kernels cannot run here"
         )
     folder = build_folder(name)
+    if folder.is_dir():
+        _refuse_unsafe(folder)
+        if _verified(name):
+            return _import_verified(name)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        _make_private(folder)
+        _refuse_unsafe(folder)  # before the lock: its file is written
         guard = open(folder / "specdec.lock", "a+")
     except OSError as exc:
-        raise KernelBuildError(f"the kernels' folder {folder} is not writable ({exc}): set SPECDEC_CACHE") from None
+        raise KernelBuildError(
+            f"the kernels' folder {folder} is not writable ({exc}) and holds no verified build: set SPECDEC_CACHE to "
+            f"a folder of your own"
+        ) from None
     with guard:
         if _hold(guard, folder, wait_s):
             stale = folder / "lock"
             if stale.exists():
                 log.warning("removing %s, left by a kernel build that was stopped midway", stale)
                 stale.unlink()
-        if not is_built(name):
+        if _verified(name):  # built by the process this one waited for
+            return _import_verified(name)
+        library = _library(name)
+        if library.exists():
+            log.warning(
+                "%s does not match the SHA-256 recorded when it was built (or none was recorded): not loading it; "
+                "rebuilding the kernels from their sources",
+                library,
+            )
+            _clear(folder)
+        else:
             log.warning(
                 "compiling specdec's CPU kernels (%s) for this machine, once (under a minute; cached in %s)",
                 name,
                 folder,
             )
-        try:
-            return load(
-                module_name(name),
-                sources=[str(KERNELS / file) for file in SOURCES],
-                extra_cflags=[*CFLAGS, *VARIANTS[name][1]],
-                extra_include_paths=[str(KERNELS)],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(folder),
+        module = _compile(name, folder)
+        _record(library)
+        return module
+
+
+def _compile(name: str, folder: Path):
+    """Compile a build with torch's cpp_extension (g++ and ninja) in ``folder``, and import it."""
+    from torch.utils import cpp_extension
+
+    try:
+        return cpp_extension.load(
+            module_name(name),
+            sources=[str(KERNELS / file) for file in SOURCES],
+            extra_cflags=[*CFLAGS, *VARIANTS[name][1]],
+            extra_include_paths=[str(KERNELS)],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+        )
+    except (RuntimeError, OSError, ImportError) as exc:  # no compiler, no ninja, a compile error
+        raise KernelBuildError(compiler_error(str(exc))) from None
+
+
+def _library(name: str) -> Path:
+    return build_folder(name) / f"{module_name(name)}.so"
+
+
+def _digest_file(library: Path) -> Path:
+    """Where the SHA-256 of a build's library is recorded when it is built."""
+    return library.with_name(library.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def _verified(name: str) -> bool:
+    """Whether a build's library is there with the SHA-256 recorded when it was built."""
+    library = _library(name)
+    try:
+        return _digest_file(library).read_text().strip() == _sha256(library)
+    except OSError:
+        return False
+
+
+def _record(library: Path) -> None:
+    """Record the SHA-256 of the library just built (under the lock), written whole or not at all."""
+    record = _digest_file(library)
+    partial = record.with_name(record.name + ".partial")
+    partial.write_text(_sha256(library) + "\n")
+    os.replace(partial, record)
+
+
+def _import_verified(name: str):
+    library = _library(name)
+    try:
+        return _import(module_name(name), library)
+    except (ImportError, OSError) as exc:
+        raise KernelBuildError(f"{library} does not load ({exc}): remove {library.parent} to rebuild it") from None
+
+
+def _import(name: str, library: Path):
+    """Import the extension module ``name`` from ``library``, as torch's loader does, without building anything."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _clear(folder: Path) -> None:
+    """Remove a build's outputs (all but the lock held): a library that fails its check was written by another hand,
+    so none of its objects is reused either."""
+    for path in folder.iterdir():
+        if path.name == "specdec.lock":
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _make_private(folder: Path) -> None:
+    """Make the kernels' folder and the build's folder in it, each 0700 (the cache folder above them, as any)."""
+    folder.parent.parent.mkdir(parents=True, exist_ok=True)
+    for path in (folder.parent, folder):
+        path.mkdir(mode=0o700, exist_ok=True)
+
+
+def _refuse_unsafe(folder: Path) -> None:
+    """Refuse, in one line, a build's folder or the kernels' folder above it that another user owns or could write: a
+    library put there would run its code as whoever loads the kernels next. Root's own are trusted (root can write
+    anything anyway), so a cache prepared by root and made read-only serves every user."""
+    if os.name != "posix":
+        return
+    for path in (folder.parent, folder):
+        info = path.stat()
+        fix = (
+            f"set SPECDEC_CACHE to a folder of your own, or remove it (rm -r {shlex.quote(str(path))}; the kernels "
+            f"are rebuilt)"
+        )
+        if info.st_uid not in (os.geteuid(), 0):
+            raise ConfigError(
+                f"the kernels' folder {path} belongs to user {info.st_uid}, not you, so a library in it could run "
+                f"code as you: {fix}"
             )
-        except (RuntimeError, OSError, ImportError) as exc:  # no compiler, no ninja, a compile error
-            raise KernelBuildError(compiler_error(str(exc))) from None
+        if info.st_mode & 0o022:
+            raise ConfigError(
+                f"the kernels' folder {path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):o}), "
+                f"so a library swapped into it would run as you: {fix}"
+            )
 
 
 def _hold(guard, folder: Path, wait_s: float) -> bool:
