@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from typer.testing import CliRunner
 
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.cli.main import app
+from specdec.config import GuardConfig
 from specdec.drafters import ModelDrafter, build_drafter
 from specdec.errors import (
     ConfigError,
@@ -62,6 +64,29 @@ def test_sampling_config_ranges(kwargs: dict, words: str) -> None:
     with pytest.raises(ConfigError) as exc:
         SamplingConfig(**kwargs)
     assert words in _one_line(exc)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature_schedule": (math.nan, math.nan)}, "temperature_schedule"),
+        ({"temperature_schedule": (0.7, math.inf)}, "temperature_schedule"),
+        ({"temperature_schedule": (math.inf, math.inf)}, "temperature_schedule"),
+        ({"drift_threshold": math.nan}, "drift_threshold"),
+        ({"drift_threshold": math.inf}, "drift_threshold"),
+    ],
+)
+def test_guard_floats_must_be_finite(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        GuardConfig(**kwargs)
+    assert field in _one_line(exc)
+
+
+@pytest.mark.parametrize("temperature", [math.nan, math.inf])
+def test_sampling_temperature_must_be_finite(temperature: float) -> None:
+    with pytest.raises(ConfigError) as exc:
+        SamplingConfig(temperature=temperature)
+    assert "temperature" in _one_line(exc) and "finite" in str(exc.value)
 
 
 def test_empty_prompt_and_out_of_vocabulary_ids(tiny_folder: Path) -> None:

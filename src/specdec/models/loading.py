@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -23,6 +24,7 @@ from transformers.utils import logging as hf_logging
 
 from specdec.config import DTYPES
 from specdec.errors import ConfigError, ModelNotFoundError
+from specdec.models.file_headers import check_gguf, check_gguf_model, safetensors_header
 from specdec.models.registry import (
     ALIASES,
     ModelSource,
@@ -61,6 +63,9 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "c
     torch_dtype = parse_dtype(dtype)
     source = resolve(name)
     folder = materialize(source)
+    if source.kind == "folder":
+        for file in sorted(Path(folder).glob("*.safetensors")):
+            safetensors_header(file)  # a damaged file is one line, not safetensors' own error
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
     except OSError as exc:
@@ -94,9 +99,20 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     """De-quantize a GGUF file into a safetensors folder (written atomically)."""
     from rich.console import Console
 
+    values = check_gguf(gguf)  # transformers' reader trusts the header's counts and sizes
     with Console(stderr=True).status(f"converting {gguf.name} to safetensors (once; cached in {target})"):
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        try:
+            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            check_gguf_model(gguf, config, values)  # no model larger than the file is built from it
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of transformers' model of a well-formed GGUF header
+            raise ConfigError(
+                f"transformers could not load {gguf} ({first_line(exc)}): the file is damaged or its model is not one "
+                "transformers reads from GGUF; download it again, or use --backend llama.cpp"
+            ) from None
         # The weights are already float; drop the GGUF quantizer marker so transformers will serialize them.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from specdec.errors import ConfigError
 from specdec.models.native import kernel_build
 from specdec.models.registry import cache_root
 
@@ -85,8 +86,9 @@ class _Packer(Packed):
         for start in range(0, self.out_features, CHUNK):
             chunk = weight[start : start + CHUNK].detach().float()
             if not bool(torch.isfinite(chunk).all()):
-                raise ValueError(
-                    f"an {self.format} layer's weight holds NaN or infinite values: the model file is damaged"
+                raise ConfigError(
+                    f"an {self.format} layer's weight holds NaN or infinite values: the model file is damaged, "
+                    "download it again"
                 )
             pad = -len(chunk) % BLOCK  # zero outputs up to a whole block, cut off again by linear()
             for name, part in self.pack(torch.nn.functional.pad(chunk, (0, 0, 0, pad))).items():

@@ -13,11 +13,9 @@ import ctypes
 import hashlib
 import json
 import logging
-import math
 import os
 import pickle
 import shutil
-import struct
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import ConfigError
+from specdec.models.file_headers import check_gguf, check_gguf_model, one_line, safetensors_header
 from specdec.models.native.model import NativeModel, Tensors
 from specdec.models.registry import cache_root
 
@@ -37,29 +36,10 @@ DEQUANTIZE_ROWS = 4096  # rows of a GGUF matrix de-quantized at a time
 
 def safetensors_reader(folder: Path) -> Tensors:
     """A function reading one tensor of the folder's safetensors files by name (None if no file has it)."""
-    files = checkpoint_files(folder)
     where: dict[str, tuple[Path, int, dict]] = {}
-    for file in files:
-        damaged = ConfigError(f"{file} is not a safetensors file (its header is damaged): download it again")
-        with open(file, "rb") as handle:
-            try:
-                (size,) = struct.unpack("<Q", handle.read(8))
-                if size > file.stat().st_size - 8:
-                    raise damaged
-                header = json.loads(handle.read(size))
-                entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
-                for entry in entries.values():
-                    begin, end = entry["data_offsets"]
-                    numbers = [begin, end, *entry["shape"]]
-                    if not (
-                        isinstance(entry["dtype"], str)
-                        and all(type(v) is int and v >= 0 for v in numbers)
-                        and begin <= end
-                    ):
-                        raise damaged
-            except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-                raise damaged from None
-        where |= {name: (file, 8 + size, entry) for name, entry in entries.items()}
+    for file in checkpoint_files(folder):
+        base, entries = safetensors_header(file)  # every offset checked against the file's size
+        where |= {name: (file, base, entry) for name, entry in entries.items()}
 
     def read(name: str) -> torch.Tensor | None:
         if name not in where:
@@ -70,11 +50,7 @@ def safetensors_reader(folder: Path) -> Tensors:
                 f"tensor {name} is {entry['dtype']}: the native runtime reads F32, F16 and BF16 checkpoints"
             )
         begin, end = entry["data_offsets"]
-        dtype, shape = DTYPES[entry["dtype"]], entry["shape"]
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise ConfigError(
-                f"tensor {name} of {file} has {end - begin} bytes for its shape {shape}: the file is damaged"
-            )
+        dtype, shape = DTYPES[entry["dtype"]], entry["shape"]  # its bytes, checked against its shape and the file's
         data = torch.empty(end - begin, dtype=torch.uint8)
         with open(file, "rb") as handle:
             handle.seek(base + begin)
@@ -110,19 +86,25 @@ def gguf_reader(path: Path, config) -> Tensors:
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
+    check_gguf(path)  # gguf's reader trusts the header's counts and sizes
     try:
         reader = gguf.GGUFReader(path)
         architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not a GGUF file the native runtime can read ({exc}): download it again") from None
+        raise ConfigError(
+            f"{path} is not a GGUF file the native runtime can read ({one_line(exc)}): download it again"
+        ) from None
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     try:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)  # only its parameter names
         mapped = get_gguf_hf_weights_map(skeleton, processor, model_type=architecture)  # named as the file names it
     except (NotImplementedError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"the tensors of {path} ({architecture}) cannot be mapped to the model's ({exc})") from None
+        raise ConfigError(
+            f"the tensors of {path} ({architecture}) cannot be mapped to the model's ({one_line(exc)})"
+        ) from None
     names = {ours: theirs for theirs, ours in mapped.items()}
+    shapes = {name: tuple(tensor.shape) for name, tensor in skeleton.state_dict().items()}  # as the config has them
     # Where each tensor lies and how it is laid out; the reader's arrays map the whole file, so none is kept.
     entries = {
         e.name: (int(e.data_offset), int(e.n_bytes), e.data.dtype, e.data.shape, e.tensor_type) for e in reader.tensors
@@ -149,7 +131,20 @@ def gguf_reader(path: Path, config) -> Tensors:
             raise ConfigError(
                 f"tensor {gguf_name} is {kind.name}, which gguf cannot de-quantize: use --backend llama.cpp"
             ) from None
-        values = processor.process(weights=values, name=gguf_name).weights
+        except ValueError as exc:  # a shape its blocks do not fill
+            raise ConfigError(
+                f"tensor {gguf_name} of {path} cannot be de-quantized ({one_line(exc)}): the file is damaged, "
+                "download it again"
+            ) from None
+        try:
+            values = processor.process(weights=values, name=gguf_name).weights
+        except ValueError:  # a reshape by the config's head counts that the tensor does not fit
+            values = None
+        if values is None or (name in shapes and values.shape != shapes[name]):
+            raise ConfigError(
+                f"tensor {gguf_name} of {path} does not fit the shape {shapes.get(name)} that the file's metadata "
+                "gives it: the file is damaged, download it again"
+            )
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
     return read
@@ -179,10 +174,14 @@ def gguf_metadata(path: Path) -> Path:
     folder = cache_root() / "native" / f"{path.stem}-{_stamp([path])}-metadata"
     if (folder / "config.json").exists():
         return folder
+    values = check_gguf(path)  # transformers' reader trusts the header's counts and sizes
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"could not read the model's config from {path} ({exc}): is it a GGUF model file?") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' errors and huggingface_hub's validation of the config
+        raise ConfigError(
+            f"could not read the model's config from {path} ({one_line(exc)}): is it a GGUF model file?"
+        ) from None
+    check_gguf_model(path, config, values)  # no model larger than the file is built from it
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # noqa: BLE001 - any failure of transformers' conversion of a GGUF vocabulary
