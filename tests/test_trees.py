@@ -14,6 +14,7 @@ import torch
 from conftest import loaded, perturbed, step_outcome, tiny_llama
 from test_native import models
 
+import specdec.engine.step as step_module
 import specdec.verification.tree as tree_verifier
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
@@ -28,6 +29,7 @@ from specdec.models.native import kernel_build
 from specdec.scheduling import CostCurve, KPolicy
 from specdec.scheduling.k_policy import TREE_TRIAL_EVERY, CostModelK, StepOutcome
 from specdec.seeds import rng_on
+from specdec.verification import Uniforms
 from specdec.verification.sampling import draw
 from specdec.verification.shaping import to_probs
 from specdec.verification.tree import verify_tree_greedy
@@ -364,14 +366,35 @@ def test_a_timed_tree_row_starts_from_its_generators_earlier_rows() -> None:
     )
 
 
-@pytest.mark.parametrize("sampled", [True, False], ids=["drawn siblings", "deterministic siblings"])
-def test_a_wrong_sibling_residual_fails(monkeypatch: pytest.MonkeyPatch, sampled: bool) -> None:
-    """Negative control, patched where tree.py reads it: trying the next sibling against p instead of
-    norm(max(0, p - q)) must be caught, for drawn siblings and for deterministic ones (top tokens, as eagle and model
-    trees draft; prompt lookup's matches are verified the same way), where it keeps a rejected sibling's mass."""
+def test_a_wrong_sibling_residual_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control, patched where tree.py reads it: trying the next drawn sibling against p instead of
+    norm(max(0, p - q)) must be caught. (Deterministic siblings read no residual: the target draws and descends to the
+    sibling it drew; their control is the next test.)"""
     monkeypatch.setattr(tree_verifier, "residual_distribution", lambda p, q: p)
     target = tiny_llama(3, vocab=VOCAB, scale=0.15)
-    gen = Generator(loaded(target), ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["wide"], sampled))
+    gen = Generator(loaded(target), ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["wide"], True))
+    samples = _sample(gen, SAMPLINGS["plain"], 1500, batched=True)
+    assert sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["plain"]))[0] < MIN_PVALUE
+
+
+def one_uniform_for_every_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Break trees of deterministic siblings: every level drawn with its first level's uniform instead of its own."""
+    original = step_module._tree_uniforms
+
+    def one_for_every_level(row, parents, device):
+        uniforms = original(row, parents, device)
+        return Uniforms(uniforms.sample[:1].expand_as(uniforms.sample), uniforms.accept)
+
+    monkeypatch.setattr(step_module, "_tree_uniforms", one_for_every_level)
+
+
+def test_deterministic_siblings_judged_with_one_uniform_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control for deterministic siblings (top tokens, as eagle and model trees draft; prompt lookup's
+    matches are verified the same way): every level of a tree drawn with its first level's uniform, instead of the
+    uniform of its own position, must be caught."""
+    one_uniform_for_every_level(monkeypatch)
+    target = tiny_llama(3, vocab=VOCAB, scale=0.15)
+    gen = Generator(loaded(target), ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["wide"], False))
     samples = _sample(gen, SAMPLINGS["plain"], 1500, batched=True)
     assert sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["plain"]))[0] < MIN_PVALUE
 

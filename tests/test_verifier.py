@@ -7,7 +7,8 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.config import SamplingConfig
-from specdec.verification import rejection, verify
+from specdec.seeds import ACCEPT, DRAFT, SAMPLE, Seeds, keyed_uniform
+from specdec.verification import Uniforms, rejection, to_probs, verify, verify_tree_sampled
 from specdec.verification.sampling import draw, greedy
 
 ALPHA = 1e-3  # significance level of every distribution test here
@@ -116,3 +117,45 @@ def test_the_greedy_choice_is_argmax_ties_and_nan_included() -> None:
     assert greedy(rows).tolist() == [1, 0, 0, 2] == rows.argmax(dim=-1).tolist()
     wide = torch.randn(2, 5, 262144, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # many ties
     assert torch.equal(greedy(wide), wide.argmax(dim=-1)) and greedy(wide).dtype == torch.long
+
+
+def test_deterministic_drafts_yield_the_targets_own_draws() -> None:
+    """Given the uniforms, a deterministic chain or tree yields exactly the tokens the target draws alone with them,
+    whatever was drafted (right, wrong, or nothing): only how many come per step changes."""
+    sampling = SamplingConfig(temperature=0.8)
+    logits = 2 * torch.randn(1, 5, 6, generator=torch.Generator().manual_seed(0))
+    rng = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        uniforms = Uniforms.drawn((1, 5), (1, 4), torch.device("cpu"), rng)
+        own = draw(to_probs(logits, sampling), uniform=uniforms.sample)[0].tolist()  # the target's draw per position
+        wrong = [(t + 1) % 6 for t in own]
+        for drafts in (own[:4], wrong[:4], own[:2] + wrong[2:4], own[:3] + wrong[3:4]):
+            verdict = verify(torch.tensor([drafts]), torch.tensor([4]), logits, None, sampling, uniforms=uniforms)
+            n = int(verdict.accepted)
+            assert drafts[:n] + verdict.next_token.tolist() == own[: n + 1]
+            assert n == next((i for i in range(4) if drafts[i] != own[i]), 4)
+        # a tree: level l is judged with sample[l]. The root's children: a wrong token and the target's draw; the
+        # latter's child: the target's next draw. Column j + 1 of the logits scores node j's children.
+        tree, parents = torch.tensor([wrong[0], own[0], own[1]]), torch.tensor([-1, -1, 1])
+        tree_uniforms = Uniforms(uniforms.sample[0, :4], uniforms.accept[0, :3])
+        tree_logits = logits[0, [0, 4, 1, 2]]  # node 0's children (it has none) scored by anything
+        verdict = verify_tree_sampled(tree, parents, tree_logits, None, sampling, uniforms=tree_uniforms)
+        assert verdict.paths == [[1, 2]] and verdict.next_token.tolist() == own[2:3]
+
+
+def test_keyed_uniforms_are_uniform_independent_and_a_function_of_their_key() -> None:
+    """The numbers every seeded draw reads (seeds.py): uniform over seeds, independent across what they decide and
+    across positions, and the same whenever asked."""
+    seeds = range(20_000)
+    sample = torch.tensor([keyed_uniform(s, SAMPLE, 100) for s in seeds], dtype=torch.float64)
+    accept = torch.tensor([keyed_uniform(s, ACCEPT, 100) for s in seeds], dtype=torch.float64)
+    later = torch.tensor([keyed_uniform(s, SAMPLE, 101) for s in seeds], dtype=torch.float64)
+    for values in (sample, accept, later):
+        assert ((values >= 0) & (values < 1)).all()
+        assert chisquare(torch.histc(values, bins=20, min=0, max=1).numpy()).pvalue > ALPHA
+    for a, b in ((sample, accept), (sample, later)):  # the joint of two keys: uniform over a 10 x 10 grid
+        cells = torch.bincount((a * 10).long() * 10 + (b * 10).long(), minlength=100)
+        assert chisquare(cells.numpy()).pvalue > ALPHA
+    assert keyed_uniform(7, DRAFT, 3, 1) == keyed_uniform(7, DRAFT, 3, 1) != keyed_uniform(7, DRAFT, 3, 0)
+    on_host = Seeds(7).uniforms("cpu", [(SAMPLE, 100, 0), (ACCEPT, 100, 0)])
+    assert on_host.dtype == torch.float64 and on_host.tolist() == [keyed_uniform(7, SAMPLE, 100), accept[7].item()]

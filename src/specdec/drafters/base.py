@@ -25,7 +25,8 @@ class DraftSettings:
     per step.)"""
 
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    seeds: Seeds | None = None  # draw on device d with ``rng_on(seeds, d)`` (seeds.py); None: unseeded
+    # a draft token for position t is drawn on device d with ``draft_uniform(seeds, d, t)`` (seeds.py); None: unseeded
+    seeds: Seeds | None = None
     min_confidence: float = 0.0  # a drafter with probabilities stops before its first token below this
     # whose history a drafter that learns across sequences (suffix) may read and feed: "" everyone's, None nobody's
     # (the sequence drafts from itself only), another string the sequences of that same scope (one API key's)

@@ -6,7 +6,7 @@ import torch
 
 from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.models.backend import Backend
-from specdec.seeds import rng_on
+from specdec.seeds import draft_uniform
 from specdec.verification.sampling import draw, greedy
 from specdec.verification.shaping import to_probs
 
@@ -59,7 +59,8 @@ class ModelDrafter(Drafter):
                 token = greedy(logits)[..., None]
             else:
                 dist = to_probs(logits, sampling)
-                token = draw(dist[None], rng_on(self.settings.seeds, dist.device))
+                uniform = draft_uniform(self.settings.seeds, dist.device, context.shape[0] + i)
+                token = draw(dist[None], uniform=uniform)
                 probs.append(dist)
             tokens.append(token)
             if i + 1 < k:

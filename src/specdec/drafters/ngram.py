@@ -20,7 +20,7 @@ import torch
 from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import ConfigError, ModelNotFoundError
-from specdec.seeds import rng_on
+from specdec.seeds import draft_uniform
 from specdec.verification.sampling import draw
 
 FORMAT = "specdec-ngram"
@@ -153,7 +153,7 @@ class NgramDrafter(Drafter):
         history = context[-self.table.order :].tolist()
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        for _ in range(k):
+        for i in range(k):
             followers, counts = self.table.longest_match(history)
             if not len(followers):
                 break
@@ -167,7 +167,8 @@ class NgramDrafter(Drafter):
                     break
                 dist = torch.zeros(self.table.vocab_size)
                 dist[torch.from_numpy(followers)] = torch.from_numpy(counts / counts.sum()).float()
-                token = int(draw(dist, rng_on(self.settings.seeds, dist.device)))
+                uniform = draft_uniform(self.settings.seeds, dist.device, len(context) + i)
+                token = int(draw(dist[None], uniform=uniform))
                 probs.append(dist)
             tokens.append(token)
             history = (history + [token])[-self.table.order :]

@@ -11,7 +11,10 @@ One step, for rows of any number (batch 1 is a batch: one sequence decodes on a
    token, the last one produced) followed by its drafts, all rows in ONE target forward (a tree's nodes each see only
    their ancestors);
 3. **verify**: each row's guards adjust its logits, then the verifier judges the drafts; rows judged alike (greedy or
-   sampled, chain or tree, exact or typical: ``VERIFIERS``) are judged together where the math allows;
+   sampled, chain or tree, exact or typical: ``VERIFIERS``) are judged together where the math allows. A sampled
+   row's uniforms are keyed by position (seeds.py): the token at position t is decided by the same numbers whichever
+   step reaches it, so its k policy, the batch's window and its drafter's history change no seeded output but
+   through the drafts themselves (and deterministic drafts not at all);
 4. **commit**: each row's cache keeps its accepted path (a tree's moved next to the context), its tokens grow, and
    its drafter, k policy, acceptance estimate, stats and guards observe the step's :class:`StepOutcome`.
 
@@ -35,8 +38,8 @@ from specdec.errors import ConfigError
 from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
 from specdec.scheduling import KPolicy, StepOutcome
-from specdec.seeds import Seeds
-from specdec.verification import typical_verify, verify, verify_tree_greedy, verify_tree_sampled
+from specdec.seeds import ACCEPT, SAMPLE, Seeds
+from specdec.verification import Uniforms, typical_verify, verify, verify_tree_greedy, verify_tree_sampled
 
 
 class Timer:
@@ -67,7 +70,7 @@ class Row:
     config: GenerationConfig
     drafter: Drafter
     policy: KPolicy
-    seeds: Seeds  # the sequence's random generators, one per device
+    seeds: Seeds  # what keys the sequence's random draws
     stats: DecodeStats
     guards: Guards | NoGuards = field(default_factory=NoGuards)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # what the batch's window reads
@@ -254,14 +257,15 @@ def _greedy_trees(members: list[int], steps: list[RowStep], d: Drafts) -> list[t
 
 
 def _sampled_chains(members: list[int], steps: list[RowStep], d: Drafts) -> list[tuple[list[int], int]]:
-    """Exact rejection sampling, each row with its own random generator (and guard temperatures)."""
+    """Exact rejection sampling, each row with its own keyed uniforms (and guard temperatures)."""
     verdicts = []
     for i in members:
         step = steps[i]
         probs = None if step.proposal.probs is None else step.proposal.probs.to(d.logits.device)[None]
         tokens, counts, logits, temperature = _alone(i, len(step.proposal), d)
-        rng = step.row.seeds.on(d.logits.device)
-        verdicts += verify(tokens, counts, logits, probs, step.row.config.sampling, rng, temperature).per_row()
+        uniforms = _chain_uniforms(step.row, len(step.proposal), d.logits.device)
+        verdict = verify(tokens, counts, logits, probs, step.row.config.sampling, None, temperature, uniforms)
+        verdicts += verdict.per_row()
     return verdicts
 
 
@@ -270,6 +274,29 @@ def _alone(i: int, n: int, d: Drafts) -> tuple[torch.Tensor, torch.Tensor, torch
     temperature = d.temperatures[i]
     batched = None if temperature is None else temperature[None]
     return d.tokens[i : i + 1, :n], d.counts[i : i + 1], d.logits[i : i + 1, : n + 1], batched
+
+
+def _chain_uniforms(row: Row, n: int, device: torch.device) -> Uniforms:
+    """A row's uniforms for a chain of ``n`` drafts, as a batch of one: draft j and the target's token in its place sit
+    at position row.length + j, the bonus token at row.length + n."""
+    start = row.length
+    draws = [(SAMPLE, start + j, 0) for j in range(n + 1)] + [(ACCEPT, start + j, 0) for j in range(n)]
+    values = row.seeds.uniforms(device, draws)
+    return Uniforms(values[None, : n + 1], values[None, n + 1 :])
+
+
+def _tree_uniforms(row: Row, parents: list[int], device: torch.device) -> Uniforms:
+    """A row's uniforms for a tree: level l at position row.length + l; node j's acceptance keyed by its position and
+    its rank among its siblings."""
+    start, depths, ranks, children = row.length, [], [], {}
+    for parent in parents:
+        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+        ranks.append(children.get(parent, 0))
+        children[parent] = ranks[-1] + 1
+    draws = [(SAMPLE, start + level, 0) for level in range(len(parents) + 1)]
+    draws += [(ACCEPT, start + depth, rank) for depth, rank in zip(depths, ranks, strict=True)]
+    values = row.seeds.uniforms(device, draws)
+    return Uniforms(values[: len(parents) + 1], values[len(parents) + 1 :])
 
 
 def _sampled_trees(members: list[int], steps: list[RowStep], d: Drafts) -> list[tuple[list[int], int]]:
@@ -285,21 +312,24 @@ def _sampled_trees(members: list[int], steps: list[RowStep], d: Drafts) -> list[
             d.logits[i, : n + 1],
             probs,
             step.row.config.sampling,
-            step.row.seeds.on(d.logits.device),
+            None,
             d.temperatures[i],
+            _tree_uniforms(step.row, step.proposal.parents.tolist(), d.logits.device),  # a tree has parents
         )
         verdicts += verdict.per_row()
     return verdicts
 
 
 def _typical_chains(members: list[int], steps: list[RowStep], d: Drafts) -> list[tuple[list[int], int]]:
-    """Typical acceptance (lossy, opted into), each row with its own random generator."""
+    """Typical acceptance (lossy, opted into), each row with its own keyed uniforms."""
     verdicts = []
     for i in members:
         step, config = steps[i], steps[i].row.config
         tokens, counts, logits, temperature = _alone(i, len(step.proposal), d)
-        rng = step.row.seeds.on(d.logits.device)
-        verdict = typical_verify(tokens, counts, logits, config.sampling, config.typical_acceptance, rng, temperature)
+        uniforms = _chain_uniforms(step.row, len(step.proposal), d.logits.device)
+        verdict = typical_verify(
+            tokens, counts, logits, config.sampling, config.typical_acceptance, None, temperature, uniforms
+        )
         verdicts += verdict.per_row()
     return verdicts
 

@@ -12,14 +12,18 @@ defined once:
   from p at the next position (greedy: the argmax).
 
 A step therefore yields its accepted tokens plus exactly one more, recovered or bonus: ``Verdict.next_token``.
+
+Sampled verdicts are decided by uniforms the caller passes (``Uniforms``; the engine keys them by position, so that
+a seed decides each token whatever the step's shape) or draws from a generator.
 """
 
-from specdec.verification.rejection import Verdict, verify
+from specdec.verification.rejection import Uniforms, Verdict, verify
 from specdec.verification.shaping import shape_logits, to_probs
 from specdec.verification.tree import verify_tree_greedy, verify_tree_sampled
 from specdec.verification.typical import typical_verify
 
 __all__ = [
+    "Uniforms",
     "Verdict",
     "verify",
     "verify_tree_greedy",

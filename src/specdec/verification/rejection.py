@@ -5,11 +5,18 @@ Sampling: draft token y, drawn from q, is accepted with probability
 min(1, p(y) / q(y)); at the first rejection the next token is drawn from
 norm(max(0, p - q)); if every draft token passes, a bonus token is drawn from
 p at the next position. The produced tokens then follow p exactly.
+
+A deterministic draft (q one-hot on y) is the case min(1, p(y)) = p(y): the target draws each position from p
+itself, with the uniform of that position, and keeps the draft token while it is the target's draw. The law is the
+same, and so are the tokens: those the target alone would draw with the same uniforms, whatever was drafted.
+
+The uniforms come from the caller (:class:`Uniforms`; the engine keys them by position, seeds.py) or from ``rng``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +50,29 @@ class Verdict:
         return list(zip(paths, next_tokens, strict=True))
 
 
+class Uniforms(NamedTuple):
+    """The uniforms in [0, 1) that decide verdicts, on the logits' device (float64; float32 on MPS).
+
+    Chains [B rows, k drafts]: ``sample`` [B, k + 1], the target's own draw at each position (from p, or from the
+    residual after a rejection); ``accept`` [B, k], the acceptance test of each drawn draft token. A tree of n nodes:
+    ``sample`` [n + 1], one per level from the root's children down; ``accept`` [n], one per node.
+    """
+
+    sample: torch.Tensor
+    accept: torch.Tensor
+
+    @staticmethod
+    def drawn(
+        sample: tuple[int, ...], accept: tuple[int, ...], device: torch.device, rng: torch.Generator | None
+    ) -> Uniforms:
+        """Uniforms of these shapes drawn with ``rng`` (torch's global generator when None)."""
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        return Uniforms(
+            torch.rand(sample, generator=rng, device=device, dtype=dtype),
+            torch.rand(accept, generator=rng, device=device, dtype=dtype),
+        )
+
+
 def verify(
     draft_tokens: torch.Tensor,
     draft_lengths: torch.Tensor,
@@ -51,6 +81,7 @@ def verify(
     sampling: SamplingConfig,
     rng: torch.Generator | None = None,
     temperature: torch.Tensor | None = None,
+    uniforms: Uniforms | None = None,
 ) -> Verdict:
     """Decide acceptance for a batch of draft runs.
 
@@ -63,9 +94,10 @@ def verify(
         draft_probs: [B, k, V] the (shaped) distributions the drafts were drawn from,
             or None when the drafter is deterministic (one-hot q).
         sampling: the shaping applied to the target logits (and already to draft_probs).
-        rng: random source, for reproducible runs.
+        rng: random source where ``uniforms`` is None.
         temperature: [B, k + 1] per-position temperatures replacing ``sampling.temperature`` (a scheduled
             temperature), or None.
+        uniforms: what decides each position when sampling (see :class:`Uniforms`), or None: drawn with ``rng``.
     """
     k = draft_tokens.shape[1]
     in_range = torch.arange(k, device=target_logits.device)[None, :] < draft_lengths[:, None]
@@ -76,12 +108,16 @@ def verify(
         return Verdict(accepted, choice.gather(1, accepted[:, None]).squeeze(1))
 
     p = to_probs(target_logits, sampling, temperature)
+    if uniforms is None:
+        uniforms = Uniforms.drawn((p.shape[0], k + 1), (p.shape[0], k), p.device, rng)
+    if draft_probs is None:  # the target draws every position; a draft token is kept while it is the target's draw
+        choice = draw(p, uniform=uniforms.sample)
+        accepted = leading_true((draft_tokens == choice[:, :k]) & in_range)
+        return Verdict(accepted, choice.gather(1, accepted[:, None]).squeeze(1))
+
     p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
-    q_draft = (
-        torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    )
-    u = torch.rand(p_draft.shape, generator=rng, device=p.device)
-    ok = (u * q_draft < p_draft) & in_range  # u < p/q without dividing by zero
+    q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    ok = (uniforms.accept * q_draft < p_draft) & in_range  # u < p/q without dividing by zero
     accepted = leading_true(ok)
 
     rows = torch.arange(p.shape[0], device=p.device)
@@ -89,12 +125,8 @@ def verify(
     rejected = accepted < draft_lengths
     if rejected.any():
         at = accepted.clamp(max=max(k - 1, 0))
-        if draft_probs is None:
-            q_next = torch.zeros_like(p_next).scatter_(1, draft_tokens[rows, at][:, None], 1.0)
-        else:
-            q_next = draft_probs[rows, at]
-        p_next = torch.where(rejected[:, None], residual_distribution(p_next, q_next), p_next)
-    next_token = draw(p_next, rng)
+        p_next = torch.where(rejected[:, None], residual_distribution(p_next, draft_probs[rows, at]), p_next)
+    next_token = draw(p_next, uniform=uniforms.sample[rows, accepted])
     return Verdict(accepted, next_token)
 
 

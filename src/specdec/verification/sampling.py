@@ -13,12 +13,16 @@ from __future__ import annotations
 import torch
 
 
-def draw(probs: torch.Tensor, rng: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of ``probs`` [..., V] (non-negative, any positive total), drawn with ``rng``: long [...]."""
+def draw(probs: torch.Tensor, rng: torch.Generator | None = None, uniform: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` [..., V] (non-negative, any positive total): long [...]. The uniform that picks
+    it is ``uniform`` [...] (in [0, 1), on the device of ``probs``) where given, else drawn with ``rng``."""
     dtype = torch.float32 if probs.device.type == "mps" else torch.float64
     cdf = probs.to(dtype).cumsum(dim=-1)
-    u = torch.rand((*cdf.shape[:-1], 1), generator=rng, device=cdf.device, dtype=dtype) * cdf[..., -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    if uniform is None:
+        u = torch.rand((*cdf.shape[:-1], 1), generator=rng, device=cdf.device, dtype=dtype)
+    else:  # a float64 uniform rounded to float32 may reach 1: keep it below
+        u = uniform.to(dtype)[..., None].clamp(max=1 - torch.finfo(dtype).eps / 2)
+    return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -5,13 +5,15 @@ the children of the root (the context's last token), column j + 1 the children
 of node j. Verification walks down from the root and keeps one path:
 
 - greedy: the child whose token is the target's argmax, while there is one;
-- sampling: recursive rejection over the siblings. The first child x, drawn from
-  q, is accepted with probability min(1, p(x) / q(x)); if rejected, p becomes
-  norm(max(0, p - q)) and the next sibling is tried against it; when every
-  sibling is rejected the next token is drawn from what is left of p. A
-  deterministic child counts as a draw from a one-hot q, so deterministic
-  siblings amount to drawing from p and descending if the draw is a child.
-  Either way the produced tokens follow p exactly, whatever the tree's shape.
+- sampling, drawn siblings: recursive rejection over the siblings. The first
+  child x, drawn from q, is accepted with probability min(1, p(x) / q(x)); if
+  rejected, p becomes norm(max(0, p - q)) and the next sibling is tried against
+  it; when every sibling is rejected the next token is drawn from what is left of p;
+- sampling, deterministic siblings (recursive rejection with one-hot q's amounts
+  to this): the target draws from p with the level's uniform and descends while
+  its draw is a child, so the tokens are the target's own draws, whatever was drafted.
+
+Either way the produced tokens follow p exactly, whatever the tree's shape.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from specdec.config import SamplingConfig
-from specdec.verification.rejection import Verdict, residual_distribution
+from specdec.verification.rejection import Uniforms, Verdict, residual_distribution
 from specdec.verification.sampling import draw, greedy
 from specdec.verification.shaping import to_probs
 
@@ -67,10 +69,14 @@ def verify_tree_sampled(
     sampling: SamplingConfig,
     rng: torch.Generator | None = None,
     temperature: torch.Tensor | None = None,
+    uniforms: Uniforms | None = None,
 ) -> Verdict:
     """The sampled verdict for one tree: tokens, parents [n], logits [n + 1, V], draft_probs [n, V] or None
-    (deterministic nodes)."""
+    (deterministic nodes); ``uniforms`` as :class:`Uniforms` for a tree (None: drawn with ``rng``)."""
     p = to_probs(logits[None], sampling, None if temperature is None else temperature[None])[0]
+    n = len(tokens)
+    if uniforms is None:
+        uniforms = Uniforms.drawn((n + 1,), (n,), p.device, rng)
     children: dict[int, list[int]] = {}
     for node, parent in enumerate(parents.tolist()):
         children.setdefault(parent, []).append(node)
@@ -79,18 +85,23 @@ def verify_tree_sampled(
     node = -1
     while True:
         remaining = p[node + 1]
+        level = uniforms.sample[len(path) : len(path) + 1]
+        if draft_probs is None:  # the target's draw, and the child that drafted it if one did
+            choice = draw(remaining[None], uniform=level)
+            drawn = int(choice)
+            drafted = [child for child in children.get(node, []) if listed[child] == drawn]
+            if not drafted:
+                return Verdict(torch.tensor([len(path)], device=p.device), choice, [path])
+            path.append(drafted[0])
+            node = drafted[0]
+            continue
         for child in children.get(node, []):
             x = listed[child]
-            q = (
-                draft_probs[child]
-                if draft_probs is not None
-                else torch.zeros_like(remaining).index_fill_(0, tokens[child : child + 1], 1.0)
-            )
-            u = torch.rand((), generator=rng, device=p.device)
-            if bool(u * q[x] < remaining[x]):  # u < p / q without dividing by zero
+            q = draft_probs[child]
+            if bool(uniforms.accept[child] * q[x] < remaining[x]):  # u < p / q without dividing by zero
                 path.append(child)
                 node = child
                 break
             remaining = residual_distribution(remaining[None], q[None])[0]
         else:  # every child rejected (or none): the next token comes from what is left of p
-            return Verdict(torch.tensor([len(path)], device=p.device), draw(remaining[None], rng), [path])
+            return Verdict(torch.tensor([len(path)], device=p.device), draw(remaining[None], uniform=level), [path])

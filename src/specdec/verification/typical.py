@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from specdec.config import SamplingConfig, TypicalAcceptance
-from specdec.verification.rejection import Verdict, leading_true
+from specdec.verification.rejection import Uniforms, Verdict, leading_true
 from specdec.verification.sampling import draw, greedy
 from specdec.verification.shaping import to_probs
 
@@ -26,9 +26,10 @@ def typical_verify(
     rule: TypicalAcceptance,
     rng: torch.Generator | None = None,
     temperature: torch.Tensor | None = None,
+    uniforms: Uniforms | None = None,
 ) -> Verdict:
     """Accept drafts [B, k] against target logits [B, k + 1, V] by the typical rule; see :func:`verify` for the
-    shapes."""
+    shapes (only ``uniforms.sample`` is read: acceptance draws nothing)."""
     k = draft_tokens.shape[1]
     p = target_logits.float().softmax(dim=-1) if sampling.greedy else to_probs(target_logits, sampling, temperature)
     entropy = -(p * p.clamp(min=1e-30).log()).sum(dim=-1)
@@ -36,6 +37,10 @@ def typical_verify(
     p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
     in_range = torch.arange(k, device=target_logits.device)[None, :] < draft_lengths[:, None]
     accepted = leading_true((p_draft > threshold[:, :k]) & in_range)
-    p_next = p[torch.arange(p.shape[0], device=p.device), accepted]
-    next_token = greedy(p_next) if sampling.greedy else draw(p_next, rng)
+    rows = torch.arange(p.shape[0], device=p.device)
+    p_next = p[rows, accepted]
+    if sampling.greedy:
+        next_token = greedy(p_next)
+    else:
+        next_token = draw(p_next, rng, None if uniforms is None else uniforms.sample[rows, accepted])
     return Verdict(accepted, next_token)
