@@ -83,6 +83,25 @@ def test_resume_continues_where_it_stopped(target, tmp_path: Path) -> None:
         distill(target, config(tmp_path, out=str(tmp_path / "elsewhere")), resume=True)
 
 
+def test_a_damaged_checkpoint_or_teacher_file_is_one_line_not_a_traceback(target, tmp_path: Path) -> None:
+    """Checkpoints and teacher data are written whole or not at all (owner-only); one damaged anyway (a disk fault, a
+    copy cut short) stops --resume with a one-line ConfigError that says what to delete."""
+    cfg = config(tmp_path, steps=10, eval_every=10)
+    distill(target, cfg)
+    out = Path(cfg.out)
+    checkpoint, teacher = out / "checkpoint.pt", out / "teacher.pt"
+    assert checkpoint.stat().st_mode & 0o777 == 0o600 and teacher.stat().st_mode & 0o777 == 0o600
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    checkpoint.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
+    with pytest.raises(ConfigError, match="checkpoint.pt' cannot be resumed from.*delete it") as error:
+        distill(target, config(tmp_path, steps=20), resume=True)
+    assert "\n" not in str(error.value)
+    teacher.write_bytes(b"not a teacher file")
+    with pytest.raises(ConfigError, match="teacher.pt' cannot be read.*score the data again") as error:
+        distill(target, config(tmp_path, steps=20), resume=True)
+    assert "\n" not in str(error.value)
+
+
 def test_distill_cli_and_arch_errors(tiny_folder: Path, tmp_path: Path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text(TEXT * 40)

@@ -7,23 +7,30 @@ identical to target-only's, alone and batched, and sampled output in the target'
 
 from __future__ import annotations
 
+import io
+import json
+import os
 import threading
+import time
+import tracemalloc
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import loaded, tiny_llama
-from test_trees import MIN_PVALUE, PROMPT, SAMPLINGS, VOCAB, _sample
+from conftest import char_tokenizer, loaded, tiny_llama
+from test_trees import MIN_PVALUE, NEW, PROMPT, SAMPLINGS, VOCAB, _sample, one_uniform_for_every_level
 
 import specdec.drafters.suffix as suffix
-import specdec.verification.tree as tree_verifier
+import specdec.engine.step as step_module
 from specdec import GenerationConfig, Generator
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.drafters import build_drafter
 from specdec.drafters.base import DraftSettings
 from specdec.drafters.suffix import SuffixDrafter, SuffixStore
 from specdec.errors import ConfigError
+from specdec.verification import Uniforms
 
 
 def drafter(store: SuffixStore, scope: str | None = "") -> SuffixDrafter:
@@ -152,6 +159,233 @@ def test_a_saved_store_loads_back_and_a_bad_file_is_refused_in_one_line(tmp_path
         SuffixStore.load(tampered, model="tiny", vocab_size=10)
 
 
+def test_a_save_never_follows_a_planted_link_nor_keeps_a_leftovers_mode(tmp_path: Path) -> None:
+    """The file is written under a fresh, exclusive name: a symlink planted where a fixed temporary name would be is
+    not followed (its victim stays whole), a world-readable leftover there lends the cache no mode, and the cache is
+    its owner's only whatever the umask."""
+    store = SuffixStore()
+    store.add([1, 2, 3, 4], "alice")
+    path = tmp_path / "suffix.npz"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    planted = tmp_path / "suffix.npz.tmp"
+    planted.symlink_to(victim)
+    store.save(path, model="tiny")
+    assert victim.read_text() == "precious" and planted.is_symlink()
+    assert path.stat().st_mode & 0o777 == 0o600 and SuffixStore.load(path, "tiny", 10).token_count == 4
+    planted.unlink()
+    planted.write_text("left over")
+    planted.chmod(0o644)
+    previous = os.umask(0o022)
+    try:
+        store.add([5, 6, 7], "")
+        store.save(path, model="tiny")
+    finally:
+        os.umask(previous)
+    assert path.stat().st_mode & 0o777 == 0o600 and SuffixStore.load(path, "tiny", 10).token_count == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["suffix.npz", "suffix.npz.tmp", "victim.txt"]  # no debris
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_file_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = SuffixStore()
+    store.add([1, 2, 3, 4])
+    path = tmp_path / "suffix.npz"
+    store.save(path, model="tiny")
+    before = path.read_bytes()
+    store.add([5, 6, 7])
+
+    def torn(out, **arrays) -> None:
+        out.write(b"PK\x03\x04 half a zip")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", torn)
+    with pytest.raises(OSError, match="No space"):
+        store.save(path, model="tiny")
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["suffix.npz"]
+
+
+def _bomb(path: Path, members: dict[str, bytes], zeros: tuple[str, int] | None = None) -> None:
+    """An .npz whose members are ``members``, plus (``zeros``) one .npy member of that many int32 zeros, deflated as
+    it is written (a few hundred KB for tens of MB)."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+        if zeros is not None:
+            name, count = zeros
+            header = io.BytesIO()
+            np.lib.format.write_array_header_1_0(header, {"descr": "<i4", "fortran_order": False, "shape": (count,)})
+            with archive.open(name, "w", force_zip64=True) as member:
+                member.write(header.getvalue())
+                block = bytes(2**20)
+                for start in range(0, 4 * count, len(block)):
+                    member.write(block[: min(len(block), 4 * count - start)])
+
+
+def _npy(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.lib.format.write_array(out, array, allow_pickle=False)
+    return out.getvalue()
+
+
+def test_a_cache_that_would_inflate_past_its_limit_is_refused_before_it_does(tmp_path: Path) -> None:
+    """A small file whose member inflates far past what --suffix-max-tokens holds (a zip bomb), and one whose .npy
+    header declares far more than its data (numpy's reader would allocate it first): refused in one line, fast, with
+    the memory of neither."""
+    meta = _npy(np.array(json.dumps({"format": suffix.FORMAT, "version": suffix.VERSION, "model": "tiny"})))
+    small = {"meta.npy": meta, "lengths.npy": _npy(np.zeros(0, np.int64)), "owners.npy": _npy(np.zeros(0, np.int32))}
+    bomb = tmp_path / "bomb.npz"
+    _bomb(bomb, small, zeros=("tokens.npy", 20_000_000))  # 80 MB once inflated
+    assert bomb.stat().st_size < 2**20
+    liar = tmp_path / "liar.npz"
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<i4", "fortran_order": False, "shape": (10**9,)})
+    _bomb(liar, small | {"tokens.npy": header.getvalue() + bytes(64)})
+    for path, match in ((bomb, "larger than --suffix-max-tokens 1000 allows"), (liar, "not a specdec suffix cache")):
+        tracemalloc.start()
+        started = time.perf_counter()
+        try:
+            with pytest.raises(ConfigError, match=match) as error:
+                SuffixStore.load(path, model="tiny", vocab_size=10, max_tokens=1000)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert time.perf_counter() - started < 2 and peak < 8 * 2**20 and "\n" not in str(error.value)
+    # a cache within the limit (the default size's, at least) still loads into a smaller store, keeping its newest
+    store = SuffixStore()
+    for i in range(30):
+        store.add([i % 10, (i + 1) % 10, (i + 2) % 10])
+    store.save(tmp_path / "fine.npz", model="tiny")
+    assert SuffixStore.load(tmp_path / "fine.npz", model="tiny", vocab_size=10, max_tokens=9).token_count == 9
+
+
+def test_a_damaged_cache_is_moved_aside_and_the_server_starts_empty(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A torn file (a crash while an older specdec wrote it, a bad disk) does not stop the server: it is renamed
+    aside, with a warning naming both paths, and the history starts empty. A whole cache of another model is the
+    user's choice of file: refused in one line, left where it is."""
+    from specdec.models import open_target
+    from specdec.serving.config import ServeConfig
+    from specdec.serving.suffix import server_drafter
+
+    target = open_target(loaded(tiny_llama(0, vocab=32)))
+    path = tmp_path / "history.npz"
+    store = SuffixStore()
+    store.add([1, 2, 3, 4])
+    store.save(path, model="tiny")
+    torn = path.read_bytes()[:-40]
+    path.write_bytes(torn)
+    with caplog.at_level("WARNING", logger="specdec.serve"):
+        drafter, kept = server_drafter("suffix", target, ServeConfig(suffix_cache=str(path)))
+    assert kept is not None and kept.token_count == 0 and drafter.store is kept
+    (aside,) = tmp_path.glob("history.npz.damaged-*")
+    assert aside.read_bytes() == torn and not path.exists()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "not a specdec suffix cache" in warning and str(aside) in warning and "\n" not in warning
+    path.write_bytes(b"garbage")  # a second one the same second is not renamed over the first
+    server_drafter("suffix", target, ServeConfig(suffix_cache=str(path)))
+    assert len(list(tmp_path.glob("history.npz.damaged-*"))) == 2
+    store.save(path, model="another")
+    with pytest.raises(ConfigError, match="another model"):
+        server_drafter("suffix", target, ServeConfig(suffix_cache=str(path)))
+    assert path.exists()
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="is not a file"):
+        server_drafter("suffix", target, ServeConfig(suffix_cache=str(folder)))
+    assert folder.is_dir()
+
+
+def test_the_server_saves_its_history_while_it_runs_and_at_stop(tmp_path: Path) -> None:
+    """With --suffix-save-every, the history is in its file while the server still runs (a kill then loses only what
+    came after), written from a thread so requests go on; the stop writes the rest."""
+    import asyncio
+
+    import httpx
+
+    from specdec.serving.app import create_app
+    from specdec.serving.config import ServeConfig
+
+    tokenizer = char_tokenizer()
+    target = loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)
+    store = SuffixStore()
+    path = tmp_path / "history.npz"
+    config = ServeConfig(suffix_cache=str(path), suffix_save_every_s=0.05)
+    app = create_app(Generator(target, SuffixDrafter(store), GenerationConfig(k=4, k_policy="fixed")), config, store)
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> int:
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000"
+            ) as client:
+                assert (await client.post("/v1/completions", json=body, timeout=60)).status_code == 200
+                deadline = time.monotonic() + 10
+                while not path.exists() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                running = SuffixStore.load(path, "tiny", len(tokenizer)).token_count
+                assert (await client.post("/v1/completions", json=body | {"prompt": [9, 9, 5]})).status_code == 200
+        return running
+
+    running = asyncio.run(run())
+    assert 0 < running and SuffixStore.load(path, "tiny", len(tokenizer)).token_count == store.token_count
+    assert path.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(ConfigError, match="suffix_save_every_s"):
+        ServeConfig(suffix_save_every_s=-1)
+
+
+KEEPER = """
+import asyncio, sys
+import numpy as np
+from specdec.drafters import SuffixStore
+from specdec.serving.suffix import HistoryKeeper
+
+async def main(path: str) -> None:
+    store = SuffixStore()
+    store.add(np.arange(300_000) % 7)  # saves that take a while: a kill may land in the middle of one
+    keeper = HistoryKeeper(store, path, "tiny", every_s=0.01)
+    keeper.start()
+    for i in range(10**9):
+        store.add([i % 7, (i + 1) % 7, 3])
+        if i == 20:
+            print("fed", flush=True)
+        await asyncio.sleep(0.002)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_a_killed_server_keeps_the_history_its_periodic_saves_wrote(tmp_path: Path) -> None:
+    """A process saving its history every 10 ms (each save taking about as long) is SIGKILLed, likely mid-save, with
+    no stop and no last save: the restart loads a whole history, nothing torn or moved aside."""
+    import signal
+    import subprocess
+    import sys
+
+    from specdec.models import open_target
+    from specdec.serving.config import ServeConfig
+    from specdec.serving.suffix import server_drafter
+
+    target = open_target(loaded(tiny_llama(0, vocab=32)))
+    path = tmp_path / "history.npz"
+    child = subprocess.Popen([sys.executable, "-c", KEEPER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "fed"
+        deadline = time.monotonic() + 20
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.2)  # several saves later
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    _, kept = server_drafter("suffix", target, ServeConfig(suffix_cache=str(path)))
+    assert kept is not None and kept.token_count > 300_000  # the bulk and some of what came after it
+    assert not list(tmp_path.glob("history.npz.damaged-*"))
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in tmp_path.iterdir())  # a killed save's temporary file too
+
+
 def test_the_store_is_safe_under_threads() -> None:
     store = SuffixStore(max_tokens=5_000)
     errors: list[BaseException] = []
@@ -194,9 +428,32 @@ def test_greedy_suffix_drafts_give_the_target_only_tokens_alone_and_batched() ->
 
 
 @pytest.mark.parametrize("broken", [False, pytest.param(True, id="negative control")])
+def test_sampled_suffix_chains_keep_the_target_law(monkeypatch: pytest.MonkeyPatch, broken: bool) -> None:
+    """Earlier samples' outputs become later rows' chains (fixed tokens, judged against the target's own keyed draws):
+    the target's law; every position drawn with its first position's uniform must fail."""
+    if broken:
+        original = step_module._chain_uniforms
+
+        def one_for_every_position(row, n, device):
+            uniforms = original(row, n, device)
+            return Uniforms(uniforms.sample[:, :1].expand_as(uniforms.sample), uniforms.accept)
+
+        monkeypatch.setattr(step_module, "_chain_uniforms", one_for_every_position)
+    target = tiny_llama(3, vocab=VOCAB, scale=0.15)
+    gen = Generator(loaded(target), "suffix")
+    settings = {"k": 8, "k_policy": "fixed", "branches": 1, "max_new_tokens": NEW, "stop_on_eos": False}
+    configs = [GenerationConfig(**settings, sampling=SAMPLINGS["plain"], seed=s) for s in range(2000)]
+    results = [r for start in range(0, 2000, 250) for r in gen.generate_batch([PROMPT] * 250, configs[start:][:250])]
+    assert sum(r.stats.draft_tokens_accepted for r in results) > 1000
+    samples = [tuple(r.token_ids) for r in results]
+    pvalue, dof = sequential_pvalue(samples, TargetLaw(target, PROMPT, SAMPLINGS["plain"]))
+    assert pvalue < MIN_PVALUE if broken else (pvalue > MIN_PVALUE and dof > 50)
+
+
+@pytest.mark.parametrize("broken", [False, pytest.param(True, id="negative control")])
 def test_sampled_suffix_trees_keep_the_target_law(monkeypatch: pytest.MonkeyPatch, broken: bool) -> None:
-    """Earlier samples' outputs become later rows' trees of deterministic siblings: the target's law; judging the next
-    sibling against p instead of the residual must fail."""
+    """Earlier samples' outputs become later rows' trees of deterministic siblings: the target's law; drawing every
+    level of a tree with one uniform must fail."""
     trees = []
     original = suffix._scored_tree
 
@@ -207,7 +464,7 @@ def test_sampled_suffix_trees_keep_the_target_law(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(suffix, "_scored_tree", counting)
     if broken:
-        monkeypatch.setattr(tree_verifier, "residual_distribution", lambda p, q: p)
+        one_uniform_for_every_level(monkeypatch)
     target = tiny_llama(3, vocab=VOCAB, scale=0.15)
     samples = _sample(Generator(loaded(target), "suffix"), SAMPLINGS["plain"], 2000, batched=True)
     assert sum(trees) > 1000
@@ -228,6 +485,8 @@ def test_commands_refuse_what_a_learning_drafter_would_fake() -> None:
     assert ServeConfig(suffix_scope="request").scope("k") is None
     result = CliRunner().invoke(app, ["serve", "--draft", "prompt-lookup", "--suffix-max-tokens", "10"])
     assert result.exit_code == 2 and "add --draft suffix" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["serve", "--draft", "suffix", "--suffix-save-every", "60"])
+    assert result.exit_code == 2 and "add --suffix-cache FILE" in result.output
 
 
 def test_bench_batch_gives_a_learning_drafter_afresh_to_every_batch_and_method(

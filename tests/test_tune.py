@@ -69,6 +69,26 @@ def test_a_profile_survives_json_and_reads_from_toml(tmp_path: Path) -> None:
         profile.save(tmp_path / "out.toml")
 
 
+def test_a_profile_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that fails before its data is on disk (a full disk, a kill) leaves the previous profile as it was, and no
+    temporary file; a profile holds settings only, so it stays readable by all."""
+    import os
+
+    path = tmp_path / "profile.json"
+    profile_of("tiny").save(path)
+    before = path.read_text()
+    assert path.stat().st_mode & 0o777 == 0o644
+
+    def full_disk(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        profile_of("other").save(path)
+    assert path.read_text() == before and Profile.load(path).target == "tiny"
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -280,6 +300,57 @@ def test_prompts_are_split_per_category_and_small_files_or_budgets_are_refused()
     # 200 s buy 5 held-out prompts at 40 s; 290 s buy 3 search prompts at 80 s (10 drafters): every category
     search, held_out = _split(pool, TuneConfig(budget_s=500), prompt_s=5.0, drafters=10, runtimes=2, spent_s=10.0)
     assert len(held_out) == 5 and [p.category for p, _ in search] == ["a", "b", "c"]
+
+
+def test_a_budget_too_small_is_refused_after_one_prompt_before_it_is_spent(
+    tmp_path: Path, prompts_file: Path, tiny_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a slow machine (faked: a target-only prompt takes 20 s), a budget that cannot buy the least search is
+    refused in one line naming the budget to give, after the first prompt: no cost curve, probe or drafter runs."""
+    import time
+
+    import specdec.tuning.search as search
+    from specdec.engine.stats import DecodeStats
+
+    monkeypatch.setattr(search, "_first_prompt", lambda *a: DecodeStats(new_tokens=32, steps=32, wall_s=20.0))
+    monkeypatch.setattr(search, "_measure_runtime", lambda *a: pytest.fail("the budget was spent before refusing"))
+    config = TuneConfig(
+        target=str(tiny_folder), prompts=str(prompts_file), budget_s=300, runtimes=RUNTIMES[:1], drafters=("suffix",)
+    )
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"--budget-s 300 cannot buy.*20\.0 s on transformers/float32") as error:
+        tune(config)
+    assert time.perf_counter() - started < 30 and "\n" not in str(error.value)
+    # 2 categories and 4 held-out prompts: 4 contenders (suffix, its cost-model policy, target-only, the default) on 4
+    # prompts at 20 s need 320 s, 40% of 800
+    least = int(str(error.value).rsplit("give at least ", 1)[1].removesuffix(" s"))
+    assert least == 800
+    monkeypatch.setattr(search, "_measure_runtime", lambda *a: pytest.fail("measured"))
+    with pytest.raises(pytest.fail.Exception, match="measured"):  # that budget passes the check
+        tune(replace(config, budget_s=least))
+
+
+def test_slower_runtimes_leave_the_confirmation_when_the_budget_left_cannot_buy_them() -> None:
+    from specdec.scheduling import CostCurve
+    from specdec.tuning.search import Candidate, RuntimeFigures, _affordable
+
+    def figures(label: str, prompt_s: float) -> RuntimeFigures:
+        return RuntimeFigures(label, RuntimeConfig(), None, CostCurve({1: 0.01}), 10 / prompt_s, 0.0, 1.0, prompt_s)
+
+    measured = {"native": figures("native", 1.0), "transformers/cpu": figures("transformers/cpu", 5.0)}
+    chosen = [
+        Candidate("native", "suffix", 5, "fixed", 30.0),
+        Candidate("transformers/cpu", "eagle", 5, "fixed", 25.0),
+        Candidate("native", "none", 1, "fixed", 10.0),
+        Candidate("transformers/cpu", "none", 1, "fixed", 2.0),
+        Candidate("native", DEFAULT_DRAFTER, 8, "cost-model", None),
+        Candidate("transformers/cpu", DEFAULT_DRAFTER, 8, "cost-model", None),
+    ]
+    notes: list[str] = []
+    assert _affordable(chosen, measured, 4, 4 * 18.0, notes) == chosen and not notes  # all of it fits
+    kept = _affordable(chosen, measured, 4, 4 * 10.0, notes)  # only the fastest runtime's part fits
+    assert [c.runtime for c in kept] == ["native"] * 3 and "transformers/cpu / eagle" in notes[0]
+    assert _affordable(chosen, measured, 4, 4 * 2.0, []) == chosen  # not even that: the confirmation says so later
 
 
 def test_the_default_is_kept_unless_a_contender_beats_it_beyond_the_noise() -> None:

@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specdec.atomic import atomic_write_bytes
 from specdec.config import BatchConfig, GenerationConfig, PrecisionPlan, RuntimeConfig, SamplingConfig
 from specdec.errors import ConfigError
 from specdec.machine import fingerprint
@@ -59,11 +60,12 @@ class Profile:
         }
 
     def save(self, path: Path) -> None:
-        """Write the profile as JSON (a TOML profile is read, never written: JSON needs no extra package)."""
+        """Write the profile as JSON (a TOML profile is read, never written: JSON needs no extra package), whole or not
+        at all (a kill mid-save leaves the previous profile); readable by all (it holds settings, no user text)."""
         if path.suffix == ".toml":
             raise ProfileError(f"profiles are written as JSON: name the file {path.with_suffix('.json')}")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        atomic_write_bytes(path, (json.dumps(self.to_dict(), indent=1) + "\n").encode(), mode=0o644)
 
     @staticmethod
     def load(path: str | Path) -> Profile:

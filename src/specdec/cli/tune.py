@@ -32,7 +32,8 @@ def tune(
         float,
         typer.Option(
             "--budget-s",
-            help="Seconds the search may take, model loading included (the last short run may overrun it).",
+            help="Seconds the search may take, model loading included (the last short run may overrun it); one too "
+            "small for a reliable choice is refused after the first prompt, naming the budget to give.",
         ),
     ] = default(TuneConfig, "budget_s"),
     sampling_mode: Annotated[

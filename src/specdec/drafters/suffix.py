@@ -22,8 +22,9 @@ feeds only the history of its own scope ("" everyone, None no one).
 
 from __future__ import annotations
 
+import io
 import json
-import os
+import math
 import threading
 import zipfile
 import zlib
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdec.atomic import atomic_write
 from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal, TokenTrie
 from specdec.drafters.ngram import MASK64, PRIME
 from specdec.errors import ConfigError
@@ -52,6 +54,13 @@ MAX_SEGMENTS = 8  # index segments before the smallest are merged
 FORMAT, VERSION = "specdec-suffix", 1
 DEFAULT_MAX_TOKENS = 1_000_000
 LEAD_IN = ORDERS[-1]  # prompt tokens kept before each output
+NPY_HEADER = 4096  # the most bytes a saved array's .npy header takes (numpy's are about a hundred)
+SCOPE_CHARS = 64  # room, per kept sequence, for its scope's name in a saved cache (a server's names have 32)
+
+
+class DamagedCacheError(ConfigError):
+    """A suffix cache file that cannot be read back (torn, truncated, corrupted): not a choice of the user's, so a
+    server moves it aside and starts empty rather than refusing to start."""
 
 
 _SALTS = {n: (0x9E3779B97F4A7C15 * n) & MASK64 for n in ORDERS}  # each order its own keys
@@ -149,6 +158,7 @@ class SuffixStore:
             raise ConfigError(f"the suffix store's size must be 0 or more tokens, got {max_tokens}")
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
+        self._save_lock = threading.Lock()
         self._tokens = np.zeros(1024, np.int32)  # every kept sequence, each followed by -1; grows by doubling
         self._owners = np.zeros(1024, np.int32)  # the scope number of each token
         self._used = 0  # entries of _tokens in use
@@ -158,10 +168,17 @@ class SuffixStore:
         self._scopes: dict[str, int] = {}
         self._count = 0  # tokens kept
         self._nbytes = 0  # memory held, updated by add (read without the lock)
+        self._added = 0  # sequences added since the start
 
     @property
     def token_count(self) -> int:
         return self._count
+
+    @property
+    def changes(self) -> int:
+        """How many sequences were added to this store: equal counts, the same content (a saver's test for whether
+        to write again)."""
+        return self._added
 
     @property
     def nbytes(self) -> int:
@@ -179,6 +196,7 @@ class SuffixStore:
             start = self._base + self._used - len(tokens) - 1
             self._sequences.append((start, start + len(tokens)))
             self._count += len(tokens)
+            self._added += 1
             self._segments.append(_Segment.build(tokens, start, _salt(owner)))
             self._evict()
             self._compact_index()
@@ -263,42 +281,50 @@ class SuffixStore:
         return runs
 
     def save(self, path: str | Path, model: str) -> None:
-        """Write the kept sequences (not the index: it is rebuilt on load) for ``model``'s tokenizer."""
-        with self._lock:
-            spans = np.array(self._sequences, dtype=np.int64).reshape(-1, 2)
-            # copies: the buffer changes in place once the lock is released
-            flat = np.concatenate([self._tokens[s - self._base : e - self._base] for s, e in spans] or [np.zeros(0)])
-            owners = np.array([self._owners[s - self._base] for s, _ in spans], dtype=np.int32)
-            scopes = sorted(self._scopes, key=self._scopes.__getitem__)
-        flat = flat.astype(np.int32)
-        lengths = (spans[:, 1] - spans[:, 0]).astype(np.int64)
-        meta = {"format": FORMAT, "version": VERSION, "model": model, "scopes": scopes}
-        meta["checksum"] = zlib.crc32(flat.tobytes() + lengths.tobytes() + owners.tobytes())
-        path = Path(path)
-        temporary = path.with_name(path.name + ".tmp")
-        # readable by its owner only (it holds users' answers); a stopped write leaves the old file whole
-        with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
-            np.savez(out, meta=np.array(json.dumps(meta)), tokens=flat, lengths=lengths, owners=owners)
-        temporary.replace(path)
+        """Write the kept sequences (not the index: it is rebuilt on load) for ``model``'s tokenizer, readable by its
+        owner only (it holds users' answers), whole or not at all (a save stopped at any point leaves the previous
+        file as it was). The state is copied under the lock, so lookups and adds go on while the file is written."""
+        with self._save_lock:  # saves one at a time: the last snapshot taken is the last written
+            with self._lock:
+                spans = np.array(self._sequences, dtype=np.int64).reshape(-1, 2)
+                # copies: the buffer changes in place once the lock is released
+                parts = [self._tokens[s - self._base : e - self._base] for s, e in spans]
+                flat = np.concatenate(parts or [np.zeros(0)]).astype(np.int32)
+                numbers = [int(self._owners[s - self._base]) for s, _ in spans]
+                names = sorted(self._scopes, key=self._scopes.__getitem__)
+            kept = sorted(set(numbers))  # the scopes that still own a sequence, numbered afresh
+            renumber = {number: i for i, number in enumerate(kept)}
+            owners = np.array([renumber[n] for n in numbers], dtype=np.int32)
+            lengths = (spans[:, 1] - spans[:, 0]).astype(np.int64)
+            meta = {"format": FORMAT, "version": VERSION, "model": model, "scopes": [names[n] for n in kept]}
+            meta["checksum"] = zlib.crc32(flat.tobytes() + lengths.tobytes() + owners.tobytes())
+            atomic_write(
+                path,
+                lambda out: np.savez(out, meta=np.array(json.dumps(meta)), tokens=flat, lengths=lengths, owners=owners),
+            )
 
     @classmethod
     def load(cls, path: str | Path, model: str, vocab_size: int, max_tokens: int = DEFAULT_MAX_TOKENS) -> SuffixStore:
         """A store with the sequences saved in ``path``; ConfigError (one line) for a file that is not a suffix cache
-        of ``model``, is damaged, or holds tokens outside the vocabulary."""
-        fix = f"delete it or pass another --suffix-cache (it is rewritten when the server stops): {path}"
+        of ``model``, holds tokens outside the vocabulary, or more than ``max_tokens`` (or the default size, if larger)
+        allows, refused before it inflates; DamagedCacheError for one that cannot be read back."""
+        fix = f"delete it or pass another --suffix-cache (the server rewrites it as it runs): {path}"
+        limits = _member_limits(max_tokens)
         try:
-            data = np.load(path, allow_pickle=False)
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise ValueError("not an .npz archive")
-            with data:
-                meta = json.loads(str(data["meta"]))
-                flat, lengths, owners = data["tokens"], data["lengths"], data["owners"]
+            arrays = _read_arrays(path, limits)
+            meta = json.loads(str(arrays["meta"]))
+            flat, lengths, owners = arrays["tokens"], arrays["lengths"], arrays["owners"]
         except FileNotFoundError:
             raise
         except PermissionError:
             raise ConfigError(f"cannot read the suffix cache {path}: give this process read access to it") from None
-        except (OSError, ValueError, KeyError, TypeError, EOFError, RecursionError, zipfile.BadZipFile) as exc:
-            raise ConfigError(f"not a specdec suffix cache ({type(exc).__name__}): {fix}") from None
+        except _TooLarge as exc:
+            raise ConfigError(
+                f"the suffix cache {path} is larger than --suffix-max-tokens {max_tokens} allows ({exc}): "
+                "raise --suffix-max-tokens, or delete it"
+            ) from None
+        except _UNREADABLE as exc:
+            raise DamagedCacheError(f"not a specdec suffix cache ({type(exc).__name__}): {fix}") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ConfigError(f"not a specdec suffix cache: {fix}")
         if meta.get("version") != VERSION:
@@ -320,7 +346,7 @@ class SuffixStore:
         scopes = meta.get("scopes")
         scopes_ok = isinstance(scopes, list) and all(isinstance(scope, str) for scope in scopes)
         if not shapes_ok or checksum != meta.get("checksum") or not scopes_ok:
-            raise ConfigError(f"a damaged suffix cache: {fix}")
+            raise DamagedCacheError(f"a damaged suffix cache: {fix}")
         tokens_bad = len(flat) and (flat.min() < 0 or flat.max() >= vocab_size)
         if tokens_bad or len(owners) and (owners.min() < 0 or owners.max() >= len(scopes)):
             raise ConfigError(f"a suffix cache with tokens or scopes out of range: {fix}")
@@ -328,6 +354,78 @@ class SuffixStore:
         for tokens, owner in zip(np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else [], owners, strict=True):
             store.add(tokens, scopes[owner])
         return store
+
+
+# What reading a damaged archive raises: a torn or corrupted zip, a member encrypted or compressed in a way zipfile
+# does not read, a malformed .npy or JSON header.
+_UNREADABLE = (
+    OSError,
+    ValueError,
+    KeyError,
+    TypeError,
+    EOFError,
+    RecursionError,
+    RuntimeError,
+    NotImplementedError,
+    zipfile.BadZipFile,
+    zlib.error,
+)
+
+
+class _TooLarge(Exception):
+    """A cache member that would inflate past its limit (the message: which, and how large)."""
+
+
+def _member_limits(max_tokens: int) -> dict[str, int]:
+    """The most bytes each member of a cache can inflate to when a store of ``max_tokens`` wrote it, or one of the
+    default size if larger (so that a cache written at the default size, like `specdec ngram build`'s, loads into a
+    smaller store, keeping its newest): every kept sequence has 2 tokens or more and brings at most one scope."""
+    tokens = max(max_tokens, DEFAULT_MAX_TOKENS)
+    sequences = tokens // 2
+    return {
+        "meta.npy": NPY_HEADER + 4 * (NPY_HEADER + (SCOPE_CHARS + 4) * sequences),  # 4 bytes per character
+        "tokens.npy": NPY_HEADER + 4 * tokens,
+        "lengths.npy": NPY_HEADER + 8 * sequences,
+        "owners.npy": NPY_HEADER + 4 * sequences,
+    }
+
+
+def _read_arrays(path: str | Path, limits: dict[str, int]) -> dict[str, np.ndarray]:
+    """The arrays of the .npz at ``path`` by name, which must be those of ``limits``; a member whose size (as its
+    header declares it, and as it inflates: a header may lie) passes its limit raises _TooLarge before more of it is
+    read."""
+    with zipfile.ZipFile(path) as archive:
+        members = archive.infolist()
+        if sorted(m.filename for m in members) != sorted(limits):
+            raise KeyError(f"members {[m.filename for m in members][:8]}")
+        arrays = {}
+        for member in members:
+            limit = limits[member.filename]
+            if member.file_size > limit:
+                raise _TooLarge(f"{member.filename} inflates to {member.file_size:,} bytes, at most {limit:,}")
+            with archive.open(member) as stream:
+                raw = stream.read(limit + 1)
+            if len(raw) > limit:
+                raise _TooLarge(f"{member.filename} inflates past {limit:,} bytes")
+            arrays[member.filename.removesuffix(".npy")] = _npy_array(raw)
+    return arrays
+
+
+def _npy_array(raw: bytes) -> np.ndarray:
+    """The array in an .npy file's bytes, whose data must be exactly the size its header declares (numpy's own reader
+    allocates the declared size before reading)."""
+    stream = io.BytesIO(raw)
+    version = np.lib.format.read_magic(stream)
+    if version == (1, 0):
+        shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
+    elif version == (2, 0):
+        shape, _, dtype = np.lib.format.read_array_header_2_0(stream)
+    else:
+        raise ValueError(f".npy format version {version}")
+    count, start = math.prod(shape), stream.tell()
+    if dtype.hasobject or len(shape) > 1 or count * dtype.itemsize != len(raw) - start:
+        raise ValueError("an array whose data does not match its header")
+    return np.frombuffer(raw, dtype=dtype, count=count, offset=start).reshape(shape)
 
 
 class _RequestIndex:

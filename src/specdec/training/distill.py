@@ -15,8 +15,10 @@ Two phases, both resumable from the output folder:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import pickle
 import random
 import time
 from collections import Counter
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from specdec.atomic import atomic_write
 from specdec.config import GenerationConfig
 from specdec.drafters.distilled import (
     ReducedVocabBackend,
@@ -300,12 +303,12 @@ def distill(
     torch.manual_seed(config.seed)
     teacher_s = None
     if teacher_path.exists():
-        teacher = TeacherData(**torch.load(teacher_path))
+        teacher = _read_teacher(teacher_path)
     else:
         started = time.perf_counter()
         stream = collect_tokens(target, config, progress)
         teacher = score_with_teacher(target, stream, config, progress)
-        torch.save(asdict(teacher), teacher_path)
+        atomic_write(teacher_path, lambda out: torch.save(asdict(teacher), out))
         teacher_s = time.perf_counter() - started
     model = target.model
     if config.arch.eagle != (teacher.hidden is not None):
@@ -331,11 +334,17 @@ def distill(
     }
     step = 0
     if resume:
-        state = torch.load(checkpoint_path)
-        draft.load_state_dict(state["draft"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
-        step, record = state["step"], state["record"] | {"config": asdict(config)}
+        try:
+            state = torch.load(checkpoint_path)
+            draft.load_state_dict(state["draft"], strict=False)
+            optimizer.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng"])
+            step, record = int(state["step"]), state["record"] | {"config": asdict(config)}
+        except _UNREADABLE as exc:
+            raise ConfigError(
+                f"'{checkpoint_path}' cannot be resumed from ({type(exc).__name__}: damaged, or of another --arch): "
+                f"delete it and run without --resume to start over (the teacher data in {TEACHER_FILE} is kept)"
+            ) from None
     else:
         record["teacher_s"] = teacher_s
     train_chunks = len(teacher.tokens) - teacher.held_out
@@ -371,22 +380,35 @@ def distill(
         if step % config.checkpoint_every == 0 or step == config.steps:
             record["train_s"] += time.perf_counter() - started
             started = time.perf_counter()
-            torch.save(
-                {
-                    "draft": own_parameters(draft),
-                    "optimizer": optimizer.state_dict(),
-                    "rng": torch.get_rng_state(),
-                    "step": step,
-                    "record": record,
-                },
-                checkpoint_path,
-            )
+            state = {
+                "draft": own_parameters(draft),
+                "optimizer": optimizer.state_dict(),
+                "rng": torch.get_rng_state(),
+                "step": step,
+                "record": record,
+            }
+            atomic_write(checkpoint_path, functools.partial(torch.save, state))  # a kill mid-save keeps the last one
     draft.eval()
     record |= {"steps": step, "tokens_trained": step * config.batch * config.seq_len, "final_loss": loss_value}
     if not config.arch.eagle:  # an eagle head stops by its tree's scores instead (drafters/eagle.py)
         record |= calibrate(draft, teacher)
     save_draft(draft, out, record)
     return record
+
+
+# What reading a damaged or foreign torch file raises: a torn zip or pickle, missing keys, tensors of other shapes.
+_UNREADABLE = (RuntimeError, EOFError, OSError, ValueError, KeyError, TypeError, AttributeError, pickle.UnpicklingError)
+
+
+def _read_teacher(path: Path) -> TeacherData:
+    """The teacher data saved in ``path``; a damaged file is a ConfigError (one line) that says to score again."""
+    try:
+        return TeacherData(**torch.load(path))
+    except _UNREADABLE as exc:
+        raise ConfigError(
+            f"'{path}' cannot be read ({type(exc).__name__}: damaged): delete it, and the checkpoint beside it if any, "
+            "to score the data again"
+        ) from None
 
 
 def start_from(draft, folder: str, target: str) -> None:

@@ -4,9 +4,11 @@ Whether speculation pays depends on three things no default can know: the runtim
 on this machine, the drafter's acceptance on the user's text, and the drafter's own cost. The search measures
 each, predicts every configuration from them, and lets a real run on prompts it did not use decide:
 
-1. runtimes: the target opens on each runtime that runs here; its forward cost curve is measured, and a short
-   target-only run gives its tokens/s, the engine's per-step cost outside the forward and a prompt's time, which
-   sizes the sample to the budget; target-only's rate on the search part (below) rescales every runtime's;
+1. runtimes: the target opens on each runtime that runs here; on the first, one target-only prompt says whether the
+   budget can buy the least search at all (else a one-line refusal, before the budget is spent); its forward cost curve
+   is measured, and a short target-only run gives its tokens/s, the engine's per-step cost outside the forward and a
+   prompt's time, which sizes the sample to the budget; target-only's rate on the search part (below) rescales every
+   runtime's;
 2. split: the prompts are dealt per category into a search part and a held-out part, each covering every category;
    a budget or a prompt file too small for that is refused in one line, before anything is written;
 3. drafters: each drafts chains of max_k tokens on the search part, on the fastest runtime it runs on, keeping
@@ -14,7 +16,8 @@ each, predicts every configuration from them, and lets a real run on prompts it 
 4. prediction: those steps are replayed on every runtime's curve for every k up to max_k (a step that accepted
    a tokens of p keeps min(a, k) of min(p, k)), with the drafting cost interpolated between the measured k;
 5. confirmation, on the held-out part: the best predicted configurations, the cost-model policy for the best, each
-   of their runtimes' target-only and the library's default (the ``auto`` drafter, cost-model k) run in turns. A
+   of their runtimes' target-only and the library's default (the ``auto`` drafter, cost-model k) run in turns (those
+   of slower runtimes are dropped where the budget left cannot buy the held-out prompts needed of them all). A
    contender whose drafting time missed its model by more than OFF_BY has that cost re-measured from the run, and
    what then predicts above the fastest measured is confirmed too. The profile is the contender that beats the
    default prompt by prompt (geometric mean of the ratios) by more than the margin and the run's noise, else the
@@ -282,7 +285,11 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
             notes.append(f"runtime {label} skipped: {exc}")  # its context is shorter than an earlier runtime's
             advance(f"{label} skipped")
             continue
-        measured[label] = _measure_runtime(label, runtime, target, load_s, pool, base)
+        first = None
+        if not measured:  # one prompt says at once whether the budget can buy the least search, before it is spent
+            first = _first_prompt(target, pool, base)
+            _check_budget(config, label, pool, first.wall_s, elapsed(), len(drafters))
+        measured[label] = _measure_runtime(label, runtime, target, load_s, pool, base, first)
         advance(f"{label}: {measured[label].target_only_tokens_per_s:.1f} tok/s target-only")
         if len(measured) == 1 and elapsed() > config.budget_s:
             raise ConfigError(
@@ -308,6 +315,7 @@ def tune(config: TuneConfig, advance: Callable[[str], None] = lambda _: None) ->
 
     candidates = _predict(measured, samples, config.max_k)
     chosen_set = _confirmation_set(candidates, measured, config.confirm, config.max_k)
+    chosen_set = _affordable(chosen_set, measured, _needed(held_out), config.budget_s - elapsed(), notes)
     for label in set(measured) - {c.runtime for c in chosen_set}:
         measured[label].target = None  # type: ignore[assignment]  # free the models no confirmation needs
     deadline = start + config.budget_s
@@ -427,14 +435,10 @@ def _nothing_usable(config: TuneConfig, prompts: list[BenchPrompt], why: str) ->
     )
 
 
-def _split(
-    pool: Encoded, config: TuneConfig, prompt_s: float, drafters: int, runtimes: int, spent_s: float
-) -> tuple[Encoded, Encoded]:
-    """The search part and the held-out part: each category's prompts dealt alternately (held-out first), each part in
-    turns of the categories, as many as the budget's phases buy at ``prompt_s`` a prompt.
-
-    Refuses, in one line, a prompt file or a budget that cannot give both parts every category and the held-out part
-    MIN_HELD_OUT prompts."""
+def _deal(pool: Encoded, config: TuneConfig) -> tuple[Encoded, Encoded, int, int]:
+    """(search part, held-out part, categories, held-out prompts needed): each category's prompts dealt alternately
+    (held-out first), each part in turns of the categories. Refuses, in one line, a prompt file that cannot give both
+    parts every category and the held-out part MIN_HELD_OUT prompts."""
     by_category: dict[str, list[tuple[BenchPrompt, list[int]]]] = {}
     for item in pool:
         by_category.setdefault(item[0].category, []).append(item)
@@ -449,9 +453,59 @@ def _split(
             f"two of every category; give at least {max(2 * needed, 2 * categories)} prompts like the requests you "
             "will serve"
         )
-    # the best pairs, the cost-model policy, and target-only and the default on each of their runtimes
+    return search, held_out, categories, needed
+
+
+def _contenders(config: TuneConfig, drafters: int, runtimes: int) -> int:
+    """How many contenders the confirmation runs at most: the best pairs, the cost-model policy, and target-only and
+    the default on each of their runtimes."""
     pairs = min(config.confirm, max(drafters, 1) * runtimes)
-    contenders = pairs + 1 + 2 * min(pairs + 1, runtimes)
+    return pairs + 1 + 2 * min(pairs + 1, runtimes)
+
+
+def _least_budget_s(
+    prompt_s: float, spent_s: float, categories: int, needed: int, drafters: int, contenders: int
+) -> float:
+    """The least budget whose phases buy one search prompt of each of ``categories`` (every drafter sampled on it,
+    target-only run on it, and each drafter's k = 1 run) by PHASE_ENDS[1] after ``spent_s``, and ``needed`` held-out
+    prompts of ``contenders`` in the rest, at ``prompt_s`` a target-only prompt; rounded up to 10 s."""
+    search_s = prompt_s * (DRAFTING_SLOWDOWN * max(drafters, 1) + 1)
+    least = max(
+        needed * prompt_s * contenders / (1 - PHASE_ENDS[1]),
+        (spent_s + drafters * prompt_s + categories * search_s) / PHASE_ENDS[1],
+    )
+    return math.ceil(least / 10) * 10
+
+
+def _check_budget(
+    config: TuneConfig, label: str, pool: Encoded, prompt_s: float, spent_s: float, drafters: int
+) -> None:
+    """Refuse, in one line, a budget that cannot buy the least search even on the first runtime alone, measured on one
+    prompt (``prompt_s``, after ``spent_s`` opening it), and a prompt file too small to split: before the budget is
+    spent. (The split checks again once every runtime is measured.)"""
+    _, _, categories, needed = _deal(pool, config)
+    spent_s += (PROBE_PROMPTS - 1) * prompt_s  # the rest of this runtime's measurement
+    contenders = _contenders(config, drafters, 1)
+    least = _least_budget_s(prompt_s, spent_s, categories, needed, drafters, contenders)
+    if config.budget_s < least:
+        raise ConfigError(
+            f"--budget-s {config.budget_s:g} cannot buy a reliable choice here: a target-only prompt takes "
+            f"{prompt_s:.1f} s on {label} ({spent_s:.0f} s to open and measure it), and sampling {drafters} drafter(s) "
+            f"on {categories} search prompts and confirming {contenders} contenders on {needed} held-out prompts "
+            f"needs more; give at least {least:.0f} s"
+        )
+
+
+def _split(
+    pool: Encoded, config: TuneConfig, prompt_s: float, drafters: int, runtimes: int, spent_s: float
+) -> tuple[Encoded, Encoded]:
+    """The search part and the held-out part (_deal), as many of each as the budget's phases buy at ``prompt_s`` a
+    prompt.
+
+    Refuses, in one line, a prompt file or a budget that cannot give both parts every category and the held-out part
+    MIN_HELD_OUT prompts."""
+    search, held_out, categories, needed = _deal(pool, config)
+    contenders = _contenders(config, drafters, runtimes)
     held_out_s = prompt_s * contenders
     search_s = prompt_s * (DRAFTING_SLOWDOWN * max(drafters, 1) + 1)
     confirm_budget = (1 - PHASE_ENDS[1]) * config.budget_s
@@ -459,13 +513,33 @@ def _split(
     held_out = held_out[: max(0, int(confirm_budget / held_out_s))]
     search = search[: max(0, int(search_budget / search_s))]
     if len(held_out) < needed or len(search) < categories:
-        least = max(needed * held_out_s / (1 - PHASE_ENDS[1]), (spent_s + categories * search_s) / PHASE_ENDS[1])
+        least = _least_budget_s(prompt_s, spent_s, categories, needed, drafters, contenders)
         raise ConfigError(
             f"--budget-s {config.budget_s:g} buys {len(search)} search and {len(held_out)} held-out prompts here "
             f"(a prompt takes about {prompt_s:.1f} s): a reliable choice needs {categories} and {needed}; "
-            f"give at least {math.ceil(least / 10) * 10:.0f} s"
+            f"give at least {least:.0f} s"
         )
     return search, held_out
+
+
+def _affordable(
+    chosen: list[Candidate], measured: dict[str, RuntimeFigures], needed: int, left_s: float, notes: list[str]
+) -> list[Candidate]:
+    """The confirmation set, or, when ``needed`` held-out prompts of it would take more than ``left_s`` (a prompt
+    costs about its runtime's target-only prompt time) and those of its part on the fastest runtime would not, that
+    part alone: the contenders, target-only and default of slower runtimes go unconfirmed, with a note, rather than
+    the budget run out with no profile."""
+
+    def cost(candidates: list[Candidate]) -> float:
+        return needed * sum(measured[c.runtime].prompt_s for c in candidates)
+
+    fastest = max(measured.values(), key=lambda f: f.target_only_tokens_per_s).label
+    kept = [c for c in chosen if c.runtime == fastest]
+    if cost(chosen) <= left_s or cost(kept) > left_s or len(kept) == len(chosen):
+        return chosen
+    dropped = [c.label for c in chosen if c.runtime != fastest]
+    notes.append(f"not confirmed for want of budget (slower runtimes): {', '.join(dropped)}")
+    return kept
 
 
 def _in_turns(items: Encoded) -> Encoded:
@@ -474,15 +548,29 @@ def _in_turns(items: Encoded) -> Encoded:
     return [(prompt, ids[id(prompt)]) for prompt in round_robin([prompt for prompt, _ in items])]
 
 
+def _first_prompt(target: Target, prompts: Encoded, base: GenerationConfig) -> DecodeStats:
+    """A target-only run of the first prompt, after a warm-up: what a prompt costs on this runtime."""
+    generator = Generator(target, "none", base)
+    generator.generate(_warm_up(target), max_new_tokens=4)
+    return generator.generate(prompts[0][1]).stats
+
+
 def _measure_runtime(
-    label: str, runtime: RuntimeConfig, target: Target, load_s: float, prompts: Encoded, base: GenerationConfig
+    label: str,
+    runtime: RuntimeConfig,
+    target: Target,
+    load_s: float,
+    prompts: Encoded,
+    base: GenerationConfig,
+    first: DecodeStats | None = None,
 ) -> RuntimeFigures:
     """The runtime's cost curve (measured once per machine and cached, as the cost-model policy reads it) and a short
-    target-only run."""
+    target-only run (``first``: its first prompt's, run already)."""
     generator = Generator(target, "none", base)
     curve = generator.costs()
     generator.generate(_warm_up(target), max_new_tokens=4)
-    runs = [generator.generate(ids).stats for _, ids in prompts[:PROBE_PROMPTS]]
+    runs = [first] if first is not None else []
+    runs += [generator.generate(ids).stats for _, ids in prompts[len(runs) : PROBE_PROMPTS]]
     overheads = [max(0.0, (s.wall_s - s.ttft_s) / (s.steps - 1) - curve(1)) for s in runs if s.steps > 1]
     figures = RuntimeFigures(
         label,
