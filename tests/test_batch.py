@@ -320,3 +320,65 @@ def test_gemma_batched_greedy_equals_alone(gemma) -> None:
     results = Generator(gemma, "prompt-lookup", config, batch=BatchConfig(window="dynamic")).generate_batch(prompts)
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     assert [r.text for r in results] == [e.text for e in expected]
+
+
+# Client settings at their bounds, as a request sends them (the server refuses anything past them): one case per
+# kind of work they drive.
+EXTREME_REQUESTS = {
+    "loops found and blocked most": {
+        "guards": {
+            "repetition": True,
+            "loop_repeats": 2,
+            "loop_min_span": 2,
+            "loop_max_unit": 256,
+            "loop_cooldown": 4096,
+            "block_ngram": 32,
+        }
+    },
+    "every repeated token blocked": {"guards": {"repetition": True, "loop_repeats": 2, "block_ngram": 1}},
+    "the longest loops": {"guards": {"repetition": True, "loop_repeats": 16, "loop_min_span": 4096}},
+    "an anchor every token": {"guards": {"anchor_every": 1}},
+    "the longest stop strings": {"stop": [ch * 255 + "#" for ch in "eat "]},  # long partial matches to hold back
+}
+
+
+@pytest.mark.parametrize("body", EXTREME_REQUESTS.values(), ids=EXTREME_REQUESTS.keys())
+def test_a_request_at_the_settings_bounds_does_not_slow_the_batch(body: dict) -> None:
+    """The engine thread is shared: a request with settings at their bounds costs the batch's steps less than twice
+    what a request with the defaults does, however long its output grows. Two batches (a plain request and the one
+    with settings; the plain request and one with defaults) are stepped in turn; medians over the later steps of this
+    process's CPU time per step, on one thread (which other processes' load hardly moves)."""
+    import time
+
+    from specdec.serving.protocol import CompletionRequest
+
+    tokenizer = char_tokenizer()
+    model = tiny_llama(0, vocab=len(tokenizer), context=4096)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied: it repeats itself, so the guards have work
+    target = loaded(model, tokenizer=tokenizer)
+    gen = Generator(target, "prompt-lookup", GenerationConfig(k=8, k_policy="fixed"), batch=BatchConfig(window="fixed"))
+
+    def request(settings: dict):
+        sent = CompletionRequest(prompt="the cat sat on the mat. the cat", temperature=0, ignore_eos=True, **settings)
+        sent.unsupported()  # the server's every check
+        return gen.completion(sent.prompt, sent.generation_config(gen.config, 3000))
+
+    batches = []
+    for settings in ({}, body):
+        decoder = gen.batch_decoder()
+        for completion in (request({}), request(settings)):
+            gen.admit(decoder, completion)
+        batches.append((decoder, []))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # idle pool threads spinning would count as CPU time
+    try:
+        for _ in range(200):
+            for decoder, costs in batches:
+                start = time.process_time()
+                decoder.step()
+                costs.append(time.process_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(len(decoder.rows) == 2 and min(len(c.token_ids) for c in decoder.rows) >= 200 for decoder, _ in batches)
+    normal, extreme = (sorted(costs[100:])[50] for _, costs in batches)
+    assert extreme < 2 * normal, (extreme, normal)

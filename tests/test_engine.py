@@ -8,8 +8,10 @@ import pytest
 import torch
 from conftest import char_tokenizer, loaded, perturbed, tiny_gemma3, tiny_llama
 
-from specdec import Generator
+from specdec import GenerationConfig, Generator, SamplingConfig
+from specdec.config import with_overrides
 from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
+from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
 from specdec.engine import Decoder
 from specdec.models import TransformersBackend
 from specdec.models.backend import OneRow
@@ -104,6 +106,48 @@ def test_seeded_sampling_is_reproducible() -> None:
     assert runs[0] != runs[2]
 
 
+class Oracle(Drafter):
+    """Deterministic drafts from a known continuation, every third token wrong (a tree: the wrong chain beside the
+    right one): steps accept, reject and branch, whatever k."""
+
+    capabilities = DrafterCapabilities(trees=True)
+
+    def __init__(self, known: list[int]) -> None:
+        self.known = known
+
+    def begin(self, settings: DraftSettings) -> None:
+        pass
+
+    def fork(self) -> Oracle:
+        return Oracle(self.known)
+
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
+        right = self.known[len(context) : len(context) + k]
+        wrong = [t if (len(context) + i) % 3 else (t + 1) % 96 for i, t in enumerate(right)]
+        if branches == 1:
+            return Proposal(torch.tensor(wrong, dtype=torch.long), steps=0)
+        return Proposal.tree([wrong, right], k, steps=0)
+
+
+def test_a_seed_gives_the_target_only_output_whatever_is_drafted() -> None:
+    """Sampling with a seed and deterministic drafts: the target-only output for that seed, whatever k, chains or
+    trees, alone or beside other rows under the dynamic window (which caps k by the load)."""
+    target = loaded(tiny_llama(0))
+    settings = dict(max_new_tokens=40, temperature=0.8, seed=7, stop_on_eos=False)
+    expected = Generator(target, "none").generate(PROMPTS[0], **settings).token_ids
+    gen = Generator(target, Oracle(PROMPTS[0] + expected))
+    for k, branches in ((1, 1), (3, 1), (8, 1), (8, 4)):
+        got = gen.generate(PROMPTS[0], k=k, k_policy="fixed", branches=branches, **settings)
+        assert got.token_ids == expected, (k, branches)
+        assert 0 < got.stats.draft_tokens_accepted < got.stats.draft_tokens_proposed
+    beside = GenerationConfig(k=2, max_new_tokens=30, stop_on_eos=False, sampling=SamplingConfig(temperature=1.0))
+    together = gen.generate_batch(
+        [PROMPTS[0], [1, 40, 41]], [with_overrides(GenerationConfig(k=6), **settings), beside]
+    )
+    assert together[0].token_ids == expected
+    assert Generator(target, "prompt-lookup").generate(PROMPTS[0], **settings).token_ids == expected
+
+
 def test_text_stop_strings_eos_and_streaming() -> None:
     tokenizer = char_tokenizer()
     model = tiny_llama(0, vocab=len(tokenizer))
@@ -125,6 +169,49 @@ def test_text_stop_strings_eos_and_streaming() -> None:
     ended = Generator(loaded(eos_model, tokenizer=tokenizer), NoDrafter()).generate("ab ab ab", max_new_tokens=40)
     assert ended.finish_reason == "eos"
     assert ended.token_ids[-1] == 2 and len(ended.token_ids) < 40
+
+
+def test_stop_strings_are_searched_where_they_can_complete() -> None:
+    """Each step searches only from the longest stop string's length before the new text: over random texts of a few
+    letters fed in random chunks, with overlapping stop strings, the tracker keeps the tokens, cuts the text and
+    streams the pieces that searching the whole text every step gives, and never takes streamed text back."""
+    import random
+
+    from specdec.engine.text import TextTracker
+
+    def held(text: str, stops: tuple[str, ...]) -> int:  # the end of what may be streamed, searched the long way
+        end = len(text)
+        for stop in stops:
+            end -= next((n for n in range(min(len(stop) - 1, end), 0, -1) if text[end - n : end] == stop[:n]), 0)
+        return end
+
+    tokenizer = char_tokenizer()
+    rng, stopped = random.Random(0), 0
+    for _ in range(300):
+        text = "".join(rng.choice("ab c") for _ in range(rng.randrange(1, 150)))
+        stops = tuple({"".join(rng.choice("ab c") for _ in range(rng.randrange(1, 14))) for _ in range(4)})
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # one token per character
+        tracker, fed, streamed, emitted = TextTracker(tokenizer, stops), 0, "", 0
+        while fed < len(ids) and not tracker.stopped:
+            chunk = ids[fed : fed + rng.randrange(1, 10)]
+            starts = [text[: fed + len(chunk)].find(stop) for stop in stops]
+            cut = min((i for i in starts if i >= 0), default=None)
+            kept = (
+                len(chunk)
+                if cut is None
+                else next(n for n in range(1, len(chunk) + 1) if any(0 <= text[: fed + n].find(stop) for stop in stops))
+            )
+            assert tracker.add(chunk) == chunk[:kept]
+            fed += kept
+            expected = text[:fed] if cut is None else text[:cut]
+            assert tracker.text == expected and tracker.stopped == (cut is not None)
+            piece = tracker.delta(final=tracker.stopped)
+            end = len(expected) if tracker.stopped else max(held(expected, stops), emitted)
+            assert piece == expected[emitted:end]
+            streamed, emitted = streamed + piece, end
+        stopped += tracker.stopped
+        assert streamed + tracker.delta(final=True) == tracker.text
+    assert stopped > 100  # stop strings were found, mid-chunk and across chunks
 
 
 def test_context_limit_ends_generation() -> None:

@@ -156,8 +156,6 @@ def test_the_server_refuses_what_memory_cannot_hold_and_reports_the_caches(monke
     """On native, a request whose KV cache (in whole pages) could never fit in the memory left gets 400, one that
     fits alone but not beside the requests already taken (each grown to prompt + max_tokens) gets 503, both
     insufficient_memory in OpenAI's shape; one that fits is answered, and /metrics reports the caches' bytes."""
-    from collections import namedtuple
-
     from test_serve_faults import _ask
 
     from specdec.serving import batcher as batcher_module
@@ -174,8 +172,7 @@ def test_the_server_refuses_what_memory_cannot_hold_and_reports_the_caches(monke
     page = rows.kv_bytes_for(1)  # one page in every layer
     assert rows.kv_bytes_for(256) == page and rows.kv_bytes_for(257) > page
     assert rows.kv_bytes_for(256 * 100) < 100 * page  # windowed layers hold a few pages however long the row
-    memory = namedtuple("Memory", "available")
-    monkeypatch.setattr(batcher_module.psutil, "virtual_memory", lambda: memory(int(rows.kv_bytes_for(300) * 1.5)))
+    monkeypatch.setattr(batcher_module, "available_bytes", lambda device: int(rows.kv_bytes_for(300) * 1.5))
 
     # Fits alone (two pages' worth), not beside a waiting request of the same size.
     waiting = Job(generator.completion("abc abc", max_new_tokens=290), None)  # type: ignore[arg-type]

@@ -70,6 +70,61 @@ def test_guards_block_the_loop_and_schedule_the_temperature() -> None:
     assert [anchor.anchor_due(n) for n in (0, 9, 10, 11, 25, 29, 30)] == [False, False, True, False, True, False, True]
 
 
+def _rule(config: GuardConfig, output: list[int], ignorable: frozenset[int]) -> set[int]:
+    """The repetition guard's rule written out: after a loop found at most loop_cooldown tokens ago, every token that
+    would repeat an n-gram of ``output``, and the one that would continue a loop it ends in now."""
+
+    def loop(tokens: list[int]):
+        return find_loop(tokens, config.loop_repeats, config.loop_min_span, config.loop_max_unit, ignorable)
+
+    now, n = loop(output), config.block_ngram
+    recent = range(len(output) - 1, max(len(output) - config.loop_cooldown, 0), -1)
+    if now is None and not any(loop(output[:length]) for length in recent):
+        return set()
+    key = output[len(output) - n + 1 :]
+    followers = {output[i + n - 1] for i in range(len(output) - n + 1) if output[i : i + n - 1] == key}
+    return (followers if len(output) >= n else set()) | ({now.next_token} if now else set())
+
+
+def test_the_repetition_guard_follows_its_rule_step_by_step() -> None:
+    """Guards keeps its loops and n-grams as the output grows, and scans each step's drafts from there: at every
+    position of every step (drafts trimmed, then logits masked, a random share accepted) it blocks what the rule
+    written out blocks, over random settings, ignorable tokens and loopy outputs of a small vocabulary."""
+    import random
+
+    vocab, blocked_somewhere = 8, 0
+    for trial in range(60):
+        rng = random.Random(trial)
+        config = GuardConfig(
+            repetition=True,
+            loop_repeats=rng.choice([2, 3, 4]),
+            loop_min_span=rng.choice([2, 4, 9, 24]),
+            loop_max_unit=rng.choice([1, 3, 7, 16]),
+            loop_cooldown=rng.choice([1, 2, 5, 30]),
+            block_ngram=rng.choice([1, 2, 3, 5]),
+        )
+        ignorable = frozenset(rng.sample(range(vocab), rng.choice([0, 2, 4])))
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(5))]
+        guards, output = Guards(config, len(prompt), ignorable), []
+        for _ in range(30):
+            drafts: list[int] = []  # mostly copies of recent tokens: loops
+            for _ in range(rng.randrange(7)):
+                recent = output[-5:] + drafts[-3:]
+                drafts.append(rng.choice(recent) if recent and rng.random() < 0.7 else rng.randrange(vocab))
+            context = torch.tensor(prompt + output)
+            kept = guards.trim(context, torch.tensor(drafts, dtype=torch.long))
+            rules = [_rule(config, output + drafts[:i], ignorable) for i in range(len(drafts) + 1)]
+            assert kept == next((i for i, t in enumerate(drafts) if t in rules[i]), len(drafts))
+            logits = torch.zeros(kept + 1, vocab)
+            guards.adjust(context, torch.tensor(drafts[:kept], dtype=torch.long), logits)
+            for i in range(kept + 1):
+                assert set((logits[i] == float("-inf")).nonzero().flatten().tolist()) == rules[i], (trial, i)
+                blocked_somewhere += bool(rules[i])
+            recent = output[-3:]
+            output += drafts[: rng.randrange(kept + 1)] + [rng.choice(recent) if recent else rng.randrange(vocab)]
+    assert blocked_somewhere > 500  # the rule had work to do
+
+
 @pytest.mark.parametrize("make_target", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
 @pytest.mark.parametrize(
     "guards",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field, fields, replace
 
@@ -27,8 +28,10 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
-            raise ConfigError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(
+                f"temperature must be 0 (greedy) or finite and at least {MIN_TEMPERATURE}, got {self.temperature}"
+            )
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(f"top_k must be >= 1 or unset, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -37,6 +40,22 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+# The guards' sizes in tokens, each (least, most). A server takes them from clients and runs every request on one
+# thread (the loop search's work per token grows with loop_max_unit, the n-grams' with block_ngram), so each has a
+# ceiling, generous for real text: loops of a few paragraphs at most.
+MAX_GUARD_TOKENS = 1 << 24  # past any model's context: a period this long never comes round
+GUARD_BOUNDS: dict[str, tuple[int, int]] = {
+    "loop_repeats": (2, 16),
+    "loop_min_span": (2, 4096),
+    "loop_max_unit": (1, 256),
+    "loop_cooldown": (1, 4096),
+    "block_ngram": (1, 32),
+    "schedule_tokens": (1, MAX_GUARD_TOKENS),
+    "anchor_every": (1, MAX_GUARD_TOKENS),
+    "drift_window": (1, MAX_GUARD_TOKENS),
+}
 
 
 @dataclass(frozen=True)
@@ -64,27 +83,19 @@ class GuardConfig:
     drift_anchor: bool = False  # a drift event also triggers an anchor step
 
     def __post_init__(self) -> None:
-        if (
-            self.loop_repeats < 2
-            or self.loop_min_span < 2
-            or self.loop_max_unit < 1
-            or self.loop_cooldown < 1
-            or self.block_ngram < 1
-        ):
-            raise ConfigError(
-                "loop detection needs loop_repeats >= 2, loop_min_span >= 2, loop_max_unit, loop_cooldown "
-                "and block_ngram >= 1"
-            )
+        for name, (least, most) in GUARD_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and not least <= value <= most:
+                raise ConfigError(f"{name} must be between {least} and {most}, got {value}")
         if self.temperature_schedule is not None and (
-            len(self.temperature_schedule) != 2 or min(self.temperature_schedule) < MIN_TEMPERATURE
+            len(self.temperature_schedule) != 2
+            or not all(math.isfinite(t) for t in self.temperature_schedule)  # NaN slips past the comparison below
+            or min(self.temperature_schedule) < MIN_TEMPERATURE
         ):
             raise ConfigError(
-                f"temperature_schedule is (start, end) with both >= {MIN_TEMPERATURE}, got {self.temperature_schedule}"
+                f"temperature_schedule is (start, end) with both >= {MIN_TEMPERATURE} and finite, "
+                f"got {self.temperature_schedule}"
             )
-        if self.schedule_tokens < 1 or self.drift_window < 1:
-            raise ConfigError("schedule_tokens and drift_window must be >= 1")
-        if self.anchor_every is not None and self.anchor_every < 1:
-            raise ConfigError(f"anchor_every must be >= 1 new tokens, got {self.anchor_every}")
         if self.drift_threshold is not None and not -1 <= self.drift_threshold <= 1:
             raise ConfigError(f"drift_threshold is a cosine similarity in [-1, 1], got {self.drift_threshold}")
         if self.drift_anchor and self.drift_threshold is None:

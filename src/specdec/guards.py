@@ -8,9 +8,11 @@ each step; speculative output then equals the guarded target's own output
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -61,18 +63,83 @@ def find_loop(
     return None
 
 
-def ngram_followers(tokens: Sequence[int], n: int) -> set[int]:
-    """Tokens that, appended to ``tokens``, would repeat one of its n-grams."""
-    if len(tokens) < n:
-        return set()
-    key = list(tokens[len(tokens) - n + 1 :])
-    return {tokens[i + n - 1] for i in range(len(tokens) - n + 1) if list(tokens[i : i + n - 1]) == key}
-
-
 def ignorable_tokens(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Ids whose text is only whitespace and punctuation (never a loop's unit on their own)."""
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     return frozenset(i for i, text in enumerate(texts) if not any(ch.isalnum() for ch in text))
+
+
+class LoopScan:
+    """:func:`find_loop` at every length of a growing sequence, in O(loop_max_unit) work per token whatever its length.
+
+    For each unit size s it keeps how many trailing tokens equal the token s before them: the sequence ends in c
+    copies of its last s tokens exactly when that run covers (c - 1) * s tokens. :meth:`push` adds accepted tokens;
+    :meth:`extend` scans a step's drafts from there without changing what was accepted.
+    """
+
+    def __init__(self, config: GuardConfig, ignorable: frozenset[int] = frozenset()) -> None:
+        self.sizes = np.arange(1, config.loop_max_unit + 1)
+        self.copies = np.maximum(config.loop_repeats, -(-config.loop_min_span // self.sizes))
+        self.need = (self.copies - 1) * self.sizes  # trailing repeats a loop of each unit size needs
+        self.span = self.copies * self.sizes  # and the tokens it covers
+        self.window = max(config.loop_min_span, config.loop_repeats * config.loop_max_unit)  # find_loop's
+        self.ignorable = ignorable
+        self.tokens = np.zeros(256, dtype=np.int64)  # accepted, then the drafts last scanned
+        self.meaningful = np.zeros(257, dtype=np.int64)  # [n]: how many of the first n tokens are not ignorable
+        self.length = 0  # accepted tokens
+        self.runs = np.zeros(len(self.sizes), dtype=np.int64)  # at self.length
+        self.loops: list[int] = []  # accepted lengths at which the sequence ends in a loop, increasing
+        self.units: dict[int, int] = {}  # such a length -> its loop's unit size
+
+    def push(self, token: int) -> None:
+        """Accept one more token."""
+        self._put(self.length, token)
+        self.runs, unit = self._advance(self.runs, self.length)
+        self.length += 1
+        if unit is not None:
+            self.loops.append(self.length)
+            self.units[self.length] = unit
+
+    def next_token(self, length: int) -> int | None:
+        """The token that would continue the loop the accepted sequence of ``length`` tokens ends in (None: none)."""
+        unit = self.units.get(length)
+        return None if unit is None else int(self.tokens[length - unit])
+
+    def looped_within(self, first: int, last: int) -> bool:
+        """Whether the accepted sequence ended in a loop at some length in first..last."""
+        at = bisect.bisect_right(self.loops, last)
+        return at > 0 and self.loops[at - 1] >= first
+
+    def extend(self, drafts: list[int]) -> list[int | None]:
+        """For the accepted tokens followed by each non-empty prefix of ``drafts``: the token that would continue the
+        loop it ends in (None: none)."""
+        runs, nexts = self.runs, []
+        for i, token in enumerate(drafts):
+            self._put(self.length + i, token)
+            runs, unit = self._advance(runs, self.length + i)
+            nexts.append(None if unit is None else int(self.tokens[self.length + i + 1 - unit]))
+        return nexts
+
+    def _put(self, at: int, token: int) -> None:
+        if at >= len(self.tokens):
+            self.tokens = np.concatenate([self.tokens, np.zeros_like(self.tokens)])
+            self.meaningful = np.concatenate([self.meaningful, np.zeros_like(self.meaningful)])
+        self.tokens[at] = token
+        self.meaningful[at + 1] = self.meaningful[at] + (token not in self.ignorable)
+
+    def _advance(self, runs: np.ndarray, at: int) -> tuple[np.ndarray, int | None]:
+        """The runs once the token written at ``at`` follows, and the unit size of the loop the sequence then ends in
+        (the smallest, as find_loop finds it; None: no loop)."""
+        seen = min(at, len(self.sizes))
+        same = np.zeros(len(self.sizes), dtype=bool)
+        same[:seen] = self.tokens[at - seen : at][::-1] == self.tokens[at]  # [s - 1]: the token s before
+        runs = (runs + 1) * same
+        n = at + 1
+        found = (runs >= self.need) & (self.span <= min(n, self.window))
+        if self.ignorable:  # a unit of ignorable tokens only is no loop
+            found &= self.meaningful[n] > self.meaningful[np.maximum(n - self.sizes, 0)]
+        hits = np.flatnonzero(found)
+        return runs, int(hits[0]) + 1 if hits.size else None
 
 
 class NoGuards:
@@ -107,43 +174,78 @@ class Guards:
         self.ignorable = ignorable
         self.next_anchor = config.anchor_every
         self.anchor_requested = False  # set by a drift event when config.drift_anchor
-        self._loops: dict[int, Loop | None] = {}  # accepted output length -> the loop the output of that length ends in
-        self._context: tuple[torch.Tensor, list[int]] | None = None  # the step's context, read into a list once
         self._blocked: list[int] = []  # positions of the last adjust() where a loop was blocked
+        # The repetition guard's view of the accepted output, read as it grows (accepted output never changes): its
+        # tokens, its loops, and (from the first block on) its n-grams by their first n - 1 tokens.
+        self._output: list[int] = []
+        self._scan = LoopScan(config, ignorable)
+        self._ngrams: dict[tuple[int, ...], set[int]] | None = None
+        # the last drafts scanned: the accepted length they followed, the drafts, LoopScan.extend's answer
+        self._drafts: tuple[int, list[int], list[int | None]] = (0, [], [])
 
-    def _as_list(self, context: torch.Tensor) -> list[int]:
-        if self._context is None or self._context[0] is not context:
-            self._context = (context, context.tolist())
-        return self._context[1]
+    def _sync(self, context: torch.Tensor) -> None:
+        """Read the output ``context`` (prompt and accepted output) holds beyond what was read."""
+        produced = context.shape[0] - self.prompt_length
+        if produced < len(self._output):  # not this sequence's continuation: read it afresh
+            self._output, self._scan, self._ngrams = [], LoopScan(self.config, self.ignorable), None
+            self._drafts = (0, [], [])
+        for token in context[self.prompt_length + len(self._output) :].tolist():
+            self._output.append(token)
+            self._scan.push(token)
+            if self._ngrams is not None:
+                self._index(self._ngrams, len(self._output))
 
-    def _loop_at(self, output: list[int], length: int, accepted: int) -> Loop | None:
-        """The loop ``output[:length]`` ends in (remembered for accepted prefixes, which never change)."""
-        if length <= accepted and length in self._loops:
-            return self._loops[length]
-        c = self.config
-        found = find_loop(output[:length], c.loop_repeats, c.loop_min_span, c.loop_max_unit, self.ignorable)
-        if length <= accepted:
-            self._loops[length] = found
-        return found
+    def _index(self, ngrams: dict[tuple[int, ...], set[int]], end: int) -> None:
+        """Add the n-gram that ends ``self._output[:end]`` to ``ngrams``."""
+        n = self.config.block_ngram
+        if end >= n:
+            ngrams.setdefault(tuple(self._output[end - n : end - 1]), set()).add(self._output[end - 1])
 
-    def blocked(self, context: list[int], accepted: int) -> set[int]:
-        """Tokens the repetition guard forbids after ``context`` (whose first ``accepted`` tokens are accepted output or
-        prompt).
+    def _draft_loops(self, drafts: list[int]) -> list[int | None]:
+        """LoopScan.extend over ``drafts``, reusing the last scan when these drafts begin it (trim, then adjust)."""
+        length, scanned, nexts = self._drafts
+        if length != len(self._output) or drafts != scanned[: len(drafts)]:
+            self._drafts = (len(self._output), drafts, self._scan.extend(drafts))
+            return self._drafts[2]
+        return nexts[: len(drafts)]
 
-        Empty unless the output ended in a loop at most loop_cooldown tokens ago; then
-        every token that would repeat an n-gram of the output, and the token that
-        would continue a loop the output ends in now.
+    def _blocks(self, context: torch.Tensor, drafts: list[int]) -> Iterator[set[int]]:
+        """The tokens the repetition guard forbids after ``context`` followed by drafts[:i], for i = 0, 1, ... (lazily).
+
+        Empty unless the output ended in a loop at most loop_cooldown tokens ago; then every token that would repeat an
+        n-gram of the output, and the token that would continue a loop the output ends in now.
         """
-        c = self.config
-        if not c.repetition:
+        self._sync(context)
+        c, scan = self.config, self._scan
+        accepted = len(self._output)
+        nexts = [scan.next_token(accepted), *self._draft_loops(drafts)]
+        drafted_loop = 0  # the longest draft-extended length so far at which the output ends in a loop (0: none)
+        for i, now in enumerate(nexts):
+            length = accepted + i
+            first = max(length - c.loop_cooldown, 0) + 1  # the earliest length still in the cooldown
+            looped = now is not None or drafted_loop >= first or scan.looped_within(first, min(accepted, length - 1))
+            yield (self._followers(drafts, i) | ({now} if now is not None else set())) if looped else set()
+            if now is not None and i:
+                drafted_loop = length
+
+    def _followers(self, drafts: list[int], i: int) -> set[int]:
+        """Tokens that, after the output and drafts[:i], would repeat one of its n-grams."""
+        n, accepted = self.config.block_ngram, len(self._output)
+        length = accepted + i
+        if length < n:
             return set()
-        output = context[self.prompt_length :]
-        accepted -= self.prompt_length
-        now = self._loop_at(output, len(output), accepted)
-        recent = range(len(output) - 1, max(len(output) - c.loop_cooldown, 0), -1)
-        if now is None and not any(self._loop_at(output, length, accepted) for length in recent):
-            return set()
-        return ngram_followers(output, c.block_ngram) | ({now.next_token} if now else set())
+        if self._ngrams is None:
+            self._ngrams = {}
+            for end in range(n, accepted + 1):
+                self._index(self._ngrams, end)
+        start = max(accepted - n + 1, 0)  # the output from here on, then the drafts: every n-gram that ends in a draft
+        tail = self._output[start:] + drafts[:i]
+        key = tuple(tail[length - n + 1 - start : length - start])
+        found = set(self._ngrams.get(key, ()))
+        for end in range(max(accepted, n - 1), length):  # the n-grams that end in drafts[:i]
+            if tuple(tail[end - n + 1 - start : end - start]) == key:
+                found.add(tail[end - start])
+        return found
 
     def temperature_at(self, new_index: int) -> float:
         """The scheduled temperature of output token ``new_index`` (0-based)."""
@@ -160,9 +262,8 @@ class Guards:
         c = self.config
         self._blocked = []
         if c.repetition:
-            tokens, extra = self._as_list(context), drafts.tolist()
-            for i in range(logits.shape[0]):
-                if banned := self.blocked(tokens + extra[:i], len(tokens)):
+            for i, banned in enumerate(self._blocks(context, drafts.tolist())):  # one per row of logits
+                if banned:
                     logits[i, list(banned)] = float("-inf")
                     self._blocked.append(i)
         if c.temperature_schedule is None:
@@ -175,9 +276,10 @@ class Guards:
         rejected)."""
         if not self.config.repetition:
             return drafts.shape[0]
-        tokens, extra = self._as_list(context), drafts.tolist()
-        for i, token in enumerate(extra):
-            if token in self.blocked(tokens + extra[:i], len(tokens)):
+        extra = drafts.tolist()
+        # the blocks after the last draft are never read
+        for i, (token, banned) in enumerate(zip(extra, self._blocks(context, extra), strict=False)):
+            if token in banned:
                 return i
         return len(extra)
 

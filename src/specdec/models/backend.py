@@ -144,8 +144,13 @@ class RowBackend(ABC):
 
     def kv_bytes_for(self, positions: int) -> int:
         """The most a row's KV cache holds at ``positions`` cached positions, every layer's keys and values, as this
-        runtime allocates them (0 where it does not say): what admitting a request may take."""
+        runtime allocates them (0 where it does not say: a runtime whose cache is allocated whole when it is made)."""
         return 0
+
+    def kv_bytes_for_rows(self, positions: list[int]) -> int:
+        """The most the KV caches hold once the rows have ``positions`` cached positions each: what admitting requests
+        may take. The sum of each row's by default; a runtime whose rows share a buffer says what it then holds."""
+        return sum(self.kv_bytes_for(p) for p in positions)
 
 
 def keep_branch(cache: torch.Tensor, dim: int, length: int, branch: list[int]) -> None:

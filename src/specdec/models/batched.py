@@ -153,6 +153,27 @@ class BatchedTransformersBackend(RowBackend):
     def kv_bytes(self) -> int:
         return sum(buffer.nbytes for buffer in self.cache.keys + self.cache.values)
 
+    def kv_bytes_for(self, positions: int) -> int:
+        """A row's slots for ``positions`` positions (the buffer grows by half at least, so up to half as many again;
+        with CUDA graphs from a power of two) times what a slot holds: every layer's key and value."""
+        width = positions if self.graphs is None else max(64, 1 << (positions - 1).bit_length())
+        return _round_up(width, 64) * 3 // 2 * self._slot_bytes()
+
+    def kv_bytes_for_rows(self, positions: list[int]) -> int:
+        """Every row has as many slots as the buffer, which is sized for the longest row and never shrinks."""
+        slots = max(self.kv_bytes_for(max(positions, default=0)), self.cache.capacity * self._slot_bytes())
+        return len(positions) * slots
+
+    def _slot_bytes(self) -> int:
+        """Bytes of one position of one row in every layer's keys and values: the buffers' own once made, before that
+        the text config's layers x key/value heads x head size x 2 in the embeddings' dtype."""
+        if self.cache.keys:
+            return sum(b.shape[1] * b.shape[3] * b.element_size() for b in self.cache.keys + self.cache.values)
+        config = self.model.config.get_text_config()
+        heads = config.num_key_value_heads or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return config.num_hidden_layers * heads * head_dim * 2 * self.mask_dtype.itemsize
+
     @torch.inference_mode()
     def forward(
         self,

@@ -7,12 +7,16 @@ not implement (n > 1, logprobs, echo, penalties, logit_bias) are refused
 by name rather than ignored. Two specdec extensions take the library's own
 settings: ``guards`` (GuardConfig's fields) and ``typical_acceptance``
 (TypicalAcceptance's fields; LOSSY), each an object whose omitted fields keep the library's defaults.
+
+Every number a client sets is bounded (and every float finite), since the engine thread that does the work is shared
+by every request: the request's own limits are here, the guards' in config.GUARD_BOUNDS, max_tokens by the context.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import time
 import uuid
 from dataclasses import fields
@@ -26,6 +30,9 @@ from specdec.engine import GenerationResult
 
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait before retrying
 EXCERPT_CHARS = 60  # an error message quotes at most this much of what the client sent
+MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
+MAX_STOP_CHARS = 256  # characters per stop string: each step searches the text's last this many for them
+MAX_TOP_K = 1 << 20  # more than any vocabulary (a top_k at or past the vocabulary's size keeps every token)
 
 
 class APIError(Exception):
@@ -69,9 +76,10 @@ def clip(text: str) -> str:
 
 
 class _Strict(BaseModel):
-    """Types as written: "5" is no integer, 1000.0 no seed, "yes" no boolean; unknown fields are refused by name."""
+    """Types as written: "5" is no integer, 1000.0 no seed, "yes" no boolean, NaN and Infinity (which Python's JSON
+    reader takes) no number; unknown fields are refused by name."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -85,7 +93,8 @@ class OpenAIRequest(_Strict):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=1)] | None = None  # not OpenAI's, but common in OpenAI-compatible servers
+    # not OpenAI's, but common in OpenAI-compatible servers
+    top_k: Annotated[int, Field(ge=1, le=MAX_TOP_K)] | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence (load tests)
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
@@ -120,8 +129,16 @@ class OpenAIRequest(_Strict):
             if not ok:
                 raise APIError(400, f"'{name}' is not supported by this server: leave it at its default", param=name)
         stops = self.stops
-        if len(stops) > 4 or any(not s for s in stops):
-            raise APIError(400, "'stop' takes up to 4 non-empty strings", param="stop")
+        if len(stops) > MAX_STOPS:
+            raise APIError(400, f"'stop' takes up to {MAX_STOPS} strings, got {len(stops)}", param="stop")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            longest = max(len(s) for s in stops)
+            raise APIError(
+                400,
+                f"'stop' strings must be non-empty and at most {MAX_STOP_CHARS} characters long"
+                + (f", got one of {longest}" if longest > MAX_STOP_CHARS else ", got an empty one"),
+                param="stop",
+            )
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -157,8 +174,8 @@ def _adapter(kind: type) -> TypeAdapter:
 
 
 def _settings(kind: type, given: dict[str, Any], param: str, allowed: tuple[str, ...] | None = None) -> Any:
-    """``kind`` (a config dataclass) from a request's object, its field types checked strictly:
-    a bad field is a 400 naming it."""
+    """``kind`` (a config dataclass) from a request's object, its field types checked strictly and its numbers
+    finite: a bad field is a 400 naming it (a value out of its bounds: the config's own message, which names both)."""
     allowed = allowed or tuple(f.name for f in fields(kind))
     unknown = sorted(set(given) - set(allowed))
     if unknown:
@@ -167,13 +184,28 @@ def _settings(kind: type, given: dict[str, Any], param: str, allowed: tuple[str,
             f"'{param}' has no field {clip(', '.join(repr(u) for u in unknown))} here: use {', '.join(allowed)}",
             param=param,
         )
+    for name, value in given.items():
+        if not _finite(value):
+            raise APIError(400, f"'{clip(f'{param}.{name}')}' takes finite numbers, got {excerpt(value)}", param=param)
     try:
         # JSON mode: arrays are tuples, 8.0 is no int.
         return _adapter(kind).validate_json(json.dumps(given), strict=True)
     except ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in (param, *error["loc"]))
-        raise APIError(400, f"'{clip(where)}': {error['msg']}", param=param) from None
+        cause = error.get("ctx", {}).get("error")  # the config's own ConfigError, without pydantic's "Value error, "
+        raise APIError(400, f"'{clip(where)}': {cause or error['msg']}", param=param) from None
+
+
+def _finite(value: object) -> bool:
+    """Whether every float in ``value`` (a JSON value, nested as deep as the JSON reader allows) is finite."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return False
+        pending += item if isinstance(item, list) else item.values() if isinstance(item, dict) else ()
+    return True
 
 
 class CompletionRequest(OpenAIRequest):
