@@ -7,6 +7,8 @@ over two of them, a replica killed under load, recovery, and the one-line error 
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import threading
@@ -18,7 +20,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as Counted
 from test_serve import Server, folder  # noqa: F401 - the same tiny chat model folder
+
+from specdec.serving.config import ServeConfig
+from specdec.serving.ray_serve import _ingress_app
 
 ray = pytest.importorskip("ray")
 
@@ -179,3 +186,60 @@ def test_the_serve_config_file_builds_the_application() -> None:
         app_builder({"replicas": 3, "max_replicas": 2})
     with pytest.raises(Exception, match="unknown specdec setting.*colour"):
         app_builder({"colour": "red"})
+
+
+def test_the_ingress_refuses_before_forwarding_or_reading_a_whole_body() -> None:
+    """Keys, Host and the body limit are checked at the ingress: an unauthenticated or oversized request never reaches
+    a replica, and a long chunked body is read only to just past the limit (memory stays bounded)."""
+    forwarded, read = [], []
+
+    async def send(request):  # a replica that answers {} to anything
+        forwarded.append(request)
+        headers = [(b"content-type", b"application/json"), (b"x-specdec-replica", b"r1")]
+        yield {"type": "http.response.start", "status": 200, "headers": headers}
+        yield {"type": "http.response.body", "body": b"{}"}
+
+    failures = Counted("f", "f", ["outcome"], registry=CollectorRegistry())
+    app = _ingress_app(send, (), (), failures, ServeConfig(api_keys=("sk-k",), max_request_bytes=1000), "ingress-1")
+    key = {"Authorization": "Bearer sk-k"}
+
+    async def long_body():  # a chunked body far over the limit: 1 MB in 100-byte chunks
+        for _ in range(10_000):
+            read.append(100)
+            yield b"x" * 100
+
+    async def run() -> dict[str, httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as client:
+            return {
+                "no key": await client.post("/v1/completions", json={"prompt": "abc"}),
+                "wrong key": await client.post("/v1/completions", json={}, headers={"Authorization": "Bearer x"}),
+                "metrics without key": await client.get("/metrics"),
+                "rebound host": await client.post("/v1/completions", json={}, headers=key | {"Host": "evil.example"}),
+                "too large": await client.post("/v1/completions", content=b"x" * 1001, headers=key),
+                "long chunked": await client.post("/v1/completions", content=long_body(), headers=key),
+                "fits": await client.post("/v1/completions", content=b"y" * 1000, headers=key),
+            }
+
+    answers = asyncio.run(asyncio.wait_for(run(), 30))
+    statuses = {
+        name: (answer.status_code, answer.json()["error"]["code"]) for name, answer in answers.items() if name != "fits"
+    }
+    assert statuses == {
+        "no key": (401, None),
+        "wrong key": (401, "invalid_api_key"),
+        "metrics without key": (401, None),
+        "rebound host": (403, "host_not_allowed"),
+        "too large": (413, "request_too_large"),
+        "long chunked": (413, "request_too_large"),
+    }
+    assert all(
+        set(answer.json()["error"]) == {"message", "type", "param", "code"}
+        for answer in answers.values()
+        if answer.status_code != 200
+    )
+    assert sum(read) <= 1100, "the long body was read only to just past the limit"
+    assert answers["fits"].status_code == 200 and json.loads(answers["fits"].text) == {}
+    tags = {name: answer.headers.get_list("x-specdec-replica") for name, answer in answers.items()}
+    assert tags == {name: ["r1"] if name == "fits" else ["ingress-1"] for name in answers}, "who answered, once"
+    assert [request.body for request in forwarded] == [b"y" * 1000], "only the request within the limits was forwarded"

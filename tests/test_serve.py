@@ -3,6 +3,7 @@ official openai client."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import shutil
@@ -18,15 +19,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import char_tokenizer, tiny_llama
+from conftest import char_tokenizer, loaded, tiny_llama
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import GenerationConfig, Generator
 from specdec.config import PRESETS, GuardConfig, RuntimeConfig, TypicalAcceptance
+from specdec.engine import GenerationResult
 from specdec.engine.costs import MachineCosts
 from specdec.engine.generator import concrete_draft
 from specdec.errors import ConfigError
+from specdec.serving.batcher import Batcher, Job
+from specdec.serving.metrics import Metrics
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -291,7 +295,7 @@ def test_disconnect_cancels_and_frees_capacity(server: Server) -> None:
         ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "does not exist"),
         ({"prompt": "hi", "guards": {"colour": 1}}, 400, "guards", "no field 'colour'"),
         ({"prompt": "hi", "guards": {"drift_threshold": 0.5}}, 400, "guards", "no field 'drift_threshold'"),
-        ({"prompt": "hi", "guards": {"anchor_every": 0}}, 400, "guards", "anchor_every must be >= 1"),
+        ({"prompt": "hi", "guards": {"anchor_every": 0}}, 400, "guards", "anchor_every must be between 1 and"),
         (
             {"prompt": "hi", "guards": {"repetition": True, "loop_max_unit": 8.5}},
             400,
@@ -315,6 +319,16 @@ def test_bad_completion_requests(server: Server, body: dict, status: int, param:
     assert error["param"] == param and message in error["message"] and error["type"]
 
 
+@pytest.mark.parametrize("schedule", ["[NaN, NaN]", "[0.7, Infinity]"])
+def test_a_non_finite_guard_temperature_is_a_400(server: Server, schedule: str) -> None:
+    """JSON's NaN and Infinity (which Python's parser takes) never reach sampling: 400 naming the field."""
+    body = f'{{"prompt": "hi", "max_tokens": 4, "temperature": 0.7, "guards": {{"temperature_schedule": {schedule}}}}}'
+    response = server.http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "guards" and "temperature_schedule" in error["message"] and "finite" in error["message"]
+
+
 def test_bad_chat_and_body(server: Server) -> None:
     response = server.http.post("/v1/chat/completions", json={"messages": []})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
@@ -323,6 +337,84 @@ def test_bad_chat_and_body(server: Server) -> None:
     response = server.http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
     assert server.health()["status"] == "ok"  # none of it hurt the engine
+
+
+# Past each bound of a number a client sets: (fields, the param named, what the message says of the bound). NaN and
+# Infinity are what Python's JSON reader (the server's) takes for them.
+OUT_OF_BOUNDS = [
+    ({"guards": {"repetition": True, "loop_max_unit": 10**9}}, "guards", "loop_max_unit must be between 1 and 256"),
+    ({"guards": {"loop_repeats": 17}}, "guards", "loop_repeats must be between 2 and 16"),
+    ({"guards": {"loop_min_span": 4097}}, "guards", "loop_min_span must be between 2 and 4096"),
+    ({"guards": {"loop_cooldown": 10**9}}, "guards", "loop_cooldown must be between 1 and 4096"),
+    ({"guards": {"block_ngram": 33}}, "guards", "block_ngram must be between 1 and 32"),
+    ({"guards": {"schedule_tokens": 2**24 + 1}}, "guards", "schedule_tokens must be between 1 and 16777216"),
+    ({"guards": {"anchor_every": 2**24 + 1}}, "guards", "anchor_every must be between 1 and 16777216"),
+    ({"guards": {"temperature_schedule": [float("nan"), 1.0]}}, "guards", "'guards.temperature_schedule' takes finite"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4 strings, got 5"),
+    ({"stop": ["x" * 10**6, "y"]}, "stop", "at most 256 characters long, got one of 1000000"),
+    ({"stop": "x" * 257}, "stop", "at most 256 characters long"),
+    ({"stop": ["a", ""]}, "stop", "an empty one"),
+    ({"top_k": 2**20 + 1}, "top_k", "less than or equal to 1048576"),
+    ({"temperature": float("nan")}, "temperature", "finite number"),
+    ({"top_p": float("inf")}, "top_p", "finite number"),
+    ({"presence_penalty": float("nan")}, "presence_penalty", "finite number"),
+    ({"frequency_penalty": float("-inf")}, "frequency_penalty", "finite number"),
+    ({"logit_bias": {"5": float("inf")}}, "logit_bias", "finite number"),
+    ({"typical_acceptance": {"epsilon": float("nan")}}, "typical_acceptance", "finite number"),
+    ({"seed": 2**64}, "seed", "less than or equal to 18446744073709551615"),
+    ({"n": 10**6}, "n", "not supported"),
+    ({"logprobs": 10**6}, "logprobs", "not supported"),
+    ({"max_tokens": 10**12}, "prompt", "maximum context length"),
+]
+
+
+@pytest.fixture(scope="module")
+def in_process() -> Iterator[object]:
+    """The server's app in this process, its engine thread not started: a request that passed every check would get a
+    503."""
+    from test_serve_faults import _tiny_app
+
+    return _tiny_app()
+
+
+def _send(app, body: dict) -> httpx.Response:
+    """``body`` posted to ``app``'s completions as Python's JSON writer writes it (NaN and Infinity too)."""
+    from test_serve_faults import _client
+
+    async def send() -> httpx.Response:
+        async with _client(app) as client:
+            return await client.post("/v1/completions", content=json.dumps(body).encode(), headers=JSON)
+
+    return asyncio.run(send())
+
+
+@pytest.mark.parametrize(("fields", "param", "named"), OUT_OF_BOUNDS, ids=[repr(f)[:40] for f, _, _ in OUT_OF_BOUNDS])
+def test_every_number_a_client_sets_is_bounded(in_process, fields: dict, param: str, named: str) -> None:
+    """Each value past its bound is a 400 in OpenAI's shape naming the parameter and the bound."""
+    response = _send(in_process, {"prompt": "hi", "max_tokens": 4} | fields)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["type"]) == (param, "invalid_request_error") and named in error["message"], error
+
+
+def test_numbers_at_their_bounds_pass_every_check(in_process) -> None:
+    at_bounds = {
+        "stop": ["x" * 256] * 4,
+        "top_k": 2**20,
+        "seed": 2**64 - 1,
+        "guards": {
+            "repetition": True,
+            "loop_repeats": 16,
+            "loop_min_span": 4096,
+            "loop_max_unit": 256,
+            "loop_cooldown": 4096,
+            "block_ngram": 32,
+            "schedule_tokens": 2**24,
+            "anchor_every": 2**24,
+        },
+    }
+    response = _send(in_process, {"prompt": "hi", "max_tokens": 4} | at_bounds)
+    assert response.status_code == 503 and "engine thread" in response.text  # past every check, to the engine
 
 
 def test_metrics_parse(server: Server) -> None:
@@ -596,6 +688,59 @@ def test_admission_fills_free_slots_before_refusing(folder: Path) -> None:
             batcher.submit(Job(generator.completion("abc"), loop))
     finally:
         loop.close()
+
+
+SEEDED = dict(prompt="Question: why?", temperature=0.8, seed=7, max_new_tokens=48, stop_on_eos=False)
+
+
+def _through_batcher(generator: Generator, rounds: list[list[dict]], scope: str | None) -> list[list[GenerationResult]]:
+    """Each round's requests submitted together to one running Batcher (the server's engine), round after round; the
+    results in the same order. ``scope``: the requests' suffix scope, as the server sets it."""
+    batcher = Batcher(generator, max_batch=8, max_queue=8, metrics=Metrics())
+    batcher.start()
+
+    async def ask(request: dict) -> GenerationResult:
+        settings = dict(request)
+        completion = generator.completion(settings.pop("prompt"), **settings)
+        completion.scope = scope
+        job = Job(completion, asyncio.get_running_loop())
+        batcher.submit(job)
+        while (event := await job.events.get())[0] == "text":
+            pass
+        assert event[0] == "done", event
+        return event[1]
+
+    async def run() -> list[list[GenerationResult]]:
+        return [list(await asyncio.gather(*(ask(request) for request in requests))) for requests in rounds]
+
+    try:
+        return asyncio.run(run())
+    finally:
+        batcher.stop(5)
+
+
+@pytest.mark.parametrize(
+    ("draft", "scope", "beside"),
+    [("suffix", "", False), ("prompt-lookup", "", False), ("suffix", None, False), ("suffix", "", True)],
+    ids=["suffix shared", "prompt lookup", "suffix scope request", "beside another request"],
+)
+def test_a_seeded_request_is_answered_alike_whatever_came_before_or_beside_it(
+    draft: str, scope: str | None, beside: bool
+) -> None:
+    """The same seeded request (temperature 0.8, seed 7) three times through the server's engine, under its dynamic
+    window (k follows the load and the acceptance so far), with the history a suffix drafter keeps of earlier answers,
+    or beside another request: the same text each time, the target-only text for that seed."""
+    tokenizer = char_tokenizer()
+    target = loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)
+    config = GenerationConfig(k=4, k_policy="fixed")
+    [[alone]] = _through_batcher(Generator(target, "none", config), [[SEEDED]], scope)
+    other = dict(prompt="hello hello", temperature=1.0, max_new_tokens=60, stop_on_eos=False)
+    rounds = [[SEEDED, other] if beside else [SEEDED] for _ in range(3)]
+    answers = [results[0] for results in _through_batcher(Generator(target, draft, config), rounds, scope)]
+    assert [answer.text for answer in answers] == [alone.text] * 3
+    assert any(answer.stats.draft_tokens_proposed for answer in answers)  # it drafted
+    if draft == "suffix" and scope is not None and not beside:  # later ones draft the first one's answer: it comes true
+        assert all(answer.stats.draft_tokens_accepted > 10 for answer in answers[1:])
 
 
 def test_large_bodies_are_refused_and_tokenizing_never_blocks_health(tmp_path: Path) -> None:
@@ -883,7 +1028,7 @@ def test_slow_and_idle_connections_are_cut_off(folder: Path) -> None:
         )
         for host in ("attacker.example", "127.0.0.1.attacker.example", "localhost"):
             refused = server.http.get("/v1/models", headers={"Host": host})
-            assert refused.status_code == 400 and refused.json()["error"]["code"] == "host_not_allowed", host
+            assert refused.status_code == 403 and refused.json()["error"]["code"] == "host_not_allowed", host
             assert "127.0.0.1" not in refused.text, "the refusal does not list the allowed names"
         for host in (f"127.0.0.1:{server.port}", "127.0.0.1", "127.0.0.1."):
             assert server.http.get("/v1/models", headers={"Host": host}).status_code == 200, host
@@ -978,7 +1123,8 @@ def test_tree_drafts_through_the_server(folder: Path, local: Generator) -> None:
 @pytest.mark.slow
 def test_suffix_history_is_scoped_per_key_reported_and_kept_across_restarts(folder: Path, tmp_path: Path) -> None:
     """With keys, a request drafts from the answers sent with its own key only; the history's size is in /metrics,
-    saved when the server stops and loaded when it starts again; a damaged file stops the start in one line."""
+    saved when the server stops and loaded when it starts again; a damaged file is moved aside with a warning and the
+    server starts with an empty history."""
     cache = tmp_path / "history.npz"
     args = ("--draft", "suffix", "--k-policy", "fixed", "--k", "6", "--suffix-cache", str(cache), "--api-key", "bob")
     prompt = "Name three colours and three animals, then three more colours:"
@@ -1008,6 +1154,11 @@ def test_suffix_history_is_scoped_per_key_reported_and_kept_across_restarts(fold
     finally:
         restarted.stop()
     cache.write_bytes(b"not a history")
-    with pytest.raises(RuntimeError, match="server exited early") as error:
-        Server(str(folder), *args, key="alice")
-    assert "not a specdec suffix cache" in str(error.value) and "Traceback" not in str(error.value)
+    damaged = Server(str(folder), *args, key="alice")
+    try:
+        assert damaged.metric("specdec_suffix_history_tokens") == 0
+    finally:
+        code, log = damaged.stop()
+    (aside,) = tmp_path.glob("history.npz.damaged-*")
+    assert code == 0 and aside.read_bytes() == b"not a history" and f"moved it to {aside}" in log
+    assert "Traceback" not in log

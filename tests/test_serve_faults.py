@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -17,7 +19,10 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
 
 from specdec import GenerationConfig, Generator
+from specdec.serving import app as app_module
+from specdec.serving import server as server_module
 from specdec.serving.app import create_app
+from specdec.serving.config import ServeConfig
 from specdec.serving.relay import Forwarded, call_asgi, relay
 
 
@@ -26,7 +31,8 @@ class ReplicaDied(Exception):
 
 
 def _post(path: str, body: dict) -> Forwarded:
-    return Forwarded("POST", path, b"", [(b"content-type", b"application/json")], json.dumps(body).encode())
+    headers = [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json")]
+    return Forwarded("POST", path, b"", headers, json.dumps(body).encode())
 
 
 @pytest.fixture(scope="module")
@@ -150,23 +156,34 @@ def test_relay_answers_429_when_every_replica_and_the_queue_are_full() -> None:
     assert (_count(failures, "retried"), _count(failures, "failed")) == (0, 0)
 
 
-def _ask(app, method: str, path: str, body: dict | None = None):
+def _client(app) -> httpx.AsyncClient:
+    """A client of ``app`` in this process, as one on this machine reaches a loopback server."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000")
+
+
+def _ask(app, method: str, path: str, body: dict | None = None, headers: dict | None = None):
     async def run():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            return await client.request(method, path, json=body, timeout=60)
+        async with _client(app) as client:
+            return await client.request(method, path, json=body, headers=headers, timeout=60)
 
     return asyncio.run(run())
 
 
-def _tiny_app():
+def _tiny_generator() -> Generator:
     tokenizer = char_tokenizer()
     target = loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)
-    return create_app(Generator(target, "prompt-lookup", GenerationConfig(k=4, k_policy="fixed")))
+    return Generator(target, "prompt-lookup", GenerationConfig(k=4, k_policy="fixed"))
+
+
+def _tiny_app(config: ServeConfig = ServeConfig()):
+    return create_app(_tiny_generator(), config)
 
 
 # bugs outside the model's step: handing out text, retiring a finished row
 @pytest.mark.parametrize("method", ["take", "close"])
-def test_a_failing_step_fails_its_request_and_the_engine_goes_on(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_step_fails_its_request_and_the_engine_goes_on(
+    method: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from specdec.engine.generator import Completion
 
     app = _tiny_app()
@@ -182,7 +199,10 @@ def test_a_failing_step_fails_its_request_and_the_engine_goes_on(method: str, mo
     monkeypatch.setattr(Completion, method, failing_once)
     try:
         failed = _ask(app, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0})
-        assert failed.status_code == 500 and "decoding bug" in failed.json()["error"]["message"]
+        message = failed.json()["error"]["message"]
+        assert failed.status_code == 500 and "decoding bug" not in failed.text, "the details go to the log only"
+        request_id = re.search(r"request (cmpl-[0-9a-f]{24})", message).group(1)
+        assert request_id in caplog.text and "decoding bug" in caplog.text, "the log has them, under the same id"
         answered = _ask(app, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0})
         assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] == 8
         assert _ask(app, "GET", "/health").json()["status"] == "ok"
@@ -229,3 +249,172 @@ def test_a_bug_in_a_handler_is_a_500_in_openai_shape_and_a_stream_still_ends_wit
         assert _ask(app, "GET", "/health").json()["status"] == "ok"
     finally:
         app.state.batcher.stop(5)
+
+
+def _fail_once_full(batcher, running: int, waiting: int) -> None:
+    """Make ``batcher``'s decoder step raise once ``running`` requests run and ``waiting`` more wait (until then, steps
+    decode nothing), and its ``leave`` raise too: the step's own failure handling fails, and the engine thread dies."""
+    decoder = batcher.decoder
+
+    def step() -> list:
+        time.sleep(0.01)
+        if batcher.load != (running, waiting):
+            return []
+        raise RuntimeError("secret step internals")
+
+    def leave(completion: object) -> None:
+        raise RuntimeError("secret leave internals")
+
+    decoder.step, decoder.leave = step, leave
+
+
+def test_a_dying_engine_thread_ends_every_request_with_a_generic_error(caplog: pytest.LogCaptureFixture) -> None:
+    """4 requests in flight (2 running, 2 queued; 2 streamed, 2 not) when the engine thread dies: each ends within
+    seconds, the whole ones with a 500, the streams with an error event and [DONE], none quoting the failure; the
+    log has the tracebacks, and the server refuses new requests and says so on /health."""
+    app = _tiny_app(ServeConfig(max_batch=2))
+    batcher, deaths = app.state.batcher, []
+    batcher.on_death = lambda: deaths.append(threading.current_thread().name)
+    _fail_once_full(batcher, running=2, waiting=2)
+    batcher.start()
+    bodies = [{"prompt": [5, 6, 7], "max_tokens": 50, "temperature": 0, "stream": i % 2 == 0} for i in range(4)]
+
+    async def four() -> list[httpx.Response]:
+        async with _client(app) as client:
+            asks = (client.post("/v1/completions", json=body, timeout=30) for body in bodies)
+            return await asyncio.wait_for(asyncio.gather(*asks), 10)
+
+    try:
+        answers = asyncio.run(four())
+        ids = set()
+        for body, answer in zip(bodies, answers, strict=True):
+            assert "secret" not in answer.text, answer.text
+            if body["stream"]:
+                events = [event for event in answer.text.split("\n\n") if event]
+                assert answer.status_code == 200 and events[-1] == "data: [DONE]", answer.text
+                error = json.loads(events[-2].removeprefix("data: "))["error"]
+            else:
+                assert answer.status_code == 500, answer.text
+                error = answer.json()["error"]
+            assert error["type"] == "server_error"
+            ids.add(re.search(r"request (cmpl-[0-9a-f]{24})", error["message"]).group(1))
+        assert len(ids) == 4, "each answer names its own request"
+        assert "secret step internals" in caplog.text and "secret leave internals" in caplog.text
+        assert all(request_id in caplog.text for request_id in ids), "the log names the requests it ended"
+        assert deaths == ["specdec-engine"]
+        assert _ask(app, "GET", "/health").status_code == 503
+        refused = _ask(app, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+    finally:
+        batcher.stop(1)
+
+
+def test_the_server_exits_with_code_1_after_its_engine_thread_dies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process a supervisor runs: the request in flight gets its 500, then the server stops and exits with 1."""
+    generator = _tiny_generator()
+    decoder = generator.batch_decoder()
+    monkeypatch.setattr(generator, "batch_decoder", lambda: decoder)
+    monkeypatch.setattr(server_module, "_log_to_stderr", lambda: None)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    exits: list[object] = []
+
+    def run() -> None:
+        try:
+            server_module.serve(generator, ServeConfig(port=port, shutdown_timeout_s=1))
+        except SystemExit as exc:
+            exits.append(exc.code)
+        else:
+            exits.append("returned")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("secret internals")
+
+    decoder.step = decoder.leave = broken  # the step fails, and so does its failure handling
+    answer = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8}, timeout=10)
+    assert answer.status_code == 500 and "secret" not in answer.text
+    thread.join(30)
+    assert exits == [1]
+
+
+def test_a_waiting_stream_sends_keep_alive_comments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream queued behind a long step gets SSE comments until its first event, then its usual answer."""
+    monkeypatch.setattr(app_module, "HEARTBEAT_S", 0.05)
+    app = _tiny_app(ServeConfig(max_batch=1))
+    batcher = app.state.batcher
+    step, release, seen = batcher.decoder.step, threading.Event(), []
+
+    def slow_step() -> list:
+        if not release.is_set():
+            release.wait(10)
+            seen.append(batcher.load)  # (running, waiting) while the step ran
+        return step()
+
+    batcher.decoder.step = slow_step
+    batcher.start()
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}
+
+    async def two() -> list[httpx.Response]:
+        async with _client(app) as client:
+            first = asyncio.create_task(client.post("/v1/completions", json=body, timeout=30))
+            while batcher.load != (1, 0):
+                await asyncio.sleep(0.01)
+            queued = asyncio.create_task(client.post("/v1/completions", json=body | {"stream": True}, timeout=30))
+            while batcher.load != (1, 1):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)
+            release.set()
+            return await asyncio.gather(first, queued)
+
+    try:
+        whole, streamed = asyncio.run(asyncio.wait_for(two(), 20))
+    finally:
+        release.set()
+        batcher.stop(1)
+    assert seen == [(1, 1)], "the stream was queued while the first request's step ran"
+    events = [event for event in streamed.text.split("\n\n") if event]
+    waiting = events[: next(i for i, event in enumerate(events) if event.startswith("data: "))]
+    assert len(waiting) >= 3 and set(waiting) == {": keep-alive"}, events[:5]
+    data = [json.loads(event.removeprefix("data: ")) for event in events[len(waiting) : -1]]
+    assert events[-1] == "data: [DONE]" and ": keep-alive" not in events[len(waiting) :]
+    assert "".join(chunk["choices"][0]["text"] for chunk in data) == whole.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    ("config", "answered", "refused"),
+    [
+        # a loopback server without a host list: loopback names only, with or without a port
+        (
+            ServeConfig(),
+            ["127.0.0.1", "127.0.0.1:8000", "localhost", "LOCALHOST:8000", "localhost.", "[::1]", "[::1]:8000"],
+            ["attacker.example", "attacker.example:8000", "127.0.0.1.attacker.example", "testserver", ""],
+        ),
+        # a host list: those names only
+        (ServeConfig(allowed_hosts=("llm.example",)), ["llm.example", "LLM.example:443"], ["127.0.0.1", "localhost"]),
+        # beyond loopback, without a list: any name (keys guard it)
+        (ServeConfig(host="0.0.0.0", api_keys=("sk-k",)), ["10.0.0.7:8000", "llm.example"], []),
+    ],
+)
+def test_the_host_header_is_checked_against_dns_rebinding(
+    config: ServeConfig, answered: list[str], refused: list[str]
+) -> None:
+    app = _tiny_app(config)
+    key = {"Authorization": "Bearer sk-k"}
+    for host in answered:
+        assert _ask(app, "GET", "/v1/models", headers={"Host": host} | key).status_code == 200, host
+    for host in refused:
+        answer = _ask(app, "GET", "/v1/models", headers={"Host": host} | key)
+        assert answer.status_code == 403 and answer.json()["error"]["code"] == "host_not_allowed", host
+        assert _ask(app, "GET", "/health", headers={"Host": host}).status_code == 503, "probes stay open (no engine)"

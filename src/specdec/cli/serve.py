@@ -32,7 +32,7 @@ from specdec.config import (
 )
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET
-from specdec.serving.config import RayConfig, ServeConfig
+from specdec.serving.config import LOOPBACK, RayConfig, ServeConfig
 
 
 @user_errors
@@ -91,8 +91,8 @@ def serve(
     allowed_host: Annotated[
         list[str] | None,
         typer.Option(
-            help="Answer only requests whose Host header names this host (repeatable; against DNS rebinding of a local "
-            "server)."
+            help="Answer only requests whose Host header names this host (repeatable; against DNS rebinding). Without "
+            "it, a server on a loopback --host answers only localhost, 127.0.0.1 and [::1]."
         ),
     ] = None,
     api_key: Annotated[
@@ -146,8 +146,18 @@ def serve(
     ] = default(ServeConfig, "suffix_max_tokens"),
     suffix_cache: Annotated[
         Path | None,
-        typer.Option(help="With suffix drafting: a file the history is loaded from at start and saved to at stop."),
+        typer.Option(
+            help="With suffix drafting: a file the history is loaded from at start and saved to as the server runs "
+            "(see --suffix-save-every) and at stop; a damaged one is moved aside and the history starts empty."
+        ),
     ] = None,
+    suffix_save_every: Annotated[
+        float,
+        typer.Option(
+            help="With --suffix-cache: seconds between saves of the history while it changes (a crash loses at most "
+            "this much); 0 saves at stop only."
+        ),
+    ] = default(ServeConfig, "suffix_save_every_s"),
     ray: Annotated[
         bool, typer.Option("--ray", help="Run replicas on Ray Serve behind one endpoint (needs the ray extra).")
     ] = False,
@@ -232,6 +242,7 @@ def serve(
         suffix_scope=suffix_scope,
         suffix_max_tokens=suffix_max_tokens,
         suffix_cache=None if suffix_cache is None else str(suffix_cache),
+        suffix_save_every_s=suffix_save_every,
     )
     config = GenerationConfig(k=k, k_policy=k_policy, branches=branches)
     if backend == "llama.cpp":
@@ -241,9 +252,13 @@ def serve(
     runtime = runtime_config(backend, dtype, None, None, precision, native_format)
     suffix_options = [
         f"--{name.replace('_', '-')}"
-        for name in ("suffix_scope", "suffix_max_tokens", "suffix_cache")
+        for name in ("suffix_scope", "suffix_max_tokens", "suffix_cache", "suffix_save_every")
         if context.get_parameter_source(name).name == "COMMANDLINE"
     ]
+    if "--suffix-save-every" in suffix_options and suffix_cache is None:
+        raise ConfigError(
+            "--suffix-save-every sets how often --suffix-cache is written: add --suffix-cache FILE (without --ray)"
+        )
     if suffix_options and draft not in ("suffix", "auto"):
         raise ConfigError(f"{', '.join(suffix_options)} set(s) the suffix drafter's history: add --draft suffix")
     if ray:
@@ -292,9 +307,6 @@ def serve(
             + (f", kept in {serve_config.suffix_cache}" if serve_config.suffix_cache else "")
         )
     run_server(generator, serve_config, history)
-
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def api_keys(given: list[str], key_file: Path | None) -> tuple[str, ...]:

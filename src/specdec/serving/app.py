@@ -5,6 +5,7 @@ Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 [DONE]), GET /health, GET /metrics (Prometheus). Handlers validate and
 encode the request, hand it to the batcher and relay its events; a client
 that disconnects cancels its sequence, which leaves the batch before the next step.
+A stream sends an SSE comment (": keep-alive") while it waits for its next event.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, Counter
 from starlette.exceptions import HTTPException
 
 from specdec.drafters import SuffixStore
@@ -31,6 +32,7 @@ from specdec.serving import protocol as api
 from specdec.serving.batcher import Batcher, Job, MemoryFullError, QueueFullError, ShuttingDownError
 from specdec.serving.config import ServeConfig, host_name
 from specdec.serving.metrics import Metrics
+from specdec.serving.suffix import HistoryKeeper
 
 log = logging.getLogger("specdec.serve")
 
@@ -44,7 +46,7 @@ def create_app(
 ) -> FastAPI:
     """An app serving ``generator``'s target under its name; the engine thread (app.state.batcher) runs while the app's
     lifespan does. ``history``: the suffix drafter's store, reported in /metrics and saved to ``config.suffix_cache``
-    when the app stops."""
+    while the app runs (every ``config.suffix_save_every_s``) and when it stops."""
     metrics = Metrics()
     batcher = Batcher(generator, config.max_batch, config.max_queue, metrics)
     model = generator.target.name
@@ -53,19 +55,19 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         batcher.start()
         log.info("replica %s: pid %d on %s", REPLICA, os.getpid(), socket.gethostname())  # answers name only the id
+        keeper = None
+        if history is not None and config.suffix_cache is not None:
+            keeper = HistoryKeeper(history, config.suffix_cache, model, config.suffix_save_every_s)
+            keeper.start()
         yield
         await asyncio.to_thread(batcher.stop, config.shutdown_timeout_s)
-        if history is not None and config.suffix_cache is not None:
-            try:
-                await asyncio.to_thread(history.save, config.suffix_cache, model)
-                log.info("saved %d tokens of suffix history to %s", history.token_count, config.suffix_cache)
-            except OSError as exc:
-                log.error("could not save the suffix history to %s: %s", config.suffix_cache, exc)
+        if keeper is not None:
+            await keeper.stop()
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.batcher = batcher
 
-    app.add_middleware(_Gate, metrics=metrics, config=config)
+    app.add_middleware(Gate, config=config, requests=metrics.requests, replica=REPLICA)
 
     openai_errors(app)
 
@@ -97,15 +99,15 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
         _check_request(body)
-        job, prompt_tokens = await _submit(body, body.prompt, "prompt", body.max_tokens, request)
         rid = api.new_id("cmpl")
+        job, prompt_tokens = await _submit(body, body.prompt, "prompt", body.max_tokens, request, rid)
         if body.stream:
             chunks = _Chunks(
                 lambda text: api.completion_chunk(rid, model, text),
                 lambda finish: api.completion_chunk(rid, model, "", finish),
             )
-            return _stream(job, chunks, prompt_tokens, body.stream_options)
-        return JSONResponse(api.completion_body(rid, model, await _result(job, request), prompt_tokens))
+            return _stream(job, batcher, chunks, prompt_tokens, body.stream_options)
+        return JSONResponse(api.completion_body(rid, model, await _result(job, batcher, request), prompt_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat(body: api.ChatRequest, request: Request) -> Response:
@@ -113,16 +115,16 @@ def create_app(
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         # Templating and tokenizing take seconds on a long prompt: off the event loop.
         ids = await _encode(generator.chat_ids, messages, "messages")
-        job, prompt_tokens = await _submit(body, ids, "messages", body.token_budget, request)
         rid = api.new_id("chatcmpl")
+        job, prompt_tokens = await _submit(body, ids, "messages", body.token_budget, request, rid)
         if body.stream:
             chunks = _Chunks(
                 lambda text: api.chat_chunk(rid, model, {"content": text}),
                 lambda finish: api.chat_chunk(rid, model, {}, finish),
                 first=api.chat_chunk(rid, model, {"role": "assistant", "content": ""}),
             )
-            return _stream(job, chunks, prompt_tokens, body.stream_options)
-        return JSONResponse(api.chat_body(rid, model, await _result(job, request), prompt_tokens))
+            return _stream(job, batcher, chunks, prompt_tokens, body.stream_options)
+        return JSONResponse(api.chat_body(rid, model, await _result(job, batcher, request), prompt_tokens))
 
     def _check_model(name: str | None) -> None:
         if name not in (None, model):
@@ -149,7 +151,7 @@ def create_app(
             raise api.APIError(400, str(exc), param=field) from None
 
     async def _submit(
-        body: api.OpenAIRequest, prompt: str | list[int], field: str, budget: int | None, request: Request
+        body: api.OpenAIRequest, prompt: str | list[int], field: str, budget: int | None, request: Request, rid: str
     ) -> tuple[Job, int]:
         max_tokens = budget or config.default_max_tokens
         try:
@@ -167,7 +169,7 @@ def create_app(
                 code="context_length_exceeded",
             )
         completion.scope = config.scope(bearer_key(request.headers.get("authorization", "")))
-        job = Job(completion, asyncio.get_running_loop())
+        job = Job(completion, asyncio.get_running_loop(), request_id=rid)
         try:
             batcher.submit(job)
         except QueueFullError as exc:
@@ -217,6 +219,8 @@ def openai_errors(app: FastAPI) -> None:
 
 
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request asks whether its client is still there
+HEARTBEAT_S = 5.0  # a stream with no event for this long sends a comment, so proxies and clients see it is alive
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it
 DOCS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
@@ -234,17 +238,21 @@ def _replay(body: bytes, receive: Callable) -> Callable:
     return replayed
 
 
-class _Gate:
-    """Every HTTP request passes here: API keys and Host are checked, requests counted by route and status, answers
-    tagged with the replica.
+class Gate:
+    """Every HTTP request passes here: Host and API keys are checked, requests counted by route and status in
+    ``requests`` (on a server), answers tagged with ``replica`` (unless the app's answer names one already: the Ray
+    ingress relays its replicas' answers).
 
     A plain ASGI middleware (Starlette's ``@app.middleware("http")`` wraps ``receive``): it reads the body itself,
     refusing it past ``max_request_bytes`` (413) or ``body_timeout_s`` (408) before anything parses it, then hands the
     app the body and the connection's own ``receive``, so a handler sees its client's disconnect directly.
     """
 
-    def __init__(self, app: Callable, metrics: Metrics, config: ServeConfig) -> None:
-        self.app, self.metrics, self.config = app, metrics, config
+    def __init__(
+        self, app: Callable, config: ServeConfig, requests: Counter | None = None, replica: str | None = None
+    ) -> None:
+        self.app, self.config, self.requests = app, config, requests
+        self.tag = [] if replica is None else [(b"x-specdec-replica", replica.encode())]
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -256,7 +264,9 @@ class _Gate:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-specdec-replica", REPLICA.encode())]
+                headers = message.get("headers", [])
+                named = any(key.lower() == b"x-specdec-replica" for key, _ in headers)
+                message["headers"] = [*headers, *([] if named else self.tag)]
             await send(message)
 
         try:
@@ -273,15 +283,20 @@ class _Gate:
             if status is None:
                 await api.INTERNAL_ERROR.response()(scope, receive, tagged)
         finally:
-            route = scope.get("route")
-            self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status or 500)).inc()
+            if self.requests is not None:
+                route = scope.get("route")
+                self.requests.labels(getattr(route, "path", "unmatched"), str(status or 500)).inc()
 
     def _check(self, scope: dict) -> None:
         headers = dict(scope["headers"])
         host = host_name(headers.get(b"host", b"").decode("latin-1"))
-        if self.config.allowed_hosts and scope["path"] != "/health" and host not in self.config.allowed_hosts:
+        hosts = self.config.answered_hosts
+        if hosts and scope["path"] != "/health" and host not in hosts:
             raise api.APIError(
-                400, "this server does not answer for the host name in the Host header", code="host_not_allowed"
+                403,
+                "this server does not answer for the host name in the Host header (its operator can add it with "
+                "--allowed-host)",
+                code="host_not_allowed",
             )
         error = key_refusal(
             self.config.api_keys,
@@ -355,13 +370,35 @@ class _Chunks:
         self.text, self.end, self.first = text, end, first
 
 
-def _stream(job: Job, chunks: _Chunks, prompt_tokens: int, options: api.StreamOptions | None) -> StreamingResponse:
+async def _next_event(job: Job, batcher: Batcher, timeout: float) -> tuple[str, object] | None:
+    """The job's next event, or None if none came within ``timeout``. An engine thread that failed ends its requests
+    itself; should one have stopped without, its requests end with a 503 rather than wait forever."""
+    if not job.events.empty():  # a stream's text events come in bursts: no timer for those
+        return job.events.get_nowait()
+    try:
+        return await asyncio.wait_for(job.events.get(), timeout)
+    except TimeoutError:
+        if batcher.alive:
+            return None
+    try:  # the thread's last events are scheduled before it ends: give them a moment to arrive
+        return await asyncio.wait_for(job.events.get(), 1.0)
+    except TimeoutError:
+        return "error", (503, f"the server's engine stopped before request {job.request_id} finished: retry")
+
+
+def _stream(
+    job: Job, batcher: Batcher, chunks: _Chunks, prompt_tokens: int, options: api.StreamOptions | None
+) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         try:
             if chunks.first is not None:
                 yield api.sse(chunks.first)
             while True:
-                kind, payload = await job.events.get()
+                event = await _next_event(job, batcher, HEARTBEAT_S)
+                if event is None:  # still waiting (queued, or a long step): tell the client the stream is alive
+                    yield KEEP_ALIVE
+                    continue
+                kind, payload = event
                 if kind == "text":
                     yield api.sse(chunks.text(payload))
                 elif kind == "error":
@@ -385,19 +422,18 @@ def _stream(job: Job, chunks: _Chunks, prompt_tokens: int, options: api.StreamOp
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _result(job: Job, request: Request) -> GenerationResult:
+async def _result(job: Job, batcher: Batcher, request: Request) -> GenerationResult:
     """Wait for the job's end, cancelling it if the client disconnects meanwhile
     (checked every half second, events or not)."""
     loop = asyncio.get_running_loop()
     check_at = loop.time() + DISCONNECT_CHECK_S
     while True:
         try:
-            kind, payload = await asyncio.wait_for(job.events.get(), timeout=max(check_at - loop.time(), 0.0))
+            event = await _next_event(job, batcher, max(check_at - loop.time(), 0.0))
         except asyncio.CancelledError:  # the server dropped the request (its client left): so does the engine
             job.cancel()
             raise
-        except TimeoutError:
-            kind, payload = None, None
+        kind, payload = event if event is not None else (None, None)
         if kind == "done":
             return payload
         if kind == "error":

@@ -8,7 +8,10 @@ jobs up to ``max_batch`` rows and drops cancelled ones (the decoder retires
 finished ones itself), whose cache slots are freed at once. A request the
 engine cannot take (its drafter refuses its settings) fails alone with a 400
 (in a stream, whose 200 is already sent, an error event); a failing step fails
-the jobs of that step and the loop goes on serving the others.
+the jobs of that step and the loop goes on serving the others. Should anything
+escape that handling, the thread ends every running and waiting job with a 500
+before it stops, and calls ``on_death``: no request is left waiting. Clients
+see a generic message naming their request id; the traceback goes to the log.
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import psutil
 
 from specdec.engine import Completion, Generator
 from specdec.errors import SpecDecError
+from specdec.memory import available_bytes
 from specdec.serving.metrics import Metrics
 
 log = logging.getLogger("specdec.serve")
@@ -59,6 +63,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])  # what the client and the log both see
 
     def emit(self, kind: str, payload: object) -> None:
         """Hand an event to the request's handler (from the engine thread); a handler whose event loop is gone cancels
@@ -88,7 +93,10 @@ class Batcher:
         self._wake = threading.Condition()
         self._accepting = True
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
+        self._failed = False  # the engine thread failed: nothing will answer a new request
+        # called from the engine thread once it failed and ended its requests (the server then exits, to be restarted)
+        self.on_death: Callable[[], None] = lambda: None
+        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -102,7 +110,7 @@ class Batcher:
         with self._wake:
             if not self._accepting:
                 raise ShuttingDownError("the server is shutting down")
-            if not self.alive:  # nothing would ever answer this request
+            if self._failed or not self.alive:  # nothing would ever answer this request
                 raise ShuttingDownError("the server's engine thread has stopped")
             # Free batch slots count as room: the engine thread admits waiting jobs only between steps, so a burst
             # arriving during one step queues up even while slots are free.
@@ -118,23 +126,21 @@ class Batcher:
 
     def _check_memory(self, job: Job) -> None:
         """Refuse ``job`` when every taken request grown to its full length (prompt and max_tokens), this one
-        included, would need more KV cache than the host memory available now (runtimes that size their caches on the
-        host and say what a row takes)."""
+        included, would need more KV cache than the memory available now where the caches live (the device's on
+        CUDA; on the host, within the container's memory limit), as the runtime says its caches grow."""
         rows = self.decoder.backend
-        if rows.device.type != "cpu":
-            return
 
         def full(completion: Completion) -> int:
-            return rows.kv_bytes_for(len(completion.prompt_ids) + completion.config.max_new_tokens)
+            return len(completion.prompt_ids) + completion.config.max_new_tokens
 
-        own = full(job.completion)
-        if not own:
+        own = rows.kv_bytes_for_rows([full(job.completion)])
+        if not own:  # the runtime's cache does not grow with requests
             return
-        held, free = rows.kv_bytes(), psutil.virtual_memory().available
+        held, free = rows.kv_bytes(), available_bytes(rows.device)
         if own > (free + held) * MEMORY_SHARE:
             raise MemoryFullError(f"its KV cache alone needs {own / 2**20:.0f} MiB", alone=True)
         taken = [j.completion for j in list(self.active.values()) + list(self.waiting)]
-        needed = own + sum(full(c) for c in taken) - held  # what the caches may still grow by
+        needed = rows.kv_bytes_for_rows([full(c) for c in [job.completion, *taken]]) - held  # what they may grow by
         if needed > free * MEMORY_SHARE:
             raise MemoryFullError(
                 f"the KV caches of the {len(taken) + 1} requests would need {needed / 2**20:.0f} MiB more and "
@@ -163,6 +169,31 @@ class Batcher:
             self._wake.notify()
         self._thread.join(timeout=10)
 
+    def _run(self) -> None:
+        """The engine thread: the loop, and, whatever escapes it, an end for every request still running or waiting."""
+        try:
+            self._loop()
+        except BaseException:  # noqa: BLE001 - a failure inside the step's own failure handling, a bug
+            with self._wake:
+                self._failed = True
+                jobs = [*self.active.values(), *self.waiting]
+                self.active.clear()
+                self.waiting.clear()
+            log.critical(
+                "the engine thread failed; ending its %d requests (%s)",
+                len(jobs),
+                ", ".join(job.request_id for job in jobs),
+                exc_info=True,
+            )
+            for job in jobs:
+                job.emit("error", internal_error(job))
+            self.metrics.queue_depth.set(0)
+            self.metrics.active.set(0)
+            try:
+                self.on_death()
+            except Exception:  # noqa: BLE001 - the requests are answered; the log says what else went wrong
+                log.exception("the engine thread's on_death failed")
+
     def _loop(self) -> None:
         while True:
             with self._wake:
@@ -175,10 +206,12 @@ class Batcher:
                 continue
             try:
                 self._step()
-            except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
-                log.exception("a decoding step failed")
-                for completion in list(self.active):
-                    self._finish(completion, error=(500, f"internal error while decoding: {exc}"))
+            except Exception:  # noqa: BLE001 - one bad step must not take the server down
+                log.exception(
+                    "a decoding step failed (requests %s)", ", ".join(job.request_id for job in self.active.values())
+                )
+                for completion, job in list(self.active.items()):
+                    self._finish(completion, error=internal_error(job))
         for job in list(self.waiting) + list(self.active.values()):
             job.emit("error", (503, "the server shut down before this request finished"))
         self.waiting.clear()  # a second stop() (the app's lifespan after the signal's) finds nothing left to wait for
@@ -214,8 +247,9 @@ class Batcher:
                 # the request asks what this engine cannot do (e.g. sampling with a greedy-only drafter)
                 job.emit("error", (400, str(exc)))
                 continue
-            except Exception as exc:  # noqa: BLE001 - a request the engine cannot take fails alone
-                job.emit("error", (500, f"could not start decoding: {exc}"))
+            except Exception:  # noqa: BLE001 - a request the engine cannot take fails alone
+                log.exception("could not start decoding request %s", job.request_id)
+                job.emit("error", internal_error(job))
                 continue
             self.active[job.completion] = job
         self.metrics.queue_depth.set(len(self.waiting))
@@ -235,3 +269,8 @@ class Batcher:
             job.emit("error", error)
         elif not cancelled:
             job.emit("done", completion.result())
+
+
+def internal_error(job: Job) -> tuple[int, str]:
+    """What a client is told when the engine fails on its request: a 500 naming the request, the details in the log."""
+    return 500, f"internal error while decoding request {job.request_id} (the server's log has the details)"

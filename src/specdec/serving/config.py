@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from specdec.errors import ConfigError
 
 SUFFIX_SCOPES = ("auto", "global", "key", "request")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # host names as host_name() writes them
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class ServeConfig:
     api_keys: tuple[str, ...] = ()  # set: every /v1 route needs `Authorization: Bearer KEY` with one of them
     open_metrics: bool = False  # with keys set, /metrics and the API docs stay open (a scraper without the key)
     max_request_bytes: int = 4 * 2**20  # a larger request body gets a 413 before it is parsed
-    allowed_hosts: tuple[str, ...] = ()  # set: a request whose Host header names none is refused (DNS rebinding)
+    # a request whose Host header names none is refused (DNS rebinding); unset on a loopback host: the loopback names
+    allowed_hosts: tuple[str, ...] = ()
     header_timeout_s: float = 10.0  # a connection must send a request's headers within this long (else it is cut off)
     body_timeout_s: float = 30.0  # ... and its body within this long after the headers (408 beyond)
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this long
@@ -32,6 +34,7 @@ class ServeConfig:
     suffix_scope: str = "auto"
     suffix_max_tokens: int = 1_000_000
     suffix_cache: str | None = None
+    suffix_save_every_s: float = 300.0  # the cache is also saved this often while the history changes (0: at stop only)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -53,9 +56,20 @@ class ServeConfig:
             )
         if self.suffix_max_tokens < 0:
             raise ConfigError(f"suffix_max_tokens must be >= 0, got {self.suffix_max_tokens}")
+        if self.suffix_save_every_s < 0:
+            raise ConfigError(f"suffix_save_every_s must be >= 0 (0: at stop only), got {self.suffix_save_every_s}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def answered_hosts(self) -> tuple[str, ...]:
+        """The names a request's Host header may give (as host_name() writes them; empty: any): ``allowed_hosts``,
+        else on a loopback address the loopback names, so that a web page whose DNS name rebinds to 127.0.0.1 cannot
+        drive the server from a browser on this machine."""
+        if self.allowed_hosts:
+            return self.allowed_hosts
+        return LOOPBACK if host_name(self.host) in LOOPBACK else ()
 
     def scope(self, key: str | None) -> str | None:
         """The suffix scope of a request sent with API key ``key`` (DraftSettings.scope): "" everyone's history, None

@@ -3,7 +3,10 @@
 Two deployments. ``engine``: N replicas, each the single-process server
 (serving/app.py: the same routes, streaming and errors, its own continuous
 batcher), answering requests relayed to it whole. ``ingress``: Serve's HTTP
-proxy hands it every request; it relays each to the engine replica with fewer
+proxy hands it every request; it checks the request's Host and API key and reads
+its body up to ``max_request_bytes`` (as a server does: serving/app.py's Gate),
+so that nothing unauthenticated or oversized is held or forwarded, then relays
+it to the engine replica with fewer
 requests in flight of two sampled (Serve's router) and, when that replica dies
 before any of its answer went out, to another (serving/relay.py). GET /metrics
 is answered by the ingress for every replica (Serve's broadcast), each sample
@@ -125,7 +128,7 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
             self.name, self.metrics = f"ingress-{REPLICA}", RelayMetrics()
             failures = self.metrics.replica_failures
             self.server = _ingress_app(
-                engine.options(stream=True).forward.remote, replica_failure, overloaded, failures, spec.serve
+                engine.options(stream=True).forward.remote, replica_failure, overloaded, failures, spec.serve, self.name
             )
 
         def __serve_build_asgi_app__(self) -> FastAPI:
@@ -143,24 +146,22 @@ def _ingress_app(
     overloaded: tuple[type[BaseException], ...],
     failures: Counter,
     config: ServeConfig,
+    name: str | None = None,
 ) -> FastAPI:
-    """The ingress's routes: GET /metrics for every replica of the application (keyed as a replica's is);
-    anything else relayed to an engine replica."""
+    """The ingress's routes behind a server's gate (Host, API keys, the body's size and time limits): GET /metrics for
+    every replica of the application; anything else relayed to an engine replica. ``name`` tags what the ingress
+    answers itself (refusals, /metrics); relayed answers keep their replica's tag."""
     from ray import serve
 
-    from specdec.serving.app import key_refusal, openai_errors
+    from specdec.serving.app import Gate, openai_errors
 
     # The engine's docs are relayed.
     app = FastAPI(title="specdec ingress", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Gate, config=config, replica=name)
     openai_errors(app)
 
     @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        refusal = key_refusal(
-            config.api_keys, config.open_metrics, "/metrics", request.headers.get("authorization", "")
-        )
-        if refusal is not None:
-            return refusal.response()
+    async def metrics() -> Response:
         context = serve.get_replica_context()
         scrapes = [
             serve.get_deployment_handle(deployment, context.app_name)

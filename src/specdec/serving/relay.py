@@ -5,7 +5,8 @@ in its own process and yields the app's response messages as they are sent,
 so streams stay streams. The ingress side (``relay``) sends a request to a
 replica through a caller-given ``send`` and answers the client: a replica that
 dies before any of its answer has reached the client is replaced by another
-(the request starts again there: greedy and seeded answers are the same);
+(the request starts again there: greedy answers are the same, and seeded ones as docs/usage.md's "What a seed
+guarantees" says);
 one that dies mid-stream ends the stream with an error event and [DONE], as the
 server's own streams end on an error, so that no request is lost silently; when every
 replica and the queue before them are full, a 429, as a full server answers.
@@ -43,6 +44,7 @@ class Forwarded:
 
     @classmethod
     async def of(cls, request: Request) -> Forwarded:
+        """``request`` whole; its body is the one the app's Gate read, within ``max_request_bytes``."""
         scope = request.scope
         return cls(scope["method"], scope["path"], scope["query_string"], list(scope["headers"]), await request.body())
 

@@ -5,6 +5,10 @@ stops admitting requests; requests in flight get ``shutdown_timeout_s`` to
 finish, then each remaining one is ended by the engine (a stream with an
 error event and ``[DONE]``, a whole response with a 503), and the process
 exits with code 0. A second SIGINT forces the exit.
+
+If the engine thread fails (it ends its requests with a 500 first), the server
+shuts down the same way and the process exits with code 1, so that a supervisor
+restarts it: a fresh process, not an engine whose state a failure left unknown.
 """
 
 from __future__ import annotations
@@ -50,7 +54,17 @@ def serve(generator: Generator, config: ServeConfig = ServeConfig(), history: Su
         ),
         on_exit=lambda: app.state.batcher.stop(config.shutdown_timeout_s),
     )
+    died = threading.Event()
+
+    def engine_died() -> None:
+        died.set()
+        server.handle_exit(signal.SIGTERM, None)
+
+    app.state.batcher.on_death = engine_died
     server.run()
+    if died.is_set():
+        logging.getLogger("specdec.serve").critical("the engine thread failed: exiting with code 1 to be restarted")
+        raise SystemExit(1)
 
 
 class _Server(uvicorn.Server):
