@@ -223,6 +223,26 @@ def test_a_kernel_folder_another_user_could_write_is_refused_in_one_line(
     assert len(fake_compiler.imported) == loads  # nothing of it was imported
 
 
+def test_a_folder_above_the_kernels_that_others_could_write_is_refused(fake_compiler: SimpleNamespace) -> None:
+    """Another user who can write a folder higher up could rename a folder of their own into the kernels' place after
+    the check; one with the sticky bit (as /tmp) lets no one rename what is not theirs."""
+    kernel_build.build(name="avx2")
+    above = kernel_build.build_folder("avx2").parent.parent  # the cache's root
+    loads = len(fake_compiler.imported)
+    try:
+        above.chmod(0o777)
+        with pytest.raises(ConfigError) as caught:
+            kernel_build.build(name="avx2")
+        message = str(caught.value)
+        assert "\n" not in message and f"{above.resolve()} is writable by group or others" in message, message
+        assert len(fake_compiler.imported) == loads
+        above.chmod(0o777 | stat.S_ISVTX)
+        kernel_build.build(name="avx2")
+        assert len(fake_compiler.imported) == loads + 1
+    finally:
+        above.chmod(0o700)
+
+
 def test_a_read_only_kernel_cache_loads_its_verified_build_without_the_lock(fake_compiler: SimpleNamespace) -> None:
     """As root a chmod does not stop writes, so what proves the cache was only read is that no lock file was created;
     a lock that cannot be opened (a folder in its place, unopenable even for root) stands for a read-only cache that

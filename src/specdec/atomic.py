@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 PRIVATE = 0o600  # what a file holding users' text or training state gets
+PUBLIC = 0o644  # settings and measurements, which other accounts (a service) may read
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None], mode: int = PRIVATE) -> None:

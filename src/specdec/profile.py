@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specdec.atomic import atomic_write_bytes
+from specdec.atomic import PUBLIC, atomic_write_bytes
 from specdec.config import BatchConfig, GenerationConfig, PrecisionPlan, RuntimeConfig, SamplingConfig
 from specdec.errors import ConfigError
 from specdec.machine import fingerprint
@@ -65,7 +65,7 @@ class Profile:
         if path.suffix == ".toml":
             raise ProfileError(f"profiles are written as JSON: name the file {path.with_suffix('.json')}")
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, (json.dumps(self.to_dict(), indent=1) + "\n").encode(), mode=0o644)
+        atomic_write_bytes(path, (json.dumps(self.to_dict(), indent=1) + "\n").encode(), PUBLIC)
 
     @staticmethod
     def load(path: str | Path) -> Profile:

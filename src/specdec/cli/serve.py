@@ -32,7 +32,7 @@ from specdec.config import (
 )
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET
-from specdec.serving.config import LOOPBACK, RayConfig, ServeConfig
+from specdec.serving.config import RayConfig, ServeConfig, is_loopback
 
 
 @user_errors
@@ -214,7 +214,7 @@ def serve(
 
     _refuse_options_of_the_other_mode(context, ray)
     keys = api_keys(api_key or [], api_key_file)
-    if not keys and host not in LOOPBACK:
+    if not keys and not is_loopback(host):
         if not insecure_no_auth:
             raise ConfigError(
                 f"--host {host} serves beyond this machine without API keys: set --api-key (or SPECDEC_API_KEYS, "

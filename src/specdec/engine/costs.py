@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import statistics
 import threading
@@ -18,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from specdec.atomic import PUBLIC, atomic_write_bytes
 from specdec.drafters.base import Drafter
 from specdec.errors import ConfigError
 from specdec.models.backend import Backend, RowBackend
@@ -216,9 +216,7 @@ def _cached(identity: str, measure: Callable[[], dict]) -> dict:
         return json.loads(path.read_text())["seconds"]
     seconds = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: a reader never sees half a file
-    partial.write_text(json.dumps({"key": key, "seconds": seconds}, indent=1))
-    partial.replace(path)
+    atomic_write_bytes(path, json.dumps({"key": key, "seconds": seconds}, indent=1).encode(), PUBLIC)
     return seconds
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdec.atomic import PUBLIC, atomic_write_bytes
 from specdec.errors import ConfigError, MissingPackageError
 from specdec.machine import cpu_flags, cpu_name
 from specdec.models.backend import TREES_UNSUPPORTED, Backend, BackendCapabilities, Embed
@@ -107,9 +108,8 @@ def _probe_verdict(identity: str) -> str | None:
     if lasting:  # a crash or a clean run; an error, a time-out or a kill may pass, so the next process probes again
         try:
             record.parent.mkdir(parents=True, exist_ok=True)
-            partial = record.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps({"problem": problem}))
-            os.replace(partial, record)  # whole or absent, whatever other processes probe at the same time
+            # whole or absent, whatever other processes probe at the same time
+            atomic_write_bytes(record, json.dumps({"problem": problem}).encode(), PUBLIC)
         except OSError:
             pass  # an unwritable cache: the next process probes again
     return problem

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 from dataclasses import dataclass
 
 from specdec.errors import ConfigError
@@ -69,7 +70,7 @@ class ServeConfig:
         drive the server from a browser on this machine."""
         if self.allowed_hosts:
             return self.allowed_hosts
-        return LOOPBACK if host_name(self.host) in LOOPBACK else ()
+        return LOOPBACK if is_loopback(self.host) else ()
 
     def scope(self, key: str | None) -> str | None:
         """The suffix scope of a request sent with API key ``key`` (DraftSettings.scope): "" everyone's history, None
@@ -80,6 +81,15 @@ class ServeConfig:
         if kind == "global" or not key:
             return ""
         return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address or host name is this machine's loopback (localhost, 127.0.0.0/8, ::1), in any spelling."""
+    name = host_name(host)
+    try:
+        return name in LOOPBACK or ipaddress.ip_address(name).is_loopback
+    except ValueError:  # a name other than localhost
+        return False
 
 
 def host_name(host: str) -> str:

@@ -38,7 +38,12 @@ def server_drafter(draft: str, target: Target, config: ServeConfig) -> tuple[str
         try:
             store = SuffixStore.load(path, target.name, target.backend.vocab_size, config.suffix_max_tokens)
         except DamagedCacheError as exc:
-            aside = move_aside(Path(path))
+            try:
+                aside = move_aside(Path(path))
+            except OSError as move:
+                raise ConfigError(
+                    f"{exc}; moving it aside failed ({move}): remove it, or pass another --suffix-cache"
+                ) from None
             log.warning("%s; moved it to %s, and the suffix history starts empty", exc, aside)
     return SuffixDrafter(store), store
 
@@ -93,6 +98,9 @@ class HistoryKeeper:
             await asyncio.to_thread(self.history.save, self.path, self.model)
         except OSError as exc:
             log.error("could not save the suffix history to %s: %s", self.path, exc)
+            return
+        except Exception:  # noqa: BLE001 - a bug must not end the periodic saves nor skip the one at stop
+            log.exception("could not save the suffix history to %s", self.path)
             return
         self._saved = changes
         log.log(

@@ -11,11 +11,11 @@ from __future__ import annotations
 import abc
 import hashlib
 import json
-import os
 import time
 
 import torch
 
+from specdec.atomic import PUBLIC, atomic_write_bytes
 from specdec.errors import ConfigError
 from specdec.models.native import kernel_build
 from specdec.models.registry import cache_root
@@ -320,9 +320,7 @@ def measured_format(config) -> tuple[str, str]:
         chosen, why = "int8", f"{why}; under {INT4_MIN_WEIGHTS / 1e9:.0f}B weights 4 bits cost too much perplexity"
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        staging = record.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(json.dumps({"format": chosen, "why": why}))
-        os.replace(staging, record)  # readers see a whole record or none
+        atomic_write_bytes(record, json.dumps({"format": chosen, "why": why}).encode(), PUBLIC)
     except OSError:
         pass  # measured again next time
     return chosen, why

@@ -30,6 +30,7 @@ from types import ModuleType
 
 import torch
 
+from specdec.atomic import atomic_write_bytes
 from specdec.errors import ConfigError
 from specdec.machine import cpu_flags
 
@@ -313,10 +314,7 @@ def _verified(name: str) -> bool:
 
 def _record(library: Path) -> None:
     """Record the SHA-256 of the library just built (under the lock), written whole or not at all."""
-    record = _digest_file(library)
-    partial = record.with_name(record.name + ".partial")
-    partial.write_text(_sha256(library) + "\n")
-    os.replace(partial, record)
+    atomic_write_bytes(_digest_file(library), (_sha256(library) + "\n").encode())
 
 
 def _import_verified(name: str):
@@ -355,23 +353,29 @@ def _make_private(folder: Path) -> None:
 
 
 def _refuse_unsafe(folder: Path) -> None:
-    """Refuse, in one line, a build's folder or the kernels' folder above it that another user owns or could write: a
-    library put there would run its code as whoever loads the kernels next. Root's own are trusted (root can write
-    anything anyway), so a cache prepared by root and made read-only serves every user."""
+    """Refuse, in one line, a build's folder, or any folder above it, that another user owns or could write: a library
+    put there, or a folder renamed in its place, would run its code as whoever loads the kernels next. The path is
+    checked as it resolves (links followed), up to the root; a folder above with the sticky bit (/tmp) may be shared,
+    since no one else can rename what is in it. Root's own are trusted (root can write anything anyway), so a cache
+    prepared by root and made read-only serves every user."""
     if os.name != "posix":
         return
-    for path in (folder.parent, folder):
-        info = path.stat()
+    real = folder.resolve()
+    for path in (real, *real.parents):
+        info = os.lstat(path)
         fix = (
             f"set SPECDEC_CACHE to a folder of your own, or remove it (rm -r {shlex.quote(str(path))}; the kernels "
             f"are rebuilt)"
+            if path in (real, real.parent)
+            else "set SPECDEC_CACHE to a folder that only you (and root) can write, all the way up"
         )
         if info.st_uid not in (os.geteuid(), 0):
             raise ConfigError(
                 f"the kernels' folder {path} belongs to user {info.st_uid}, not you, so a library in it could run "
                 f"code as you: {fix}"
             )
-        if info.st_mode & 0o022:
+        shared = path not in (real, real.parent) and info.st_mode & stat.S_ISVTX
+        if info.st_mode & 0o022 and not shared:
             raise ConfigError(
                 f"the kernels' folder {path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):o}), "
                 f"so a library swapped into it would run as you: {fix}"
