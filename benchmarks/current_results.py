@@ -301,6 +301,10 @@ COMMANDS_TEXT = """
 2026-12-04-cpu-kernel-steps.json
   python benchmarks/kernel_steps.py --out ${J}2026-12-04-cpu-kernel-steps.json --llama-bench $LLAMA_BENCH
   --llama-bench-avx2 $LLAMA_BENCH_AVX2
+2026-12-04-cpu-soak.json
+  python benchmarks/soak.py --out ${J}2026-12-04-cpu-soak.json
+2026-12-04-cpu-serve-avx2
+  SPECDEC_KERNELS=avx2 specdec bench-serve --clients 8 --duration 45 --max-tokens 64
 """
 VARIABLES = {
     "J": "benchmarks/results/",
