@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import loaded, perturbed, tiny_llama
 
+import specdec.engine.step as step_module
 import specdec.verification.rejection as rejection
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import STEP_CASES, TargetLaw, sequential_pvalue, step_cases
@@ -25,6 +26,7 @@ from specdec.drafters.base import Proposal
 from specdec.drafters.distilled import ReducedVocabBackend, build_draft
 from specdec.engine import DecodeStats
 from specdec.models import TransformersBackend
+from specdec.seeds import SAMPLE
 from specdec.training.ngram import NgramCounter
 from specdec.verification import to_probs
 
@@ -133,6 +135,17 @@ def test_a_wrong_residual_fails(monkeypatch: pytest.MonkeyPatch, driver: str) ->
     target = _target()
     gen = Generator(loaded(target), _drafter("noisy copy", target))
     samples, stats = RUN[driver](gen, SAMPLINGS["plain"], 1500)
+    assert _check(samples, stats, TargetLaw(target, PROMPT, SAMPLINGS["plain"])) < MIN_PVALUE
+
+
+@pytest.mark.slow
+def test_one_uniform_for_the_accept_test_and_the_residual_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a drawn draft's acceptance test keyed like the target's own draw at its position (so a
+    rejection's residual is drawn with the very uniform that rejected) must be caught."""
+    monkeypatch.setattr(step_module, "ACCEPT", SAMPLE)
+    target = _target()
+    gen = Generator(loaded(target), _drafter("other model", target))
+    samples, stats = run_single(gen, SAMPLINGS["plain"], 1500)
     assert _check(samples, stats, TargetLaw(target, PROMPT, SAMPLINGS["plain"])) < MIN_PVALUE
 
 
