@@ -44,6 +44,14 @@ class _Damaged(Exception):
     """What is wrong with a file's header (made into the ConfigError that names the file)."""
 
 
+def _refusal(path: Path, kind: str, or_else: str, exc: BaseException) -> ConfigError:
+    """The one-line error for a header that could not be read (``exc``): unreadable, or damaged as found."""
+    if isinstance(exc, OSError):
+        return ConfigError(f"{path} could not be read ({exc})")
+    why = str(exc) if isinstance(exc, _Damaged) else f"{type(exc).__name__}: {one_line(exc)}"  # none expected
+    return ConfigError(f"{path} is not a readable {kind} file ({why}): it is truncated or {or_else}, download it again")
+
+
 def check_gguf(path: Path) -> int:
     """The number of values ``path``'s tensors hold, or a ConfigError unless its GGUF header is whole and consistent:
     its metadata and tensor table lie inside the file, with known value and tensor types, UTF-8 names, no key or
@@ -56,17 +64,8 @@ def check_gguf(path: Path) -> int:
                 raise _Damaged(f"it has {size} bytes, fewer than a GGUF header's first 24")
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 return _GgufHeader(data, size).walk()
-    except OSError as exc:
-        raise ConfigError(f"{path} could not be read ({exc})") from None
-    except _Damaged as exc:
-        raise ConfigError(
-            f"{path} is not a readable GGUF file ({exc}): it is truncated or not a GGUF file, download it again"
-        ) from None
-    except PARSE_ERRORS as exc:  # none expected past the checks; still the same one line
-        raise ConfigError(
-            f"{path} is not a readable GGUF file ({type(exc).__name__}: {one_line(exc)}): it is truncated or not a "
-            "GGUF file, download it again"
-        ) from None
+    except (OSError, _Damaged, *PARSE_ERRORS) as exc:
+        raise _refusal(path, "GGUF", "not a GGUF file", exc) from None
 
 
 def check_gguf_model(path: Path, config, values: int) -> None:
@@ -232,17 +231,8 @@ def safetensors_header(file: Path) -> tuple[int, dict[str, dict]]:
         except (UnicodeDecodeError, ValueError) as exc:
             raise _Damaged(f"its header is damaged: not UTF-8 JSON ({exc})") from None
         return 8 + length, _tensor_entries(header, size - 8 - length)
-    except OSError as exc:
-        raise ConfigError(f"{file} could not be read ({exc})") from None
-    except _Damaged as exc:
-        raise ConfigError(
-            f"{file} is not a readable safetensors file ({exc}): it is truncated or damaged, download it again"
-        ) from None
-    except PARSE_ERRORS as exc:  # none expected past the checks; still the same one line
-        raise ConfigError(
-            f"{file} is not a readable safetensors file ({type(exc).__name__}: {one_line(exc)}): it is truncated or "
-            "damaged, download it again"
-        ) from None
+    except (OSError, _Damaged, *PARSE_ERRORS) as exc:
+        raise _refusal(file, "safetensors", "damaged", exc) from None
 
 
 def _tensor_entries(header: dict, data_bytes: int) -> dict[str, dict]:
