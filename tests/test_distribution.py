@@ -88,6 +88,8 @@ def run_batched(
 
 
 RUN = {"single": run_single, "batched": run_batched}
+# the batched driver's costlier law tests run in the slow tier; the single driver's stay in the fast one
+DRIVERS = ["single", pytest.param("batched", marks=pytest.mark.slow)]
 
 
 def _check(samples, stats, law: TargetLaw, cases: tuple[str, ...] = STEP_CASES) -> float:
@@ -100,7 +102,7 @@ def _check(samples, stats, law: TargetLaw, cases: tuple[str, ...] = STEP_CASES) 
 
 
 @pytest.mark.parametrize("sampling", ["plain", pytest.param("shaped", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("driver", list(RUN))
+@pytest.mark.parametrize("driver", DRIVERS)
 def test_sampled_output_follows_the_target_law(driver: str, sampling: str) -> None:
     """A draft that agrees often enough that every case (rejection at each position, bonus after 2+ drafts) occurs."""
     target = _target()
@@ -128,7 +130,7 @@ def test_poor_and_partial_drafts_keep_the_target_law(drafter: str, driver: str) 
     )
 
 
-@pytest.mark.parametrize("driver", list(RUN))
+@pytest.mark.parametrize("driver", DRIVERS)
 def test_a_wrong_residual_fails(monkeypatch: pytest.MonkeyPatch, driver: str) -> None:
     """Negative control: resampling a rejected position from p instead of norm(max(0, p - q)) must be caught."""
     monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)

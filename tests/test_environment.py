@@ -95,6 +95,7 @@ def test_generate_on_a_crashing_llama_cpp_says_why_and_the_fix(crashing_llama_cp
     )
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_bench_skips_a_crashing_llama_cpp_and_runs_the_rest(crashing_llama_cpp: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"

@@ -81,6 +81,7 @@ def test_greedy_on_llama_cpp_is_identical_with_exact_batches(exact_target) -> No
 
 
 @needs_llama_cpp
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_cost_model_k_follows_the_measured_costs(exact_target, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """k follows the measured costs: ubatch=1 prices n tokens near n one-token forwards, so it never drafts more

@@ -78,6 +78,7 @@ def _running() -> int:
     return 0 if status is None else status.deployments["engine"].replica_states.get("RUNNING", 0)
 
 
+@pytest.mark.slow
 def test_two_replicas_share_the_load(ray_server: Server, driver: None) -> None:
     assert _running() == 2
     pids = set()

@@ -100,7 +100,7 @@ def test_gemma_low_precision_speculation_equals_target_only_of_the_same_plan(pre
 
 
 @pytest.mark.parametrize("format", ["int8", "int4"])
-@pytest.mark.parametrize("target", ["gemma-3-270m", "smollm2-135m-instruct"])
+@pytest.mark.parametrize("target", ["gemma-3-270m", pytest.param("smollm2-135m-instruct", marks=pytest.mark.slow)])
 def test_native_backend_speculation_equals_its_own_target_only(target: str, format: str) -> None:
     """Both bundled families in both native formats: prompt lookup and the cost model keep target-only greedy text."""
     from specdec.config import RuntimeConfig
@@ -144,7 +144,14 @@ def test_int4_re_encodes_a_4bit_gguf_without_loss_of_perplexity() -> None:
     assert abs(result.delta) / result.float32_perplexity < 0.01, result
 
 
-@pytest.mark.parametrize(("backend", "branches"), [("native", 4), ("transformers", 4), ("llama.cpp", 1)])
+@pytest.mark.parametrize(
+    ("backend", "branches"),
+    [
+        ("native", 4),
+        pytest.param("transformers", 4, marks=pytest.mark.slow),
+        pytest.param("llama.cpp", 1, marks=pytest.mark.slow),
+    ],
+)
 def test_gemma_eagle_head_is_identical_as_chain_and_tree(backend: str, branches: int) -> None:
     """The shipped eagle head on the real Gemma: each backend's own target-only tokens, with drafts accepted."""
     from specdec.config import RuntimeConfig

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import signal
 import socket
@@ -26,8 +27,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdec import GenerationConfig, Generator
 from specdec.config import PRESETS, GuardConfig, RuntimeConfig, TypicalAcceptance
 from specdec.engine import GenerationResult
-from specdec.engine.costs import MachineCosts
-from specdec.engine.generator import concrete_draft
 from specdec.errors import ConfigError
 from specdec.serving.batcher import Batcher, Job
 from specdec.serving.metrics import Metrics
@@ -507,13 +506,14 @@ def test_gemma_is_served_with_what_auto_picks_from_this_machines_costs() -> None
         generator = Generator("gemma-3-270m", "none", runtime=RuntimeConfig(precision=PRESETS["cpu"]))
         expected = generator.generate(prompt, max_new_tokens=32)
         got = server.client.completions.create(model="gemma-3-270m", prompt=prompt, max_tokens=32, temperature=0)
-        # the server has measured and cached this machine's costs by now: the same ones, so the same pick
-        picked = concrete_draft("auto", generator.target, MachineCosts(generator.target.backend))
         assert got.choices[0].text == expected.text
         assert server.metric("specdec_draft_tokens_accepted_total") > 0
     finally:
         code, log = server.stop()
-    assert picked in ("lookup-then-eagle", "suffix") and f"draft 'auto ({picked})'" in log
+    # which of the two a machine gets depends on costs measured under whatever load the machine has at that moment
+    # (the server's and this process's measurements can differ): the rule is tested on given costs in test_eagle.py
+    announced = re.findall(r"with draft 'auto \(([a-z-]+)\)'", log)
+    assert announced and announced[0] in ("lookup-then-eagle", "suffix"), log
 
 
 @pytest.mark.slow

@@ -255,7 +255,7 @@ SHAPES = {"wide": (4, 1), "binary": (2, 2, 2), "deep": (2, 1, 1, 2)}
         ("wide", False, "shaped", True),
         ("binary", True, "plain", True),
         pytest.param("deep", True, "shaped", False, marks=pytest.mark.slow),
-        ("binary", False, "plain", True),
+        pytest.param("binary", False, "plain", True, marks=pytest.mark.slow),
     ],
 )
 def test_sampled_trees_keep_the_target_law(
@@ -413,7 +413,7 @@ def one_q_per_parent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("specdec.engine.step.verify_tree_sampled", judged_with_one_q)
 
 
-@pytest.mark.parametrize("broken", [False, pytest.param(True, id="negative control")])
+@pytest.mark.parametrize("broken", [False, pytest.param(True, id="negative control", marks=pytest.mark.slow)])
 def test_siblings_drawn_from_different_laws_keep_the_target_law(monkeypatch: pytest.MonkeyPatch, broken: bool) -> None:
     """Sibling j drawn at its own temperature and reporting its own q: the target's law; the same tree judged against
     one q per parent must fail."""
@@ -426,6 +426,7 @@ def test_siblings_drawn_from_different_laws_keep_the_target_law(monkeypatch: pyt
     assert pvalue < MIN_PVALUE if broken else pvalue > MIN_PVALUE
 
 
+@pytest.mark.slow
 def test_a_tree_reporting_its_q_before_shaping_fails() -> None:
     """Negative control: drawn siblings sampled from the shaped distribution but reported before top-k/top-p."""
     target = tiny_llama(3, vocab=VOCAB, scale=0.15)

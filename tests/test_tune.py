@@ -470,6 +470,7 @@ class SlowsDownLater(PromptLookupDrafter):
         return super().propose(context, k, branches)
 
 
+@pytest.mark.slow
 def test_a_drafter_far_slower_than_predicted_is_re_measured_and_not_chosen(
     tmp_path: Path, prompts_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -576,6 +577,7 @@ def test_tune_and_profile_on_the_command_line(tmp_path: Path, prompts_file: Path
     assert not (tmp_path / "z").exists()  # nothing written
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_tune_on_the_real_gemma_picks_a_configuration_at_least_as_fast_as_target_only(tmp_path: Path) -> None:
     config = TuneConfig(
