@@ -496,9 +496,9 @@ def test_chat_on_the_bundled_chat_model() -> None:
 
 @pytest.mark.real_model
 def test_gemma_is_served_with_what_auto_picks_from_this_machines_costs() -> None:
-    """No --draft, on the `cpu` plan: the server drafts with what `auto`'s rule picks from this machine's measured
-    costs (the rule itself, eagle head or suffix, is tested on given costs in test_eagle.py: which one a machine gets
-    is not this test's business); greedy output is the target's own on the same plan."""
+    """No --draft, on the `cpu` plan: the server announces which drafter `auto` resolved to (its rule, eagle head or
+    suffix by measured costs, is tested on given costs in test_eagle.py: which one a machine gets is not this test's
+    business), accepts drafts, and its greedy output is the target's own on the same plan."""
     # always draft: the cost model may not, under load
     server = Server("gemma-3-270m", "--precision", "cpu", "--k-policy", "fixed", "--k", "4")
     try:
