@@ -305,6 +305,9 @@ COMMANDS_TEXT = """
   python benchmarks/soak.py --out ${J}2026-12-04-cpu-soak.json
 2026-12-04-cpu-serve-avx2
   SPECDEC_KERNELS=avx2 specdec bench-serve --clients 8 --duration 45 --max-tokens 64
+2026-12-05-cpu-serve-avx2-vs-llama-server
+  SPECDEC_KERNELS=avx2 specdec bench-serve --clients 8 --duration 30 --max-tokens 64 --temperature 0
+  --llama-server $LLAMA_SERVER_AVX2
 """
 VARIABLES = {
     "J": "benchmarks/results/",
@@ -314,6 +317,8 @@ VARIABLES = {
     "LLAMA_BENCH": "vendor/llama.cpp/build-avx512/bin/llama-bench",
     # cmake -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
     "LLAMA_BENCH_AVX2": "vendor/llama.cpp/build-avx2/bin/llama-bench",
+    # the same AVX2 build's server
+    "LLAMA_SERVER_AVX2": "vendor/llama.cpp/build-avx2/bin/llama-server",
     "SUFFIX": "specdec bench --methods none,prompt-lookup,prompt-lookup+tree,suffix,suffix+tree --k 8 "
     "--k-policy cost-model --max-new-tokens 64 --backend native",
     "NATIVE": "specdec bench --k-policy cost-model --max-new-tokens 64 --backend native",
