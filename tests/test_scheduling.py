@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 import random
+import subprocess
+import sys
+from argparse import Namespace
 
 import pytest
 import torch
@@ -15,7 +19,16 @@ from specdec.drafters import DraftSettings, ModelDrafter, NoDrafter, PromptLooku
 from specdec.engine import costs as cost_module
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend
-from specdec.scheduling import ConfidenceK, CostCurve, CostModelK, HeuristicK, PerplexityK, StepOutcome, build_k_policy
+from specdec.scheduling import (
+    BatchCostCurve,
+    ConfidenceK,
+    CostCurve,
+    CostModelK,
+    HeuristicK,
+    PerplexityK,
+    StepOutcome,
+    build_k_policy,
+)
 
 # Measured on the development machine (seconds per target forward over n tokens, Gemma-3-270M).
 LLAMA_CPP = CostCurve({1: 0.013, 2: 0.025, 3: 0.030, 5: 0.051, 9: 0.069, 13: 0.083, 17: 0.095})
@@ -155,6 +168,9 @@ def test_confidence_policy_stops_unsure_drafts() -> None:
 
 def test_machine_cost_curve_is_measured_once(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    # one repeat of a tiny model's forwards is mostly jitter: the plausibility checks are tested apart
+    monkeypatch.setattr(cost_module, "NOISE", 0.0)
+    monkeypatch.setattr(cost_module, "MOST_OTHER_LOAD", 1.0)
     calls = []
     real = cost_module.forward_cost_curve
     monkeypatch.setattr(
@@ -168,6 +184,52 @@ def test_machine_cost_curve_is_measured_once(tmp_path, monkeypatch: pytest.Monke
     other = TransformersBackend(tiny_llama(0, layers=3))  # other weights: measured separately
     cost_module.machine_cost_curve(other)
     assert calls == [1, 1]
+
+
+def test_costs_measured_under_load_or_falling_are_used_but_not_cached(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A curve that falls as the work grows, or one taken while other processes held the CPU, is measured again; if
+    every attempt is suspect the process uses the last one and the cache stays empty, so the next process measures."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cost_module, "_cpu_times", lambda: None)  # no load seen: the curves' shape decides
+    curves = iter([{"1": 0.02, "2": 0.01}, {"1": 0.02, "2": 0.012}])  # two tokens cheaper than one: twice
+    measured = cost_module._cached("falling", lambda: next(curves), cost_module._falling_cost)
+    assert measured == {"1": 0.02, "2": 0.012} and not (tmp_path / "costs").exists()
+    assert "not cached" in caplog.text and "2 measured cheaper than 1" in caplog.text
+
+    # /proc/stat's total and busy ticks, then this process's: others took 60 of 100 ticks, then 5 of 100
+    ticks = iter([(0, 0, 0), (100, 70, 10), (100, 70, 10), (200, 80, 15)])
+    monkeypatch.setattr(cost_module, "_cpu_times", lambda: next(ticks))
+    calls = []
+    measured = cost_module._cached("loaded", lambda: calls.append(1) or {"1": 0.02}, cost_module._falling_cost)
+    assert calls == [1, 1] and measured == {"1": 0.02}
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1  # the second attempt, on a quiet machine, is kept
+
+    steady = {1: {1: 0.01, 2: 0.011}, 2: {1: 0.018, 2: 0.02}}
+    falling = {1: {1: 0.01, 2: 0.011}, 2: {1: 0.008, 2: 0.02}}  # two rows of one token cheaper than one row
+    monkeypatch.setattr(cost_module, "_cpu_times", lambda: None)
+    for table, kept in ((falling, 1), (steady, 2)):
+        monkeypatch.setattr(
+            cost_module,
+            "batch_cost_curve",
+            lambda rows, t=table: BatchCostCurve({r: CostCurve(c) for r, c in t.items()}),
+        )
+        rows = Namespace(identity=f"rows {kept}")
+        assert cost_module.machine_batch_cost_curve(rows).by_rows[2](1) == table[2][1]  # type: ignore[arg-type]
+        assert len(list((tmp_path / "costs").glob("*.json"))) == kept
+
+
+def test_other_processes_load_is_seen(tmp_path) -> None:
+    """A process spinning on every core while a measurement runs makes it suspect."""
+    others = cost_module.OtherLoad()
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1\nwhile time.time() < end: pass"])
+        for _ in range(os.cpu_count() or 1)
+    ]
+    for spinner in spinners:
+        spinner.wait()
+    assert "other processes used" in (others.problem() or "")
 
 
 def test_a_stretch_of_load_does_not_make_small_forwards_look_dear(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,10 @@ steep for llama.cpp. k policies and the benchmark read this curve instead of ass
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-import platform
+import logging
+import os
 import statistics
 import threading
 import time
@@ -20,6 +22,7 @@ import torch
 from specdec.atomic import PUBLIC, atomic_write_bytes
 from specdec.drafters.base import Drafter
 from specdec.errors import ConfigError
+from specdec.machine import cpu_name
 from specdec.models.backend import Backend, RowBackend
 from specdec.models.registry import cache_root
 from specdec.scheduling import BatchCostCurve, CostCurve
@@ -30,6 +33,13 @@ TREE_SIZES = (3, 5, 9, 13, 17)  # the pending token and 2 .. 16 tree nodes
 TREE_CONTEXT = 256
 BATCH_ROWS = (1, 2, 4, 8, 16, 32)
 BATCH_SIZES = (1, 2, 3, 5, 9)
+# A measurement is kept on disk only when other processes used at most this share of the machine's CPU time meanwhile,
+# and the costs rise with the work (within NOISE): a curve taken under load would otherwise price every later run.
+MOST_OTHER_LOAD = 0.15
+NOISE = 0.85
+MEASURE_ATTEMPTS = 2
+
+log = logging.getLogger(__name__)
 
 
 def forward_cost_curve(
@@ -121,7 +131,9 @@ def batch_cost_curve(
 
 def machine_cost_curve(backend: Backend) -> CostCurve:
     """This backend's cost curve on this machine: measured once (a few seconds), then read from the cache."""
-    stored = _cached(backend.identity, lambda: {str(n): s for n, s in forward_cost_curve(backend).items()})
+    stored = _cached(
+        backend.identity, lambda: {str(n): s for n, s in forward_cost_curve(backend).items()}, _falling_cost
+    )
     return CostCurve({int(n): s for n, s in stored.items()})
 
 
@@ -150,7 +162,14 @@ def machine_batch_cost_curve(backend: RowBackend) -> BatchCostCurve:
         curve = batch_cost_curve(backend)
         return {str(rows): {str(n): s for n, s in c.seconds.items()} for rows, c in curve.by_rows.items()}
 
-    stored = _cached(backend.identity, measure)
+    def falling(stored: dict[str, dict[str, float]]) -> str | None:
+        by_rows = {int(rows): {int(n): s for n, s in c.items()} for rows, c in stored.items()}
+        curves = [(c, f"{rows} rows, by tokens") for rows, c in by_rows.items()]
+        sizes = next(iter(by_rows.values()))
+        curves += [({rows: c[n] for rows, c in by_rows.items()}, f"{n} tokens a row, by rows") for n in sizes]
+        return next((why for curve, what in curves if (why := _falling_cost(curve, what))), None)
+
+    stored = _cached(backend.identity, measure, falling)
     return BatchCostCurve({int(rows): CostCurve({int(n): s for n, s in c.items()}) for rows, c in stored.items()})
 
 
@@ -208,16 +227,69 @@ def quiet_copy(backend: Backend) -> Backend:
         return backend
 
 
-def _cached(identity: str, measure: Callable[[], dict]) -> dict:
-    """Measurements of ``identity`` on this machine, taken by ``measure`` the first time and kept on disk."""
-    key = f"{platform.node()}|{platform.processor() or platform.machine()}|{identity}"
+def _cached(identity: str, measure: Callable[[], dict], problem: Callable[[dict], str | None] = lambda _: None) -> dict:
+    """Measurements of ``identity`` on this CPU, taken by ``measure`` the first time and kept on disk.
+
+    A measurement that other processes' load may have distorted, or that ``problem`` finds implausible, is taken again
+    (MEASURE_ATTEMPTS in all); if every attempt is suspect the last is used by this process only, with a warning, and
+    the next process measures again.
+    """
+    key = f"{cpu_name()}|{os.cpu_count()}|{identity}"
     path = cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():
         return json.loads(path.read_text())["seconds"]
-    seconds = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, json.dumps({"key": key, "seconds": seconds}, indent=1).encode(), PUBLIC)
+    for _ in range(MEASURE_ATTEMPTS):
+        others = OtherLoad()
+        seconds = measure()
+        why = others.problem() or problem(seconds)
+        if why is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, json.dumps({"key": key, "seconds": seconds}, indent=1).encode(), PUBLIC)
+            return seconds
+    log.warning("costs of %s not cached (%s): this process uses them, the next measures again", identity, why)
     return seconds
+
+
+def _falling_cost(seconds: dict, what: str = "by tokens") -> str | None:
+    """Why a cost curve over growing work (sizes to seconds) cannot be right: it falls by more than noise."""
+    points = sorted((int(n), s) for n, s in seconds.items())
+    for (n, s), (m, t) in itertools.pairwise(points):
+        if t < NOISE * s:
+            return f"{what}: {m} measured cheaper than {n} ({t * 1e3:.1f} ms < {s * 1e3:.1f} ms)"
+    return None
+
+
+class OtherLoad:
+    """How much of the machine's CPU time other processes take from now on (Linux's /proc; elsewhere nothing is
+    seen)."""
+
+    def __init__(self) -> None:
+        self.start = _cpu_times()
+
+    def problem(self) -> str | None:
+        """Why a measurement since construction is suspect (others used over MOST_OTHER_LOAD of the CPU), or None."""
+        end = _cpu_times()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        total, busy, own = (b - a for a, b in zip(self.start, end, strict=True))
+        share = max(0, busy - own) / total
+        if share > MOST_OTHER_LOAD:
+            return f"other processes used {share:.0%} of the CPU while it was measured"
+        return None
+
+
+def _cpu_times() -> tuple[int, int, int] | None:
+    """Clock ticks since boot: all CPUs' total and busy (steal included: a hypervisor's other guests), and this
+    process's (all its threads); None without /proc."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            fields = [int(f) for f in stat.readline().split()[1:9]]
+        with open("/proc/self/stat", encoding="ascii") as own:
+            after_name = own.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return sum(fields), user + nice + system + irq + softirq + steal, int(after_name[11]) + int(after_name[12])
 
 
 def _clock() -> float:
