@@ -308,6 +308,12 @@ COMMANDS_TEXT = """
 2026-12-05-cpu-serve-avx2-vs-llama-server
   SPECDEC_KERNELS=avx2 specdec bench-serve --clients 8 --duration 30 --max-tokens 64 --temperature 0
   --llama-server $LLAMA_SERVER_AVX2
+2026-12-05-cpu-serve-avx2-vs-llama-server-zen4
+  SPECDEC_KERNELS=avx2 specdec bench-serve --clients 8 --duration 30 --max-tokens 64 --temperature 0
+  --llama-server $LLAMA_SERVER_AVX2
+2026-12-05-cpu-model-sizes-avx2.json
+  SPECDEC_KERNELS=avx2 python benchmarks/model_sizes.py --work /tmp/sizes --out ${J}2026-12-05-cpu-model-sizes-avx2.json
+  --sizes 1b,3b --backends native-int4 --llama-bench $LLAMA_BENCH_AVX2
 """
 VARIABLES = {
     "J": "benchmarks/results/",
