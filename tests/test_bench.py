@@ -134,9 +134,9 @@ def test_quick_bench_writes_every_output(
 def test_greedy_check_catches_a_broken_engine(
     tiny_folder: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import specdec.engine.step as step
+    import specdec.verification.verifiers as verifiers
 
-    real_verify = step.verify
+    real_verify = verifiers.verify
 
     def accept_everything(draft_tokens, draft_lengths, target_logits, *args, **kwargs) -> Verdict:
         verdict = real_verify(draft_tokens, draft_lengths, target_logits, *args, **kwargs)
@@ -146,7 +146,7 @@ def test_greedy_check_catches_a_broken_engine(
             target_logits[rows, draft_lengths].argmax(-1) if draft_tokens.shape[1] else verdict.next_token,
         )
 
-    monkeypatch.setattr(step, "verify", accept_everything)
+    monkeypatch.setattr(verifiers, "verify", accept_everything)
     loose = _bench(tiny_folder, prompts, tmp_path / "loose", "--methods", "none,prompt-lookup")
     assert loose.exit_code == 0, loose.output
     data = json.loads((tmp_path / "loose" / "results.json").read_text())

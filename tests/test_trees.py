@@ -14,7 +14,7 @@ import torch
 from conftest import loaded, perturbed, step_outcome, tiny_llama
 from test_native import models
 
-import specdec.engine.step as step_module
+import specdec.engine.trees as trees_module
 import specdec.verification.tree as tree_verifier
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
@@ -243,7 +243,7 @@ class PathCounter:
             self.cases["leaf bonus"] += bool(path) and path[-1] not in listed
             return verdict
 
-        monkeypatch.setattr("specdec.engine.step.verify_tree_sampled", counting)
+        monkeypatch.setattr("specdec.verification.verifiers.verify_tree_sampled", counting)
 
 
 SHAPES = {"wide": (4, 1), "binary": (2, 2, 2), "deep": (2, 1, 1, 2)}
@@ -379,13 +379,13 @@ def test_a_wrong_sibling_residual_fails(monkeypatch: pytest.MonkeyPatch) -> None
 
 def one_uniform_for_every_level(monkeypatch: pytest.MonkeyPatch) -> None:
     """Break trees of deterministic siblings: every level drawn with its first level's uniform instead of its own."""
-    original = step_module._tree_uniforms
+    original = trees_module.Trees.uniforms
 
-    def one_for_every_level(row, parents, device):
-        uniforms = original(row, parents, device)
+    def one_for_every_level(self, row, proposal, device):
+        uniforms = original(self, row, proposal, device)
         return Uniforms(uniforms.sample[:1].expand_as(uniforms.sample), uniforms.accept)
 
-    monkeypatch.setattr(step_module, "_tree_uniforms", one_for_every_level)
+    monkeypatch.setattr(trees_module.Trees, "uniforms", one_for_every_level)
 
 
 def test_deterministic_siblings_judged_with_one_uniform_fail(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -410,7 +410,7 @@ def one_q_per_parent(monkeypatch: pytest.MonkeyPatch) -> None:
             probs = probs[[listed.index(parent) for parent in listed]]
         return original(tokens, parents, logits, probs, *args, **kwargs)
 
-    monkeypatch.setattr("specdec.engine.step.verify_tree_sampled", judged_with_one_q)
+    monkeypatch.setattr("specdec.verification.verifiers.verify_tree_sampled", judged_with_one_q)
 
 
 @pytest.mark.parametrize("broken", [False, pytest.param(True, id="negative control", marks=pytest.mark.slow)])

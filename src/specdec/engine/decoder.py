@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.drafters.base import Drafter
-from specdec.engine.step import Row, speculative_step
+from specdec.engine.step import CHAINS, Row, speculative_step
+from specdec.engine.trees import TREES
 from specdec.errors import ConfigError, ContextLengthError
 from specdec.models.backend import RowBackend
 from specdec.scheduling import KPolicy, LoadWindow
@@ -92,6 +93,7 @@ class Decoder:
             completion.stats,
             completion.guards,
             scope=completion.scope,
+            shape=TREES if completion.config.branches > 1 and drafter.capabilities.trees else CHAINS,
         )
         row.stats.lossy = completion.config.typical_acceptance is not None
         drafter.begin(row.draft_settings)

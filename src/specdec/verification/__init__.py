@@ -15,14 +15,23 @@ A step therefore yields its accepted tokens plus exactly one more, recovered or 
 
 Sampled verdicts are decided by uniforms the caller passes (``Uniforms``; the engine keys them by position, so that
 a seed decides each token whatever the step's shape) or draws from a generator.
+
+``judge`` (verifiers.py) dispatches a batch's rows to these verifiers by :class:`Kind`: the row's :class:`Rule` (greedy,
+sampled or typical, fixed when it joins) and whether its drafts are a tree.
 """
 
 from specdec.verification.rejection import Uniforms, Verdict, verify
 from specdec.verification.shaping import shape_logits, to_probs
 from specdec.verification.tree import verify_tree_greedy, verify_tree_sampled
 from specdec.verification.typical import typical_verify
+from specdec.verification.verifiers import Drafts, Kind, RowDrafts, Rule, judge
 
 __all__ = [
+    "Drafts",
+    "Kind",
+    "RowDrafts",
+    "Rule",
+    "judge",
     "Uniforms",
     "Verdict",
     "verify",
