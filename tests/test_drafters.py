@@ -19,6 +19,8 @@ from specdec.drafters.layer_skip import shallow_view
 from specdec.drafters.ngram import context_hash, context_hashes
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend, open_target
+from specdec.models.backend import PackedWeights
+from specdec.models.native import NativeBackend, NativeModel
 from specdec.seeds import Seeds
 from specdec.training.ngram import NgramBuildConfig, build_ngram_table
 
@@ -211,8 +213,12 @@ def test_layer_skip_greedy_is_identical_and_its_cache_rolls_back(make_target) ->
 
 
 def test_layer_skip_needs_the_transformers_backend() -> None:
-    target = open_target(loaded(tiny_llama(0)))
-    target.backend = object()  # any other runtime
+    model = tiny_llama(0, hidden=64, context=1024)  # widths the native runtime takes
+    target = open_target(loaded(model))
+    assert target.backend.transformers_model() is model and target.backend.packed_weights() is None
+    target.backend = NativeBackend(NativeModel.from_module(model))  # a runtime that runs no transformers model
+    assert target.backend.transformers_model() is None
+    assert target.backend.packed_weights() == PackedWeights("int8", sum(p.numel() for p in model.parameters()))
     with pytest.raises(ConfigError, match="backend transformers"):
         build_drafter("layerskip:1", target)
 

@@ -14,7 +14,9 @@ from specdec import Generator
 from specdec.bench.perplexity import perplexity
 from specdec.cli.main import app
 from specdec.config import PRESETS, PrecisionPlan, RuntimeConfig
+from specdec.drafters.layer_skip import shallow_view
 from specdec.errors import ConfigError
+from specdec.models import TransformersBackend
 from specdec.models.precision import (
     QUANTIZED,
     QuantizedLinear,
@@ -22,6 +24,7 @@ from specdec.models.precision import (
     apply_plan,
     convert_draft,
     padded_eager_attention,
+    precision_of,
 )
 
 PROMPTS = ["the cat sat", "a dog and a log", "xyz 123", "Hello, world!"]
@@ -192,10 +195,15 @@ def test_a_rows_result_does_not_depend_on_the_rows_and_keys_beside_it() -> None:
 
 def test_a_plan_applies_once_and_refuses_a_second_plan() -> None:
     model = tiny_llama(0)
+    assert precision_of(model) is None
     apply_plan(model, PRESETS["bf16"])
     apply_plan(model, PRESETS["bf16"])  # the same plan again: nothing to do
+    assert precision_of(model) == PRESETS["bf16"].describe()
     with pytest.raises(ConfigError, match="load it again"):
         apply_plan(model, PRESETS["cpu"])
+    # the plan keys measured costs, a layerskip view's too (its modules are the target's)
+    for backend in (TransformersBackend(model), TransformersBackend(shallow_view(model, 1))):
+        assert PRESETS["bf16"].describe() in backend.identity
 
 
 @pytest.mark.parametrize("preset", ["bf16", "fp8-draft", "cpu", "cpu-vnni"])
@@ -217,11 +225,11 @@ def test_speculative_greedy_equals_target_only_greedy_of_the_same_plan(preset: s
 def test_a_draft_model_runs_in_the_plans_draft_format() -> None:
     target, draft = tiny_llama(0), tiny_llama(1)
     convert_draft(draft, "float8")
+    assert precision_of(draft) == "float8" and "|float8|" in TransformersBackend(draft).identity
     assert all(isinstance(layer.mlp.down_proj, QuantizedLinear) for layer in draft.model.layers)
     assert draft.get_input_embeddings().weight.dtype == torch.float32  # the embedding (maybe shared) is left alone
     generator = Generator(loaded(target), "none")
     from specdec.drafters import ModelDrafter
-    from specdec.models import TransformersBackend
 
     drafted = Generator(generator.target, ModelDrafter(TransformersBackend(draft)))
     ids = [5, 9, 11, 20]

@@ -75,9 +75,10 @@ def build_drafter(spec: str | Drafter, target: Target, runtime: RuntimeConfig = 
     if kind == "layerskip" and arg:
         if not arg.isdigit():
             raise ConfigError(f"layerskip:L needs a layer count, got '{arg}' (for example layerskip:6)")
-        if not isinstance(target.backend, TransformersBackend):
+        model = target.backend.transformers_model()
+        if model is None:
             raise ConfigError("layerskip drafts with the target's own layers in torch: use --backend transformers")
-        return ModelDrafter(TransformersBackend(shallow_view(target.backend.model, int(arg))))
+        return ModelDrafter(TransformersBackend(shallow_view(model, int(arg))))
     if spec == "default":
         warnings.warn(
             "the drafter 'default' is now called 'lookup-then-draft' (prompt lookup, then the distilled draft); "
@@ -158,9 +159,10 @@ def _eagle(folder: str, target: Target) -> EagleDrafter:
 
 
 def _distilled(folder: str, target: Target, runtime: RuntimeConfig) -> ModelDrafter:
-    if not isinstance(target.backend, TransformersBackend):
+    model = target.backend.transformers_model()
+    if model is None:
         raise ConfigError("a distilled draft runs on the target's own embedding in torch: use --backend transformers")
-    draft = load_draft(folder, target.backend.model)
+    draft = load_draft(folder, model)
     # an exit draft's layers are the target's
     if runtime.precision is not None and not read_meta(folder)["arch"].get("exit"):
         convert_draft(draft, runtime.precision.draft)

@@ -95,12 +95,14 @@ def own_parameters(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
 
 
 def save_draft(draft: PreTrainedModel, folder: str | Path, meta: dict, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write ``draft`` into ``folder`` with ``meta`` (what read_meta returns; ``meta["arch"]["eagle"]`` marks an eagle
+    head)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     draft.config.save_pretrained(folder)
     stored = own_parameters(draft)
     # an eagle head keeps its output rows: it may run where the target's full head is not at hand
-    if hasattr(draft, "eagle_fc"):
+    if meta.get("arch", {}).get("eagle"):
         stored["lm_head.weight"] = draft.lm_head.weight
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in stored.items()}
     save_file(tensors | {"keep_ids": draft.keep_ids.to(torch.int64)}, str(folder / "model.safetensors"))

@@ -29,8 +29,10 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 from safetensors.torch import load_file
@@ -122,7 +124,39 @@ def head_forward(
     return out.logits, out.hidden_states[-1]
 
 
-class ModuleHead:
+Cache = TypeVar("Cache")
+
+
+class HeadRunner(ABC, Generic[Cache]):
+    """What runs the head for EagleDrafter: its transformers module (ModuleHead) or the native kernels (NativeHead)."""
+
+    embed: Embed  # the target's input embedding
+    keep_ids: torch.Tensor  # the target token of each of the head's outputs
+    device: torch.device  # where its inputs go
+    max_position: int  # the most positions its cache holds
+    identity: str  # the head and what runs it: its measured step cost is cached under this
+
+    @abstractmethod
+    def new_cache(self) -> Cache:
+        """An empty cache of the head's own."""
+
+    @abstractmethod
+    def length(self, cache: Cache) -> int:
+        """Entries ``cache`` holds."""
+
+    @abstractmethod
+    def truncate(self, cache: Cache, length: int) -> None:
+        """Keep the first ``length`` entries of ``cache`` (all of them where it holds fewer)."""
+
+    @abstractmethod
+    def run(
+        self, cache: Cache, tokens: torch.Tensor, features: torch.Tensor, parents: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, N] and output features [n, H] of pairs (features[i], tokens[i]) appended to ``cache``: a chain, or
+        with ``parents`` a tree (each node seeing the cache and its ancestors, at the position of its depth)."""
+
+
+class ModuleHead(HeadRunner[DynamicCache]):
     """The head run as its transformers module (any device): a DynamicCache, trees by an additive attention mask."""
 
     def __init__(self, module: PreTrainedModel, embed: Embed) -> None:
@@ -145,8 +179,6 @@ class ModuleHead:
     def run(
         self, cache: DynamicCache, tokens: torch.Tensor, features: torch.Tensor, parents: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [n, N] and output features [n, H] of pairs (features[i], tokens[i]) appended to ``cache``: a chain, or
-        with ``parents`` a tree (each node seeing the cache and its ancestors, at the position of its depth)."""
         start, n = cache.get_seq_length(), len(tokens)
         positions, mask = torch.arange(start, start + n, device=self.device), None
         if parents is not None:
@@ -161,7 +193,7 @@ class ModuleHead:
         return logits[0], out[0]
 
 
-class NativeHead:
+class NativeHead(HeadRunner[PagedCache]):
     """The head on the native CPU runtime (models/native/): its layer, ``fc`` and output rows in the int8 kernels.
 
     As a transformers module one level of drafting is mostly framework time and slow skinny products over float32
@@ -191,7 +223,6 @@ class NativeHead:
     def run(
         self, cache: PagedCache, tokens: torch.Tensor, features: torch.Tensor, parents: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`ModuleHead.run`."""
         x = formats.linear(torch.cat([self.embed(tokens).float(), features.float()], dim=-1), self.fc)
         visible = None if parents is None else tree_mask(len(tokens), parents)
         logits, hidden = self.model.forward(x, cache, len(tokens), visible, features=True)
@@ -228,15 +259,14 @@ class EagleDrafter(Drafter):
 
     def __init__(
         self,
-        head: PreTrainedModel | ModuleHead | NativeHead,
+        head: PreTrainedModel | HeadRunner,
         embed: Embed,
         full_vocab: int,
         max_depth: int = MAX_DEPTH,
         min_score: float = MIN_SCORE,
     ) -> None:
-        self.runner: ModuleHead | NativeHead = (
-            head if isinstance(head, (ModuleHead, NativeHead)) else ModuleHead(head, embed)
-        )
+        """``head``: the head's module (run as such: ModuleHead) or what runs it."""
+        self.runner: HeadRunner = ModuleHead(head, embed) if isinstance(head, PreTrainedModel) else head
         self.vocab_size: int | None = full_vocab
         self.max_depth, self.min_score = max_depth, min_score
         self.settings = DraftSettings()

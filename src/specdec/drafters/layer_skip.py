@@ -15,6 +15,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from specdec.errors import ConfigError
+from specdec.models.precision import share_precision
 
 
 def shallow_view(model: PreTrainedModel, layers: int, exit_norm: nn.Module | None = None) -> PreTrainedModel:
@@ -40,4 +41,5 @@ def shallow_view(model: PreTrainedModel, layers: int, exit_norm: nn.Module | Non
     view._buffers = dict(model._buffers)  # buffers registered on the view stay off the target
     view.model = inner
     view.config = config
+    share_precision(view, model)  # its modules are the target's: so is the precision they run
     return view

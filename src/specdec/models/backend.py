@@ -11,10 +11,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 TREES_UNSUPPORTED = (
     "this backend scores chains of drafts only: trees (branches > 1) run on --backend native or transformers"
@@ -32,6 +36,14 @@ class BackendCapabilities:
     trees: bool = False
     features: bool = False  # a forward can also return the final hidden states (what an eagle head reads)
     max_rows: int | None = 1  # sequences one forward holds; None: as many as memory allows
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    """The weights of a runtime that runs specdec's packed formats (native): what the CLI reports and measures."""
+
+    format: str  # the decoder layers' packed format (models/native/formats.py: int8, int4)
+    count: int  # the model's weights, as a checkpoint counts them
 
 
 class Backend(ABC):
@@ -81,6 +93,15 @@ class Backend(ABC):
     def token_embeddings(self) -> Embed | None:
         """The model's input embedding as a function of token ids (a feature-conditioned draft embeds with it); None
         where this runtime cannot give it."""
+        return None
+
+    def transformers_model(self) -> PreTrainedModel | None:
+        """The transformers model this backend runs, for drafts that run in torch on its weights (a layerskip view of
+        its first layers, a distilled draft on its embedding and output rows); None where the runtime runs none."""
+        return None
+
+    def packed_weights(self) -> PackedWeights | None:
+        """The format and count of its weights where the runtime runs specdec's packed formats (native); else None."""
         return None
 
     def row_backend(self, *, batch: bool, trees: bool = False, cuda_graphs: bool = True) -> RowBackend:

@@ -173,6 +173,7 @@ class LlamaCppBackend(Backend):
     """
 
     capabilities = BackendCapabilities(features=True)
+    _batch = None  # llama.cpp's token batch, freed by __del__ (None until allocated: __init__ may fail before)
 
     def __init__(
         self, gguf: str, threads: int | None = None, context: int = 4096, batch: int = 512, ubatch: int | None = None
@@ -209,7 +210,7 @@ class LlamaCppBackend(Backend):
         self.tokenizer = LlamaCppTokenizer(self.llama)
 
     def __del__(self) -> None:
-        if getattr(self, "_batch", None) is not None:
+        if self._batch is not None:
             self._lib.llama_batch_free(self._batch)
             self._batch = None
 

@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging
 from specdec.config import DTYPES
 from specdec.errors import ConfigError, ModelNotFoundError
 from specdec.models.file_headers import check_gguf, check_gguf_model, safetensors_header
+from specdec.models.precision import precision_of
 from specdec.models.registry import (
     ALIASES,
     ModelSource,
@@ -144,7 +145,7 @@ def model_identity(model: PreTrainedModel) -> str:
     costs."""
     config = model.config
     weights = sum(p.numel() for p in model.parameters())
-    precision = getattr(model, "specdec_precision", model.dtype)
+    precision = precision_of(model) or model.dtype
     device = next(model.parameters()).device
     return (
         f"transformers|{config.name_or_path or config.model_type}|{weights}|{precision}|{device}|"

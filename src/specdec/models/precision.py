@@ -1,42 +1,9 @@
-"""Precision plans: a number format per model component, applied to any transformers causal LM.
+"""Precision plans: a number format per component of any transformers causal LM (attention, FFN, output head,
+draft, the verifier's logits), applied in place.
 
-A plan names the format of the target's attention, its feed-forward blocks
-(FFN), its output head, the draft model, and the logits handed to the verifier
-(``verify``: float32, bfloat16 or float16). Formats:
-
-- ``float32``, ``bfloat16``, ``float16``: the component's weights and compute.
-- ``int8``: weight-only int8 with one scale per output channel, computed by
-  torch's own int8-weight matmul kernel (``_weight_int8pack_mm``) in bfloat16.
-- ``int8a8``: int8 weights (one scale per output channel) and int8 activations (one scale
-  per 128 inputs of a position), exact integer products (models/native/kernels: AVX-512 VNNI,
-  every weight read once per call). A position's result does not depend on the others by construction.
-- ``float8``: e4m3 weights with one scale per output channel. On a CPU (and on
-  GPUs without float8 matmuls) they are stored in float8 and multiplied in
-  bfloat16 after dequantisation: the memory of float8, not its speed.
-
-Norms, embeddings and the residual stream run in float32 when any component
-does, else in bfloat16; each component casts its inputs to its own format and
-its outputs back.
-
-Speculative greedy decoding reproduces one-token decoding only if a position's
-result does not depend on how many positions are scored together. In 16-bit
-formats two kernels broke that on the CPUs measured:
-PyTorch's fused attention, so low-precision plans use eager attention; and the
-matrix multiply, which rounds a lone row differently from the same row among
-two or more, so low-precision linear layers compute a lone row as two identical
-rows (``stable_rows``): decode and verification then run the same kernel. In
-float16 a third one: the product of attention weights and values rounds
-differently when the number of keys is not a multiple of 4, so a position
-scored with one masked key more (verification) or less (decode) drifts; the
-plans' attention (``padded_eager_attention``) pads the keys with masked zeros.
-On a CPU with AMX (an Intel Xeon) three more: the
-16-bit matrix multiply takes yet another kernel from about 32 rows on, and
-attention's product of weights and values rounds a lone query apart from the
-same query among others, and differently for another number of keys. So linear
-layers and attention take their rows ROW_BLOCK at a time, a lone row as two
-(prompts and batches are split; a few-row kernel computes every row alike),
-and attention weighs values KEY_BLOCK keys at a time, summing the parts in
-float32 (a query's masked keys add exact zeros, however many there are).
+Speculative greedy decoding reproduces one-token decoding only if a position's result does not depend on how many
+positions are scored together, so a plan's attention and linear layers compute every position alike whatever the
+others (``padded_eager_attention``, ``stable_rows``). docs/precision.md describes the formats and the kernels avoided.
 """
 
 from __future__ import annotations
@@ -297,6 +264,22 @@ class QuantizedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+# The precision each model converted here runs (a plan's description, or a draft's format), by model: a converted
+# model takes no second plan, and its precision is part of its identity (loading.model_identity).
+_CONVERTED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def precision_of(model: nn.Module) -> str | None:
+    """The plan (its description) or draft format ``model`` was converted to here; None for a model not converted."""
+    return _CONVERTED.get(model)
+
+
+def share_precision(view: nn.Module, model: nn.Module) -> None:
+    """Record that ``view``, made of ``model``'s own modules (a layerskip view), runs ``model``'s precision."""
+    if (precision := precision_of(model)) is not None:
+        _CONVERTED[view] = precision
+
+
 def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
     """Convert a target model, in place, to ``plan``; returns it."""
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -305,16 +288,15 @@ def apply_plan(model: PreTrainedModel, plan: PrecisionPlan) -> PreTrainedModel:
             "precision plans need decoder layers with 'self_attn' and 'mlp' modules; "
             f"{type(model).__name__} has none: use --dtype instead"
         )
-    if getattr(model, "specdec_precision", None) == plan.describe():
+    converted = precision_of(model)
+    if converted == plan.describe():
         return model  # already converted (a model shared between specdec and transformers' own methods)
-    if hasattr(model, "specdec_precision"):
-        raise ConfigError(
-            f"this model already runs the precision plan {model.specdec_precision}: load it again for another plan"
-        )
+    if converted is not None:
+        raise ConfigError(f"this model already runs the precision plan {converted}: load it again for another plan")
     if "int8a8" in (plan.attention, plan.ffn, plan.head):
         kernel_build.compiled()  # a first use compiles the kernels: now, not inside the first request
     residual = torch.float32 if "float32" in (plan.attention, plan.ffn, plan.head) else torch.bfloat16
-    model.specdec_precision = plan.describe()
+    _CONVERTED[model] = plan.describe()
     model.to(residual)
     if plan != PRESETS["fp32"]:
         model.set_attn_implementation(PADDED_ATTENTION)
@@ -352,7 +334,7 @@ def convert_draft(draft: PreTrainedModel, fmt: str) -> PreTrainedModel:
     else:
         head.to(_compute_dtype(fmt))
     _hook_casts(head, _compute_dtype(fmt), residual)
-    draft.specdec_precision = fmt
+    _CONVERTED[draft] = fmt
     return draft
 
 

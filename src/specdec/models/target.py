@@ -45,7 +45,7 @@ def open_target(model: str | LoadedModel | Target, runtime: RuntimeConfig = Runt
     if runtime.backend == "llama.cpp":
         from specdec.models.llamacpp import LlamaCppBackend
 
-        name = model.name if isinstance(model, LoadedModel) else model
+        name = model if isinstance(model, str) else model.name
         backend = LlamaCppBackend(gguf_path(name), threads=runtime.threads, ubatch=runtime.ubatch)
         return Target(name, backend, backend.tokenizer, backend.eos_ids, runtime="llama.cpp")
     transformers_format = runtime.dtype != "float32" or runtime.precision is not None  # auto means transformers then
@@ -57,7 +57,7 @@ def open_target(model: str | LoadedModel | Target, runtime: RuntimeConfig = Runt
         else:  # a hub id or a model in memory: the transformers model is loaded (once) and converted
             model = load_model(model) if isinstance(model, str) else model
             opened = _open_loaded(model, runtime.native_format)
-        if isinstance(opened, Target):
+        if not isinstance(opened, str):
             return opened
         fallback = opened
         if runtime.backend == "native":

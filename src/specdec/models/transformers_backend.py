@@ -42,6 +42,10 @@ class TransformersBackend(Backend):
         """The model's input embedding as a function of token ids (a feature-conditioned draft embeds with it)."""
         return self.model.get_input_embeddings()
 
+    def transformers_model(self) -> PreTrainedModel:
+        """The model itself: drafts in torch may run on its weights."""
+        return self.model
+
     def row_backend(self, *, batch: bool, trees: bool = False, cuda_graphs: bool = True) -> RowBackend:
         """The plain cache keeps one chain: a batch, or one sequence's trees, decode in a batched cache over these
         weights."""

@@ -23,7 +23,16 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec.errors import ConfigError
-from specdec.models.backend import Backend, BackendCapabilities, Embed, OneRow, RowBackend, tree_mask, tree_positions
+from specdec.models.backend import (
+    Backend,
+    BackendCapabilities,
+    Embed,
+    OneRow,
+    PackedWeights,
+    RowBackend,
+    tree_mask,
+    tree_positions,
+)
 from specdec.models.native import formats, kernel_build, ops, paged_cache
 from specdec.models.native.formats import FORMATS, Packed, PackedInt8
 from specdec.models.native.paged_cache import PagedCache
@@ -357,6 +366,9 @@ class NativeBackend(Backend):
     def token_embeddings(self) -> Embed:
         """The model's input embedding as a function of token ids (a feature-conditioned draft embeds with it)."""
         return self.model.embed
+
+    def packed_weights(self) -> PackedWeights:
+        return PackedWeights(self.model.format, self.model.weights)
 
     def reset(self) -> None:
         self.cache.truncate(0)
