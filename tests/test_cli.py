@@ -91,15 +91,7 @@ COMMAND_CONFIGS = {
     "tune": TuneConfig,
 }
 FIELD_OF_OPTION = {  # CLI option name -> config field name, where they differ
-    "shutdown_timeout": "shutdown_timeout_s",
-    "header_timeout": "header_timeout_s",
-    "body_timeout": "body_timeout_s",
-    "keep_alive": "keep_alive_s",
-    "allowed_host": "allowed_hosts",
     "duration": "duration_s",
-    "upscale_delay": "upscale_delay_s",
-    "downscale_delay": "downscale_delay_s",
-    "ray_address": "address",
     "repetition_guard": "repetition",
 }
 PLURAL = {"k": "ks", "k_policy": "k_policies"}  # `bench` sweeps lists of these

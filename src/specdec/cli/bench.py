@@ -55,68 +55,76 @@ from specdec.drafters import DRAFT_SPECS
 from specdec.models import DEFAULT_TARGET
 from specdec.profile import Profile
 
+Methods = Annotated[
+    str,
+    typer.Option(
+        help=f"Comma-separated: drafters ({DRAFT_SPECS}), each also as DRAFTER{TREE_SUFFIX} (trees of up to "
+        f"{TREE_BRANCHES} children per node), oracle (the target's own continuation; oracle:0.7 is right with "
+        f"probability 0.7 per token), peers ({PEER_METHODS})."
+    ),
+]
+Ks = Annotated[
+    str,
+    typer.Option(
+        help="Draft tokens per step; a comma-separated list sweeps k. Deliberately one fixed k for every method, "
+        "peers included, so that they compare at one depth (the library's default is "
+        f"{default(GenerationConfig, 'k')} under its {default(GenerationConfig, 'k_policy')} policy)."
+    ),
+]
+KPolicies = Annotated[
+    str,
+    typer.Option(
+        help=f"k policies for specdec's drafters, comma-separated ({', '.join(K_POLICIES)}); deliberately fixed by "
+        f"default (the library's default is {default(GenerationConfig, 'k_policy')})."
+    ),
+]
+BenchMaxNewTokens = Annotated[
+    int,
+    typer.Option(
+        help="New tokens per prompt; deliberately the benchmarks' fixed length (the library's default is "
+        f"{default(GenerationConfig, 'max_new_tokens')})."
+    ),
+]
+GreedyTemperature = Annotated[float, typer.Option(help="0 = greedy (outputs are compared with none's).")]
+Repeats = Annotated[
+    int, typer.Option(help="Timed passes over all prompts (methods take turns per prompt, order rotated).")
+]
+Seed = Annotated[int, typer.Option(help="Sampling seed.")]
+BenchOut = Annotated[Path, typer.Option(help="Output folder for results.json, report.md and plots.")]
+Strict = Annotated[bool, typer.Option(help="Fail (exit 1) if any greedy output differs from none's.")]
+Quick = Annotated[bool, typer.Option(help="Two prompts, 16 tokens: a smoke test.")]
+BenchProfile = Annotated[
+    Path | None,
+    typer.Option(
+        help="A profile from `specdec tune`: its target, runtime and k settings become the defaults, and --methods "
+        "defaults to none and the profile's drafter; options given on the command line still win."
+    ),
+]
+
 
 @user_errors
 def bench(
     ctx: typer.Context,
     prompts: Prompts = default(BenchConfig, "prompts"),
     target: Target = DEFAULT_TARGET,
-    methods: Annotated[
-        str,
-        typer.Option(
-            help=f"Comma-separated: drafters ({DRAFT_SPECS}), each also as DRAFTER{TREE_SUFFIX} (trees of up to "
-            f"{TREE_BRANCHES} children per node), oracle (the target's own continuation; oracle:0.7 is right with "
-            f"probability 0.7 per token), peers ({PEER_METHODS})."
-        ),
-    ] = ",".join(default(BenchConfig, "methods")),
-    k: Annotated[
-        str,
-        typer.Option(
-            help="Draft tokens per step; a comma-separated list sweeps k. Deliberately one fixed k for every method, "
-            "peers included, so that they compare at one depth (the library's default is "
-            f"{default(GenerationConfig, 'k')} under its {default(GenerationConfig, 'k_policy')} policy)."
-        ),
-    ] = ",".join(map(str, default(BenchConfig, "ks"))),
-    k_policy: Annotated[
-        str,
-        typer.Option(
-            help=f"k policies for specdec's drafters, comma-separated ({', '.join(K_POLICIES)}); deliberately fixed by "
-            f"default (the library's default is {default(GenerationConfig, 'k_policy')})."
-        ),
-    ] = ",".join(default(BenchConfig, "k_policies")),
-    max_new_tokens: Annotated[
-        int,
-        typer.Option(
-            help="New tokens per prompt; deliberately the benchmarks' fixed length (the library's default is "
-            f"{default(GenerationConfig, 'max_new_tokens')})."
-        ),
-    ] = default(BenchConfig, "max_new_tokens"),
-    temperature: Annotated[float, typer.Option(help="0 = greedy (outputs are compared with none's).")] = default(
-        BenchConfig, "temperature"
-    ),
-    repeats: Annotated[
-        int, typer.Option(help="Timed passes over all prompts (methods take turns per prompt, order rotated).")
-    ] = default(BenchConfig, "repeats"),
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = default(BenchConfig, "seed"),
+    methods: Methods = ",".join(default(BenchConfig, "methods")),
+    k: Ks = ",".join(map(str, default(BenchConfig, "ks"))),
+    k_policy: KPolicies = ",".join(default(BenchConfig, "k_policies")),
+    max_new_tokens: BenchMaxNewTokens = default(BenchConfig, "max_new_tokens"),
+    temperature: GreedyTemperature = default(BenchConfig, "temperature"),
+    repeats: Repeats = default(BenchConfig, "repeats"),
+    seed: Seed = default(BenchConfig, "seed"),
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
     backend: BackendOpt = default(RuntimeConfig, "backend"),
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     threads: Threads = default(RuntimeConfig, "threads"),
     ubatch: Ubatch = default(RuntimeConfig, "ubatch"),
-    out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and plots.")] = Path("bench-out"),
+    out: BenchOut = Path("bench-out"),
     overwrite: Overwrite = False,
-    strict: Annotated[bool, typer.Option(help="Fail (exit 1) if any greedy output differs from none's.")] = default(
-        BenchConfig, "strict"
-    ),
-    quick: Annotated[bool, typer.Option(help="Two prompts, 16 tokens: a smoke test.")] = default(BenchConfig, "quick"),
-    profile: Annotated[
-        Path | None,
-        typer.Option(
-            help="A profile from `specdec tune`: its target, runtime and k settings become the defaults, and --methods "
-            "defaults to none and the profile's drafter; options given on the command line still win."
-        ),
-    ] = None,
+    strict: Strict = default(BenchConfig, "strict"),
+    quick: Quick = default(BenchConfig, "quick"),
+    profile: BenchProfile = None,
 ) -> None:
     """Benchmark methods side by side on the same prompts; write results.json, report.md and plots."""
 
@@ -126,45 +134,27 @@ def bench(
     from specdec.bench.runner import BenchConfig, GreedyMismatchError, method_plan, run_benchmark
 
     fresh_output(out, overwrite)
-    options = dict(
-        target=target,
-        k=k,
-        k_policy=k_policy,
-        backend=backend,
-        dtype=dtype,
-        precision=precision,
-        threads=threads,
-        ubatch=ubatch,
-    )
-    options["native_format"] = native_format
     methods_given = ctx.get_parameter_source("methods").name == "COMMANDLINE"
-    options = with_profile(
-        ctx, profile, options | dict(temperature=temperature), frozenset({"draft"} if methods_given else ())
-    )
+    tuned = with_profile(ctx, profile, target, frozenset({"draft"} if methods_given else ()))
     if profile is not None and not methods_given:
-        tuned = Profile.load(profile)
-        methods = f"none,{tuned.drafter}{TREE_SUFFIX if tuned.generation.branches > 1 else ''}"
-    target, k, k_policy, temperature = options["target"], str(options["k"]), options["k_policy"], options["temperature"]
-    backend, dtype, precision, threads, ubatch, native_format = (
-        options[n] for n in ("backend", "dtype", "precision", "threads", "ubatch", "native_format")
-    )
-    ks = int_list("--k", k)
+        chosen = Profile.load(profile)
+        methods = f"none,{chosen.drafter}{TREE_SUFFIX if chosen.generation.branches > 1 else ''}"
     config = BenchConfig(
         prompts=prompts,
-        target=target,
+        target=tuned.target or target,
         methods=name_list(methods),
-        ks=ks,
-        k_policies=name_list(k_policy),
+        ks=(tuned.k,) if tuned.k else int_list("--k", k),
+        k_policies=(tuned.k_policy,) if tuned.k_policy else name_list(k_policy),
         max_new_tokens=max_new_tokens,
-        temperature=temperature,
+        temperature=temperature if tuned.temperature is None else tuned.temperature,
         repeats=repeats,
         seed=seed,
-        runtime=runtime_config(backend, dtype, threads, ubatch, precision, native_format),
+        runtime=tuned.runtime or runtime_config(backend, dtype, threads, ubatch, precision, native_format),
         strict=strict,
         quick=quick,
     )
     count = 2 if quick else len(load_prompts(prompts))
-    runnable = ["none"] + [m for m in config.methods if m != "none" and check_method(m, target) is None]
+    runnable = ["none"] + [m for m in config.methods if m != "none" and check_method(m, config.target) is None]
     total = len(method_plan(config, runnable)) * count * repeats
     with progress(total) as advance:
         try:
@@ -173,24 +163,51 @@ def bench(
             say("strict:", "red", str(exc))
             raise typer.Exit(1) from None
     write_report(results, out)
+    _show_bench(results, config)
+    console.print(f"report: {out / 'report.md'}")
+
+
+def _show_bench(results: dict, config: BenchConfig) -> None:
+    """The benchmark's notes and its table of methods: speed, speed-up, acceptance, and identity to none's output."""
     for note in results["notes"]:
         say("note:", "yellow", note)
     overall = {name: m["categories"]["overall"] for name, m in results["methods"].items()}
-    greedy = temperature == 0
+    greedy, runtime = config.temperature == 0, config.runtime
     table = Table("method", "tok/s", "vs none", "acceptance", "identical to none")
     for name, row in overall.items():
         acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}"
         identical = f"{results['greedy_identical_share'][name]:.0%}" if greedy else "n/a"
         table.add_row(name, f"{row['tokens_per_s']:.2f}", f"{row['speedup_vs_none']:.2f}x", acc, identical)
     console.print(table)
-    if greedy and backend == "llama.cpp" and (ubatch or 0) != 1 and min(results["greedy_identical_share"].values()) < 1:
+    differs = min(results["greedy_identical_share"].values()) < 1
+    if greedy and runtime.backend == "llama.cpp" and (runtime.ubatch or 0) != 1 and differs:
         say(
             "note:",
             "yellow",
             "llama.cpp's many-token forward rounds differently from its one-token forward at its "
             "default micro-batch, so near-ties can flip: --ubatch 1 makes speculative output identical (slower)",
         )
-    console.print(f"report: {out / 'report.md'}")
+
+
+ReportOut = Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")]
+BatchSizes = Annotated[str, typer.Option(help="Comma-separated batch sizes.")]
+Window = Annotated[
+    int,
+    typer.Option(
+        help="The fixed window, and the largest dynamic window; deliberately the seed's fixed window (the "
+        f"library's default is {default(GenerationConfig, 'k')})."
+    ),
+]
+RequestMaxNewTokens = Annotated[
+    int,
+    typer.Option(
+        help="Most new tokens per request; deliberately the length of the other benchmarks (the library's default "
+        f"is {default(GenerationConfig, 'max_new_tokens')})."
+    ),
+]
+Sequential = Annotated[
+    bool, typer.Option(help="Also decode the requests one at a time (the baseline batching must beat).")
+]
 
 
 @user_errors
@@ -198,31 +215,15 @@ def bench_batch(
     prompts: Prompts = default(BatchBenchConfig, "prompts"),  # a batch of B takes B prompts in turn from its categories
     target: Target = DEFAULT_TARGET,
     draft: Draft = default(BatchBenchConfig, "draft"),
-    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = ",".join(
-        map(str, default(BatchBenchConfig, "batch_sizes"))
-    ),
-    k: Annotated[
-        int,
-        typer.Option(
-            help="The fixed window, and the largest dynamic window; deliberately the seed's fixed window (the "
-            f"library's default is {default(GenerationConfig, 'k')})."
-        ),
-    ] = default(BatchBenchConfig, "k"),
-    max_new_tokens: Annotated[
-        int,
-        typer.Option(
-            help="Most new tokens per request; deliberately the length of the other benchmarks (the library's default "
-            f"is {default(GenerationConfig, 'max_new_tokens')})."
-        ),
-    ] = default(BatchBenchConfig, "max_new_tokens"),
-    sequential: Annotated[
-        bool, typer.Option(help="Also decode the requests one at a time (the baseline batching must beat).")
-    ] = default(BatchBenchConfig, "sequential"),
+    batch_sizes: BatchSizes = ",".join(map(str, default(BatchBenchConfig, "batch_sizes"))),
+    k: Window = default(BatchBenchConfig, "k"),
+    max_new_tokens: RequestMaxNewTokens = default(BatchBenchConfig, "max_new_tokens"),
+    sequential: Sequential = default(BatchBenchConfig, "sequential"),
     backend: FastBackendOpt = FAST_BACKEND,
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
-    out: Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")] = Path("bench-batch-out"),
+    out: ReportOut = Path("bench-batch-out"),
     overwrite: Overwrite = False,
 ) -> None:
     """Batched decoding: fixed vs dynamic speculation window per batch size, against batched target-only and one request
@@ -244,9 +245,7 @@ def bench_batch(
     )
     with progress(len(sizes) * (len(METHODS) - (not sequential))) as advance:
         results = run_batch_benchmark(config, advance)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "report.md").write_text(markdown(results))
+    _write_report(out, results, markdown(results))
     table = Table("batch", "method", "tok/s", "vs target-only", "mean latency s", "identical")
     for size, figures in results["batches"].items():
         for name, f in figures.items():
@@ -262,42 +261,55 @@ def bench_batch(
     console.print(f"report: {out / 'report.md'}")
 
 
+def _write_report(out: Path, results: dict, report: str) -> None:
+    """``out``/results.json and ``out``/report.md."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "report.md").write_text(report)
+
+
+Clients = Annotated[
+    str, typer.Option(help="Concurrent streaming clients; a comma-separated list loads each server at each count.")
+]
+Duration = Annotated[float, typer.Option(help="Seconds of load per configuration and client count.")]
+MaxTokens = Annotated[int, typer.Option(help="max_tokens of every request.")]
+RequestTemperature = Annotated[
+    float, typer.Option(help="Temperature of every request (0: greedy, and answers are checked for identity).")
+]
+Slots = Annotated[
+    int | None,
+    typer.Option(
+        help="Sequences each server decodes together (specdec --max-batch, llama-server -np); "
+        "default: the most clients."
+    ),
+]
+ServerArgs = Annotated[str, typer.Option(help="More `specdec serve` options for both servers, e.g. '--precision cpu'.")]
+Keys = Annotated[
+    bool, typer.Option(help="The servers require an API key (fresh per run) that the clients send, as deployed.")
+]
+LlamaServer = Annotated[
+    str | None,
+    typer.Option(
+        help="Path of llama.cpp's llama-server: also load it on the target's GGUF file, without and with its "
+        "n-gram speculation."
+    ),
+]
+
+
 @user_errors
 def bench_serve(
     prompts: Prompts = default(LoadConfig, "prompts"),  # clients take its prompts in turn
     target: Target = DEFAULT_TARGET,
     draft: Draft = default(LoadConfig, "draft"),
-    clients: Annotated[
-        str, typer.Option(help="Concurrent streaming clients; a comma-separated list loads each server at each count.")
-    ] = ",".join(map(str, default(LoadConfig, "clients"))),
-    duration: Annotated[float, typer.Option(help="Seconds of load per configuration and client count.")] = default(
-        LoadConfig, "duration_s"
-    ),
-    max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = default(LoadConfig, "max_tokens"),
-    temperature: Annotated[
-        float, typer.Option(help="Temperature of every request (0: greedy, and answers are checked for identity).")
-    ] = default(LoadConfig, "temperature"),
-    slots: Annotated[
-        int | None,
-        typer.Option(
-            help="Sequences each server decodes together (specdec --max-batch, llama-server -np); "
-            "default: the most clients."
-        ),
-    ] = None,
-    server_args: Annotated[
-        str, typer.Option(help="More `specdec serve` options for both servers, e.g. '--precision cpu'.")
-    ] = "",
-    keys: Annotated[
-        bool, typer.Option(help="The servers require an API key (fresh per run) that the clients send, as deployed.")
-    ] = default(LoadConfig, "keys"),
-    llama_server: Annotated[
-        str | None,
-        typer.Option(
-            help="Path of llama.cpp's llama-server: also load it on the target's GGUF file, without and with its "
-            "n-gram speculation."
-        ),
-    ] = None,
-    out: Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")] = Path("bench-serve-out"),
+    clients: Clients = ",".join(map(str, default(LoadConfig, "clients"))),
+    duration: Duration = default(LoadConfig, "duration_s"),
+    max_tokens: MaxTokens = default(LoadConfig, "max_tokens"),
+    temperature: RequestTemperature = default(LoadConfig, "temperature"),
+    slots: Slots = None,
+    server_args: ServerArgs = "",
+    keys: Keys = default(LoadConfig, "keys"),
+    llama_server: LlamaServer = None,
+    out: ReportOut = Path("bench-serve-out"),
     overwrite: Overwrite = False,
 ) -> None:
     """Load-test `specdec serve` on loopback: clients for a bounded time, speculation off and on in the same run (and
@@ -319,10 +331,36 @@ def bench_serve(
         llama_server,
     )
     report = run_load_benchmark(config, say=lambda line: err.print(line, style="dim"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(markdown(report))
+    _write_report(out, report, markdown(report))
     print(markdown(report))
+
+
+Categories = Annotated[str, typer.Option(help="Comma-separated prompt categories to generate from.")]
+PerCategory = Annotated[int, typer.Option(help="Prompts taken from each category.")]
+LongMaxNewTokens = Annotated[
+    int,
+    typer.Option(
+        help="New tokens per output (EOS is ignored, so every output is this long); deliberately long, this "
+        f"benchmark is about long outputs (the library's default is {default(GenerationConfig, 'max_new_tokens')})."
+    ),
+]
+MostK = Annotated[int, typer.Option(help="The most draft tokens per step.")]
+SampledTemperature = Annotated[
+    float,
+    typer.Option(
+        help="Temperature of the sampled configurations (deliberately > 0; the library's default is "
+        f"{default(SamplingConfig, 'temperature')}, greedy)."
+    ),
+]
+DriftThreshold = Annotated[
+    float,
+    typer.Option(
+        help="The drift monitor's threshold (cosine similarity to the prompt); deliberately set, the benchmark "
+        f"measures the monitor (the library's default is {default(GuardConfig, 'drift_threshold')}, off)."
+    ),
+]
+Configs = Annotated[str | None, typer.Option(help="Comma-separated configurations (default: all; see the report).")]
+QualityOut = Annotated[Path, typer.Option(help="Output folder for results.json, report.md and the plots.")]
 
 
 @user_errors
@@ -330,43 +368,17 @@ def quality(
     prompts: Prompts = default(QualityBenchConfig, "prompts"),
     target: Target = DEFAULT_TARGET,
     draft: Draft = default(QualityBenchConfig, "draft"),
-    categories: Annotated[str, typer.Option(help="Comma-separated prompt categories to generate from.")] = ",".join(
-        default(QualityBenchConfig, "categories")
-    ),
-    per_category: Annotated[int, typer.Option(help="Prompts taken from each category.")] = default(
-        QualityBenchConfig, "per_category"
-    ),
-    max_new_tokens: Annotated[
-        int,
-        typer.Option(
-            help="New tokens per output (EOS is ignored, so every output is this long); deliberately long, this "
-            f"benchmark is about long outputs (the library's default is {default(GenerationConfig, 'max_new_tokens')})."
-        ),
-    ] = default(QualityBenchConfig, "max_new_tokens"),
-    k: Annotated[int, typer.Option(help="The most draft tokens per step.")] = default(QualityBenchConfig, "k"),
+    categories: Categories = ",".join(default(QualityBenchConfig, "categories")),
+    per_category: PerCategory = default(QualityBenchConfig, "per_category"),
+    max_new_tokens: LongMaxNewTokens = default(QualityBenchConfig, "max_new_tokens"),
+    k: MostK = default(QualityBenchConfig, "k"),
     k_policy: KPolicyOpt = default(QualityBenchConfig, "k_policy"),
-    temperature: Annotated[
-        float,
-        typer.Option(
-            help="Temperature of the sampled configurations (deliberately > 0; the library's default is "
-            f"{default(SamplingConfig, 'temperature')}, greedy)."
-        ),
-    ] = default(QualityBenchConfig, "temperature"),
-    drift_threshold: Annotated[
-        float,
-        typer.Option(
-            help="The drift monitor's threshold (cosine similarity to the prompt); deliberately set, the benchmark "
-            f"measures the monitor (the library's default is {default(GuardConfig, 'drift_threshold')}, off)."
-        ),
-    ] = default(QualityBenchConfig, "drift_threshold"),
-    configs: Annotated[
-        str | None, typer.Option(help="Comma-separated configurations (default: all; see the report).")
-    ] = None,
+    temperature: SampledTemperature = default(QualityBenchConfig, "temperature"),
+    drift_threshold: DriftThreshold = default(QualityBenchConfig, "drift_threshold"),
+    configs: Configs = None,
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
-    out: Annotated[Path, typer.Option(help="Output folder for results.json, report.md and the plots.")] = Path(
-        "quality-out"
-    ),
+    out: QualityOut = Path("quality-out"),
     overwrite: Overwrite = False,
 ) -> None:
     """Long outputs under each guard and the lossy mode: repetition, loops, diversity, drift, contradictions, speed."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -15,6 +15,7 @@ from specdec.cli.options import (
     Draft,
     Dtype,
     FastBackendOpt,
+    KOpt,
     KPolicyOpt,
     NativeFormatOpt,
     Precision,
@@ -43,6 +44,46 @@ from specdec.config import (
 from specdec.errors import SpecDecError
 from specdec.models import DEFAULT_TARGET
 
+if TYPE_CHECKING:
+    from specdec.engine import Generator
+
+
+MaxNewTokens = Annotated[int, typer.Option(help="Most new tokens to generate.")]
+Temperature = Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")]
+TopK = Annotated[int | None, typer.Option(help="Keep only the k most likely tokens.")]
+TopP = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")]
+Seed = Annotated[int | None, typer.Option(help="Random seed, for reproducible sampling.")]
+Stop = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")]
+Stream = Annotated[bool, typer.Option(help="Print text as it is accepted.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object with text, token_ids and stats.")]
+RepetitionGuard = Annotated[
+    bool, typer.Option(help="Guard: while the output ends in a loop, block the token that continues it.")
+]
+TemperatureSchedule = Annotated[
+    str | None,
+    typer.Option(
+        help=f"Guard: temperature from START to END over {default(GuardConfig, 'schedule_tokens')} new tokens, "
+        "e.g. 0.7,1.2 (needs --temperature > 0)."
+    ),
+]
+AnchorEvery = Annotated[
+    int | None, typer.Option(help="Guard: one target-only step and a drafter resync every N new tokens.")
+]
+DriftThreshold = Annotated[
+    float | None,
+    typer.Option(
+        help=f"Guard: report drift when a {default(GuardConfig, 'drift_window')}-token window's similarity to the "
+        "prompt falls below this."
+    ),
+]
+DriftAnchor = Annotated[bool, typer.Option(help="A drift event also triggers an anchor step.")]
+TypicalAcceptanceOpt = Annotated[
+    bool,
+    typer.Option(
+        help="LOSSY: accept any plausible draft token (typical acceptance); output is no longer the target's own."
+    ),
+]
+
 
 @user_errors
 def generate(
@@ -50,82 +91,41 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="Text to continue.")],
     target: Target = DEFAULT_TARGET,
     draft: Draft = DEFAULT_DRAFT,
-    k: Annotated[
-        int, typer.Option(help="Draft tokens per step (1-32); the most per step for an adaptive --k-policy.")
-    ] = default(GenerationConfig, "k"),
+    k: KOpt = default(GenerationConfig, "k"),
     k_policy: KPolicyOpt = default(GenerationConfig, "k_policy"),
     branches: Branches = default(GenerationConfig, "branches"),
-    max_new_tokens: Annotated[int, typer.Option(help="Most new tokens to generate.")] = default(
-        GenerationConfig, "max_new_tokens"
-    ),
-    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = default(
-        SamplingConfig, "temperature"
-    ),
-    top_k: Annotated[int | None, typer.Option(help="Keep only the k most likely tokens.")] = default(
-        SamplingConfig, "top_k"
-    ),
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = default(SamplingConfig, "top_p"),
-    seed: Annotated[int | None, typer.Option(help="Random seed, for reproducible sampling.")] = default(
-        GenerationConfig, "seed"
-    ),
-    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    max_new_tokens: MaxNewTokens = default(GenerationConfig, "max_new_tokens"),
+    temperature: Temperature = default(SamplingConfig, "temperature"),
+    top_k: TopK = default(SamplingConfig, "top_k"),
+    top_p: TopP = default(SamplingConfig, "top_p"),
+    seed: Seed = default(GenerationConfig, "seed"),
+    stop: Stop = None,
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
     backend: FastBackendOpt = FAST_BACKEND,
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     threads: Threads = default(RuntimeConfig, "threads"),
     ubatch: Ubatch = default(RuntimeConfig, "ubatch"),
-    stream: Annotated[bool, typer.Option(help="Print text as it is accepted.")] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object with text, token_ids and stats.")
-    ] = False,
-    repetition_guard: Annotated[
-        bool, typer.Option(help="Guard: while the output ends in a loop, block the token that continues it.")
-    ] = default(GuardConfig, "repetition"),
-    temperature_schedule: Annotated[
-        str | None,
-        typer.Option(
-            help=f"Guard: temperature from START to END over {default(GuardConfig, 'schedule_tokens')} new tokens, "
-            "e.g. 0.7,1.2 (needs --temperature > 0)."
-        ),
-    ] = None,
-    anchor_every: Annotated[
-        int | None, typer.Option(help="Guard: one target-only step and a drafter resync every N new tokens.")
-    ] = default(GuardConfig, "anchor_every"),
-    drift_threshold: Annotated[
-        float | None,
-        typer.Option(
-            help=f"Guard: report drift when a {default(GuardConfig, 'drift_window')}-token window's similarity to the "
-            "prompt falls below this."
-        ),
-    ] = default(GuardConfig, "drift_threshold"),
-    drift_anchor: Annotated[bool, typer.Option(help="A drift event also triggers an anchor step.")] = default(
-        GuardConfig, "drift_anchor"
-    ),
-    typical_acceptance: Annotated[
-        bool,
-        typer.Option(
-            help="LOSSY: accept any plausible draft token (typical acceptance); output is no longer the target's own."
-        ),
-    ] = False,
+    stream: Stream = False,
+    as_json: AsJson = False,
+    repetition_guard: RepetitionGuard = default(GuardConfig, "repetition"),
+    temperature_schedule: TemperatureSchedule = None,
+    anchor_every: AnchorEvery = default(GuardConfig, "anchor_every"),
+    drift_threshold: DriftThreshold = default(GuardConfig, "drift_threshold"),
+    drift_anchor: DriftAnchor = default(GuardConfig, "drift_anchor"),
+    typical_acceptance: TypicalAcceptanceOpt = False,
     profile: ProfileOpt = None,
 ) -> None:
     """Generate a continuation of PROMPT with speculative decoding."""
     from specdec import Generator
 
-    options = dict(target=target, draft=draft, k=k, k_policy=k_policy, branches=branches, backend=backend, dtype=dtype)
-    runtime_options = dict(precision=precision, threads=threads, ubatch=ubatch, native_format=native_format)
-    options = with_profile(ctx, profile, options | runtime_options | dict(temperature=temperature))
-    target, draft, k, k_policy, branches = (options[name] for name in ("target", "draft", "k", "k_policy", "branches"))
-    temperature = options["temperature"]
-    backend, dtype, precision, threads, ubatch, native_format = (
-        options[name] for name in ("backend", "dtype", "precision", "threads", "ubatch", "native_format")
-    )
-
+    tuned = with_profile(ctx, profile, target)
+    target, draft = tuned.target or target, tuned.draft or draft
+    temperature = temperature if tuned.temperature is None else tuned.temperature
     config = GenerationConfig(
-        k=k,
-        k_policy=k_policy,
-        branches=branches,
+        k=tuned.k or k,
+        k_policy=tuned.k_policy or k_policy,
+        branches=tuned.branches or branches,
         max_new_tokens=max_new_tokens,
         sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
         stop=tuple(stop or ()),
@@ -143,11 +143,15 @@ def generate(
         err.print("typical acceptance is LOSSY: the output is not exactly the target's own", style="yellow")
     if not prompt.strip():
         raise SpecDecError("the prompt is empty: pass some text to continue")
+    runtime = tuned.runtime or runtime_config(backend, dtype, threads, ubatch, precision, native_format)
     with status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
-        generator = Generator(
-            target, draft, config, runtime_config(backend, dtype, threads, ubatch, precision, native_format)
-        )
+        generator = Generator(target, draft, config, runtime)
     announce_runtime(generator.target)
+    _show(generator, prompt, stream, as_json)
+
+
+def _show(generator: Generator, prompt: str, stream: bool, as_json: bool) -> None:
+    """Generate and print: the text as it is accepted, the whole text and a line of figures, or one JSON object."""
     if stream and not as_json:
         run = generator.stream(prompt)
         for piece in run:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -15,7 +15,17 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-from specdec.config import DTYPES, FORMATS, K_POLICIES, NATIVE_FORMATS, PRESETS, RUNTIMES, PrecisionPlan, RuntimeConfig
+from specdec.config import (
+    DTYPES,
+    FORMATS,
+    K_POLICIES,
+    MAX_K,
+    NATIVE_FORMATS,
+    PRESETS,
+    RUNTIMES,
+    PrecisionPlan,
+    RuntimeConfig,
+)
 from specdec.drafters import DRAFT_SPECS
 from specdec.errors import SpecDecError
 
@@ -97,6 +107,9 @@ KPolicyOpt = Annotated[
         help=f"How k is chosen per step: {', '.join(K_POLICIES)} (cost-model prices this machine's target forwards)."
     ),
 ]
+KOpt = Annotated[
+    int, typer.Option(help=f"Draft tokens per step (1-{MAX_K}); the most per step for an adaptive --k-policy.")
+]
 Branches = Annotated[
     int,
     typer.Option(
@@ -168,37 +181,35 @@ def status(message: str):
 
 
 def announce_runtime(target: ModelTarget) -> None:
-    """One line on stderr: the runtime the target runs on; for native, its perplexity against float32 (measured once
-    per model and cached where the model is small enough to measure in seconds, else the command that measures it)."""
-    from specdec.models.native import NativeBackend
+    """One line on stderr: the runtime the target runs on; for one of specdec's packed formats (native), its perplexity
+    against float32 (measured once per model and cached where the model is small enough to measure in seconds, else the
+    command that measures it)."""
+    packed = target.backend.packed_weights()
+    if packed is None:
+        fallback = f" (native does not run here: {target.fallback})" if target.fallback else ""
+        err.print(f"runtime: {target.runtime}{fallback}", style="dim", soft_wrap=True)
+        return
+    from specdec.bench.perplexity import NATIVE_CHECK_MAX_WEIGHTS, native_perplexity
 
-    if isinstance(target.backend, NativeBackend):
-        from specdec.bench.perplexity import NATIVE_CHECK_MAX_WEIGHTS, native_perplexity
-
-        fmt = f"{target.backend.model.format} weights, int8 activations"
-        if target.chosen:
-            err.print(target.chosen, style="dim", soft_wrap=True)
-        measure = f"`specdec ppl --backend native --target {target.name} --data FILE` measures its perplexity"
-        if target.backend.model.weights > NATIVE_CHECK_MAX_WEIGHTS:
-            err.print(f"runtime: native ({fmt}; {measure})", style="dim", soft_wrap=True)
-            return
-        try:
-            with status("measuring the native backend's perplexity against float32 (once for this model; cached)"):
-                ppl = native_perplexity(target.name, target.backend.identity, target.backend.model.format)
-        except (SpecDecError, OSError) as exc:  # the figure is a courtesy: generation goes on without it
-            err.print(f"runtime: native ({fmt}; perplexity not measured: {exc})", style="dim", soft_wrap=True)
-            return
-        err.print(
-            f"runtime: native ({fmt}; perplexity {ppl.perplexity:.3f} against float32 {ppl.float32_perplexity:.3f}, "
-            f"{ppl.delta / ppl.float32_perplexity:+.2%}, on {ppl.tokens:,} tokens)",
-            style="dim",
-            soft_wrap=True,
-        )
-    elif target.fallback:
-        note = f"runtime: {target.runtime} (native does not run here: {target.fallback})"
-        err.print(note, style="dim", soft_wrap=True)
-    else:
-        err.print(f"runtime: {target.runtime}", style="dim")
+    fmt = f"{packed.format} weights, int8 activations"
+    if target.chosen:
+        err.print(target.chosen, style="dim", soft_wrap=True)
+    measure = f"`specdec ppl --backend native --target {target.name} --data FILE` measures its perplexity"
+    if packed.count > NATIVE_CHECK_MAX_WEIGHTS:
+        err.print(f"runtime: {target.runtime} ({fmt}; {measure})", style="dim", soft_wrap=True)
+        return
+    try:
+        with status("measuring the native backend's perplexity against float32 (once for this model; cached)"):
+            ppl = native_perplexity(target.name, target.backend.identity, packed.format)
+    except (SpecDecError, OSError) as exc:  # the figure is a courtesy: generation goes on without it
+        err.print(f"runtime: {target.runtime} ({fmt}; perplexity not measured: {exc})", style="dim", soft_wrap=True)
+        return
+    err.print(
+        f"runtime: {target.runtime} ({fmt}; perplexity {ppl.perplexity:.3f} against float32 "
+        f"{ppl.float32_perplexity:.3f}, {ppl.delta / ppl.float32_perplexity:+.2%}, on {ppl.tokens:,} tokens)",
+        style="dim",
+        soft_wrap=True,
+    )
 
 
 def runtime_config(
@@ -254,46 +265,70 @@ PROFILE_GROUPS = (
 )
 
 
-def with_profile(
-    ctx: typer.Context, path: Path | None, options: dict[str, Any], given: frozenset[str] = frozenset()
-) -> dict[str, Any]:
-    """``options`` (a command's parameters by name) with a profile's settings in place of those not on the command line.
+@dataclass(frozen=True)
+class Tuned:
+    """A tuned profile's settings for one command, by group (PROFILE_GROUPS): each None where no profile is given, the
+    command has no option of the group, or one of them was given (the command line then keeps the whole group)."""
 
-    Settings go in groups: when any option of a group (the runtime; the drafter and its k settings) is given, the whole
-    group is the command line's; ``given`` names more options to count as given (bench's --methods is its drafter).
-    Warns, naming the difference, when the profile was tuned for another target or machine.
-    """
+    target: str | None = None
+    runtime: RuntimeConfig | None = None
+    draft: str | None = None  # the drafter and the k settings tuned for it
+    k: int | None = None
+    k_policy: str | None = None
+    branches: int | None = None
+    temperature: float | None = None
+    window: str | None = None
+
+
+def with_profile(ctx: typer.Context, path: Path | None, target: str, given: frozenset[str] = frozenset()) -> Tuned:
+    """The settings of the profile at ``path`` that the command takes: those of the groups it has options of and none
+    of whose options the command line (or the environment) gave; ``given`` names more options to count as given
+    (bench's --methods is its drafter). Warns, naming the difference, when the profile was tuned for another target
+    (``target``, the command line's) or machine."""
     if path is None:
-        return options
+        return Tuned()
     from specdec.profile import load_profile
 
     profile = load_profile(path)
-    runtime, generation = profile.runtime, profile.generation
-    settings = {
-        "target": profile.target,
-        "draft": profile.drafter,
-        "k": generation.k,
-        "k_policy": generation.k_policy,
-        "branches": generation.branches,
-        "temperature": generation.sampling.temperature,
-        "backend": runtime.backend,
-        "dtype": runtime.dtype,
-        "precision": runtime.precision.describe() if runtime.precision else None,
-        "threads": runtime.threads,
-        "ubatch": runtime.ubatch,
-        "native_format": runtime.native_format,
-        "window": profile.batch.window,
-    }
     # Sources are compared by name: typer may bring its own click.
-    sources = {name: ctx.get_parameter_source(name) for name in options}
     given = given | {
-        name for name, source in sources.items() if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+        name
+        for name in ctx.params
+        if (source := ctx.get_parameter_source(name)) is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
     }
-
-    merged = dict(options)
-    for group in PROFILE_GROUPS:
-        if not given.intersection(group):
-            merged |= {name: settings[name] for name in group if name in options}
-    for note in profile.differences(merged.get("target")):
+    present = ctx.params.keys()
+    taken = {name for group in PROFILE_GROUPS if present & set(group) and not given & set(group) for name in group}
+    generation = profile.generation
+    tuned = Tuned(
+        target=profile.target if "target" in taken else None,
+        runtime=profile.runtime if "backend" in taken else None,
+        draft=profile.drafter if "draft" in taken else None,
+        k=generation.k if "k" in taken else None,
+        k_policy=generation.k_policy if "k_policy" in taken else None,
+        branches=generation.branches if "branches" in taken else None,
+        temperature=generation.sampling.temperature if "temperature" in taken else None,
+        window=profile.batch.window if "window" in taken else None,
+    )
+    for note in profile.differences(tuned.target or target):
         say("warning:", "yellow", note)
-    return merged
+    return tuned
+
+
+C = TypeVar("C")
+
+
+def config_from(config: type[C], ctx: typer.Context, **parsed: object) -> C:
+    """``config`` built from the command's options named as its fields, and ``parsed`` for those whose option reads
+    otherwise (a list, a file). Every field must be one or the other: a renamed option fails here, never silently."""
+    return config(**{f.name: parsed[f.name] if f.name in parsed else ctx.params[f.name] for f in fields(config)})
+
+
+def typed_options(ctx: typer.Context, names: Iterable[str]) -> list[str]:
+    """The flags, in the command's order, of the options among ``names`` typed on the command line (not set from the
+    environment or left at their defaults)."""
+    names = set(names)
+    return [
+        param.opts[0]
+        for param in ctx.command.params
+        if param.name in names and ctx.get_parameter_source(param.name).name == "COMMANDLINE"
+    ]

@@ -20,69 +20,73 @@ from specdec.models import DEFAULT_TARGET
 from specdec.training.distill import DistillConfig
 from specdec.training.ngram import NgramBuildConfig
 
+Data = Annotated[
+    list[str],
+    typer.Option(
+        help="Training text: files, folders, JSONL (prompt-only records are continued by the target). Repeatable."
+    ),
+]
+DraftOut = Annotated[
+    Path, typer.Option(help="Folder for the draft (loads as --draft model:DIR), its teacher data and checkpoints.")
+]
+Arch = Annotated[
+    str,
+    typer.Option(
+        help="Draft architecture: layers=N,keep=N (kept vocabulary),init=spread|first; or eagle,layers=N,keep=N "
+        "(a head on the target's hidden states)."
+    ),
+]
+Steps = Annotated[int, typer.Option(help="Optimizer steps.")]
+Batch = Annotated[int, typer.Option(help="Chunks per step.")]
+SeqLen = Annotated[int, typer.Option(help="Tokens per chunk.")]
+Lr = Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine schedule).")]
+TeacherTokens = Annotated[int, typer.Option(help="Tokens of data the target scores once (top-k kept).")]
+OnPolicyTokens = Annotated[
+    int,
+    typer.Option(help="Of those, tokens the target writes itself, continuing prompts drawn from the data (on-policy)."),
+]
+GeneralPrompts = Annotated[
+    float,
+    typer.Option(
+        help="Of the prompts the target continues, the share drawn from general topics (everyday questions, story "
+        "and essay openings) instead of the data."
+    ),
+]
+ContinueTokens = Annotated[int, typer.Option(help="Longest continuation the target writes per prompt.")]
+GenerateBatch = Annotated[int, typer.Option(help="Prompts the target continues at once.")]
+TopK = Annotated[int, typer.Option(help="Teacher entries kept per position.")]
+EvalEvery = Annotated[int, typer.Option(help="Steps between held-out acceptance evaluations.")]
+CheckpointEvery = Annotated[int, typer.Option(help="Steps between checkpoints.")]
+InitFrom = Annotated[
+    Path | None,
+    typer.Option(
+        help="Start the draft's own weights from a draft distilled for this target with the same --arch layers "
+        "(its kept vocabulary may differ)."
+    ),
+]
+Resume = Annotated[bool, typer.Option(help="Continue the distillation saved in --out.")]
+
 
 @user_errors
 def distill(
-    data: Annotated[
-        list[str],
-        typer.Option(
-            help="Training text: files, folders, JSONL (prompt-only records are continued by the target). Repeatable."
-        ),
-    ],
-    out: Annotated[
-        Path, typer.Option(help="Folder for the draft (loads as --draft model:DIR), its teacher data and checkpoints.")
-    ],
+    data: Data,
+    out: DraftOut,
     target: Target = DEFAULT_TARGET,
-    arch: Annotated[
-        str,
-        typer.Option(
-            help="Draft architecture: layers=N,keep=N (kept vocabulary),init=spread|first; or eagle,layers=N,keep=N "
-            "(a head on the target's hidden states)."
-        ),
-    ] = str(default(DistillConfig, "arch")),
-    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = default(DistillConfig, "steps"),
-    batch: Annotated[int, typer.Option(help="Chunks per step.")] = default(DistillConfig, "batch"),
-    seq_len: Annotated[int, typer.Option(help="Tokens per chunk.")] = default(DistillConfig, "seq_len"),
-    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine schedule).")] = default(
-        DistillConfig, "lr"
-    ),
-    teacher_tokens: Annotated[int, typer.Option(help="Tokens of data the target scores once (top-k kept).")] = default(
-        DistillConfig, "teacher_tokens"
-    ),
-    on_policy_tokens: Annotated[
-        int,
-        typer.Option(
-            help="Of those, tokens the target writes itself, continuing prompts drawn from the data (on-policy)."
-        ),
-    ] = default(DistillConfig, "on_policy_tokens"),
-    general_prompts: Annotated[
-        float,
-        typer.Option(
-            help="Of the prompts the target continues, the share drawn from general topics (everyday questions, story "
-            "and essay openings) instead of the data."
-        ),
-    ] = default(DistillConfig, "general_prompts"),
-    continue_tokens: Annotated[int, typer.Option(help="Longest continuation the target writes per prompt.")] = default(
-        DistillConfig, "continue_tokens"
-    ),
-    generate_batch: Annotated[int, typer.Option(help="Prompts the target continues at once.")] = default(
-        DistillConfig, "generate_batch"
-    ),
-    top_k: Annotated[int, typer.Option(help="Teacher entries kept per position.")] = default(DistillConfig, "top_k"),
-    eval_every: Annotated[int, typer.Option(help="Steps between held-out acceptance evaluations.")] = default(
-        DistillConfig, "eval_every"
-    ),
-    checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints.")] = default(
-        DistillConfig, "checkpoint_every"
-    ),
-    init_from: Annotated[
-        Path | None,
-        typer.Option(
-            help="Start the draft's own weights from a draft distilled for this target with the same --arch layers "
-            "(its kept vocabulary may differ)."
-        ),
-    ] = None,
-    resume: Annotated[bool, typer.Option(help="Continue the distillation saved in --out.")] = False,
+    arch: Arch = str(default(DistillConfig, "arch")),
+    steps: Steps = default(DistillConfig, "steps"),
+    batch: Batch = default(DistillConfig, "batch"),
+    seq_len: SeqLen = default(DistillConfig, "seq_len"),
+    lr: Lr = default(DistillConfig, "lr"),
+    teacher_tokens: TeacherTokens = default(DistillConfig, "teacher_tokens"),
+    on_policy_tokens: OnPolicyTokens = default(DistillConfig, "on_policy_tokens"),
+    general_prompts: GeneralPrompts = default(DistillConfig, "general_prompts"),
+    continue_tokens: ContinueTokens = default(DistillConfig, "continue_tokens"),
+    generate_batch: GenerateBatch = default(DistillConfig, "generate_batch"),
+    top_k: TopK = default(DistillConfig, "top_k"),
+    eval_every: EvalEvery = default(DistillConfig, "eval_every"),
+    checkpoint_every: CheckpointEvery = default(DistillConfig, "checkpoint_every"),
+    init_from: InitFrom = None,
+    resume: Resume = False,
 ) -> None:
     """Distil a draft model for a target: the target scores the data once, then a small draft learns to match it."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn

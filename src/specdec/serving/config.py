@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from specdec.errors import ConfigError
 
 SUFFIX_SCOPES = ("auto", "global", "key", "request")
+# the suffix drafter's settings, as `specdec serve` names them: set to other values than their defaults, they need a
+# drafter that keeps a suffix history
+SUFFIX_OPTIONS = {
+    "suffix_scope": "--suffix-scope",
+    "suffix_max_tokens": "--suffix-max-tokens",
+    "suffix_cache": "--suffix-cache",
+    "suffix_save_every_s": "--suffix-save-every",
+}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # host names as host_name() writes them
 
 
@@ -36,6 +44,8 @@ class ServeConfig:
     suffix_max_tokens: int = 1_000_000
     suffix_cache: str | None = None
     suffix_save_every_s: float = 300.0  # the cache is also saved this often while the history changes (0: at stop only)
+    # serve on an address beyond loopback without API keys, accepting that anyone who can reach it can use it
+    insecure_no_auth: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -43,6 +53,11 @@ class ServeConfig:
         object.__setattr__(self, "allowed_hosts", tuple(host_name(h) for h in self.allowed_hosts))
         if any(not key or any(ch.isspace() for ch in key) for key in self.api_keys):
             raise ConfigError("an API key must be a non-empty string without spaces")
+        if self.open_beyond_loopback and not self.insecure_no_auth:
+            raise ConfigError(
+                f"--host {self.host} serves beyond this machine without API keys: set --api-key (or SPECDEC_API_KEYS, "
+                "--api-key-file), or pass --insecure-no-auth to accept that anyone who can reach it can use it"
+            )
         for name in ("max_batch", "max_queue", "default_max_tokens", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -59,9 +74,40 @@ class ServeConfig:
             raise ConfigError(f"suffix_max_tokens must be >= 0, got {self.suffix_max_tokens}")
         if self.suffix_save_every_s < 0:
             raise ConfigError(f"suffix_save_every_s must be >= 0 (0: at stop only), got {self.suffix_save_every_s}")
+        if "--suffix-save-every" in self.suffix_settings and self.suffix_cache is None:
+            raise ConfigError(
+                "--suffix-save-every sets how often --suffix-cache is written: add --suffix-cache FILE (without --ray)"
+            )
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def open_beyond_loopback(self) -> bool:
+        """Whether anyone who can reach the server can use it: it listens beyond loopback and needs no API key."""
+        return not self.api_keys and not is_loopback(self.host)
+
+    @property
+    def suffix_settings(self) -> tuple[str, ...]:
+        """The suffix drafter's settings given other values than their defaults, by their option names."""
+        return tuple(
+            SUFFIX_OPTIONS[f.name]
+            for f in fields(self)
+            if f.name in SUFFIX_OPTIONS and getattr(self, f.name) != f.default
+        )
+
+    def check_drafter(self, draft: str, concrete: str | None = None) -> None:
+        """Refuse suffix settings for a drafter that keeps no suffix history: ``draft`` as given, and ``concrete``, what
+        it became on this machine ('auto' is chosen from the machine's costs) once the target is loaded."""
+        if not (given := ", ".join(self.suffix_settings)):
+            return
+        if draft not in ("suffix", "auto"):
+            raise ConfigError(f"{given} set(s) the suffix drafter's history: add --draft suffix")
+        if concrete is not None and concrete != "suffix":
+            raise ConfigError(
+                f"{given} set(s) the suffix drafter's history, and 'auto' drafts with {concrete} on this machine: add "
+                "--draft suffix"
+            )
 
     @property
     def answered_hosts(self) -> tuple[str, ...]:

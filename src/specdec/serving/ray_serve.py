@@ -63,6 +63,18 @@ class ReplicaSpec:
     batch: BatchConfig = field(default_factory=BatchConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
 
+    def __post_init__(self) -> None:
+        """Suffix settings need the suffix drafter named: each replica makes 'auto' concrete on its own, and keeps its
+        own history (one file cannot hold several)."""
+        self.serve.check_drafter(self.draft)
+        if self.serve.suffix_settings and self.draft == "auto":
+            raise ConfigError(
+                f"{', '.join(self.serve.suffix_settings)} set(s) the suffix drafter's history, and with --ray each "
+                "replica makes 'auto' concrete on its own: add --draft suffix"
+            )
+        if self.serve.suffix_cache is not None:
+            raise ConfigError("--suffix-cache keeps one server's history: drop it with --ray (replicas keep their own)")
+
 
 def application(spec: ReplicaSpec, ray_config: RayConfig):
     """A Ray Serve application: an ingress in front of ``ray_config.replicas`` (to ``max_replicas``) specdec servers."""
