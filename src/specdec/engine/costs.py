@@ -22,7 +22,7 @@ import torch
 from specdec.atomic import PUBLIC, atomic_write_bytes
 from specdec.drafters.base import Drafter
 from specdec.errors import ConfigError
-from specdec.machine import cpu_name
+from specdec.machine import fingerprint
 from specdec.models.backend import Backend, RowBackend
 from specdec.models.registry import cache_root
 from specdec.scheduling import BatchCostCurve, CostCurve
@@ -38,6 +38,8 @@ BATCH_SIZES = (1, 2, 3, 5, 9)
 MOST_OTHER_LOAD = 0.15
 NOISE = 0.85
 MEASURE_ATTEMPTS = 2
+# /proc counts in ticks (10 ms): a short measurement sees a daemon's single tick as a large share
+TICK_SLACK = 3
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ def forward_cost_curve(
     """Median seconds of a forward over n new tokens (logits for all n) after ``context`` cached tokens.
 
     The sizes take turns, one forward each per round: a stretch of load from elsewhere (a compiler, another process)
-    then slows every size alike instead of making a few look dearer than bigger ones; the curve is cached for good.
+    then slows every size alike instead of making a few look dearer than bigger ones.
     """
     vocab = backend.vocab_size
     tokens = torch.arange(context + max(sizes), dtype=torch.long)[None] % vocab
@@ -130,7 +132,7 @@ def batch_cost_curve(
 
 
 def machine_cost_curve(backend: Backend) -> CostCurve:
-    """This backend's cost curve on this machine: measured once (a few seconds), then read from the cache."""
+    """This backend's cost curve on this machine: measured once (a few seconds), cached where plausible (_cached)."""
     stored = _cached(
         backend.identity, lambda: {str(n): s for n, s in forward_cost_curve(backend).items()}, _falling_cost
     )
@@ -139,7 +141,7 @@ def machine_cost_curve(backend: Backend) -> CostCurve:
 
 def machine_tree_overhead(rows: RowBackend) -> CostCurve:
     """What a tree costs beyond a chain on this runtime (``tree_overhead_curve``): measured once (many forwards of the
-    model), then cached."""
+    model), cached where plausible."""
     stored = _cached(
         f"{rows.identity}|tree overhead", lambda: {str(n): s for n, s in tree_overhead_curve(rows).items()}
     )
@@ -148,7 +150,7 @@ def machine_tree_overhead(rows: RowBackend) -> CostCurve:
 
 def machine_draft_step(drafter: Drafter, branches: int = 1) -> float:
     """Seconds of one draft step (a level of ``branches`` nodes) of a drafter that runs a model outside a Backend
-    (``measure_step``, the eagle head): measured once (a few runs of its model), then cached under its
+    (``measure_step``, the eagle head): measured once (a few runs of its model), cached where plausible under its
     ``identity``."""
     stored = _cached(f"{drafter.identity}|draft step|{branches}", lambda: {"1": drafter.measure_step(branches)})
     return stored["1"]
@@ -156,7 +158,7 @@ def machine_draft_step(drafter: Drafter, branches: int = 1) -> float:
 
 def machine_batch_cost_curve(backend: RowBackend) -> BatchCostCurve:
     """The batched backend's cost over rows and tokens on this machine: measured once (many batched forwards of the
-    model), then cached."""
+    model), cached where plausible."""
 
     def measure() -> dict[str, dict[str, float]]:
         curve = batch_cost_curve(backend)
@@ -234,7 +236,7 @@ def _cached(identity: str, measure: Callable[[], dict], problem: Callable[[dict]
     (MEASURE_ATTEMPTS in all); if every attempt is suspect the last is used by this process only, with a warning, and
     the next process measures again.
     """
-    key = f"{cpu_name()}|{os.cpu_count()}|{identity}"
+    key = "|".join(str(fact) for fact in fingerprint().values()) + f"|{identity}"
     path = cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():
         return json.loads(path.read_text())["seconds"]
@@ -272,21 +274,23 @@ class OtherLoad:
         if self.start is None or end is None or end[0] <= self.start[0]:
             return None
         total, busy, own = (b - a for a, b in zip(self.start, end, strict=True))
-        share = max(0, busy - own) / total
+        share = max(0, busy - own - TICK_SLACK) / total
         if share > MOST_OTHER_LOAD:
             return f"other processes used {share:.0%} of the CPU while it was measured"
         return None
 
 
 def _cpu_times() -> tuple[int, int, int] | None:
-    """Clock ticks since boot: all CPUs' total and busy (steal included: a hypervisor's other guests), and this
-    process's (all its threads); None without /proc."""
+    """Clock ticks since boot: the total and busy ticks of the CPUs this process may run on (steal included: a
+    hypervisor's other guests), and this process's own (all its threads); None without /proc."""
     try:
+        allowed = {f"cpu{n}" for n in os.sched_getaffinity(0)}
         with open("/proc/stat", encoding="ascii") as stat:
-            fields = [int(f) for f in stat.readline().split()[1:9]]
+            lines = [line.split() for line in stat if line.split()[0] in allowed]
+        fields = [sum(int(line[i]) for line in lines) for i in range(1, 9)]
         with open("/proc/self/stat", encoding="ascii") as own:
             after_name = own.read().rsplit(")", 1)[1].split()
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError, AttributeError):  # no sched_getaffinity outside Linux
         return None
     user, nice, system, idle, iowait, irq, softirq, steal = fields
     return sum(fields), user + nice + system + irq + softirq + steal, int(after_name[11]) + int(after_name[12])

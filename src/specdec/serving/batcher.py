@@ -84,13 +84,13 @@ class Batcher:
         self.max_queue = max_queue
         self.metrics = metrics
         self.decoder = generator.batch_decoder()
-        # what requests' k policies price steps by is measured now, before any request runs: not under this server's
-        # own load, which would make every later step look dear
-        generator.k_policy(generator.config, batched=True)
         # a runtime that holds one sequence per forward (llama.cpp) runs one request at a time
         self.max_batch = min(max_batch, self.decoder.backend.capabilities.max_rows or max_batch)
         # every request decodes with a fork: a drafter that cannot fork is refused now, not per request
         generator.drafter.fork()
+        # what requests' k policies price steps by is measured now, before any request runs: not under this server's
+        # own load, which would make every later step look dear
+        generator.k_policy(generator.config, batched=True)
         self.waiting: deque[Job] = deque()
         self.active: dict[Completion, Job] = {}
         self._wake = threading.Condition()
