@@ -230,7 +230,7 @@ def quiet_copy(backend: Backend) -> Backend:
 
 
 def _cached(identity: str, measure: Callable[[], dict], problem: Callable[[dict], str | None] = lambda _: None) -> dict:
-    """Measurements of ``identity`` on this CPU, taken by ``measure`` the first time and kept on disk.
+    """Measurements of ``identity`` on this machine (its fingerprint), taken by ``measure`` once and kept on disk.
 
     A measurement that other processes' load may have distorted, or that ``problem`` finds implausible, is taken again
     (MEASURE_ATTEMPTS in all); if every attempt is suspect the last is used by this process only, with a warning, and
