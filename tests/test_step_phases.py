@@ -194,10 +194,10 @@ def test_a_scored_proposal_is_cut_where_its_policy_prices_nodes() -> None:
     assert proposal.tokens.tolist() == [5, 6]
 
 
-def test_a_chain_row_refuses_a_tree() -> None:
+def test_a_chain_rows_unasked_tree_is_judged_as_a_tree() -> None:
     tree = Proposal(torch.tensor([5, 6]), parents=torch.tensor([-1, -1]))
-    with pytest.raises(ConfigError, match="proposed a tree when asked for a chain"):
-        draft(make_row(tree), DraftPlan(chosen=2, asked=2), Timer())
+    _, shape = draft(make_row(tree), DraftPlan(chosen=2, asked=2), Timer())
+    assert shape is TREES
 
 
 # Phase 2: score.

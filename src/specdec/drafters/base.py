@@ -79,6 +79,11 @@ class Proposal:
         return self.tokens.shape[0]
 
     @property
+    def links(self) -> torch.Tensor:
+        """[n] each node's parent: the tree's ``parents``, or a chain's i - 1."""
+        return self.parents if self.parents is not None else torch.arange(-1, len(self) - 1)
+
+    @property
     def is_tree(self) -> bool:
         """More than one node follows some node (a chain written with ``parents`` is not a tree)."""
         return self.parents is not None and bool((self.parents != torch.arange(-1, len(self) - 1)).any())

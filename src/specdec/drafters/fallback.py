@@ -137,7 +137,7 @@ def merge_trees(first: Proposal, second: Proposal, k: int, first_score: float = 
     scores: list[float] = []
     depths: list[int] = []
     for proposal in (first, second):
-        links = proposal.parents if proposal.parents is not None else torch.arange(-1, len(proposal) - 1)
+        links = proposal.links
         own = proposal.scores.tolist() if proposal is second and proposal.scores is not None else None
         index: list[int] = []  # this proposal's node i -> its merged node
         for i, (token, link) in enumerate(zip(proposal.tokens.tolist(), links.tolist(), strict=True)):

@@ -176,9 +176,10 @@ def machine_batch_cost_curve(backend: RowBackend) -> BatchCostCurve:
 
 
 class MachineCosts:
-    """What one Generator's k policies price steps by on this machine: the target's forward cost curve, a tree's
-    overhead and a draft step's seconds, each measured on first use (once, whichever thread asks first, on a copy of
-    the model so no run's cache is disturbed), then kept in memory and on disk."""
+    """What one Generator's k policies and batch window price steps by on this machine: the target's forward cost
+    curve, a tree's overhead, a draft step's seconds and the batched forward's cost, each measured on first use (once,
+    whichever thread asks first, on a copy of the model or rows of its own so no run's cache is disturbed), then kept
+    in memory and, where plausible, on disk."""
 
     def __init__(self, backend: Backend, cuda_graphs: bool = True) -> None:
         self.backend, self.cuda_graphs = backend, cuda_graphs
@@ -186,6 +187,7 @@ class MachineCosts:
         self._forward: CostCurve | None = None
         self._tree_overhead: CostCurve | None = None
         self._draft_step: dict[tuple[str, int], float] = {}  # by what drafts and branches
+        self._batch: dict[str, BatchCostCurve] = {}  # by the batched backend's identity
 
     def forward(self) -> CostCurve:
         """The target's forward cost curve."""
@@ -201,6 +203,13 @@ class MachineCosts:
                 rows = quiet_copy(self.backend).row_backend(batch=False, trees=True, cuda_graphs=self.cuda_graphs)
                 self._tree_overhead = machine_tree_overhead(rows)
         return self._tree_overhead
+
+    def batch(self, rows: RowBackend) -> BatchCostCurve:
+        """The cost of a forward over B rows of n tokens on ``rows``, a batched backend of this target with no rows."""
+        with self._lock:
+            if rows.identity not in self._batch:
+                self._batch[rows.identity] = machine_batch_cost_curve(rows)
+        return self._batch[rows.identity]
 
     def draft_step(self, drafter: Drafter, branches: int = 1) -> float:
         """Seconds of one of ``drafter``'s steps drafting ``branches`` nodes a level: the draft model's one-token

@@ -11,7 +11,7 @@ from pathlib import Path
 from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig, with_overrides
 from specdec.drafters import Drafter, auto_draft, build_drafter, drafter_name
 from specdec.engine.completion import Completion, GenerationResult
-from specdec.engine.costs import MachineCosts, machine_batch_cost_curve
+from specdec.engine.costs import MachineCosts
 from specdec.engine.decoder import Decoder
 from specdec.engine.prompts import PromptEncoder
 from specdec.errors import ConfigError, VocabularyMismatchError
@@ -237,7 +237,7 @@ class Generator:
         if self.batch.window == "fixed" or rows.capabilities.max_rows == 1:
             return Decoder(rows)
         memory = partial(memory_in_use, rows.device)
-        return Decoder(rows, LoadWindow(machine_batch_cost_curve(rows), self.batch.memory_threshold, memory))
+        return Decoder(rows, LoadWindow(self.measured.batch(rows), self.batch.memory_threshold, memory))
 
     def admit(self, decoder: Decoder, completion: Completion) -> None:
         """Add ``completion`` to a batch ``decoder`` with a forked drafter and a fresh k policy."""

@@ -36,7 +36,6 @@ from specdec.acceptance import AcceptanceEstimate
 from specdec.config import GenerationConfig
 from specdec.drafters.base import Drafter, DraftSettings, Proposal
 from specdec.engine.stats import DecodeStats
-from specdec.errors import ConfigError
 from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
 from specdec.scheduling import KPolicy, StepOutcome
@@ -115,12 +114,13 @@ class Chains(Shape):
         return DraftPlan(chosen, min(chosen, room))
 
     def drafted(self, row: Row, proposal: Proposal) -> Shape:
-        if proposal.is_tree:
-            raise ConfigError(
-                f"{type(row.drafter).__name__} proposed a tree when asked for a chain: a chain row takes chains only "
-                "(and a tree row cannot use guards or typical acceptance, neither being tree-aware)"
-            )
-        return self
+        """A chain; a tree from a drafter that drafts one unasked is judged as a tree (trees.py decides whether it
+        can be)."""
+        if not proposal.is_tree:
+            return self
+        from specdec.engine.trees import TREES  # trees.py builds on this module
+
+        return TREES.drafted(row, proposal)
 
     def tree_of(self, proposal: Proposal) -> torch.Tensor | None:
         return None
@@ -158,10 +158,11 @@ class Row:
     started: float = field(default_factory=time.perf_counter)
     scope: str | None = ""  # whose history its drafter may share (DraftSettings.scope)
     shape: Shape = CHAINS  # what it drafts (trees.py's TREES for a row with branches > 1 whose drafter drafts trees)
-    rule: Rule = field(init=False)  # how its drafts are judged, from its settings
 
-    def __post_init__(self) -> None:
-        self.rule = Rule.of(self.config.sampling, self.config.typical_acceptance)
+    @property
+    def rule(self) -> Rule:
+        """How its drafts are judged, from its settings."""
+        return Rule.of(self.config.sampling, self.config.typical_acceptance)
 
     @property
     def length(self) -> int:
@@ -230,8 +231,9 @@ def draft(row: Row, draft_plan: DraftPlan, drafting: Timer) -> tuple[Proposal, S
     for the verifier)."""
     proposal = row.drafter.propose(row.tokens, draft_plan.asked, draft_plan.branches)
     if proposal.scores is not None and row.policy.prices_nodes:
-        parents = proposal.parents if proposal.parents is not None else torch.arange(-1, len(proposal) - 1)
-        proposal = proposal.cut(row.policy.tree_size(proposal.scores, parents, drafting.elapsed, proposal.draft_steps))
+        proposal = proposal.cut(
+            row.policy.tree_size(proposal.scores, proposal.links, drafting.elapsed, proposal.draft_steps)
+        )
     else:
         proposal = proposal.cut(draft_plan.chosen)
     if proposal.probs is None:  # a deterministic draft token that a guard blocks would only be rejected
@@ -276,7 +278,7 @@ def verify_rows(steps: list[RowStep], logits: torch.Tensor) -> None:
         row, proposal, n = step.row, step.proposal, len(step.proposal)
         if n:
             tokens[i, :n] = proposal.tokens
-            parents[i, :n] = proposal.parents if proposal.parents is not None else torch.arange(-1, n - 1)
+            parents[i, :n] = proposal.links
         with _guarding(row):  # masks the row's logits in place
             temperature = row.guards.adjust(row.tokens, proposal.tokens, logits[i, : n + 1])
         kind, sampling, typical = Kind(row.rule, step.shape.tree), row.config.sampling, row.config.typical_acceptance

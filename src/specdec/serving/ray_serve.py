@@ -102,7 +102,6 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
             target = open_target(spec.target, spec.runtime)
             drafter, history = server_drafter(spec.draft, target, spec.serve)  # a suffix history per replica
             generator = Generator(target, drafter, spec.generation, spec.runtime, batch=spec.batch)
-            generator.batch_decoder()  # measure (or read the cached) batch costs before the first request
             self.name, self.server = REPLICA, create_app(generator, spec.serve, history)
             # The engine thread: the app's lifespan would start it under a server.
             self.batcher = self.server.state.batcher
