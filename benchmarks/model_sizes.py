@@ -19,7 +19,9 @@ own quantizer (llama_model_quantize). For each size and backend the script measu
 - for native: the weight bytes one token reads, hence GB/s against this machine's measured read bandwidth, and in
   child processes the peak RSS of converting the checkpoint (first start) and of a start from the cache, against the
   packed model's bytes; for llama.cpp the GGUF's bytes the same way, and (--llama-bench) llama.cpp's own C++
-  `llama-bench` generation speed on the same file.
+  `llama-bench` on the same file, part for part: the prompt and the generation together (pg, the engine's measure),
+  the generation alone (tg, against the engine's tokens after the first) and the prompt alone (pp, against the
+  engine's first forward).
 
 What is assumed: the acceptance a. A real drafter's acceptance on a real model of that size is not measured here.
 On a GPU (--device cuda) only the transformers backend runs (llama.cpp here is a CPU build; native is CPU-only).
@@ -292,6 +294,7 @@ def decode(
         oracle.reference = prompts[0] + references[0]
     generator.generate(prompts[0], max_new_tokens=4)
     tokens, seconds, outputs, accepted, steps = 0, 0.0, [], 0, 0
+    first_s, prompt_tokens = 0.0, 0
     idle = current_bytes()
     with PeakMemory() as peak:
         for prompt, reference in zip(prompts, references, strict=True):
@@ -300,11 +303,16 @@ def decode(
             result = generator.generate(prompt)
             tokens += len(result.token_ids)
             seconds += result.stats.wall_s
+            first_s += result.stats.ttft_s
+            prompt_tokens += len(prompt)
             outputs.append(result.token_ids)
             accepted += result.stats.draft_tokens_accepted
             steps += result.stats.steps
     return {"tokens_per_s": tokens / seconds, "outputs": outputs, "peak_increase_mb": (peak.peak - idle) / 2**20,
-            "accepted_per_step": accepted / steps}  # fmt: skip
+            "accepted_per_step": accepted / steps,
+            # llama-bench's tg and pp measure these two apart: the tokens after the first, and the prompt's forward
+            "decode_tokens_per_s": (tokens - len(prompts)) / (seconds - first_s),
+            "prefill_tokens_per_s": prompt_tokens / first_s}  # fmt: skip
 
 
 def run_backend(
@@ -356,6 +364,8 @@ def run_backend(
         "loaded_mb": loaded / 2**20,
         "cost_ms": {n: 1000 * s for n, s in curve.seconds.items()},
         "target_only_tokens_per_s": base["tokens_per_s"],
+        "target_only_decode_tokens_per_s": base["decode_tokens_per_s"],
+        "prefill_tokens_per_s": base["prefill_tokens_per_s"],
         "target_only_peak_increase_mb": base["peak_increase_mb"],
         "oracle": {},
     }
@@ -404,15 +414,22 @@ def child_peak(code: str) -> dict:
     return {"rss_after_imports_mb": int(base) / 1024, "peak_rss_mb": int(peak) / 1024, "seconds": float(seconds)}
 
 
-def llama_bench(binary: Path, gguf_file: Path, tokens: int) -> float:
-    """llama.cpp's own C++ benchmark: generation tokens per second (-p 0 -n tokens, this machine's cores)."""
+def llama_bench(binary: Path, gguf_file: Path, prompt: int, tokens: int) -> dict[str, float]:
+    """llama.cpp's own C++ benchmark on this machine's cores: generation alone (tg: -n tokens after an empty
+    context), the prompt alone (pp: -p prompt) and both as the engine runs them (pg: -pg prompt,tokens), each as
+    tokens per second of that part (pg: new tokens over the whole time, the engine's own measure)."""
     import os
     import subprocess
 
-    command = [str(binary), "-m", str(gguf_file), "-p", "0", "-n", str(tokens), "-t", str(os.cpu_count()), "-o", "json"]
+    command = [str(binary), "-m", str(gguf_file), "-p", str(prompt), "-n", str(tokens), "-pg", f"{prompt},{tokens}"]
+    command += ["-t", str(os.cpu_count()), "-o", "json"]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
-    (record,) = json.loads(done.stdout)
-    return float(record["avg_ts"])
+    rates = {}
+    for record in json.loads(done.stdout):
+        part = "pg" if record["n_prompt"] and record["n_gen"] else "pp" if record["n_prompt"] else "tg"
+        counted = record["n_gen"] if part != "pp" else record["n_prompt"]
+        rates[part] = counted / (float(record["avg_ns"]) / 1e9)
+    return rates
 
 
 def llamacpp_greedy(gguf_file: Path, prompts: list[list[int]], tokens: int) -> float:
@@ -478,8 +495,9 @@ def main() -> None:
         if args.device == "cpu" and "llamacpp_greedy_tokens_per_s" not in entry:
             entry["llamacpp_greedy_tokens_per_s"] = llamacpp_greedy(files["gguf"], prompts, args.tokens)
             entry["gguf_mb"] = files["gguf"].stat().st_size / 2**20
-        if args.llama_bench and "llama_bench_tokens_per_s" not in entry:
-            entry["llama_bench_tokens_per_s"] = llama_bench(args.llama_bench, files["gguf"], args.tokens)
+        if args.llama_bench and "llama_bench" not in entry:
+            entry["llama_bench"] = llama_bench(args.llama_bench, files["gguf"], len(prompts[0]), args.tokens)
+            entry["llama_bench_tokens_per_s"] = entry["llama_bench"]["tg"]
         for backend in backends:
             if backend in entry["backends"]:
                 continue
@@ -581,28 +599,41 @@ def table(results: dict) -> str:
 
 
 def weights_table(results: dict) -> str:
-    """Markdown: per size and runtime, target-only speed against both llama.cpp baselines, bytes per token and the
-    bandwidth they imply against the machine's, and peak memory (converting, starting from the cache, generating)."""
+    """Markdown: per size and runtime, target-only speed against llama-cpp-python and, part for part, against
+    llama-bench (prompt and generation together against its pg, generation alone against tg, the prompt against pp);
+    bytes per token and the bandwidth they imply at the decoding rate, against the machine's; and peak memory
+    (converting, starting from the cache, generating)."""
     read = results["machine"].get("read_GBps")
     lines = [
-        f"| size | runtime | target-only tok/s | x llama-cpp-python greedy | x llama-bench | MB read per token | GB/s "
-        f"(of {read:.0f} measured) | peak RSS converting / model MB | start from cache | peak RSS generating |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| size | runtime | target-only tok/s (x llama-bench pg) | x llama-cpp-python greedy | decoding tok/s (x tg) "
+        f"| prefill tok/s (x pp) | MB read per token | GB/s decoding (of {read:.0f} measured) "
+        "| peak RSS converting / model MB | start from cache | peak RSS generating |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def versus(rate: float | None, peer: float | None) -> str:
+        if rate is None:
+            return "-"
+        return f"{rate:.1f} ({rate / peer:.2f}x)" if peer else f"{rate:.1f}"
+
     for size, entry in results["sizes"].items():
-        greedy, bench = entry.get("llamacpp_greedy_tokens_per_s"), entry.get("llama_bench_tokens_per_s")
+        greedy, bench = entry.get("llamacpp_greedy_tokens_per_s"), entry.get("llama_bench", {})
         if bench:
-            lines.append(f"| {size} | llama-bench (C++) | {bench:.1f} | | 1.00x | | | | | |")
+            lines.append(
+                f"| {size} | llama-bench (C++) | {bench['pg']:.1f} | | {bench['tg']:.1f} | {bench['pp']:.1f} |"
+                + " |" * 5
+            )
         for backend, row in entry["backends"].items():
-            rate = row["target_only_tokens_per_s"]
+            rate, decoding = row["target_only_tokens_per_s"], row.get("target_only_decode_tokens_per_s")
             per_token = row.get("bytes_per_token")
             first, cached, gen = row.get("first_start"), row.get("cached_start"), row.get("generating")
             cells = [
-                f"{rate:.1f}",
+                versus(rate, bench.get("pg")),
                 f"{rate / greedy:.2f}x" if greedy else "-",
-                f"{rate / bench:.2f}x" if bench else "-",
+                versus(decoding, bench.get("tg")),
+                versus(row.get("prefill_tokens_per_s"), bench.get("pp")),
                 f"{per_token / 1e6:.0f}" if per_token else "-",
-                f"{per_token * rate / 1e9:.1f}" if per_token else "-",
+                f"{per_token * (decoding or rate) / 1e9:.1f}" if per_token else "-",
                 f"{first['peak_rss_mb'] - first['rss_after_imports_mb']:.0f} / {row['model_bytes'] / 2**20:.0f}"
                 if first
                 else "-",
