@@ -3,8 +3,9 @@
 from specdec.engine.completion import Completion, GenerationResult
 from specdec.engine.decoder import Decoder, Sink, Update
 from specdec.engine.generator import Generator
+from specdec.engine.rows import Row
 from specdec.engine.stats import DecodeStats
-from specdec.engine.step import Row, speculative_step
+from specdec.engine.step import speculative_step
 
 __all__ = [
     "Completion",

@@ -2,7 +2,7 @@
 server) uses it.
 
 A joining sequence (a :class:`Sink`: engine/completion.py's Completion) becomes a
-:class:`~specdec.engine.step.Row` with its own drafter, k policy, random
+:class:`~specdec.engine.rows.Row` with its own drafter, k policy, random
 generators, guards and stats. Each :meth:`Decoder.step` runs the speculative step
 over every row (joining rows' prompts are read in forwards of their own, grouped
 by similar length, so that no row is padded much), hands each row's new tokens to
@@ -21,8 +21,9 @@ import torch
 
 from specdec.config import GenerationConfig
 from specdec.drafters.base import Drafter
+from specdec.engine.rows import CHAINS, Row
 from specdec.engine.stats import DecodeStats
-from specdec.engine.step import CHAINS, Row, speculative_step
+from specdec.engine.step import speculative_step
 from specdec.engine.trees import TREES
 from specdec.errors import ConfigError, ContextLengthError
 from specdec.guards import Guards, NoGuards
