@@ -4,6 +4,8 @@ Because each guard depends only on the context, the engine can apply it at every
 position of a verification window exactly as target-only decoding applies it at
 each step; speculative output then equals the guarded target's own output
 (greedy) or follows its distribution (sampling). See GuardConfig for the knobs.
+The drift monitor (:class:`DriftMonitor`) reads the output's text instead and
+changes no output, only when anchors fall.
 """
 
 from __future__ import annotations
