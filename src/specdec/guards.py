@@ -4,13 +4,16 @@ Because each guard depends only on the context, the engine can apply it at every
 position of a verification window exactly as target-only decoding applies it at
 each step; speculative output then equals the guarded target's own output
 (greedy) or follows its distribution (sampling). See GuardConfig for the knobs.
+The drift monitor (:class:`DriftMonitor`) reads the output's text instead and
+changes no output, only when anchors fall.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -173,7 +176,7 @@ class Guards:
         self.prompt_length = prompt_length
         self.ignorable = ignorable
         self.next_anchor = config.anchor_every
-        self.anchor_requested = False  # set by a drift event when config.drift_anchor
+        self._anchor_requested = False  # by a drift event (request_anchor)
         self._blocked: list[int] = []  # positions of the last adjust() where a loop was blocked
         # The repetition guard's view of the accepted output, read as it grows (accepted output never changes): its
         # tokens, its loops, and (from the first block on) its n-grams by their first n - 1 tokens.
@@ -283,11 +286,15 @@ class Guards:
                 return i
         return len(extra)
 
+    def request_anchor(self) -> None:
+        """Make the next step an anchor step (a drift event with drift_anchor asks for one)."""
+        self._anchor_requested = True
+
     def anchor_due(self, new_tokens: int) -> bool:
         """Whether the next step is a target-only anchor step (every anchor_every tokens, or after a drift event)."""
-        due = self.anchor_requested or (self.next_anchor is not None and new_tokens >= self.next_anchor)
+        due = self._anchor_requested or (self.next_anchor is not None and new_tokens >= self.next_anchor)
         if due:
-            self.anchor_requested = False
+            self._anchor_requested = False
             if self.next_anchor is not None:
                 while self.next_anchor <= new_tokens:
                     self.next_anchor += self.config.anchor_every  # type: ignore[operator]
@@ -301,3 +308,38 @@ class Guards:
         ]
         self._blocked = []
         return events + ([{"kind": "anchor", "at": at}] if anchored else [])
+
+
+class Embedder(Protocol):
+    """What the drift monitor compares text with (quality/embedding.py's SentenceEmbedder is one)."""
+
+    def similarity(self, reference: str, texts: list[str]) -> list[float]:
+        """Cosine similarity of each text to ``reference``."""
+        ...
+
+
+class DriftMonitor:
+    """Watches one generation's output for drift from its prompt: the text of each ``drift_window`` output tokens is
+    compared with the prompt's; below ``drift_threshold``, a drift event, and with ``drift_anchor`` the generation's
+    ``guards`` take an anchor step next.
+
+    Unlike the guards above it reads text, not logits: it changes no output, only when anchors fall.
+    """
+
+    def __init__(self, guards: Guards, prompt: str, decode: Callable[[list[int]], str], embedder: Embedder) -> None:
+        if guards.config.drift_threshold is None:
+            raise ValueError("a drift monitor needs GuardConfig.drift_threshold")
+        self.guards, self.prompt, self.decode, self.embedder = guards, prompt, decode, embedder
+        self.threshold = guards.config.drift_threshold
+
+    def watch(self, output: list[int], before: int) -> list[dict[str, object]]:
+        """Drift events of each window of ``output`` (the generation's tokens) completed since its first ``before``."""
+        config, events = self.guards.config, []
+        size = config.drift_window
+        for end in range(size * (before // size + 1), len(output) + 1, size):
+            similarity = self.embedder.similarity(self.prompt, [self.decode(output[end - size : end])])[0]
+            if similarity < self.threshold:
+                events.append({"kind": "drift", "at": end, "similarity": round(similarity, 4)})
+                if config.drift_anchor:
+                    self.guards.request_anchor()
+        return events

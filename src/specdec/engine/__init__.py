@@ -1,8 +1,20 @@
 """The decode engine: one speculative step, the row lifecycle every driver uses, and the Generator API around them."""
 
-from specdec.engine.decoder import Decoder, Update
-from specdec.engine.generator import Completion, GenerationResult, Generator
+from specdec.engine.completion import Completion, GenerationResult
+from specdec.engine.decoder import Decoder, Sink, Update
+from specdec.engine.generator import Generator
+from specdec.engine.rows import Row
 from specdec.engine.stats import DecodeStats
-from specdec.engine.step import Row, speculative_step
+from specdec.engine.step import speculative_step
 
-__all__ = ["Completion", "DecodeStats", "Decoder", "GenerationResult", "Generator", "Row", "Update", "speculative_step"]
+__all__ = [
+    "Completion",
+    "DecodeStats",
+    "Decoder",
+    "GenerationResult",
+    "Generator",
+    "Row",
+    "Sink",
+    "Update",
+    "speculative_step",
+]

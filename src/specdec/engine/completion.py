@@ -1,25 +1,21 @@
-"""One generation's lifecycle: its prompt checked and encoded, its steps decoded (alone or in a batch), its text
-settled at EOS, a stop string or its limits, and the drift monitor watching it."""
+"""One generation as a record: its checked prompt, settings, random generators, guards and stats, and what its steps'
+tokens become (text settled at EOS, a stop string or its limits; the drift monitor's events). The Generator builds it;
+a Decoder decodes it (alone or in a batch) through the :class:`~specdec.engine.decoder.Sink` members."""
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from specdec.config import GenerationConfig
-from specdec.engine.decoder import Decoder
+from specdec.engine.decoder import Sink
 from specdec.engine.stats import DecodeStats
 from specdec.engine.text import TextTracker
-from specdec.errors import ConfigError
-from specdec.guards import Guards, NoGuards
-from specdec.models.backend import TREES_UNSUPPORTED
+from specdec.guards import DriftMonitor, Guards, NoGuards
 from specdec.seeds import Seeds
-
-if TYPE_CHECKING:
-    from specdec.engine.generator import Generator
 
 FinishReason = Literal["length", "eos", "stop", "context"]
 
@@ -40,61 +36,49 @@ class GenerationResult:
         }
 
 
-class Completion:
+class Completion(Sink):
     """One generation: iterating decodes it alone and yields text deltas; :meth:`result` gives the outcome afterwards.
 
-    In a batch (:meth:`Generator.admit`) the decoder decodes it with others, handing
-    each step's tokens to :meth:`take` and calling :meth:`close` when it ends.
+    Built by :meth:`Generator.completion <specdec.engine.generator.Generator.completion>`, which checks and encodes the
+    prompt and gives what the completion needs: ``eos_ids``, ``text`` (None without a tokenizer), ``guards``, ``drift``
+    (None without a drift threshold) and ``alone``, how it decodes alone (the Generator's loop on a single-sequence
+    decoder). In a batch (``Generator.admit``) the decoder decodes it with others, handing each step's tokens to
+    :meth:`take` and calling :meth:`close` when it ends.
     """
 
-    def __init__(self, generator: Generator, prompt: str | list[int], config: GenerationConfig) -> None:
-        if config.stop and generator.tokenizer is None:
-            raise ConfigError("stop strings need a tokenizer, and this model has none")
-        if config.branches > 1 and not generator.backend.capabilities.trees:
-            raise ConfigError(TREES_UNSUPPORTED)
-        self.generator = generator
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        *,
+        eos_ids: frozenset[int],
+        text: TextTracker | None,
+        guards: Guards | NoGuards,
+        drift: DriftMonitor | None,
+        alone: Callable[[Completion], Iterator[str]],
+    ) -> None:
+        self.prompt_ids = prompt_ids
         self.config = config
-        self.prompt_ids = generator.encode(prompt)
+        self.eos_ids = eos_ids
+        self.text = text
+        self.guards = guards
+        self.drift = drift
+        self._alone = alone
         self.stats = DecodeStats()
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason = "length"
-        self.text = TextTracker(generator.tokenizer, config.stop) if generator.tokenizer is not None else None
         self.seeds = Seeds(config.seed if config.seed is not None else random.randrange(2**63))
         self.scope: str | None = ""  # whose history its drafter may share (DraftSettings.scope); the server sets it
-        guards = config.guards
-        ignorable = generator.ignorable() if guards.repetition else frozenset()
-        self.guards = Guards(guards, len(self.prompt_ids), ignorable) if guards.active else NoGuards()
-        if guards.drift_threshold is not None:
-            if generator.tokenizer is None:
-                raise ConfigError("the drift monitor compares text, and this model has no tokenizer")
-            self.embedder = generator.embedder()
-            self.prompt_text = generator.tokenizer.decode(self.prompt_ids, skip_special_tokens=True)
 
     def __iter__(self) -> Iterator[str]:
-        """Decode alone: the same step as a batch, on this Generator's own (or a forked) single-sequence backend."""
-        gen = self.generator
-        backend, drafter = gen.acquire()
-        decoder = None
-        try:
-            decoder = Decoder(
-                backend.row_backend(batch=False, trees=self.config.branches > 1, cuda_graphs=gen.batch.cuda_graphs)
-            )
-            # after acquiring: a first measurement must not disturb another run's cache
-            decoder.join(self, drafter, gen.k_policy(self.config))
-            while decoder.rows:
-                for update in decoder.step():
-                    if update.text:
-                        yield update.text
-        finally:
-            if decoder is not None:
-                decoder.leave(self)  # abandoned or failed: its drafter still hears that it ended
-            gen.release(backend)
+        """Decode alone: the same step as a batch, on its Generator's own (or a forked) single-sequence backend."""
+        return self._alone(self)
 
     def take(self, ids: list[int]) -> str:
         """Add the tokens one step accepted; return the text they complete. Ends the run at EOS or a stop string (the
         stats then count only what was kept)."""
         if self.config.stop_on_eos:
-            eos_at = next((i for i, t in enumerate(ids) if t in self.generator.eos_ids), None)
+            eos_at = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
             if eos_at is not None:
                 ids = ids[: eos_at + 1]
                 self.finish_reason = "eos"
@@ -105,24 +89,11 @@ class Completion:
         self.stats.keep_emitted(len(ids))
         before = len(self.token_ids)
         self.token_ids += ids
-        if self.config.guards.drift_threshold is not None:
-            self._watch_drift(before)
+        if self.drift is not None:
+            start = time.perf_counter()
+            self.stats.events += self.drift.watch(self.token_ids, before)
+            self.stats.guard_s += time.perf_counter() - start
         return self.text.delta(final=self.ended) if self.text is not None else ""
-
-    def _watch_drift(self, before: int) -> None:
-        """Score each window completed since ``before`` tokens against the prompt; below the threshold, a drift event
-        (and an anchor)."""
-        guards = self.config.guards
-        size = guards.drift_window
-        start = time.perf_counter()
-        for end in range(size * (before // size + 1), len(self.token_ids) + 1, size):
-            window = self.generator.tokenizer.decode(self.token_ids[end - size : end], skip_special_tokens=True)
-            similarity = self.embedder.similarity(self.prompt_text, [window])[0]
-            if similarity < guards.drift_threshold:  # type: ignore[operator]
-                self.stats.events.append({"kind": "drift", "at": end, "similarity": round(similarity, 4)})
-                if guards.drift_anchor:
-                    self.guards.anchor_requested = True  # type: ignore[union-attr]  # drift is a guard: self.guards is Guards
-        self.stats.guard_s += time.perf_counter() - start
 
     @property
     def ended(self) -> bool:

@@ -1,12 +1,13 @@
-"""The row lifecycle: completions join, step together and leave; every driver (generate, stream, generate_batch, the
+"""The row lifecycle: sequences join, step together and leave; every driver (generate, stream, generate_batch, the
 server) uses it.
 
-A joining completion becomes a :class:`~specdec.engine.step.Row` with its own
-drafter, k policy, random generators, guards and stats. Each :meth:`Decoder.step`
-runs the speculative step over every row (joining rows' prompts are read in
-forwards of their own, grouped by similar length, so that no row is padded
-much), hands each row's new tokens to its completion, and retires the rows
-that ended (EOS, a stop string, their token budget or the model's context).
+A joining sequence (a :class:`Sink`: engine/completion.py's Completion) becomes a
+:class:`~specdec.engine.rows.Row` with its own drafter, k policy, random
+generators, guards and stats. Each :meth:`Decoder.step` runs the speculative step
+over every row (joining rows' prompts are read in forwards of their own, grouped
+by similar length, so that no row is padded much), hands each row's new tokens to
+its sink, and retires the rows that ended (EOS, a stop string, their token budget
+or the model's context).
 """
 
 from __future__ import annotations
@@ -14,19 +15,49 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
+from specdec.config import GenerationConfig
 from specdec.drafters.base import Drafter
-from specdec.engine.step import CHAINS, Row, speculative_step
+from specdec.engine.rows import CHAINS, Row
+from specdec.engine.stats import DecodeStats
+from specdec.engine.step import speculative_step
 from specdec.engine.trees import TREES
 from specdec.errors import ConfigError, ContextLengthError
+from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
 from specdec.scheduling import KPolicy, LoadWindow
+from specdec.seeds import Seeds
 
-if TYPE_CHECKING:
-    from specdec.engine.completion import Completion
+
+class Sink(Protocol):
+    """A sequence as the decoder sees it: what its row starts from (read when it joins), and where each step's tokens
+    go. engine/completion.py's Completion is the one the engine builds."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    seeds: Seeds
+    stats: DecodeStats  # the row records its steps here
+    guards: Guards | NoGuards
+    scope: str | None  # DraftSettings.scope
+
+    def take(self, ids: list[int]) -> str:
+        """The tokens one step accepted; returns the text they complete (it may keep fewer: EOS, a stop string)."""
+        ...
+
+    @property
+    def ended(self) -> bool:
+        """The sink ended the sequence (the token budget and the context are the decoder's limits)."""
+        ...
+
+    def close(self) -> str:
+        """The sequence left after its last step; returns any text held back until then."""
+        ...
+
+
+S = TypeVar("S", bound=Sink)
 
 REPORTS_KEPT = 100_000  # the latest steps' reports; a server's decoder steps forever
 
@@ -41,16 +72,16 @@ class StepReport:
 
 
 @dataclass(frozen=True)
-class Update:
+class Update(Generic[S]):
     """What one step did for one completion."""
 
-    completion: Completion
+    completion: S
     text: str  # the text the step completed (and, when the completion ended, the text held back until then)
     done: bool  # the completion ended and left the decoder; its result is settled
 
 
-class Decoder:
-    """Completions decoded together on one :class:`RowBackend`, joining and leaving between steps.
+class Decoder(Generic[S]):
+    """Completions (sinks) decoded together on one :class:`RowBackend`, joining and leaving between steps.
 
     ``window`` (optional) caps every row's k each step from the load; without it
     each row drafts what its own policy chooses.
@@ -59,14 +90,14 @@ class Decoder:
     def __init__(self, backend: RowBackend, window: LoadWindow | None = None) -> None:
         self.backend = backend
         self.window = window
-        self.rows: dict[Completion, Row] = {}  # in the backend's row order
+        self.rows: dict[S, Row] = {}  # in the backend's row order
         self.reports: deque[StepReport] = deque(maxlen=REPORTS_KEPT)
         self._draft_s_per_token = 0.0
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def join(self, completion: Completion, drafter: Drafter, policy: KPolicy) -> None:
+    def join(self, completion: S, drafter: Drafter, policy: KPolicy) -> None:
         """Add ``completion`` with its own ``drafter`` and ``policy``; its prompt is read at the next step.
 
         Raises ConfigError when the drafter cannot serve the completion's settings (or reads hidden states this runtime
@@ -100,7 +131,7 @@ class Decoder:
         self.backend.add_rows(1)
         self.rows[completion] = row
 
-    def leave(self, completion: Completion) -> None:
+    def leave(self, completion: S) -> None:
         """Remove ``completion`` (finished, cancelled or failed), free its cache and tell its drafter; one not here is
         ignored."""
         if completion in self.rows:
@@ -108,7 +139,7 @@ class Decoder:
             row = self.rows.pop(completion)
             row.drafter.finish(row.tokens, len(completion.prompt_ids))
 
-    def step(self) -> list[Update]:
+    def step(self) -> list[Update[S]]:
         """Advance every row by one speculative step; hand each completion its tokens; retire the rows that ended.
 
         If it raises, the rows' state is undefined (some may have advanced without their completion hearing of it):
@@ -132,7 +163,7 @@ class Decoder:
                 self._draft_s_per_token += 0.5 * (draft_s / drafted - self._draft_s_per_token)
         self.reports.append(StepReport(len(rows), window, time.perf_counter() - start))
 
-        updates = []
+        updates: list[Update[S]] = []
         for completion, row in list(self.rows.items()):
             text = completion.take(new[row].tolist())
             limit = row.stats.new_tokens >= row.config.max_new_tokens or row.length >= self.backend.max_context

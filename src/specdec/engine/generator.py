@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
 from functools import partial
 from pathlib import Path
 
-from specdec.config import BatchConfig, GenerationConfig, RuntimeConfig, with_overrides
+from specdec.config import BatchConfig, GenerationConfig, GuardConfig, RuntimeConfig, with_overrides
 from specdec.drafters import Drafter, auto_draft, build_drafter, drafter_name
 from specdec.engine.completion import Completion, GenerationResult
 from specdec.engine.costs import MachineCosts
-from specdec.engine.decoder import Decoder
+from specdec.engine.decoder import Decoder, Update
 from specdec.engine.prompts import PromptEncoder
+from specdec.engine.text import TextTracker
 from specdec.errors import ConfigError, VocabularyMismatchError
-from specdec.guards import ignorable_tokens
+from specdec.guards import DriftMonitor, Guards, NoGuards, ignorable_tokens
 from specdec.models import DEFAULT_TARGET, Backend, LoadedModel, Target, open_target
+from specdec.models.backend import TREES_UNSUPPORTED
 from specdec.profile import Profile, ProfileWarning, load_profile
 from specdec.quality import SentenceEmbedder
 from specdec.scheduling import CostCurve, KPolicy, LoadWindow, WayRates, build_k_policy, memory_in_use
@@ -174,7 +177,34 @@ class Generator:
         self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object
     ) -> Completion:
         """A generation of ``prompt`` (text, or token ids), checked and encoded, not yet decoded."""
-        return Completion(self, prompt, with_overrides(config or self.config, **overrides))
+        config = with_overrides(config or self.config, **overrides)
+        if config.stop and self.tokenizer is None:
+            raise ConfigError("stop strings need a tokenizer, and this model has none")
+        if config.branches > 1 and not self.backend.capabilities.trees:
+            raise ConfigError(TREES_UNSUPPORTED)
+        prompt_ids = self.encode(prompt)
+        guards, drift = self._guards(config.guards, prompt_ids)
+        return Completion(
+            prompt_ids,
+            config,
+            eos_ids=self.eos_ids,
+            text=TextTracker(self.tokenizer, config.stop) if self.tokenizer is not None else None,
+            guards=guards,
+            drift=drift,
+            alone=self._alone,
+        )
+
+    def _guards(self, config: GuardConfig, prompt_ids: list[int]) -> tuple[Guards | NoGuards, DriftMonitor | None]:
+        """A generation's guards and, with a drift threshold, its drift monitor."""
+        if not config.active:
+            return NoGuards(), None
+        guards = Guards(config, len(prompt_ids), self.ignorable() if config.repetition else frozenset())
+        if config.drift_threshold is None:
+            return guards, None
+        if self.tokenizer is None:
+            raise ConfigError("the drift monitor compares text, and this model has no tokenizer")
+        decode = partial(self.tokenizer.decode, skip_special_tokens=True)
+        return guards, DriftMonitor(guards, decode(prompt_ids), decode, self.embedder())
 
     def generate(
         self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object
@@ -195,7 +225,7 @@ class Generator:
         self,
         prompts: Sequence[str | list[int]],
         config: GenerationConfig | Sequence[GenerationConfig] | None = None,
-        decoder: Decoder | None = None,
+        decoder: Decoder[Completion] | None = None,
         **overrides: object,
     ) -> list[GenerationResult]:
         """Generate completions of many prompts together (one target forward per step for all); results in prompt order.
@@ -217,17 +247,45 @@ class Generator:
             )
         completions = [self.completion(prompt, c, **overrides) for prompt, c in zip(prompts, configs, strict=True)]
         decoder = decoder if decoder is not None else self.batch_decoder()
+        for _ in self._decode(decoder, completions, partial(self.admit, decoder)):
+            pass
+        return [completion.result() for completion in completions]
+
+    def _alone(self, completion: Completion) -> Iterator[str]:
+        """Decode ``completion`` alone (what iterating it does): on this Generator's own single-sequence backend and
+        drafter, or forks of them while another run holds those; yield its text as it comes."""
+        backend, drafter = self.acquire()
+        try:
+            trees = completion.config.branches > 1
+            decoder: Decoder[Completion] = Decoder(
+                backend.row_backend(batch=False, trees=trees, cuda_graphs=self.batch.cuda_graphs)
+            )
+            # the k policy after acquiring: a first measurement must not disturb another run's cache
+            join = partial(decoder.join, drafter=drafter, policy=self.k_policy(completion.config))
+            with closing(self._decode(decoder, [completion], join)) as updates:  # abandoned: it leaves before release
+                for update in updates:
+                    if update.text:
+                        yield update.text
+        finally:
+            self.release(backend)
+
+    @staticmethod
+    def _decode(
+        decoder: Decoder[Completion], completions: list[Completion], join: Callable[[Completion], None]
+    ) -> Iterator[Update[Completion]]:
+        """The decoding loop of this Generator's runs, alone or in a batch: each of ``completions`` joins ``decoder``
+        (``join``), which then steps until they all ended; yields each step's updates. Whatever ends it (a failure, an
+        abandoned iterator), they leave the decoder (their drafters still hear that they ended)."""
         try:
             for completion in completions:
-                self.admit(decoder, completion)
+                join(completion)
             while any(completion in decoder.rows for completion in completions):
-                decoder.step()
+                yield from decoder.step()
         finally:  # a failure leaves a passed-in decoder without these completions
             for completion in completions:
                 decoder.leave(completion)
-        return [completion.result() for completion in completions]
 
-    def batch_decoder(self) -> Decoder:
+    def batch_decoder(self) -> Decoder[Completion]:
         """A decoder over this target's weights for sequences that join and leave between steps (the server's engine).
 
         On a runtime that holds one sequence per forward (llama.cpp) it holds one row at a time
@@ -239,7 +297,7 @@ class Generator:
         memory = partial(memory_in_use, rows.device)
         return Decoder(rows, LoadWindow(self.measured.batch(rows), self.batch.memory_threshold, memory))
 
-    def admit(self, decoder: Decoder, completion: Completion) -> None:
+    def admit(self, decoder: Decoder[Completion], completion: Completion) -> None:
         """Add ``completion`` to a batch ``decoder`` with a forked drafter and a fresh k policy."""
         drafter = self.drafter.fork()  # first: a drafter that cannot fork is refused before anything is measured on it
         decoder.join(completion, drafter, self.k_policy(completion.config, batched=True))

@@ -15,9 +15,10 @@ One step, for rows of any number (batch 1 is a batch: one sequence decodes on a
 4. **commit**: each row's cache keeps its accepted drafts, its tokens grow, and its drafter, k policy, acceptance
    estimate, stats and guards observe the step's :class:`StepOutcome`.
 
-This module is the chain path. Where a tree differs, the phases ask the step's :class:`Shape`: a row's shape is chosen
-when it joins, chains (:data:`CHAINS`) or, for a row with branches > 1 whose drafter drafts trees, trees
-(engine/trees.py).
+The rows, their steps' records and the :class:`Shape` seam are in engine/rows.py. Where a tree differs from a chain,
+the phases ask a shape: a row's own, chosen when it joins, plans its step (chains, :data:`CHAINS`, or, for a row with
+branches > 1 whose drafter drafts trees, trees: engine/trees.py); the shape of its drafts (a chain or a tree, decided
+by ``TREES.drafted``) scores, keys and keeps them.
 
 Invariant between steps: the target's cache holds every token of a row but the pending one.
 """
@@ -25,22 +26,33 @@ Invariant between steps: the target's cache holds every token of a row but the p
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
-from specdec.acceptance import AcceptanceEstimate
-from specdec.config import GenerationConfig
-from specdec.drafters.base import Drafter, DraftSettings, Proposal
-from specdec.engine.stats import DecodeStats
-from specdec.guards import Guards, NoGuards
+from specdec.drafters.base import Proposal
+from specdec.engine.rows import CHAINS, DraftPlan, Row, RowStep, Shape
+from specdec.engine.trees import TREES
 from specdec.models.backend import RowBackend
-from specdec.scheduling import KPolicy, StepOutcome
-from specdec.seeds import ACCEPT, SAMPLE, Seeds
-from specdec.verification import Drafts, Kind, RowDrafts, Rule, Uniforms, judge
+from specdec.scheduling import StepOutcome
+from specdec.verification import Drafts, Kind, RowDrafts, judge
+
+__all__ = [
+    "CHAINS",
+    "DraftPlan",
+    "Row",
+    "RowStep",
+    "Shape",
+    "Timer",
+    "commit",
+    "draft",
+    "plan",
+    "score",
+    "speculative_step",
+    "verify_rows",
+]
 
 
 class Timer:
@@ -61,131 +73,6 @@ class Timer:
     def elapsed(self) -> float:
         """Seconds so far, read inside the block."""
         return self.seconds + time.perf_counter() - self._start
-
-
-@dataclass(frozen=True)
-class DraftPlan:
-    """How much one row drafts at a step."""
-
-    chosen: int  # the k policy's choice: what the row keeps of a proposal (a scored one: what its policy prices)
-    # nodes asked of the drafter: what the row wants within the batch's window, its token budget and the context, each
-    # leaving room for the target's own token of the step; 0: nothing is drafted
-    asked: int = 0
-    branches: int = 1  # the most children a draft node may have (1: a chain)
-    anchored: bool = False  # a guard made this a target-only step
-
-
-class Shape(ABC):
-    """What a row drafts, chosen when it joins: chains (:data:`CHAINS`) or trees (engine/trees.py). The phases ask a
-    row's shape how to plan its step and what it drafted, and the drafts' shape how to score, key and keep them."""
-
-    #: the drafts branch: a tree verifier judges them
-    tree: bool = False
-
-    @abstractmethod
-    def plan(self, row: Row, chosen: int, room: int) -> DraftPlan:
-        """The step's draft size from the k policy's ``chosen``, within ``room`` (> 0): the most drafts the row can
-        use."""
-
-    @abstractmethod
-    def drafted(self, row: Row, proposal: Proposal) -> Shape:
-        """The shape of the row's drafts this step (a tree row may draft a chain); ConfigError for a tree it cannot
-        take."""
-
-    @abstractmethod
-    def tree_of(self, proposal: Proposal) -> torch.Tensor | None:
-        """The parents by which the target reads the drafts (each node sees the context and its ancestors); None for a
-        chain."""
-
-    @abstractmethod
-    def uniforms(self, row: Row, proposal: Proposal, device: torch.device) -> Uniforms:
-        """What decides a sampled verdict on ``device``, keyed by position (seeds.py): sample [n + 1], accept [n]."""
-
-    @abstractmethod
-    def keep(self, target: RowBackend, step: RowStep) -> slice | list[int]:
-        """Keep the step's accepted drafts in the row's cache; return the columns of its aligned logits at its new
-        tokens."""
-
-
-class Chains(Shape):
-    """A chain row's steps, and the chain steps of a tree row."""
-
-    def plan(self, row: Row, chosen: int, room: int) -> DraftPlan:
-        return DraftPlan(chosen, min(chosen, room))
-
-    def drafted(self, row: Row, proposal: Proposal) -> Shape:
-        """A chain; a tree from a drafter that drafts one unasked is judged as a tree (trees.py decides whether it
-        can be)."""
-        if not proposal.is_tree:
-            return self
-        from specdec.engine.trees import TREES  # trees.py builds on this module
-
-        return TREES.drafted(row, proposal)
-
-    def tree_of(self, proposal: Proposal) -> torch.Tensor | None:
-        return None
-
-    def uniforms(self, row: Row, proposal: Proposal, device: torch.device) -> Uniforms:
-        """Draft j and the target's token in its place sit at position row.length + j, the bonus token at
-        row.length + n."""
-        start, n = row.length, len(proposal)
-        values = row.seeds.uniforms(
-            device, [(SAMPLE, start + j, 0) for j in range(n + 1)] + [(ACCEPT, start + j, 0) for j in range(n)]
-        )
-        return Uniforms(values[: n + 1], values[n + 1 :])
-
-    def keep(self, target: RowBackend, step: RowStep) -> slice | list[int]:
-        """A chain's accepted drafts are already next to the context: the rest of the cache goes."""
-        target.truncate(step.row_id, step.row.length + len(step.path), None)
-        return slice(0, len(step.path) + 1)
-
-
-CHAINS = Chains()
-
-
-@dataclass(eq=False)
-class Row:
-    """One sequence: its tokens and everything that decides its steps."""
-
-    tokens: torch.Tensor  # [T] on the host: the prompt and every token accepted so far
-    config: GenerationConfig
-    drafter: Drafter
-    policy: KPolicy
-    seeds: Seeds  # what keys the sequence's random draws
-    stats: DecodeStats
-    guards: Guards | NoGuards = field(default_factory=NoGuards)
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # what the batch's window reads
-    started: float = field(default_factory=time.perf_counter)
-    scope: str | None = ""  # whose history its drafter may share (DraftSettings.scope)
-    shape: Shape = CHAINS  # what it drafts (trees.py's TREES for a row with branches > 1 whose drafter drafts trees)
-
-    @property
-    def rule(self) -> Rule:
-        """How its drafts are judged, from its settings."""
-        return Rule.of(self.config.sampling, self.config.typical_acceptance)
-
-    @property
-    def length(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def draft_settings(self) -> DraftSettings:
-        return DraftSettings(self.config.sampling, self.seeds, self.policy.min_confidence, self.scope)
-
-
-@dataclass(kw_only=True)
-class RowStep:
-    """One row's step as the phases fill it in: planned and drafted, then fed to the target, then judged."""
-
-    row: Row
-    row_id: int  # the row's number in the RowBackend
-    plan: DraftPlan
-    proposal: Proposal = field(default_factory=Proposal.empty)
-    shape: Shape = CHAINS  # the shape of its drafts
-    draft_s: float = 0.0
-    uncached: int = 0  # tokens fed ahead of the drafts: the pending token, or the whole prompt at the first step
-    path: list[int] = field(default_factory=list)  # accepted draft nodes, root first
-    next_token: int = -1  # the target's token after them, recovered or bonus
 
 
 @torch.inference_mode()
@@ -240,7 +127,9 @@ def draft(row: Row, draft_plan: DraftPlan, drafting: Timer) -> tuple[Proposal, S
         with _guarding(row):
             allowed = row.guards.trim(row.tokens, proposal.tokens)
         proposal = proposal.cut(allowed)
-    return replace(proposal, tokens=proposal.tokens.cpu()), row.shape.drafted(row, proposal)
+    # the drafts' shape whatever the row's: a chain row's drafter may draft a tree unasked (trees.py judges whether the
+    # row can take one)
+    return replace(proposal, tokens=proposal.tokens.cpu()), TREES.drafted(row, proposal)
 
 
 def score(target: RowBackend, steps: list[RowStep]) -> torch.Tensor:

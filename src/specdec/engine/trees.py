@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.base import Proposal
-from specdec.engine.step import CHAINS, DraftPlan, Row, RowStep, Shape
+from specdec.engine.rows import CHAINS, DraftPlan, Row, RowStep, Shape
 from specdec.errors import ConfigError
 from specdec.models.backend import RowBackend
 from specdec.seeds import ACCEPT, SAMPLE
@@ -38,6 +38,8 @@ class Trees(Shape):
         return DraftPlan(chosen, min(row.config.k if priced else chosen, room), branches)
 
     def drafted(self, row: Row, proposal: Proposal) -> Shape:
+        """The shape of ``row``'s drafts this step, whatever the row's own (a chain row's drafter may draft a tree
+        unasked): a chain, or a tree; ConfigError for a tree the row cannot take."""
         if not proposal.is_tree:
             return CHAINS
         if row.config.guards.active or row.config.typical_acceptance is not None:
