@@ -26,7 +26,7 @@ from specdec.models.backend import OneRow
 from specdec.models.batched import BatchedTransformersBackend
 from specdec.models.cuda_graphs import CudaGraphs
 from specdec.models.target import Target
-from specdec.scheduling import KPolicy
+from specdec.scheduling import KPlan, KPolicy
 from specdec.seeds import Seeds
 
 PROMPT = [1, 5, 9, 5, 9, 5, 9, 12]
@@ -204,8 +204,8 @@ class Alternating(KPolicy):
     def __init__(self) -> None:
         self.ks = itertools.cycle([4, 0])
 
-    def choose(self, context_length: int) -> int:
-        return next(self.ks)
+    def plan(self, context_length: int, trees: bool) -> KPlan:
+        return KPlan(next(self.ks))
 
     def observe(self, outcome) -> None:
         pass

@@ -25,6 +25,7 @@ from specdec.scheduling import (
     CostCurve,
     CostModelK,
     HeuristicK,
+    KPolicy,
     PerplexityK,
     StepOutcome,
     build_k_policy,
@@ -46,11 +47,16 @@ def outcome(proposed: int, accepted: int, context_length: int = 100, nll: float 
     return step_outcome(proposed, accepted, context_length=context_length, logits=logits)
 
 
+def k_at(policy: KPolicy, context_length: int) -> int:
+    """The k a chain row's policy plans at this context length."""
+    return policy.plan(context_length, trees=False).k
+
+
 def simulate(policy, accept_rate, steps: int, rng: random.Random, costs: CostCurve) -> tuple[list[int], float, float]:
     """Run ``policy`` against a drafter whose every token is accepted with probability accept_rate(step)."""
     chosen, tokens, seconds = [], 0, 0.0
     for step in range(steps):
-        k = policy.choose(100 + tokens)
+        k = k_at(policy, 100 + tokens)
         accepted = 0
         while accepted < k and rng.random() < accept_rate(step):
             accepted += 1
@@ -127,29 +133,29 @@ def test_every_policy_is_lossless_and_within_bounds(policy: str, tmp_path, monke
 def test_heuristic_schedule() -> None:
     policy = HeuristicK(max_k=8, k=4)
     policy.observe(outcome(4, 4))
-    assert policy.choose(50) == 6  # all accepted: +2
+    assert k_at(policy, 50) == 6  # all accepted: +2
     policy.observe(outcome(6, 6))
-    assert policy.choose(50) == 8  # capped at the maximum
+    assert k_at(policy, 50) == 8  # capped at the maximum
     policy.observe(outcome(8, 3))
-    assert policy.choose(50) == 7  # a rejection: -1
+    assert k_at(policy, 50) == 7  # a rejection: -1
     policy.observe(outcome(0, 0))
-    assert policy.choose(50) == 7  # nothing drafted: no information
+    assert k_at(policy, 50) == 7  # nothing drafted: no information
     for _ in range(10):
         policy.observe(outcome(3, 0))
-    assert policy.choose(50) == 1  # never below 1
+    assert k_at(policy, 50) == 1  # never below 1
 
 
 def test_perplexity_rule_follows_the_seed() -> None:
     policy = PerplexityK(max_k=16)
-    assert policy.choose(100) == 5  # nothing generated yet counts as hard: max(2, 512 // 100)
-    assert policy.choose(40) == 12 and policy.choose(1000) == 2
+    assert k_at(policy, 100) == 5  # nothing generated yet counts as hard: max(2, 512 // 100)
+    assert k_at(policy, 40) == 12 and k_at(policy, 1000) == 2
     policy.observe(outcome(2, 2, nll=math.log(10)))  # perplexity 10: easy
     assert policy.perplexity == pytest.approx(10, rel=1e-3)
-    assert policy.choose(100) == 5 and policy.choose(30) == 3 and policy.choose(8) == 0  # min(5, len // 10)
+    assert k_at(policy, 100) == 5 and k_at(policy, 30) == 3 and k_at(policy, 8) == 0  # min(5, len // 10)
     for _ in range(40):
         policy.observe(outcome(0, 0, nll=math.log(200)))  # the window forgets the easy stretch
-    assert policy.choose(64) == 8  # hard again: max(2, 512 // 64)
-    assert PerplexityK(max_k=3).choose(20) == 3  # capped
+    assert k_at(policy, 64) == 8  # hard again: max(2, 512 // 64)
+    assert k_at(PerplexityK(max_k=3), 20) == 3  # capped
 
 
 def test_confidence_policy_stops_unsure_drafts() -> None:

@@ -30,7 +30,7 @@ from specdec.engine.trees import TREES
 from specdec.errors import ConfigError
 from specdec.guards import NoGuards
 from specdec.models.backend import BackendCapabilities, RowBackend
-from specdec.scheduling import FixedK, KPolicy, StepOutcome
+from specdec.scheduling import FixedK, KPlan, KPolicy, StepOutcome
 from specdec.seeds import Seeds
 from specdec.verification import Drafts, Kind, RowDrafts, Rule, judge
 
@@ -118,15 +118,16 @@ class Anchoring(NoGuards):
 
 
 class Pricing(FixedK):
-    """A k policy that prices scored nodes (keeping ``keep`` of them) and chooses a tree every step."""
-
-    prices_nodes = True
+    """A k policy whose plans price scored nodes (keeping ``keep`` of them) and draft a tree wherever asked."""
 
     def __init__(self, k: int, keep: int) -> None:
         super().__init__(k)
         self.keep = keep
 
-    def tree_size(self, scores: torch.Tensor, parents: torch.Tensor, draft_s: float, steps: int) -> int:
+    def plan(self, context_length: int, trees: bool) -> KPlan:
+        return KPlan(self.k, trees, self.price)
+
+    def price(self, scores: torch.Tensor, parents: torch.Tensor, draft_s: float, steps: int) -> int:
         return self.keep
 
 
@@ -190,7 +191,7 @@ def test_a_scored_proposal_is_cut_where_its_policy_prices_nodes() -> None:
     """A scored chain too: the policy's price decides how many of its nodes the target judges."""
     scored = Proposal(torch.tensor([5, 6, 7, 8]), scores=torch.tensor([0.9, 0.8, 0.5, 0.1]))
     row = make_row(scored, k=4, policy=Pricing(4, keep=2))
-    proposal, _ = draft(row, DraftPlan(chosen=4, asked=4), Timer())
+    proposal, _ = draft(row, plan(row, None, 64), Timer())
     assert proposal.tokens.tolist() == [5, 6]
 
 
@@ -312,12 +313,13 @@ TREE = Proposal(torch.tensor([5, 6, 7, 8]), parents=torch.tensor([-1, -1, 1, 1])
 
 def test_a_tree_row_plans_a_tree_and_a_priced_one_asks_for_k() -> None:
     assert plan(make_row(TREE, k=4, branches=3), None, 64) == DraftPlan(chosen=4, asked=4, branches=3)
-    priced = make_row(TREE, k=6, branches=3, policy=Pricing(2, keep=3))
-    assert plan(priced, None, 64) == DraftPlan(chosen=2, asked=6, branches=3)
+    pricing = Pricing(2, keep=3)
+    priced = make_row(TREE, k=6, branches=3, policy=pricing)
+    assert plan(priced, None, 64) == DraftPlan(chosen=2, asked=6, branches=3, price=pricing.price)
 
     class ChainsOnly(FixedK):
-        def choose_tree(self) -> bool:
-            return False
+        def plan(self, context_length: int, trees: bool) -> KPlan:
+            return KPlan(self.k)
 
     assert plan(make_row(TREE, k=4, branches=3, policy=ChainsOnly(4)), None, 64) == DraftPlan(chosen=4, asked=4)
 

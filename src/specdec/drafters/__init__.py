@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
+from functools import singledispatch
 
 from specdec.config import RuntimeConfig
 from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
@@ -48,16 +49,24 @@ def drafter_name(spec: str | Drafter) -> str:
     return spec if isinstance(spec, str) else type(spec).__name__
 
 
-def build_drafter(spec: str | Drafter, target: Target, runtime: RuntimeConfig = RuntimeConfig()) -> Drafter:
+@singledispatch
+def build_drafter(spec: object, target: Target, runtime: RuntimeConfig = RuntimeConfig()) -> Drafter:
     """Build a drafter for ``target`` from its command-line spec (see DRAFT_SPECS); model drafts share the runtime
-    settings. A ready :class:`Drafter` is returned as it is."""
-    if isinstance(spec, Drafter):
-        return spec
-    if not isinstance(spec, str):
-        raise ConfigError(
-            f"a drafter is a name (see --draft) or an instance of specdec.drafters.Drafter, not {type(spec).__name__}: "
-            "subclass Drafter (docs/writing-a-drafter.md)"
-        )
+    settings. A ready :class:`Drafter` is returned as it is. One overload per declared spec type: a name or a
+    Drafter; anything else is refused here."""
+    raise ConfigError(
+        f"a drafter is a name (see --draft) or an instance of specdec.drafters.Drafter, not {type(spec).__name__}: "
+        "subclass Drafter (docs/writing-a-drafter.md)"
+    )
+
+
+@build_drafter.register(Drafter)
+def _ready(spec: Drafter, target: Target, runtime: RuntimeConfig = RuntimeConfig()) -> Drafter:
+    return spec
+
+
+@build_drafter.register(str)
+def _named(spec: str, target: Target, runtime: RuntimeConfig = RuntimeConfig()) -> Drafter:
     kind, _, arg = spec.partition(":")
     if spec == "auto":
         raise ConfigError(
@@ -84,7 +93,7 @@ def build_drafter(spec: str | Drafter, target: Target, runtime: RuntimeConfig = 
             "the drafter 'default' is now called 'lookup-then-draft' (prompt lookup, then the distilled draft); "
             "'default' will be removed in the next release",
             FutureWarning,
-            stacklevel=2,
+            stacklevel=3,  # past the overload dispatch, to the caller
         )
         spec = "lookup-then-draft"
     if spec == "lookup-then-draft":

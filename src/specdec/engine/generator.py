@@ -86,10 +86,10 @@ class Generator:
         ``target`` replaces the profile's own (a ready model, or another name); a profile tuned for another target
         or on another machine still loads, with a ProfileWarning that says what differs.
         """
-        if isinstance(profile, Profile):
-            profile.check_installed()
-        else:
+        if isinstance(profile, str | Path):
             profile = load_profile(profile)
+        else:
+            profile.check_installed()
         name = target if isinstance(target, str) else profile.target if target is None else target.name
         for note in profile.differences(name):
             warnings.warn(note, ProfileWarning, stacklevel=2)

@@ -16,7 +16,7 @@ from specdec.drafters.base import Drafter, DraftSettings, Proposal
 from specdec.engine.stats import DecodeStats
 from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
-from specdec.scheduling import KPolicy
+from specdec.scheduling import KPlan, KPolicy, NodePrice
 from specdec.seeds import ACCEPT, SAMPLE, Seeds
 from specdec.verification import Rule, Uniforms
 
@@ -31,6 +31,7 @@ class DraftPlan:
     asked: int = 0
     branches: int = 1  # the most children a draft node may have (1: a chain)
     anchored: bool = False  # a guard made this a target-only step
+    price: NodePrice | None = None  # the policy's cut of a scored proposal (KPlan.price); None: cut to ``chosen``
 
 
 class Shape(ABC):
@@ -42,8 +43,8 @@ class Shape(ABC):
     tree: bool = False
 
     @abstractmethod
-    def plan(self, row: Row, chosen: int, room: int) -> DraftPlan:
-        """The step's draft size from the k policy's ``chosen``, within ``room`` (> 0): the most drafts the row can
+    def plan(self, row: Row, chosen: KPlan, room: int) -> DraftPlan:
+        """The step's draft size from the k policy's plan ``chosen``, within ``room`` (> 0): the most drafts the row can
         use."""
 
     @abstractmethod
@@ -64,8 +65,8 @@ class Shape(ABC):
 class Chains(Shape):
     """A chain row's steps, and the chain steps of a tree row."""
 
-    def plan(self, row: Row, chosen: int, room: int) -> DraftPlan:
-        return DraftPlan(chosen, min(chosen, room))
+    def plan(self, row: Row, chosen: KPlan, room: int) -> DraftPlan:
+        return DraftPlan(chosen.k, min(chosen.k, room), price=chosen.price)
 
     def tree_of(self, proposal: Proposal) -> torch.Tensor | None:
         return None

@@ -3,7 +3,7 @@
 One step, for rows of any number (batch 1 is a batch: one sequence decodes on a
 :class:`~specdec.models.backend.OneRow` backend):
 
-1. **draft**: each row's :class:`DraftPlan` (its k policy's choice, capped by the batch's window and the row's limits:
+1. **draft**: each row's :class:`DraftPlan` (its k policy's plan, capped by the batch's window and the row's limits:
    a step yields the accepted drafts plus one target token, never past max_new_tokens or the context; nothing on a
    guard's anchor step), then its drafter's proposal, cut to what the row keeps;
 2. **score**: each row is fed the tokens its cache lacks (the whole prompt at its first step, afterwards the pending
@@ -100,27 +100,28 @@ def speculative_step(
 
 
 def plan(row: Row, window: int | None, max_context: int) -> DraftPlan:
-    """Phase 1, how much: the k policy's choice within the window and the room the row has left (nothing on a guard's
-    anchor step); the row's shape sizes the draft within them."""
-    chosen = row.policy.choose(row.length)
+    """Phase 1, how much: the k policy's plan within the window and the room the row has left (nothing on a guard's
+    anchor step); the row's shape sizes the draft within them. The policy is asked for a tree only where the row
+    drafts trees and drafts this step."""
     anchored = row.guards.anchor_due(row.stats.new_tokens)
     room = min(row.config.max_new_tokens - row.stats.new_tokens, max_context - row.length) - 1
     room = room if window is None else min(room, window)
-    if anchored or room <= 0:
-        return DraftPlan(chosen, anchored=anchored)
+    drafts = not anchored and room > 0
+    chosen = row.policy.plan(row.length, trees=drafts and row.shape.tree)
+    if not drafts:
+        return DraftPlan(chosen.k, anchored=anchored)
     return row.shape.plan(row, chosen, room)
 
 
 def draft(row: Row, draft_plan: DraftPlan, drafting: Timer) -> tuple[Proposal, Shape]:
     """Phase 1: the drafter's proposal, cut to what the row keeps, and its shape. A scored proposal (a chain too) is
-    cut to what its policy prices where the policy prices nodes, others to the policy's choice; deterministic tokens
+    cut to what its policy's plan prices where the plan prices nodes, others to the plan's k; deterministic tokens
     then to what the guards allow. Its tokens on the host (the context lives there; probabilities stay where they are,
     for the verifier)."""
     proposal = row.drafter.propose(row.tokens, draft_plan.asked, draft_plan.branches)
-    if proposal.scores is not None and row.policy.prices_nodes:
-        proposal = proposal.cut(
-            row.policy.tree_size(proposal.scores, proposal.links, drafting.elapsed, proposal.draft_steps)
-        )
+    price = draft_plan.price
+    if proposal.scores is not None and price is not None:
+        proposal = proposal.cut(price(proposal.scores, proposal.links, drafting.elapsed, proposal.draft_steps))
     else:
         proposal = proposal.cut(draft_plan.chosen)
     if proposal.probs is None:  # a deterministic draft token that a guard blocks would only be rejected

@@ -1,8 +1,8 @@
 """Tree steps: where a row that drafts trees differs from the chain path of the speculative step (engine/step.py).
 
 A tree row (branches > 1, a drafter that declares trees; chosen when it joins) asks its k policy at each step whether
-to draft a tree or a chain (``KPolicy.choose_tree``); a tree step of a scoring drafter under a pricing policy asks for
-the most nodes, k, which their scores cut after. Drafts that branch make a tree step:
+to draft a tree or a chain (``KPlan.tree``); a tree step of a scoring drafter under a plan that prices nodes
+(``KPlan.price``) asks for the most nodes, k, which their scores cut after. Drafts that branch make a tree step:
 
 - **score**: the target reads the nodes in the row's one forward, each seeing the context and its own ancestors;
 - **verify**: a tree verifier judges them (verification/verifiers.py); a sampled verdict's uniforms are keyed by each
@@ -21,6 +21,7 @@ from specdec.drafters.base import Proposal
 from specdec.engine.rows import CHAINS, DraftPlan, Row, RowStep, Shape
 from specdec.errors import ConfigError
 from specdec.models.backend import RowBackend
+from specdec.scheduling import KPlan
 from specdec.seeds import ACCEPT, SAMPLE
 from specdec.verification import Uniforms
 
@@ -30,12 +31,13 @@ class Trees(Shape):
 
     tree = True
 
-    def plan(self, row: Row, chosen: int, room: int) -> DraftPlan:
-        """A tree (``branches`` children a node) where the policy chooses one this step, else a chain."""
-        branches = row.config.branches if row.policy.choose_tree() else 1
-        # A tree step of a scoring drafter under a pricing policy asks for the most nodes: their scores cut them after.
-        priced = branches > 1 and row.policy.prices_nodes and row.drafter.capabilities.scores
-        return DraftPlan(chosen, min(row.config.k if priced else chosen, room), branches)
+    def plan(self, row: Row, chosen: KPlan, room: int) -> DraftPlan:
+        """A tree (``branches`` children a node) where the policy's plan drafts one this step, else a chain."""
+        branches = row.config.branches if chosen.tree else 1
+        # A tree step of a scoring drafter under a plan that prices nodes asks for the most nodes: their scores cut
+        # them after.
+        priced = branches > 1 and chosen.price is not None and row.drafter.capabilities.scores
+        return DraftPlan(chosen.k, min(row.config.k if priced else chosen.k, room), branches, price=chosen.price)
 
     def drafted(self, row: Row, proposal: Proposal) -> Shape:
         """The shape of ``row``'s drafts this step, whatever the row's own (a chain row's drafter may draft a tree

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import singledispatch
 from pathlib import Path
 from typing import Protocol
 
@@ -36,12 +37,23 @@ class Target:
     chosen: str | None = None  # how ``--native-format auto`` chose the native format
 
 
-def open_target(model: str | LoadedModel | Target, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
+@singledispatch
+def open_target(model: object, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
     """Open a model on a runtime: transformers (any causal LM), llama.cpp (GGUF files and bundled aliases), native
     (Gemma-3, Llama, Mistral and Qwen2/3 models on a CPU with AVX2 or ARM SDOT) or auto (native where it runs, else
-    transformers). A target already open is returned as it is."""
-    if isinstance(model, Target):
-        return model
+    transformers). One overload per declared model type: a name, a LoadedModel, or a Target already open (returned as
+    it is); anything else is refused here."""
+    raise ConfigError(f"a target is a model name, a LoadedModel or a Target, not {type(model).__name__}")
+
+
+@open_target.register(Target)
+def _opened(model: Target, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
+    return model
+
+
+@open_target.register(str)
+@open_target.register(LoadedModel)
+def _open(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
     if runtime.backend == "llama.cpp":
         from specdec.models.llamacpp import LlamaCppBackend
 

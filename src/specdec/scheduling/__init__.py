@@ -13,7 +13,9 @@ from specdec.scheduling.k_policy import (
     CostModelK,
     FixedK,
     HeuristicK,
+    KPlan,
     KPolicy,
+    NodePrice,
     PerplexityK,
     StepOutcome,
     WayRates,
@@ -38,7 +40,7 @@ def build_k_policy(
     them). Without ``draft_cost`` the cost model learns the draft's cost from live timings; with it,
     ``tree_draft_cost`` prices a level of a tree's drafting (default: a chain step's). ``ways``: tree and chain
     steps' rates shared with other rows, which a tree row's choice between them starts from
-    (``CostModelK.choose_tree``).
+    (``CostModelK.choose_tree``, asked by its plans).
     """
     if name == "fixed":
         return FixedK(k)
@@ -72,7 +74,9 @@ __all__ = [
     "CostModelK",
     "FixedK",
     "HeuristicK",
+    "KPlan",
     "KPolicy",
+    "NodePrice",
     "PerplexityK",
     "StepOutcome",
     "WayRates",

@@ -3,8 +3,8 @@
 A fixed k is too few on easy text and too many on hard text, and what "too
 many" means depends on the runtime: verifying 9 tokens costs little more than one
 on a runtime that reads each weight once per step, and several times one on one that
-does not. A policy chooses k
-before each step and observes the step's outcome after it; it never sees a model.
+does not. A policy plans each step (k, and for rows that may draft trees, whether this step drafts one and how
+many of a scored proposal's nodes to verify) and observes the step's outcome after it; it never sees a model.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,32 +52,41 @@ class StepOutcome:
         return -logp.gather(-1, self.new_tokens.to(logp.device)[:, None]).squeeze(-1).cpu()
 
 
-class KPolicy(ABC):
-    """Chooses the draft length of each step of one sequence, and for rows that may draft trees, whether to.
+# How many of a scored proposal's best nodes to verify, from its scores, its parents, the seconds spent drafting it
+# and the forwards of a drafting model it took.
+NodePrice = Callable[[torch.Tensor, torch.Tensor, float, int], int]
 
-    Every member the engine uses is declared here with its default; a policy overrides what it decides.
+
+@dataclass(frozen=True)
+class KPlan:
+    """What a k policy decides before one step of its sequence."""
+
+    k: int  # tokens to draft (0 = a plain target step)
+    tree: bool = False  # where asked (a row that may draft trees and drafts this step): a tree, else a chain
+    # where the policy prices a scored proposal's nodes: how many to keep (the engine then asks a scoring drafter of a
+    # tree step for the most nodes); None: a proposal is cut to k
+    price: NodePrice | None = None
+
+
+class KPolicy(ABC):
+    """Plans each step of one sequence (its draft length and, for rows that may draft trees, its shape) and learns
+    from what each step did.
+
+    ``plan`` and ``observe`` are the whole contract, with one declared value: ``min_confidence``, which a drafter is
+    given when it begins a sequence, before any plan.
     """
 
     #: drafters with probabilities stop at the first token below this (0 = never); see the confidence policy
     min_confidence: float = 0.0
-    #: ``tree_size`` prices a scored proposal's nodes (the engine then asks a scoring drafter for the most nodes)
-    prices_nodes: bool = False
 
     @abstractmethod
-    def choose(self, context_length: int) -> int:
-        """The number of tokens to draft now (0 = a plain target step)."""
+    def plan(self, context_length: int, trees: bool) -> KPlan:
+        """The plan of the step about to be taken; ``trees``: the row may draft a tree now (it asks once per such
+        step), so the plan says whether it does."""
 
     @abstractmethod
     def observe(self, outcome: StepOutcome) -> None:
         """Learn from the step just taken."""
-
-    def choose_tree(self) -> bool:
-        """For a row that may draft trees, whether this step drafts one (else a chain); asked once per such step."""
-        return True
-
-    def tree_size(self, scores: torch.Tensor, parents: torch.Tensor, draft_s: float, steps: int) -> int:
-        """How many of a scored proposal's best nodes to verify (asked only where ``prices_nodes``)."""
-        return len(scores)
 
 
 @dataclass
@@ -86,8 +96,8 @@ class FixedK(KPolicy):
     k: int
     min_confidence: float = 0.0
 
-    def choose(self, context_length: int) -> int:
-        return self.k
+    def plan(self, context_length: int, trees: bool) -> KPlan:
+        return KPlan(self.k, trees)
 
     def observe(self, outcome: StepOutcome) -> None:
         pass
@@ -104,8 +114,8 @@ class HeuristicK(KPolicy):
     def __post_init__(self) -> None:
         self.k = self.max_k if self.k is None else self.k
 
-    def choose(self, context_length: int) -> int:
-        return self.k
+    def plan(self, context_length: int, trees: bool) -> KPlan:
+        return KPlan(self.k, trees)
 
     def observe(self, outcome: StepOutcome) -> None:
         if outcome.depth:  # a step where the drafter found nothing says nothing about k
@@ -142,12 +152,12 @@ class PerplexityK(KPolicy):
     def perplexity(self) -> float:
         return math.exp(sum(self._nll) / len(self._nll)) if self._nll else math.inf
 
-    def choose(self, context_length: int) -> int:
+    def plan(self, context_length: int, trees: bool) -> KPlan:
         if self.perplexity < self.threshold:
             k = min(self.easy_k, context_length // self.easy_divisor)
         else:
             k = max(self.hard_min, self.hard_budget // max(context_length, 1))
-        return min(k, self.max_k)
+        return KPlan(min(k, self.max_k), trees)
 
     def observe(self, outcome: StepOutcome) -> None:
         self._nll.extend(outcome.token_nll().tolist())
@@ -167,8 +177,8 @@ class ConfidenceK(KPolicy):
     def min_confidence(self) -> float:
         return self.threshold
 
-    def choose(self, context_length: int) -> int:
-        return self.max_k
+    def plan(self, context_length: int, trees: bool) -> KPlan:
+        return KPlan(self.max_k, trees)
 
     def observe(self, outcome: StepOutcome) -> None:
         pass
@@ -258,9 +268,9 @@ class CostModelK(KPolicy):
     chain as long, by tokens; none when not given) on top of the chain's price.
     ``ways``: a tree row's rates of tree and chain steps, when shared with other rows (its own otherwise).
     ``tree_draft_s_per_step``: a seeded run's price of a level of a tree's drafting (default: a chain step's).
+    Its plans price a scored proposal's nodes (``tree_size``) and choose between trees and chains by their measured
+    rates (``choose_tree``).
     """
-
-    prices_nodes = True
 
     def __init__(
         self,
@@ -299,7 +309,7 @@ class CostModelK(KPolicy):
 
     def tree_size(self, scores: torch.Tensor, parents: torch.Tensor, draft_s: float, steps: int) -> int:
         """How many of a scored proposal's best nodes (``parents``: its tree, drafted in ``steps`` forwards of a model)
-        to verify (EAGLE-2's reranking, priced by this machine's costs).
+        to verify (EAGLE-2's reranking, priced by this machine's costs): its plans' ``price``.
 
         A node's score is the drafter's chance that it is accepted, so the best n nodes are expected to yield
         1 + calibration * (their summed scores) tokens for a forward over n + 1 positions (a tree's price once they
@@ -323,7 +333,8 @@ class CostModelK(KPolicy):
         return self._tree_draft_s_per_step if tree else self._draft_s_per_token
 
     def choose_tree(self) -> bool:
-        """Whether this step of a row allowed trees drafts one (else a chain, drafted as a chain row would).
+        """Whether this step of a row allowed trees drafts one (else a chain, drafted as a chain row would); asked by
+        ``plan`` where the row may draft a tree.
 
         A tree verifies more nodes for more accepted tokens and costs more to draft; whether that pays depends on the
         drafter, the text and the machine, so it is measured: each way's tokens per second (drafting and verification
@@ -340,10 +351,14 @@ class CostModelK(KPolicy):
         tokens = expected_tokens(self.acceptance if a is None else a, k)
         return tokens / (self._verify_s[k] + k * self._draft_s_per_token)
 
-    def choose(self, context_length: int) -> int:
+    def choose(self) -> int:
+        """The k with the most expected tokens per second at the current acceptance estimate."""
         a = self.acceptance
         self._chosen = max(range(self.max_k + 1), key=lambda k: self.expected_rate(k, a))
         return self._chosen
+
+    def plan(self, context_length: int, trees: bool) -> KPlan:
+        return KPlan(self.choose(), trees and self.choose_tree(), self.tree_size)
 
     def observe(self, outcome: StepOutcome) -> None:
         tree = self._drafting_tree  # None: a chain row; False: a tree row's chain step

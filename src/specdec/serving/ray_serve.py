@@ -21,6 +21,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -37,6 +38,9 @@ from specdec.errors import ConfigError, DeploymentError
 from specdec.serving.config import RayConfig, ServeConfig
 from specdec.serving.metrics import RelayMetrics, merge_replicas
 from specdec.serving.relay import Forwarded, call_asgi, relay
+
+if TYPE_CHECKING:
+    from specdec.serving.batcher import Batcher
 
 APPLICATION, ENGINE, INGRESS = "specdec", "engine", "ingress"
 ATTEMPTS = 3  # replicas a request may be tried on before the client gets a 503
@@ -93,6 +97,9 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
     class Engine:
         """One engine replica: the single-process server, run request by request by the ingress."""
 
+        # None until the engine thread starts (Serve may finalize a replica whose __init__ raised).
+        batcher: Batcher | None = None
+
         def __init__(self) -> None:
             from specdec.engine import Generator
             from specdec.models import open_target
@@ -120,7 +127,7 @@ def application(spec: ReplicaSpec, ray_config: RayConfig):
 
         # Serve calls it once the replica's requests have drained (or shutdown_timeout_s passed).
         def __del__(self) -> None:
-            if hasattr(self, "batcher"):
+            if self.batcher is not None:
                 self.batcher.stop(spec.serve.shutdown_timeout_s)
 
     @serve.deployment(
