@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import GenerationConfig, Generator
 from specdec.config import PRESETS, GuardConfig, RuntimeConfig, TypicalAcceptance
+from specdec.drafters.base import EVERYONE, OWN, HistoryScope
 from specdec.engine import GenerationResult
 from specdec.errors import ConfigError
 from specdec.serving.batcher import Batcher, Job
@@ -691,7 +692,9 @@ def test_admission_fills_free_slots_before_refusing(folder: Path) -> None:
 SEEDED = dict(prompt="Question: why?", temperature=0.8, seed=7, max_new_tokens=48, stop_on_eos=False)
 
 
-def _through_batcher(generator: Generator, rounds: list[list[dict]], scope: str | None) -> list[list[GenerationResult]]:
+def _through_batcher(
+    generator: Generator, rounds: list[list[dict]], scope: HistoryScope
+) -> list[list[GenerationResult]]:
     """Each round's requests submitted together to one running Batcher (the server's engine), round after round; the
     results in the same order. ``scope``: the requests' suffix scope, as the server sets it."""
     batcher = Batcher(generator, max_batch=8, max_queue=8, metrics=Metrics())
@@ -719,11 +722,16 @@ def _through_batcher(generator: Generator, rounds: list[list[dict]], scope: str 
 
 @pytest.mark.parametrize(
     ("draft", "scope", "beside"),
-    [("suffix", "", False), ("prompt-lookup", "", False), ("suffix", None, False), ("suffix", "", True)],
+    [
+        ("suffix", EVERYONE, False),
+        ("prompt-lookup", EVERYONE, False),
+        ("suffix", OWN, False),
+        ("suffix", EVERYONE, True),
+    ],
     ids=["suffix shared", "prompt lookup", "suffix scope request", "beside another request"],
 )
 def test_a_seeded_request_is_answered_alike_whatever_came_before_or_beside_it(
-    draft: str, scope: str | None, beside: bool
+    draft: str, scope: HistoryScope, beside: bool
 ) -> None:
     """The same seeded request (temperature 0.8, seed 7) three times through the server's engine, under its dynamic
     window (k follows the load and the acceptance so far), with the history a suffix drafter keeps of earlier answers,
@@ -737,7 +745,7 @@ def test_a_seeded_request_is_answered_alike_whatever_came_before_or_beside_it(
     answers = [results[0] for results in _through_batcher(Generator(target, draft, config), rounds, scope)]
     assert [answer.text for answer in answers] == [alone.text] * 3
     assert any(answer.stats.draft_tokens_proposed for answer in answers)  # it drafted
-    if draft == "suffix" and scope is not None and not beside:  # later ones draft the first one's answer: it comes true
+    if draft == "suffix" and scope != OWN and not beside:  # later ones draft the first one's answer: it comes true
         assert all(answer.stats.draft_tokens_accepted > 10 for answer in answers[1:])
 
 

@@ -28,13 +28,13 @@ from specdec import GenerationConfig, Generator
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig
 from specdec.drafters import build_drafter
-from specdec.drafters.base import DraftSettings
+from specdec.drafters.base import EVERYONE, OWN, DraftSettings, HistoryScope, Sharing
 from specdec.drafters.suffix import SuffixDrafter, SuffixStore
 from specdec.errors import ConfigError
 from specdec.verification import Uniforms
 
 
-def drafter(store: SuffixStore, scope: str | None = "") -> SuffixDrafter:
+def drafter(store: SuffixStore, scope: HistoryScope = EVERYONE) -> SuffixDrafter:
     d = SuffixDrafter(store)
     d.begin(DraftSettings(scope=scope))
     return d
@@ -95,13 +95,14 @@ def test_a_drafter_copies_from_its_own_request_unless_the_store_matches_far_long
 
 def test_scopes_keep_histories_apart_and_none_keeps_nothing() -> None:
     store = SuffixStore()
-    alice = drafter(store, "alice")
+    alice_scope = HistoryScope.of_group("alice")
+    alice = drafter(store, alice_scope)
     alice.finish(torch.tensor([0] * 20 + [5, 6, 7, 8]), prompt_length=20)  # the output, and the prompt's last tokens
     assert store.token_count == 4 + suffix.LEAD_IN
-    assert drafter(store, "alice").propose(torch.tensor([1, 5, 6]), k=2).tokens.tolist() == [7, 8]
-    assert len(drafter(store, "bob").propose(torch.tensor([1, 5, 6]), k=2)) == 0
-    assert len(drafter(store, "").propose(torch.tensor([1, 5, 6]), k=2)) == 0
-    private = drafter(store, None)
+    assert drafter(store, alice_scope).propose(torch.tensor([1, 5, 6]), k=2).tokens.tolist() == [7, 8]
+    assert len(drafter(store, HistoryScope.of_group("bob")).propose(torch.tensor([1, 5, 6]), k=2)) == 0
+    assert len(drafter(store, EVERYONE).propose(torch.tensor([1, 5, 6]), k=2)) == 0
+    private = drafter(store, OWN)
     assert len(private.propose(torch.tensor([1, 5, 6]), k=2)) == 0
     private.finish(torch.tensor([5, 6, 9, 9]), prompt_length=0)
     assert store.token_count == 4 + suffix.LEAD_IN
@@ -483,8 +484,9 @@ def test_commands_refuse_what_a_learning_drafter_would_fake() -> None:
 
     with pytest.raises(ConfigError, match="no keys are set"):
         ServeConfig(suffix_scope="key")
-    assert ServeConfig(api_keys=("k",)).scope("k") not in ("", None) and ServeConfig().scope("k") == ""
-    assert ServeConfig(suffix_scope="request").scope("k") is None
+    keyed = ServeConfig(api_keys=("k",)).scope("k")
+    assert keyed.sharing is Sharing.GROUP and "k" != keyed.group and ServeConfig().scope("k") == EVERYONE
+    assert ServeConfig(suffix_scope="request").scope("k") == OWN
     result = CliRunner().invoke(app, ["serve", "--draft", "prompt-lookup", "--suffix-max-tokens", "10"])
     assert result.exit_code == 2 and "add --draft suffix" in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(app, ["serve", "--draft", "suffix", "--suffix-save-every", "60"])

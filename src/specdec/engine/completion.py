@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from specdec.config import GenerationConfig
+from specdec.drafters.base import EVERYONE, HistoryScope
 from specdec.engine.decoder import Decoder
 from specdec.engine.stats import DecodeStats
 from specdec.engine.text import TextTracker
@@ -60,7 +61,7 @@ class Completion:
         self.finish_reason: FinishReason = "length"
         self.text = TextTracker(generator.tokenizer, config.stop) if generator.tokenizer is not None else None
         self.seeds = Seeds(config.seed if config.seed is not None else random.randrange(2**63))
-        self.scope: str | None = ""  # whose history its drafter may share (DraftSettings.scope); the server sets it
+        self.scope: HistoryScope = EVERYONE  # whose history its drafter may share; the server sets it
         guards = config.guards
         ignorable = generator.ignorable() if guards.repetition else frozenset()
         self.guards = Guards(guards, len(self.prompt_ids), ignorable) if guards.active else NoGuards()

@@ -34,7 +34,7 @@ import torch
 
 from specdec.acceptance import AcceptanceEstimate
 from specdec.config import GenerationConfig
-from specdec.drafters.base import Drafter, DraftSettings, Proposal
+from specdec.drafters.base import EVERYONE, Drafter, DraftSettings, HistoryScope, Proposal
 from specdec.engine.stats import DecodeStats
 from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
@@ -156,7 +156,7 @@ class Row:
     guards: Guards | NoGuards = field(default_factory=NoGuards)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # what the batch's window reads
     started: float = field(default_factory=time.perf_counter)
-    scope: str | None = ""  # whose history its drafter may share (DraftSettings.scope)
+    scope: HistoryScope = EVERYONE  # whose history its drafter may share (DraftSettings.scope)
     shape: Shape = CHAINS  # what it drafts (trees.py's TREES for a row with branches > 1 whose drafter drafts trees)
 
     @property
