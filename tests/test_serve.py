@@ -112,9 +112,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module", params=["process", "ray"])
 def server(request: pytest.FixtureRequest, folder: Path) -> Iterator[Server]:
     """The single-process server, then the same server as a Ray Serve deployment (skipped without the ray extra)."""
-    # A timing-free k (fixed policy, fixed window) makes seeded sampling reproducible;
+    # A timing-free k (fixed policy, fixed k_cap) makes seeded sampling reproducible;
     # greedy output is the target's either way.
-    args = ["--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--window", "fixed", "--max-batch", "8"]
+    args = ["--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--k-cap", "fixed", "--max-batch", "8"]
     if request.param == "ray":
         args += ["--ray", "--replicas", "1", "--ray-address", request.getfixturevalue("ray_cluster")]
     server = Server(str(folder), *args, key=KEY)  # every client test runs with a key set
@@ -734,7 +734,7 @@ def test_a_seeded_request_is_answered_alike_whatever_came_before_or_beside_it(
     draft: str, scope: HistoryScope, beside: bool
 ) -> None:
     """The same seeded request (temperature 0.8, seed 7) three times through the server's engine, under its dynamic
-    window (k follows the load and the acceptance so far), with the history a suffix drafter keeps of earlier answers,
+    k_cap (k follows the load and the acceptance so far), with the history a suffix drafter keeps of earlier answers,
     or beside another request: the same text each time, the target-only text for that seed."""
     tokenizer = char_tokenizer()
     target = loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)

@@ -443,7 +443,7 @@ def test_sampled_suffix_chains_keep_the_target_law(monkeypatch: pytest.MonkeyPat
         monkeypatch.setattr(step_module.Chains, "uniforms", one_for_every_position)
     target = tiny_llama(3, vocab=VOCAB, scale=0.15)
     # a fixed window: the dynamic one caps k by this machine's measured costs, and with it how many drafts are judged
-    gen = Generator(loaded(target), "suffix", batch=BatchConfig(window="fixed"))
+    gen = Generator(loaded(target), "suffix", batch=BatchConfig(k_cap="fixed"))
     settings = {"k": 8, "k_policy": "fixed", "branches": 1, "max_new_tokens": NEW, "stop_on_eos": False}
     configs = [GenerationConfig(**settings, sampling=SAMPLINGS["plain"], seed=s) for s in range(2000)]
     results = [r for start in range(0, 2000, 250) for r in gen.generate_batch([PROMPT] * 250, configs[start:][:250])]

@@ -261,7 +261,7 @@ PROFILE_GROUPS = (
     ("backend", "dtype", "precision", "threads", "ubatch", "native_format"),
     ("draft", "branches", "k", "k_policy"),  # k settings tuned for one drafter
     ("temperature",),
-    ("window",),
+    ("k_cap",),
 )
 
 
@@ -277,7 +277,7 @@ class Tuned:
     k_policy: str | None = None
     branches: int | None = None
     temperature: float | None = None
-    window: str | None = None
+    k_cap: str | None = None
 
 
 def with_profile(ctx: typer.Context, path: Path | None, target: str, given: frozenset[str] = frozenset()) -> Tuned:
@@ -307,7 +307,7 @@ def with_profile(ctx: typer.Context, path: Path | None, target: str, given: froz
         k_policy=generation.k_policy if "k_policy" in taken else None,
         branches=generation.branches if "branches" in taken else None,
         temperature=generation.sampling.temperature if "temperature" in taken else None,
-        window=profile.batch.window if "window" in taken else None,
+        k_cap=profile.batch.k_cap if "k_cap" in taken else None,
     )
     for note in profile.differences(tuned.target or target):
         say("warning:", "yellow", note)
