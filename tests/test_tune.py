@@ -100,7 +100,7 @@ def test_a_profile_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch: p
         (
             '{"version": 1, "target": "x", "drafter": "none", "runtime": {"backend": "tpu"}, '
             '"generation": {"k": 2, "k_policy": "fixed"}}',
-            "unknown backend 'tpu'",
+            "unknown runtime 'tpu'",
         ),
         (
             '{"version": 1, "target": "x", "drafter": "none", "runtime": {}, '

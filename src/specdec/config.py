@@ -295,7 +295,7 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in RUNTIMES:
-            raise ConfigError(f"unknown backend '{self.backend}': use one of {', '.join(RUNTIMES)}")
+            raise ConfigError(f"unknown runtime '{self.backend}': use one of {', '.join(RUNTIMES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype '{self.dtype}': use one of {', '.join(DTYPES)}")
         if self.threads is not None and self.threads < 1:

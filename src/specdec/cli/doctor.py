@@ -21,7 +21,7 @@ from specdec.errors import ConfigError, SpecDecError
 # ok; missing: an optional part that is not installed or not possible here; problem: should work and does not
 Status = Literal["ok", "missing", "problem"]
 PURPOSES = {  # what each extra of pyproject.toml is for
-    "llamacpp": "--backend llama.cpp, the llama.cpp peers of `bench`, --draft gguf:",
+    "llamacpp": "--runtime llama.cpp, the llama.cpp peers of `bench`, --draft gguf:",
     "ray": "serve --ray: replicas on Ray Serve",
     "quality": "the drift guard and `specdec quality`",
     "test": "the test suite",
@@ -47,7 +47,7 @@ def native_kernels() -> Check:
             "native kernels",
             "missing",
             "this CPU lacks AVX2, FMA and F16C (x86) or SDOT (ARM), which the native backend's kernels need at least",
-            "use --backend transformers (or llama.cpp); --backend auto chooses transformers by itself",
+            "use --runtime transformers (or llama.cpp); --runtime auto chooses transformers by itself",
         )
     ready = kernel_build.is_built(first)
     with status("loading the native kernels" if ready else "building the native kernels (once; under a minute)"):

@@ -87,9 +87,15 @@ Prompts = Annotated[
     ),
 ]
 Dtype = Annotated[str, typer.Option(help=f"Weights dtype (transformers backend): {', '.join(DTYPES)}.")]
-BackendOpt = Annotated[
+# what --runtime names is RuntimeConfig.backend; --backend, its former name, is still accepted
+RUNTIME_ALIAS = "--backend is its former name, still accepted."
+RuntimeOpt = Annotated[
     str,
-    typer.Option("--backend", help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases)."),
+    typer.Option(
+        "--runtime",
+        "--backend",
+        help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases). {RUNTIME_ALIAS}",
+    ),
 ]
 NativeFormatOpt = Annotated[
     str,
@@ -164,13 +170,14 @@ def float_pair(option: str, value: str | None) -> tuple[float, float] | None:
 
 # generate, demo and serve: native where it runs the model (the faster runtime on a CPU), else transformers
 FAST_BACKEND = "auto"
-FastBackendOpt = Annotated[
+FastRuntimeOpt = Annotated[
     str,
     typer.Option(
+        "--runtime",
         "--backend",
         help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases). Deliberately auto: "
         "native where it runs the model, else transformers, so a command starts on the fastest path (the library's "
-        "default is transformers, which runs every model and batches).",
+        f"default is transformers, which runs every model and batches). {RUNTIME_ALIAS}",
     ),
 ]
 
@@ -194,7 +201,7 @@ def announce_runtime(target: ModelTarget) -> None:
     fmt = f"{packed.format} weights, int8 activations"
     if target.chosen:
         err.print(target.chosen, style="dim", soft_wrap=True)
-    measure = f"`specdec ppl --backend native --target {target.name} --data FILE` measures its perplexity"
+    measure = f"`specdec ppl --runtime native --target {target.name} --data FILE` measures its perplexity"
     if packed.count > NATIVE_CHECK_MAX_WEIGHTS:
         err.print(f"runtime: {target.runtime} ({fmt}; {measure})", style="dim", soft_wrap=True)
         return

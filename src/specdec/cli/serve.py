@@ -12,6 +12,7 @@ import typer
 from specdec.cli.options import (
     DRAFT_HELP,
     FAST_BACKEND,
+    RUNTIME_ALIAS,
     Branches,
     Dtype,
     KOpt,
@@ -97,13 +98,14 @@ OpenMetrics = Annotated[
 InsecureNoAuth = Annotated[
     bool, typer.Option(help="Serve on a non-loopback address without API keys (anyone who can reach it can use it).")
 ]
-ServeBackend = Annotated[
+ServeRuntime = Annotated[
     str,
     typer.Option(
+        "--runtime",
         "--backend",
         help="Target runtime: native (specdec's CPU runtime), transformers, or auto (native where it runs the "
         "model, else transformers); both batch requests. Deliberately auto, as for generate (the library's default "
-        "is transformers).",
+        f"is transformers). {RUNTIME_ALIAS}",
     ),
 ]
 ServePrecision = Annotated[
@@ -199,7 +201,7 @@ def serve(
     api_key_file: ApiKeyFile = None,
     open_metrics: OpenMetrics = default(ServeConfig, "open_metrics"),
     insecure_no_auth: InsecureNoAuth = default(ServeConfig, "insecure_no_auth"),
-    backend: ServeBackend = FAST_BACKEND,
+    backend: ServeRuntime = FAST_BACKEND,
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: ServePrecision = None,
@@ -243,7 +245,7 @@ def serve(
     runtime = tuned.runtime or runtime_config(backend, dtype, None, None, precision, native_format)
     if runtime.backend == "llama.cpp":
         raise ConfigError(
-            "the server runs transformers or native targets (--backend transformers|native|auto), not llama.cpp"
+            "the server runs transformers or native targets (--runtime transformers|native|auto), not llama.cpp"
         )
     batch = BatchConfig(k_cap=k_cap)
     if ray:
