@@ -188,35 +188,26 @@ def status(message: str):
 
 
 def announce_runtime(target: ModelTarget) -> None:
-    """One line on stderr: the runtime the target runs on; for one of specdec's packed formats (native), its perplexity
-    against float32 (measured once per model and cached where the model is small enough to measure in seconds, else the
-    command that measures it)."""
+    """One line on stderr: the runtime the target runs on; for one of specdec's packed formats (native), its format and
+    its perplexity against float32 as stored once measured (`specdec doctor --target`), else the command that measures
+    it. Nothing is measured here."""
     packed = target.backend.packed_weights()
     if packed is None:
         fallback = f" (native does not run here: {target.fallback})" if target.fallback else ""
         err.print(f"runtime: {target.runtime}{fallback}", style="dim", soft_wrap=True)
         return
-    from specdec.bench.perplexity import NATIVE_CHECK_MAX_WEIGHTS, native_perplexity
+    from specdec.models.native.perplexity_record import CHECK_MAX_WEIGHTS, describe, stored_check
 
-    fmt = f"{packed.format} weights, int8 activations"
     if target.chosen:
         err.print(target.chosen, style="dim", soft_wrap=True)
-    measure = f"`specdec ppl --runtime native --target {target.name} --data FILE` measures its perplexity"
-    if packed.count > NATIVE_CHECK_MAX_WEIGHTS:
-        err.print(f"runtime: {target.runtime} ({fmt}; {measure})", style="dim", soft_wrap=True)
-        return
-    try:
-        with status("measuring the native backend's perplexity against float32 (once for this model; cached)"):
-            ppl = native_perplexity(target.name, target.backend.identity, packed.format)
-    except (SpecDecError, OSError) as exc:  # the figure is a courtesy: generation goes on without it
-        err.print(f"runtime: {target.runtime} ({fmt}; perplexity not measured: {exc})", style="dim", soft_wrap=True)
-        return
-    err.print(
-        f"runtime: {target.runtime} ({fmt}; perplexity {ppl.perplexity:.3f} against float32 "
-        f"{ppl.float32_perplexity:.3f}, {ppl.delta / ppl.float32_perplexity:+.2%}, on {ppl.tokens:,} tokens)",
-        style="dim",
-        soft_wrap=True,
-    )
+    fmt = f"{packed.format} weights, int8 activations"
+    if (stored := stored_check(target.backend.identity)) is not None:
+        figure = describe(stored)
+    elif packed.count > CHECK_MAX_WEIGHTS:
+        figure = f"`specdec ppl --runtime native --target {target.name} --data FILE` measures its perplexity"
+    else:
+        figure = f"perplexity not measured yet: `specdec doctor --target {target.name}` measures it once"
+    err.print(f"runtime: {target.runtime} ({fmt}; {figure})", style="dim", soft_wrap=True)
 
 
 def runtime_config(
