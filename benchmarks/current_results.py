@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -1121,8 +1122,14 @@ WRITERS: dict[str, Callable[[list[Result]], list[Block]]] = {
 }
 
 
+# A headline that compares the code before and after a change names the commit it started from: it is history (the
+# journal keeps it), not a current figure.
+BEFORE_AFTER = re.compile(r"\bbefore \([0-9a-f]{7,40}\)")
+
+
 def headlines(path: Path) -> list[str]:
-    """The figures the journal states from commands that wrote no results file (headlines.json)."""
+    """The figures the journal states from commands that wrote no results file (headlines.json), but before-and-after
+    comparisons of the code (BEFORE_AFTER)."""
     cells = [
         [
             h["date"],
@@ -1133,6 +1140,7 @@ def headlines(path: Path) -> list[str]:
         ]
         + [f'"{h["journal"]}"']
         for h in json.loads(path.read_text())
+        if not BEFORE_AFTER.search(h["what"])
     ]
     header = ["date", "machine", "what", "figure", "command", "journal section"]
     intro = "Figures the journal states from commands that wrote no results file (`benchmarks/results/headlines.json`)"
@@ -1152,7 +1160,8 @@ over specdec's target-only (`none`) in the same run, tokens/step the tokens each
 share of drafted tokens accepted, identical the share of greedy outputs equal to target-only's.
 """
 HISTORY = """
-How these figures were reached, with the runs they replaced, abandoned experiments and the machines used before:
+This page shows current results only. How these figures were reached, with the runs they replaced, before-and-after
+comparisons of the code, abandoned experiments and the machines used before:
 [benchmarks/journal/notebook.md](benchmarks/journal/notebook.md), the chronological notebook (frozen).
 """
 

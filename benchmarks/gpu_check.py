@@ -232,7 +232,7 @@ def graphs_on_and_off(gemma: LoadedModel, texts: list[str], size: Sizes) -> dict
     config = GenerationConfig(max_new_tokens=size.new_tokens, stop_on_eos=False, k=4)
     outputs, rates, replays = {}, {}, 0
     for graphs in (True, False):
-        gen = Generator(gemma, "prompt-lookup", config, batch=BatchConfig(window="fixed", cuda_graphs=graphs))
+        gen = Generator(gemma, "prompt-lookup", config, batch=BatchConfig(k_cap="fixed", cuda_graphs=graphs))
         gen.generate_batch(texts, max_new_tokens=4)  # warm-up
         decoder = gen.batch_decoder()
         start = time.perf_counter()
@@ -257,7 +257,7 @@ def graphs_on_and_off(gemma: LoadedModel, texts: list[str], size: Sizes) -> dict
 def server_batcher(gemma: LoadedModel, texts: list[str], size: Sizes) -> dict:
     """The server's engine thread serving a few concurrent requests: each answer equals that request decoded alone."""
     config = GenerationConfig(max_new_tokens=size.new_tokens, stop_on_eos=False)
-    gen = Generator(gemma, "prompt-lookup", config, batch=BatchConfig(window=size.window))
+    gen = Generator(gemma, "prompt-lookup", config, batch=BatchConfig(k_cap=size.window))
 
     async def serve() -> list[list[int]]:
         batcher = Batcher(gen, max_batch=4, max_queue=16, metrics=Metrics())
@@ -289,7 +289,7 @@ def batched_throughput(gemma: LoadedModel, texts: list[str], size: Sizes) -> dic
         batch = (texts * rows)[:rows]
         for drafter in ("none", "prompt-lookup"):
             config = GenerationConfig(max_new_tokens=size.new_tokens, stop_on_eos=False, k=4)
-            gen = Generator(gemma, drafter, config, batch=BatchConfig(window=size.window))
+            gen = Generator(gemma, drafter, config, batch=BatchConfig(k_cap=size.window))
             gen.generate_batch(batch[:2], max_new_tokens=4)  # warm-up (measures the batch cost curve once)
             start = time.perf_counter()
             results = gen.generate_batch(batch)

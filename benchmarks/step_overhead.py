@@ -39,7 +39,7 @@ def main() -> None:
         [1, 20, 21, 20],
     ]
     for name, drafter in (("target-only", NoDrafter()), ("prompt lookup", PromptLookupDrafter())):
-        gen = Generator(loaded(model), drafter, batch=BatchConfig(window="fixed"))
+        gen = Generator(loaded(model), drafter, batch=BatchConfig(k_cap="fixed"))
 
         def alone(gen: Generator = gen) -> int:
             return sum(gen.generate(prompts[0], **settings).stats.steps for _ in range(10))

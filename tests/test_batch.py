@@ -81,7 +81,7 @@ def test_batched_greedy_equals_each_prompt_alone(make_target, window: str) -> No
     target = loaded(make_target(1))
     expected = [Generator(target, NoDrafter()).generate(p, GREEDY).token_ids for p in PROMPTS]
     for name, drafter in _drafters(target.model, 1):
-        gen = Generator(target, drafter, GREEDY, batch=BatchConfig(window=window))
+        gen = Generator(target, drafter, GREEDY, batch=BatchConfig(k_cap=window))
         results = gen.generate_batch(PROMPTS)
         assert [r.token_ids for r in results] == expected, name
         assert all(r.finish_reason == "length" and r.stats.new_tokens == 30 for r in results)
@@ -188,7 +188,7 @@ def test_guarded_and_typical_rows_in_a_batch_equal_each_row_alone(make_target) -
         PromptLookupDrafter(),
         ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.3, seed=3))),
     ):
-        gen = Generator(target, drafter, GREEDY, batch=BatchConfig(window="fixed"))
+        gen = Generator(target, drafter, GREEDY, batch=BatchConfig(k_cap="fixed"))
         together = gen.generate_batch(prompts, configs)
         for prompt, config, got in zip(prompts, configs, together, strict=True):
             alone = gen.generate(prompt, config)
@@ -209,7 +209,7 @@ def test_sampled_guarded_rows_in_a_batch_follow_their_seeds() -> None:
         replace(sampled, typical_acceptance=TypicalAcceptance()),
         sampled,
     ]
-    gen = Generator(target, PromptLookupDrafter(), GREEDY, batch=BatchConfig(window="fixed"))
+    gen = Generator(target, PromptLookupDrafter(), GREEDY, batch=BatchConfig(k_cap="fixed"))
     together = gen.generate_batch(PROMPTS[:3], configs)
     for prompt, config, got in zip(PROMPTS[:3], configs, together, strict=True):
         assert got.token_ids == gen.generate(prompt, config).token_ids
@@ -259,7 +259,7 @@ def test_window_caps_each_rows_own_policy() -> None:
         gen.admit(decoder, run)
     while decoder.rows:
         decoder.step()
-    windows = [report.window for report in decoder.reports]
+    windows = [report.k_cap for report in decoder.reports]
     assert all(w is not None and 0 < w <= 2 for w in windows)  # the window stays where verification is cheap
     for run in runs:
         assert run.stats.k_per_step == [6] * run.stats.steps  # each row's policy still chose 6
@@ -274,7 +274,7 @@ def test_every_k_policy_runs_in_a_batch(policy: str) -> None:
     expected = [Generator(target, NoDrafter()).generate(p, GREEDY).token_ids for p in PROMPTS[:3]]
     draft = ModelDrafter(TransformersBackend(perturbed(target.model, noise=0.3, seed=2)))
     results = Generator(
-        target, draft, replace(GREEDY, k_policy=policy), batch=BatchConfig(window="fixed")
+        target, draft, replace(GREEDY, k_policy=policy), batch=BatchConfig(k_cap="fixed")
     ).generate_batch(PROMPTS[:3])
     assert [r.token_ids for r in results] == expected
     assert all(len(r.stats.k_per_step) == r.stats.steps and max(r.stats.k_per_step) <= GREEDY.k for r in results)
@@ -300,8 +300,10 @@ def test_batched_generation_errors() -> None:
     gen = Generator(target, "prompt-lookup")
     with pytest.raises(ConfigError, match="one config, or one per prompt"):
         gen.generate_batch([[1, 2], [1, 3]], [GREEDY])
-    with pytest.raises(ConfigError, match="unknown window"):
-        BatchConfig(window="adaptive")
+    with pytest.raises(ConfigError, match="unknown k_cap"):
+        BatchConfig(k_cap="adaptive")
+    with pytest.warns(DeprecationWarning, match="use k_cap"):  # the former name, still accepted
+        assert BatchConfig(window="fixed") == BatchConfig(k_cap="fixed")
     with pytest.raises(ConfigError, match="memory_threshold"):
         BatchConfig(memory_threshold=1.5)
 
@@ -317,7 +319,7 @@ def test_gemma_batched_greedy_equals_alone(gemma) -> None:
     config = GenerationConfig(k=6, k_policy="fixed", max_new_tokens=24)
     alone = Generator(gemma, "none", config)
     expected = [alone.generate(p) for p in prompts]
-    results = Generator(gemma, "prompt-lookup", config, batch=BatchConfig(window="dynamic")).generate_batch(prompts)
+    results = Generator(gemma, "prompt-lookup", config, batch=BatchConfig(k_cap="dynamic")).generate_batch(prompts)
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     assert [r.text for r in results] == [e.text for e in expected]
 
@@ -356,7 +358,7 @@ def test_a_request_at_the_settings_bounds_does_not_slow_the_batch(body: dict) ->
     model = tiny_llama(0, vocab=len(tokenizer), context=4096)
     model.lm_head.weight = model.model.embed_tokens.weight  # tied: it repeats itself, so the guards have work
     target = loaded(model, tokenizer=tokenizer)
-    gen = Generator(target, "prompt-lookup", GenerationConfig(k=8, k_policy="fixed"), batch=BatchConfig(window="fixed"))
+    gen = Generator(target, "prompt-lookup", GenerationConfig(k=8, k_policy="fixed"), batch=BatchConfig(k_cap="fixed"))
 
     def request(settings: dict):
         sent = CompletionRequest(prompt="the cat sat on the mat. the cat", temperature=0, ignore_eos=True, **settings)

@@ -278,7 +278,7 @@ def test_eagle_trees_in_a_batch_give_each_rows_own_tokens(merged: bool) -> None:
     )
     if merged:
         drafter = FallbackDrafter(PromptLookupDrafter(), drafter)
-    gen = Generator(loaded(model, tokenizer=tokenizer), drafter, batch=BatchConfig(window="fixed"))  # k as configured
+    gen = Generator(loaded(model, tokenizer=tokenizer), drafter, batch=BatchConfig(k_cap="fixed"))  # k as configured
     expected = [gen.generate(p, max_new_tokens=25, k=1, k_policy="fixed", stop_on_eos=False).token_ids for p in PROMPTS]
     configs = [
         GenerationConfig(k=k, k_policy="fixed", branches=b, max_new_tokens=25, stop_on_eos=False)

@@ -354,9 +354,11 @@ def test_only_a_crash_or_a_clean_run_is_remembered(
 
 
 @needs_kernels
-def test_generate_on_native_states_its_perplexity_measured_once(
+def test_generate_on_native_states_the_perplexity_doctor_measured_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """What `generate` says of the native runtime measures nothing: it names `doctor --target`, which measures the
+    perplexity against float32 once and stores it; `generate` then states the stored figure."""
     from conftest import char_tokenizer, tiny_llama
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
@@ -365,16 +367,26 @@ def test_generate_on_native_states_its_perplexity_measured_once(
     tiny_llama(3, vocab=len(tokenizer), hidden=64, context=1024).save_pretrained(folder)  # heads of 16: native runs it
     tokenizer.save_pretrained(folder)
     args = ["generate", "the cat sat on the mat", "--target", str(folder), "--max-new-tokens", "4", "--draft", "none"]
-    first = runner.invoke(app, args)
-    assert first.exit_code == 0, first.output
-    assert re.search(r"runtime: native \((int8|int4) weights, int8 activations; perplexity ", first.stderr)
-    assert "against float32" in first.stderr
-    (record,) = (tmp_path / "cache" / "perplexity").glob("native-*.json")
     import specdec.bench.perplexity as measured
 
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert re.search(r"runtime: native \((int8|int4) weights, int8 activations; perplexity not measured", first.stderr)
+    assert f"specdec doctor --target {folder}" in " ".join(first.stderr.split())
+    assert not (tmp_path / "cache" / "perplexity").exists()
+    checked = runner.invoke(app, ["doctor", "--json", "--target", str(folder)])
+    (check,) = [c for c in json.loads(checked.stdout)["checks"] if c["name"].startswith("native perplexity")]
+    assert check["status"] == "ok" and "against float32" in check["detail"], check
+    (record,) = (tmp_path / "cache" / "perplexity").glob("native-*.json")
     monkeypatch.setattr(measured, "perplexity", lambda *a, **k: pytest.fail("measured again"))
+    said = runner.invoke(app, args)
+    assert said.exit_code == 0, said.output
+    assert re.search(
+        r"runtime: native \((int8|int4) weights, int8 activations; perplexity [0-9.]+ against float32 ", said.stderr
+    )
     again = runner.invoke(app, args)
-    assert again.exit_code == 0 and first.stderr.splitlines()[:2] == again.stderr.splitlines()[:2]
+    assert again.exit_code == 0 and said.stderr.splitlines()[:2] == again.stderr.splitlines()[:2]
+    assert runner.invoke(app, ["doctor", "--json", "--target", str(folder)]).exit_code in (0, 1)  # read, not measured
 
 
 def test_doctor_reports_a_failing_kernel_build_as_a_problem_with_its_error(

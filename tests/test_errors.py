@@ -193,7 +193,8 @@ def test_draft_with_another_vocabulary() -> None:
         (["generate", "hi", "--draft", "ngram:missing.npz"], "specdec ngram build"),
         (["generate", "hi", "--k-policy", "sometimes"], "unknown k policy"),
         (["generate", "hi", "--dtype", "float7"], "unknown dtype"),
-        (["generate", "hi", "--backend", "vllm"], "unknown backend"),
+        (["generate", "hi", "--runtime", "vllm"], "unknown runtime"),
+        (["generate", "hi", "--backend", "vllm"], "unknown runtime"),  # --runtime's former name, still accepted
         (["generate", "hi", "--threads", "0"], "threads"),
         (["generate", "hi", "--ubatch", "0"], "ubatch"),
     ],

@@ -370,7 +370,7 @@ def test_a_seed_reproduces_output_under_the_default_policy(monkeypatch: pytest.M
         gen = Generator(
             loaded(target),
             ModelDrafter(TransformersBackend(tiny_llama(1, layers=1))),
-            batch=BatchConfig(window="fixed"),
+            batch=BatchConfig(k_cap="fixed"),
         )
         runs.append(gen.generate(PROMPT, **settings))
         batched.append(gen.generate_batch([PROMPT], **settings)[0].token_ids)

@@ -104,7 +104,7 @@ def test_generate_batch_on_native_equals_each_row_alone(family: str) -> None:
     ] + [GenerationConfig(max_new_tokens=24, stop_on_eos=False, k=6, k_policy="fixed", branches=3, seed=1)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(configs))]
     for window in ("fixed", "dynamic"):
-        gen = Generator(target, "prompt-lookup", runtime=NATIVE, batch=BatchConfig(window=window))
+        gen = Generator(target, "prompt-lookup", runtime=NATIVE, batch=BatchConfig(k_cap=window))
         if window == "dynamic":  # the window may cap k: compare greedy rows with their target-only text
             greedy = [i for i, c in enumerate(configs) if c.sampling.greedy]
             solo = Generator(target, "none", runtime=NATIVE)
@@ -122,7 +122,7 @@ def test_a_32_row_batch_of_mixed_rows_equals_each_row_alone() -> None:
     anchors), a tree row, each k policy; every row's tokens are those it produces alone."""
     tokenizer, model = char_tokenizer(), models()[1]["gemma3"]
     target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=NATIVE).target
-    gen = Generator(target, "prompt-lookup", runtime=NATIVE, batch=BatchConfig(window="fixed"))
+    gen = Generator(target, "prompt-lookup", runtime=NATIVE, batch=BatchConfig(k_cap="fixed"))
     guards = [
         GuardConfig(),
         GuardConfig(repetition=True, loop_min_span=8),

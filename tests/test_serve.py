@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import GenerationConfig, Generator
 from specdec.config import PRESETS, GuardConfig, RuntimeConfig, TypicalAcceptance
+from specdec.drafters.base import EVERYONE, OWN, HistoryScope
 from specdec.engine import GenerationResult
 from specdec.errors import ConfigError
 from specdec.serving.batcher import Batcher, Job
@@ -111,9 +112,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module", params=["process", "ray"])
 def server(request: pytest.FixtureRequest, folder: Path) -> Iterator[Server]:
     """The single-process server, then the same server as a Ray Serve deployment (skipped without the ray extra)."""
-    # A timing-free k (fixed policy, fixed window) makes seeded sampling reproducible;
+    # A timing-free k (fixed policy, fixed k_cap) makes seeded sampling reproducible;
     # greedy output is the target's either way.
-    args = ["--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--window", "fixed", "--max-batch", "8"]
+    args = ["--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--k-cap", "fixed", "--max-batch", "8"]
     if request.param == "ray":
         args += ["--ray", "--replicas", "1", "--ray-address", request.getfixturevalue("ray_cluster")]
     server = Server(str(folder), *args, key=KEY)  # every client test runs with a key set
@@ -691,7 +692,9 @@ def test_admission_fills_free_slots_before_refusing(folder: Path) -> None:
 SEEDED = dict(prompt="Question: why?", temperature=0.8, seed=7, max_new_tokens=48, stop_on_eos=False)
 
 
-def _through_batcher(generator: Generator, rounds: list[list[dict]], scope: str | None) -> list[list[GenerationResult]]:
+def _through_batcher(
+    generator: Generator, rounds: list[list[dict]], scope: HistoryScope
+) -> list[list[GenerationResult]]:
     """Each round's requests submitted together to one running Batcher (the server's engine), round after round; the
     results in the same order. ``scope``: the requests' suffix scope, as the server sets it."""
     batcher = Batcher(generator, max_batch=8, max_queue=8, metrics=Metrics())
@@ -719,14 +722,19 @@ def _through_batcher(generator: Generator, rounds: list[list[dict]], scope: str 
 
 @pytest.mark.parametrize(
     ("draft", "scope", "beside"),
-    [("suffix", "", False), ("prompt-lookup", "", False), ("suffix", None, False), ("suffix", "", True)],
+    [
+        ("suffix", EVERYONE, False),
+        ("prompt-lookup", EVERYONE, False),
+        ("suffix", OWN, False),
+        ("suffix", EVERYONE, True),
+    ],
     ids=["suffix shared", "prompt lookup", "suffix scope request", "beside another request"],
 )
 def test_a_seeded_request_is_answered_alike_whatever_came_before_or_beside_it(
-    draft: str, scope: str | None, beside: bool
+    draft: str, scope: HistoryScope, beside: bool
 ) -> None:
     """The same seeded request (temperature 0.8, seed 7) three times through the server's engine, under its dynamic
-    window (k follows the load and the acceptance so far), with the history a suffix drafter keeps of earlier answers,
+    k_cap (k follows the load and the acceptance so far), with the history a suffix drafter keeps of earlier answers,
     or beside another request: the same text each time, the target-only text for that seed."""
     tokenizer = char_tokenizer()
     target = loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)
@@ -737,7 +745,7 @@ def test_a_seeded_request_is_answered_alike_whatever_came_before_or_beside_it(
     answers = [results[0] for results in _through_batcher(Generator(target, draft, config), rounds, scope)]
     assert [answer.text for answer in answers] == [alone.text] * 3
     assert any(answer.stats.draft_tokens_proposed for answer in answers)  # it drafted
-    if draft == "suffix" and scope is not None and not beside:  # later ones draft the first one's answer: it comes true
+    if draft == "suffix" and scope != OWN and not beside:  # later ones draft the first one's answer: it comes true
         assert all(answer.stats.draft_tokens_accepted > 10 for answer in answers[1:])
 
 

@@ -115,7 +115,7 @@ def _profile(path: Path) -> Path:
         drafter="prompt-lookup",
         runtime=RuntimeConfig(backend="transformers", dtype="bfloat16"),
         generation=GenerationConfig(k=5, k_policy="fixed", branches=2, sampling=SamplingConfig(0.7)),
-        batch=BatchConfig(window="fixed"),
+        batch=BatchConfig(k_cap="fixed"),
     ).save(path)
     return path
 
@@ -148,7 +148,7 @@ def test_a_profile_gives_typed_settings_by_group(tmp_path: Path) -> None:
         k_policy="fixed",
         branches=2,
         temperature=0.7,
-    )  # no window: the command has no option of that group
+    )  # no k_cap: the command has no option of that group
     given = runner.invoke(command, ["--path", str(profile), "--k", "3", "--dtype", "float32", "--target", "other"])
     assert given.exit_code == 0 and "tuned for target 'tuned-model', not 'other'" in " ".join(given.output.split())
     assert seen.pop() == Tuned(temperature=0.7)  # a group's option given: the whole group is the command line's

@@ -169,9 +169,9 @@ def drafted_step(row: Row, row_id: int = 0) -> RowStep:
 # Phase 1: plan and draft.
 
 
-def test_the_plan_is_the_choice_within_the_window_and_the_room_left() -> None:
+def test_the_plan_is_the_choice_within_the_k_cap_and_the_room_left() -> None:
     assert plan(make_row(k=4), None, 64) == DraftPlan(chosen=4, asked=4)
-    assert plan(make_row(k=4), 2, 64) == DraftPlan(chosen=4, asked=2)  # the batch's window caps it
+    assert plan(make_row(k=4), 2, 64) == DraftPlan(chosen=4, asked=2)  # the batch's k_cap caps it
     assert plan(make_row(k=4, max_new_tokens=3), None, 64) == DraftPlan(chosen=4, asked=2)  # one token is the target's
     assert plan(make_row(k=4), None, len(PROMPT) + 1) == DraftPlan(chosen=4)  # the context is full but for that one
     assert plan(make_row(k=4), 0, 64) == DraftPlan(chosen=4)

@@ -28,13 +28,13 @@ from specdec import GenerationConfig, Generator
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig
 from specdec.drafters import build_drafter
-from specdec.drafters.base import DraftSettings
+from specdec.drafters.base import EVERYONE, OWN, DraftSettings, HistoryScope, Sharing
 from specdec.drafters.suffix import SuffixDrafter, SuffixStore
 from specdec.errors import ConfigError
 from specdec.verification import Uniforms
 
 
-def drafter(store: SuffixStore, scope: str | None = "") -> SuffixDrafter:
+def drafter(store: SuffixStore, scope: HistoryScope = EVERYONE) -> SuffixDrafter:
     d = SuffixDrafter(store)
     d.begin(DraftSettings(scope=scope))
     return d
@@ -95,13 +95,14 @@ def test_a_drafter_copies_from_its_own_request_unless_the_store_matches_far_long
 
 def test_scopes_keep_histories_apart_and_none_keeps_nothing() -> None:
     store = SuffixStore()
-    alice = drafter(store, "alice")
+    alice_scope = HistoryScope.of_group("alice")
+    alice = drafter(store, alice_scope)
     alice.finish(torch.tensor([0] * 20 + [5, 6, 7, 8]), prompt_length=20)  # the output, and the prompt's last tokens
     assert store.token_count == 4 + suffix.LEAD_IN
-    assert drafter(store, "alice").propose(torch.tensor([1, 5, 6]), k=2).tokens.tolist() == [7, 8]
-    assert len(drafter(store, "bob").propose(torch.tensor([1, 5, 6]), k=2)) == 0
-    assert len(drafter(store, "").propose(torch.tensor([1, 5, 6]), k=2)) == 0
-    private = drafter(store, None)
+    assert drafter(store, alice_scope).propose(torch.tensor([1, 5, 6]), k=2).tokens.tolist() == [7, 8]
+    assert len(drafter(store, HistoryScope.of_group("bob")).propose(torch.tensor([1, 5, 6]), k=2)) == 0
+    assert len(drafter(store, EVERYONE).propose(torch.tensor([1, 5, 6]), k=2)) == 0
+    private = drafter(store, OWN)
     assert len(private.propose(torch.tensor([1, 5, 6]), k=2)) == 0
     private.finish(torch.tensor([5, 6, 9, 9]), prompt_length=0)
     assert store.token_count == 4 + suffix.LEAD_IN
@@ -442,7 +443,7 @@ def test_sampled_suffix_chains_keep_the_target_law(monkeypatch: pytest.MonkeyPat
         monkeypatch.setattr(step_module.Chains, "uniforms", one_for_every_position)
     target = tiny_llama(3, vocab=VOCAB, scale=0.15)
     # a fixed window: the dynamic one caps k by this machine's measured costs, and with it how many drafts are judged
-    gen = Generator(loaded(target), "suffix", batch=BatchConfig(window="fixed"))
+    gen = Generator(loaded(target), "suffix", batch=BatchConfig(k_cap="fixed"))
     settings = {"k": 8, "k_policy": "fixed", "branches": 1, "max_new_tokens": NEW, "stop_on_eos": False}
     configs = [GenerationConfig(**settings, sampling=SAMPLINGS["plain"], seed=s) for s in range(2000)]
     results = [r for start in range(0, 2000, 250) for r in gen.generate_batch([PROMPT] * 250, configs[start:][:250])]
@@ -483,8 +484,9 @@ def test_commands_refuse_what_a_learning_drafter_would_fake() -> None:
 
     with pytest.raises(ConfigError, match="no keys are set"):
         ServeConfig(suffix_scope="key")
-    assert ServeConfig(api_keys=("k",)).scope("k") not in ("", None) and ServeConfig().scope("k") == ""
-    assert ServeConfig(suffix_scope="request").scope("k") is None
+    keyed = ServeConfig(api_keys=("k",)).scope("k")
+    assert keyed.sharing is Sharing.GROUP and "k" != keyed.group and ServeConfig().scope("k") == EVERYONE
+    assert ServeConfig(suffix_scope="request").scope("k") == OWN
     result = CliRunner().invoke(app, ["serve", "--draft", "prompt-lookup", "--suffix-max-tokens", "10"])
     assert result.exit_code == 2 and "add --draft suffix" in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(app, ["serve", "--draft", "suffix", "--suffix-save-every", "60"])

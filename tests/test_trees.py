@@ -80,7 +80,7 @@ def test_prompt_lookup_proposes_several_matches_as_a_tree() -> None:
     assert not drafter.propose(context, 4, branches=3).is_tree  # no room left beside it: the chain
 
 
-FIXED = BatchConfig(window="fixed")
+FIXED = BatchConfig(k_cap="fixed")
 RUNTIMES = ["transformers"] + (["native"] if kernel_build.compiled() is not None else [])
 
 
@@ -278,7 +278,7 @@ def test_tree_rows_that_draft_chains_while_chains_are_faster_keep_the_target_law
     target = tiny_llama(3, vocab=VOCAB, scale=0.15)
     drafter = ShapedTreeDrafter(perturbed(target, noise=0.6, seed=1), SHAPES["binary"], True)
     # every row drafts its own k, whatever the load
-    gen = Generator(loaded(target), drafter, batch=BatchConfig(window="fixed"))
+    gen = Generator(loaded(target), drafter, batch=BatchConfig(k_cap="fixed"))
     samples = _sample(gen, SAMPLINGS["plain"], 2000, batched=True, k_policy="cost-model")
     # the second step of every sequence, and later ones while chains are faster
     assert drafter.chains[0] > 300, drafter.chains

@@ -17,7 +17,7 @@ from specdec import Generator
 from specdec.bench.methods import OracleDrafter, check_method, oracle_accuracy
 from specdec.bench.prompts import BenchPrompt, round_robin
 from specdec.cli.main import app
-from specdec.config import PRESETS, GenerationConfig, RuntimeConfig, SamplingConfig
+from specdec.config import PRESETS, BatchConfig, GenerationConfig, RuntimeConfig, SamplingConfig
 from specdec.drafters import PromptLookupDrafter, build_drafter
 from specdec.errors import ConfigError, PromptError
 from specdec.profile import Profile, ProfileError, ProfileWarning
@@ -67,6 +67,8 @@ def test_a_profile_survives_json_and_reads_from_toml(tmp_path: Path) -> None:
     assert replace(Profile.load(tmp_path / "p.toml"), measured=profile.measured) == profile
     with pytest.raises(ProfileError, match="written as JSON"):
         profile.save(tmp_path / "out.toml")
+    data["batch"] = {"window": "fixed"}  # k_cap's former name, in a profile written before it
+    assert Profile.from_dict(data).batch == BatchConfig(k_cap="fixed")
 
 
 def test_a_profile_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,7 +100,7 @@ def test_a_profile_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch: p
         (
             '{"version": 1, "target": "x", "drafter": "none", "runtime": {"backend": "tpu"}, '
             '"generation": {"k": 2, "k_policy": "fixed"}}',
-            "unknown backend 'tpu'",
+            "unknown runtime 'tpu'",
         ),
         (
             '{"version": 1, "target": "x", "drafter": "none", "runtime": {}, '

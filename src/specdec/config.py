@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import InitVar, dataclass, field, fields, replace
 
 from specdec.errors import ConfigError
 
@@ -172,25 +172,30 @@ class GenerationConfig:
             raise ConfigError(f"seed must be an integer in 0..{MAX_SEED} (64 bits), got {self.seed}")
 
 
-WINDOWS = ("dynamic", "fixed")
+K_CAPS = ("dynamic", "fixed")
 
 
 @dataclass(frozen=True)
 class BatchConfig:
-    """How the batched engine sizes each step's speculation window.
+    """How the batched engine caps each step's k for every row (the batch's k_cap).
 
     ``dynamic`` caps every row's k by the load (batch size, acceptance, memory;
-    scheduling/window.py); ``fixed`` leaves each row's k policy alone.
+    scheduling/window.py's LoadWindow); ``fixed`` leaves each row's k policy alone.
     """
 
-    window: str = "dynamic"
-    memory_threshold: float = 0.8  # share of memory in use above which the dynamic window turns speculation off
+    k_cap: str = "dynamic"
+    memory_threshold: float = 0.8  # share of memory in use above which the dynamic k_cap turns speculation off
     # replay captured CUDA graphs for steps over the whole batch (CUDA only; nothing changes on a CPU)
     cuda_graphs: bool = True
+    # deprecated: k_cap's former name, still accepted (BatchConfig(k_cap=...), a profile's or a Serve config's "window")
+    window: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
-        if self.window not in WINDOWS:
-            raise ConfigError(f"unknown window '{self.window}': use one of {', '.join(WINDOWS)}")
+    def __post_init__(self, window: str | None) -> None:
+        if window is not None:
+            warnings.warn("BatchConfig(k_cap=...) is deprecated: use k_cap", DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "k_cap", window)
+        if self.k_cap not in K_CAPS:
+            raise ConfigError(f"unknown k_cap '{self.k_cap}': use one of {', '.join(K_CAPS)}")
         if not 0 < self.memory_threshold <= 1:
             raise ConfigError(f"memory_threshold is a share of memory in (0, 1], got {self.memory_threshold}")
 
@@ -290,7 +295,7 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in RUNTIMES:
-            raise ConfigError(f"unknown backend '{self.backend}': use one of {', '.join(RUNTIMES)}")
+            raise ConfigError(f"unknown runtime '{self.backend}': use one of {', '.join(RUNTIMES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype '{self.dtype}': use one of {', '.join(DTYPES)}")
         if self.threads is not None and self.threads < 1:

@@ -98,6 +98,9 @@ class Profile:
             )
         try:
             runtime = dict(data["runtime"])
+            batch = dict(data.get("batch", {}))
+            if "window" in batch:  # k_cap's former name, in profiles written before it
+                batch["k_cap"] = batch.pop("window")
             plan = runtime.pop("precision", None)
             gen = data["generation"]
             generation = GenerationConfig(
@@ -111,7 +114,7 @@ class Profile:
                 drafter=str(data["drafter"]),
                 runtime=RuntimeConfig(**runtime, precision=PrecisionPlan.parse(plan) if plan else None),
                 generation=generation,
-                batch=BatchConfig(**data.get("batch", {})),
+                batch=BatchConfig(**batch),
                 machine=dict(data.get("machine", {})),
                 measured=dict(data.get("measured", {})),
             )

@@ -76,11 +76,11 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
 
         one = Generator(target, drafter(), sequential.config, config.runtime) if learns else sequential
         return {"one at a time": one} | {
-            name: Generator(target, drafter(), fixed, batch=BatchConfig(window=window))
+            name: Generator(target, drafter(), fixed, batch=BatchConfig(k_cap=window))
             for name, window in window_kinds.items()
         }
 
-    target_only = Generator(target, "none", fixed, batch=BatchConfig(window="fixed"))  # nothing to cap
+    target_only = Generator(target, "none", fixed, batch=BatchConfig(k_cap="fixed"))  # nothing to cap
     warm = [p.prompt for p in prompts[:2]]
     fresh()["dynamic window"].generate_batch(warm, max_new_tokens=4)  # measures the batch cost curve once (cached)
     sequential.generate(warm[0], max_new_tokens=4)  # measures the single-sequence cost curve once (cached)
@@ -125,7 +125,7 @@ def _together(generator: Generator, batch: list[str]) -> tuple[list[GenerationRe
     start = time.perf_counter()
     outputs = generator.generate_batch(batch, decoder=decoder)
     wall = time.perf_counter() - start
-    windows = [r.window for r in decoder.reports if r.window is not None]
+    windows = [r.k_cap for r in decoder.reports if r.k_cap is not None]
     return outputs, [o.stats.wall_s for o in outputs], wall, windows
 
 

@@ -8,11 +8,8 @@ predictions; perplexity is exp of the mean negative log-likelihood.
 from __future__ import annotations
 
 import gc
-import hashlib
-import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -21,22 +18,17 @@ from transformers import PreTrainedModel
 from specdec.config import RuntimeConfig
 from specdec.errors import ConfigError
 from specdec.models import Backend, load_model, open_target
+from specdec.models.native.perplexity_record import (
+    CHECK_MAX_WEIGHTS,
+    CHECK_TOKENS,
+    PerplexityResult,
+    store_check,
+    stored_check,
+)
 from specdec.models.precision import apply_plan
 from specdec.training.ngram import documents
 
 Progress = Callable[[str, int, int], None]  # label, windows done, windows in all
-
-
-@dataclass(frozen=True)
-class PerplexityResult:
-    plan: str
-    perplexity: float
-    float32_perplexity: float
-    tokens: int
-
-    @property
-    def delta(self) -> float:
-        return self.perplexity - self.float32_perplexity
 
 
 def read_tokens(tokenizer, path: str, limit: int) -> list[int]:
@@ -108,25 +100,21 @@ def perplexity(
     return PerplexityResult(label, math.exp(nll), math.exp(reference), len(tokens))
 
 
-NATIVE_CHECK_TOKENS = 1024  # of the shipped default prompt set: enough to tell a sound int8 model from a broken one
-NATIVE_CHECK_MAX_WEIGHTS = 2 * 10**9  # larger models are not measured unasked (float32 copies of tens of GB)
+NATIVE_CHECK_TOKENS = CHECK_TOKENS
+NATIVE_CHECK_MAX_WEIGHTS = CHECK_MAX_WEIGHTS
 
 
 def native_perplexity(
     target: str, identity: str, format: str, progress: Progress = lambda *a: None
 ) -> PerplexityResult:
     """The native backend's perplexity against float32 on the shipped default prompts: measured once per model (its
-    backend's ``identity``: name, weights, format, kernel version), then read from the cache (what `generate` and `demo`
-    say when they run on native)."""
+    backend's ``identity``: name, weights, format, kernel version) and stored (models/native/perplexity_record.py,
+    what `generate` and `demo` read when they run on native), then read from there."""
     from specdec.bench.prompts import DEFAULT_PROMPTS, prompt_sets
-    from specdec.models.registry import cache_root
 
-    key = hashlib.sha256(f"{identity}|{NATIVE_CHECK_TOKENS}".encode()).hexdigest()[:16]
-    record = cache_root() / "perplexity" / f"native-{key}.json"
-    try:
-        return PerplexityResult(**json.loads(record.read_text()))
-    except (OSError, ValueError, TypeError):
-        pass
+    stored = stored_check(identity)
+    if stored is not None:
+        return stored
     result = perplexity(
         target,
         RuntimeConfig(backend="native", native_format=format),
@@ -135,6 +123,5 @@ def native_perplexity(
         256,
         progress,
     )
-    record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(asdict(result)))
+    store_check(identity, result)
     return result

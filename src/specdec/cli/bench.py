@@ -16,15 +16,16 @@ from specdec.bench.runner import BenchConfig
 from specdec.bench.serve_load import LoadConfig
 from specdec.cli.options import (
     FAST_BACKEND,
-    BackendOpt,
+    RUNTIME_ALIAS,
     Draft,
     Dtype,
-    FastBackendOpt,
+    FastRuntimeOpt,
     KPolicyOpt,
     NativeFormatOpt,
     Overwrite,
     Precision,
     Prompts,
+    RuntimeOpt,
     Target,
     Threads,
     Ubatch,
@@ -116,7 +117,7 @@ def bench(
     seed: Seed = default(BenchConfig, "seed"),
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
-    backend: BackendOpt = default(RuntimeConfig, "backend"),
+    backend: RuntimeOpt = default(RuntimeConfig, "backend"),
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     threads: Threads = default(RuntimeConfig, "threads"),
     ubatch: Ubatch = default(RuntimeConfig, "ubatch"),
@@ -219,7 +220,7 @@ def bench_batch(
     k: Window = default(BatchBenchConfig, "k"),
     max_new_tokens: RequestMaxNewTokens = default(BatchBenchConfig, "max_new_tokens"),
     sequential: Sequential = default(BatchBenchConfig, "sequential"),
-    backend: FastBackendOpt = FAST_BACKEND,
+    backend: FastRuntimeOpt = FAST_BACKEND,
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
@@ -438,8 +439,10 @@ def ppl(
     backend: Annotated[
         str,
         typer.Option(
+            "--runtime",
             "--backend",
-            help="transformers (under --precision) or native (under --native-format; --precision is ignored).",
+            help="transformers (under --precision) or native (under --native-format; --precision is ignored). "
+            f"{RUNTIME_ALIAS}",
         ),
     ] = default(RuntimeConfig, "backend"),
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),

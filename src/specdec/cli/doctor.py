@@ -9,6 +9,7 @@ import re
 import shlex
 import shutil
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Annotated, Literal
 
@@ -21,7 +22,7 @@ from specdec.errors import ConfigError, SpecDecError
 # ok; missing: an optional part that is not installed or not possible here; problem: should work and does not
 Status = Literal["ok", "missing", "problem"]
 PURPOSES = {  # what each extra of pyproject.toml is for
-    "llamacpp": "--backend llama.cpp, the llama.cpp peers of `bench`, --draft gguf:",
+    "llamacpp": "--runtime llama.cpp, the llama.cpp peers of `bench`, --draft gguf:",
     "ray": "serve --ray: replicas on Ray Serve",
     "quality": "the drift guard and `specdec quality`",
     "test": "the test suite",
@@ -47,7 +48,7 @@ def native_kernels() -> Check:
             "native kernels",
             "missing",
             "this CPU lacks AVX2, FMA and F16C (x86) or SDOT (ARM), which the native backend's kernels need at least",
-            "use --backend transformers (or llama.cpp); --backend auto chooses transformers by itself",
+            "use --runtime transformers (or llama.cpp); --runtime auto chooses transformers by itself",
         )
     ready = kernel_build.is_built(first)
     with status("loading the native kernels" if ready else "building the native kernels (once; under a minute)"):
@@ -131,6 +132,29 @@ def extras() -> list[Check]:
     return checks
 
 
+def native_check(target: str) -> Check:
+    """The native runtime's perplexity against float32 for ``target``: measured once and stored (what `generate` and
+    `demo` then say of the runtime), or read where it was."""
+    from specdec.bench.perplexity import native_perplexity
+    from specdec.config import RuntimeConfig
+    from specdec.models import open_target
+    from specdec.models.native.perplexity_record import describe, stored_check
+
+    name = f"native perplexity of {target}"
+    try:
+        opened = open_target(target, RuntimeConfig(backend="native"))
+    except ConfigError as exc:
+        return Check(name, "missing", f"native does not run it: {exc}")
+    packed = opened.backend.packed_weights()
+    if packed is None:
+        return Check(name, "missing", f"it runs on {opened.runtime}, not native")
+    identity = opened.backend.identity
+    measuring = f"measuring the native runtime's perplexity against float32 for {target} (once; stored)"
+    with status(measuring) if stored_check(identity) is None else nullcontext():
+        result = native_perplexity(opened.name, identity, packed.format)
+    return Check(name, "ok", f"{packed.format} weights: {describe(result)}")
+
+
 def _installed(distribution: str) -> bool:
     try:
         importlib.metadata.distribution(distribution)
@@ -148,7 +172,7 @@ def guarded(name: str, check: Callable[[], Check | list[Check]]) -> list[Check]:
     return found if isinstance(found, list) else [found]
 
 
-def diagnose() -> list[Check]:
+def diagnose(target: str | None = None) -> list[Check]:
     import torch
 
     from specdec.machine import cpu_flags, cpu_name
@@ -164,17 +188,25 @@ def diagnose() -> list[Check]:
         *guarded("bundled models", bundled_models),
         *guarded("cost cache", cost_cache),
         *guarded("extras", extras),
+        *(guarded("native perplexity", lambda: native_check(target)) if target else []),
     ]
 
 
 @user_errors
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")] = False,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            help="Also measure the native runtime's perplexity against float32 for this model, once (stored: "
+            "`generate` and `demo` then say it when they run on native)."
+        ),
+    ] = None,
 ) -> None:
     """Say what this machine can run: CPU features and the native kernel path, torch, the native kernels' build,
     whether llama.cpp runs, the bundled models, the cost cache and the extras installed; each problem with its fix.
     Exits with 1 when something that should work does not."""
-    checks = diagnose()
+    checks = diagnose(target)
     problems = [c for c in checks if c.status == "problem"]
     if as_json:
         print(json.dumps({"checks": [asdict(c) for c in checks], "problems": len(problems)}))

@@ -14,7 +14,7 @@ from specdec.cli.options import (
     Branches,
     Draft,
     Dtype,
-    FastBackendOpt,
+    FastRuntimeOpt,
     KOpt,
     KPolicyOpt,
     NativeFormatOpt,
@@ -102,7 +102,7 @@ def generate(
     stop: Stop = None,
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
-    backend: FastBackendOpt = FAST_BACKEND,
+    backend: FastRuntimeOpt = FAST_BACKEND,
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     threads: Threads = default(RuntimeConfig, "threads"),
     ubatch: Ubatch = default(RuntimeConfig, "ubatch"),
@@ -187,7 +187,7 @@ def demo(
         GenerationConfig, "max_new_tokens"
     ),
     k: Annotated[int, typer.Option(help="Draft tokens per step.")] = default(GenerationConfig, "k"),
-    backend: FastBackendOpt = FAST_BACKEND,
+    backend: FastRuntimeOpt = FAST_BACKEND,
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
 ) -> None:
     """Generate once without and once with speculation (the default drafter) and print the speed-up."""

@@ -87,9 +87,15 @@ Prompts = Annotated[
     ),
 ]
 Dtype = Annotated[str, typer.Option(help=f"Weights dtype (transformers backend): {', '.join(DTYPES)}.")]
-BackendOpt = Annotated[
+# what --runtime names is RuntimeConfig.backend; --backend, its former name, is still accepted
+RUNTIME_ALIAS = "--backend is its former name, still accepted."
+RuntimeOpt = Annotated[
     str,
-    typer.Option("--backend", help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases)."),
+    typer.Option(
+        "--runtime",
+        "--backend",
+        help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases). {RUNTIME_ALIAS}",
+    ),
 ]
 NativeFormatOpt = Annotated[
     str,
@@ -164,13 +170,14 @@ def float_pair(option: str, value: str | None) -> tuple[float, float] | None:
 
 # generate, demo and serve: native where it runs the model (the faster runtime on a CPU), else transformers
 FAST_BACKEND = "auto"
-FastBackendOpt = Annotated[
+FastRuntimeOpt = Annotated[
     str,
     typer.Option(
+        "--runtime",
         "--backend",
         help=f"Target runtime: {', '.join(RUNTIMES)} (llama.cpp reads GGUF files and aliases). Deliberately auto: "
         "native where it runs the model, else transformers, so a command starts on the fastest path (the library's "
-        "default is transformers, which runs every model and batches).",
+        f"default is transformers, which runs every model and batches). {RUNTIME_ALIAS}",
     ),
 ]
 
@@ -181,35 +188,26 @@ def status(message: str):
 
 
 def announce_runtime(target: ModelTarget) -> None:
-    """One line on stderr: the runtime the target runs on; for one of specdec's packed formats (native), its perplexity
-    against float32 (measured once per model and cached where the model is small enough to measure in seconds, else the
-    command that measures it)."""
+    """One line on stderr: the runtime the target runs on; for one of specdec's packed formats (native), its format and
+    its perplexity against float32 as stored once measured (`specdec doctor --target`), else the command that measures
+    it. Nothing is measured here."""
     packed = target.backend.packed_weights()
     if packed is None:
         fallback = f" (native does not run here: {target.fallback})" if target.fallback else ""
         err.print(f"runtime: {target.runtime}{fallback}", style="dim", soft_wrap=True)
         return
-    from specdec.bench.perplexity import NATIVE_CHECK_MAX_WEIGHTS, native_perplexity
+    from specdec.models.native.perplexity_record import CHECK_MAX_WEIGHTS, describe, stored_check
 
-    fmt = f"{packed.format} weights, int8 activations"
     if target.chosen:
         err.print(target.chosen, style="dim", soft_wrap=True)
-    measure = f"`specdec ppl --backend native --target {target.name} --data FILE` measures its perplexity"
-    if packed.count > NATIVE_CHECK_MAX_WEIGHTS:
-        err.print(f"runtime: {target.runtime} ({fmt}; {measure})", style="dim", soft_wrap=True)
-        return
-    try:
-        with status("measuring the native backend's perplexity against float32 (once for this model; cached)"):
-            ppl = native_perplexity(target.name, target.backend.identity, packed.format)
-    except (SpecDecError, OSError) as exc:  # the figure is a courtesy: generation goes on without it
-        err.print(f"runtime: {target.runtime} ({fmt}; perplexity not measured: {exc})", style="dim", soft_wrap=True)
-        return
-    err.print(
-        f"runtime: {target.runtime} ({fmt}; perplexity {ppl.perplexity:.3f} against float32 "
-        f"{ppl.float32_perplexity:.3f}, {ppl.delta / ppl.float32_perplexity:+.2%}, on {ppl.tokens:,} tokens)",
-        style="dim",
-        soft_wrap=True,
-    )
+    fmt = f"{packed.format} weights, int8 activations"
+    if (stored := stored_check(target.backend.identity)) is not None:
+        figure = describe(stored)
+    elif packed.count > CHECK_MAX_WEIGHTS:
+        figure = f"`specdec ppl --runtime native --target {target.name} --data FILE` measures its perplexity"
+    else:
+        figure = f"perplexity not measured yet: `specdec doctor --target {target.name}` measures it once"
+    err.print(f"runtime: {target.runtime} ({fmt}; {figure})", style="dim", soft_wrap=True)
 
 
 def runtime_config(
@@ -261,7 +259,7 @@ PROFILE_GROUPS = (
     ("backend", "dtype", "precision", "threads", "ubatch", "native_format"),
     ("draft", "branches", "k", "k_policy"),  # k settings tuned for one drafter
     ("temperature",),
-    ("window",),
+    ("k_cap",),
 )
 
 
@@ -277,7 +275,7 @@ class Tuned:
     k_policy: str | None = None
     branches: int | None = None
     temperature: float | None = None
-    window: str | None = None
+    k_cap: str | None = None
 
 
 def with_profile(ctx: typer.Context, path: Path | None, target: str, given: frozenset[str] = frozenset()) -> Tuned:
@@ -307,7 +305,7 @@ def with_profile(ctx: typer.Context, path: Path | None, target: str, given: froz
         k_policy=generation.k_policy if "k_policy" in taken else None,
         branches=generation.branches if "branches" in taken else None,
         temperature=generation.sampling.temperature if "temperature" in taken else None,
-        window=profile.batch.window if "window" in taken else None,
+        k_cap=profile.batch.k_cap if "k_cap" in taken else None,
     )
     for note in profile.differences(tuned.target or target):
         say("warning:", "yellow", note)

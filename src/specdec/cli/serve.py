@@ -12,6 +12,7 @@ import typer
 from specdec.cli.options import (
     DRAFT_HELP,
     FAST_BACKEND,
+    RUNTIME_ALIAS,
     Branches,
     Dtype,
     KOpt,
@@ -40,7 +41,15 @@ ServeTarget = Annotated[
 ServeDraft = Annotated[str, typer.Option("--draft", "-d", envvar="SPECDEC_DRAFT", help=DRAFT_HELP)]
 Host = Annotated[str, typer.Option(envvar="SPECDEC_HOST", help="Address to listen on (0.0.0.0 for every interface).")]
 Port = Annotated[int, typer.Option(envvar="SPECDEC_PORT", help="TCP port.")]
-Window = Annotated[str, typer.Option(help="Batch speculation window: dynamic (capped by load) or fixed.")]
+KCap = Annotated[
+    str,
+    typer.Option(
+        "--k-cap",
+        "--window",
+        help="The batch's cap on every row's k: dynamic (chosen each step from the load) or fixed (each row's k "
+        "policy alone). --window is its former name, still accepted.",
+    ),
+]
 MaxBatch = Annotated[
     int, typer.Option(envvar="SPECDEC_MAX_BATCH", help="Sequences decoded together; more requests wait.")
 ]
@@ -89,13 +98,14 @@ OpenMetrics = Annotated[
 InsecureNoAuth = Annotated[
     bool, typer.Option(help="Serve on a non-loopback address without API keys (anyone who can reach it can use it).")
 ]
-ServeBackend = Annotated[
+ServeRuntime = Annotated[
     str,
     typer.Option(
+        "--runtime",
         "--backend",
         help="Target runtime: native (specdec's CPU runtime), transformers, or auto (native where it runs the "
         "model, else transformers); both batch requests. Deliberately auto, as for generate (the library's default "
-        "is transformers).",
+        f"is transformers). {RUNTIME_ALIAS}",
     ),
 ]
 ServePrecision = Annotated[
@@ -177,7 +187,7 @@ def serve(
     k: KOpt = default(GenerationConfig, "k"),
     k_policy: KPolicyOpt = default(GenerationConfig, "k_policy"),
     branches: Branches = default(GenerationConfig, "branches"),
-    window: Window = default(BatchConfig, "window"),
+    k_cap: KCap = default(BatchConfig, "k_cap"),
     max_batch: MaxBatch = default(ServeConfig, "max_batch"),
     max_queue: MaxQueue = default(ServeConfig, "max_queue"),
     default_max_tokens: DefaultMaxTokens = default(ServeConfig, "default_max_tokens"),
@@ -191,7 +201,7 @@ def serve(
     api_key_file: ApiKeyFile = None,
     open_metrics: OpenMetrics = default(ServeConfig, "open_metrics"),
     insecure_no_auth: InsecureNoAuth = default(ServeConfig, "insecure_no_auth"),
-    backend: ServeBackend = FAST_BACKEND,
+    backend: ServeRuntime = FAST_BACKEND,
     native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: ServePrecision = None,
@@ -213,7 +223,7 @@ def serve(
 ) -> None:
     """Serve the target over an OpenAI-compatible HTTP API with speculative continuous batching."""
     tuned = with_profile(context, profile, target)
-    target, draft, window = tuned.target or target, tuned.draft or draft, tuned.window or window
+    target, draft, k_cap = tuned.target or target, tuned.draft or draft, tuned.k_cap or k_cap
     _refuse_options_of_the_other_mode(context, ray)
     # ServeConfig's and RayConfig's options are read by their fields' names
     server = config_from(
@@ -235,9 +245,9 @@ def serve(
     runtime = tuned.runtime or runtime_config(backend, dtype, None, None, precision, native_format)
     if runtime.backend == "llama.cpp":
         raise ConfigError(
-            "the server runs transformers or native targets (--backend transformers|native|auto), not llama.cpp"
+            "the server runs transformers or native targets (--runtime transformers|native|auto), not llama.cpp"
         )
-    batch = BatchConfig(window=window)
+    batch = BatchConfig(k_cap=k_cap)
     if ray:
         _serve_on_ray(target, draft, generation, runtime, batch, server, config_from(RayConfig, context))
     else:

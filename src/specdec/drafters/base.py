@@ -10,12 +10,47 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
 from specdec.config import SamplingConfig
 from specdec.models.backend import Backend
 from specdec.seeds import Seeds
+
+
+class Sharing(Enum):
+    """Whose history of earlier outputs a drafter that learns across sequences (suffix) may read and feed."""
+
+    EVERYONE = "everyone"  # one history, shared by every sequence
+    OWN = "own"  # none: the sequence drafts from itself only, and its output is not kept
+    GROUP = "group"  # the sequences of one named group (one API key's)
+
+
+@dataclass(frozen=True)
+class HistoryScope:
+    """A sequence's suffix scope: how it shares history (``sharing``) and, for a group, the group's name."""
+
+    sharing: Sharing = Sharing.EVERYONE
+    group: str = ""  # the group's name, set exactly when ``sharing`` is GROUP
+
+    def __post_init__(self) -> None:
+        if (self.sharing is Sharing.GROUP) != bool(self.group):
+            raise ValueError(f"a group's scope needs a group name, and only it has one: {self}")
+
+    @classmethod
+    def of_group(cls, name: str) -> HistoryScope:
+        """The scope shared by the sequences of the group ``name``."""
+        return cls(Sharing.GROUP, name)
+
+    @property
+    def history(self) -> str | None:
+        """The name of the history it reads and feeds in a store ("" everyone's), None where it shares none."""
+        return None if self.sharing is Sharing.OWN else self.group
+
+
+EVERYONE = HistoryScope()
+OWN = HistoryScope(Sharing.OWN)
 
 
 @dataclass(frozen=True)
@@ -28,9 +63,7 @@ class DraftSettings:
     # a draft token for position t is drawn on device d with ``draft_uniform(seeds, d, t)`` (seeds.py); None: unseeded
     seeds: Seeds | None = None
     min_confidence: float = 0.0  # a drafter with probabilities stops before its first token below this
-    # whose history a drafter that learns across sequences (suffix) may read and feed: "" everyone's, None nobody's
-    # (the sequence drafts from itself only), another string the sequences of that same scope (one API key's)
-    scope: str | None = ""
+    scope: HistoryScope = EVERYONE  # whose history a drafter that learns across sequences (suffix) may share
 
 
 @dataclass(frozen=True)

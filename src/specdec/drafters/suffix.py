@@ -17,7 +17,7 @@ every token, and siblings are distinct tokens, so sampled verification stays exa
 
 Sharing changes only speed, never content; but speed can tell one user whether
 others asked alike, so each sequence names a ``scope`` (DraftSettings): it reads and
-feeds only the history of its own scope ("" everyone, None no one).
+feeds only the history of its own scope (HistoryScope: everyone's, one group's, or none).
 """
 
 from __future__ import annotations
@@ -37,7 +37,15 @@ import numpy as np
 import torch
 
 from specdec.atomic import atomic_write
-from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal, TokenTrie
+from specdec.drafters.base import (
+    EVERYONE,
+    Drafter,
+    DrafterCapabilities,
+    DraftSettings,
+    HistoryScope,
+    Proposal,
+    TokenTrie,
+)
 from specdec.drafters.ngram import MASK64, PRIME
 from specdec.errors import ConfigError
 
@@ -478,7 +486,7 @@ class SuffixDrafter(Drafter):
 
     def __init__(self, store: SuffixStore | None = None) -> None:
         self.store = store if store is not None else SuffixStore()
-        self.scope: str | None = ""
+        self.scope: HistoryScope = EVERYONE
         self._own = _RequestIndex()
 
     def begin(self, settings: DraftSettings) -> None:
@@ -490,8 +498,9 @@ class SuffixDrafter(Drafter):
 
     def finish(self, tokens: torch.Tensor, prompt_length: int) -> None:
         """Keep the output, led in by the prompt's last tokens (so the step from a prompt to its answer matches)."""
-        if self.scope is not None and len(tokens) > prompt_length:  # no output (cancelled at once): nothing to keep
-            self.store.add(tokens[max(0, prompt_length - LEAD_IN) :].numpy(), self.scope)
+        history = self.scope.history
+        if history is not None and len(tokens) > prompt_length:  # no output (cancelled at once): nothing to keep
+            self.store.add(tokens[max(0, prompt_length - LEAD_IN) :].numpy(), history)
 
     def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
         """Up to ``k`` nodes: the continuations of the longest match in this sequence (or in the store, when its
@@ -504,7 +513,8 @@ class SuffixDrafter(Drafter):
         tokens = self._own.extend(context)
         queries = _tail_hashes(tokens, len(tokens) - 1) if tokens else []
         n_own, own = self._own.matches(tokens, queries, k)
-        n_store, stored = (0, []) if self.scope is None else self.store.lookup(queries, self.scope, k)
+        history = self.scope.history
+        n_store, stored = (0, []) if history is None else self.store.lookup(queries, history, k)
         n, runs = (n_own, own) if n_own * OWN_WEIGHT >= n_store else (n_store, stored)
         if not runs:
             return Proposal(context[:0], steps=0)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from specdec.config import GenerationConfig
+from specdec.drafters.base import EVERYONE, HistoryScope
 from specdec.engine.decoder import Sink
 from specdec.engine.stats import DecodeStats
 from specdec.engine.text import TextTracker
@@ -68,7 +69,7 @@ class Completion(Sink):
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason = "length"
         self.seeds = Seeds(config.seed if config.seed is not None else random.randrange(2**63))
-        self.scope: str | None = ""  # whose history its drafter may share (DraftSettings.scope); the server sets it
+        self.scope: HistoryScope = EVERYONE  # whose history its drafter may share; the server sets it
 
     def __iter__(self) -> Iterator[str]:
         """Decode alone: the same step as a batch, on its Generator's own (or a forked) single-sequence backend."""

@@ -67,7 +67,7 @@ class StepReport:
     """What one step of the decoder did, for schedulers and benchmarks."""
 
     rows: int
-    window: int | None  # the cap on k, None when no window is used
+    k_cap: int | None  # the batch's cap on every row's k this step, None when nothing caps it
     seconds: float
 
 
@@ -83,7 +83,7 @@ class Update(Generic[S]):
 class Decoder(Generic[S]):
     """Completions (sinks) decoded together on one :class:`RowBackend`, joining and leaving between steps.
 
-    ``window`` (optional) caps every row's k each step from the load; without it
+    ``window`` (optional) chooses the batch's k_cap each step from the load (it caps every row's k); without it
     each row drafts what its own policy chooses.
     """
 
@@ -149,19 +149,19 @@ class Decoder(Generic[S]):
             return []
         start = time.perf_counter()
         rows = list(self.rows.values())
-        window = self._window(rows)
+        k_cap = self._k_cap(rows)
         row_ids = {row: i for i, row in enumerate(rows)}
         joining = [row for row in rows if self.backend.cached_lengths[row_ids[row]] == 0]
         running = [row for row in rows if self.backend.cached_lengths[row_ids[row]] > 0]
         new: dict[Row, torch.Tensor] = {}
         for group in _by_length(joining) + ([running] if running else []):
-            outcomes = speculative_step(self.backend, [row_ids[row] for row in group], group, window)
+            outcomes = speculative_step(self.backend, [row_ids[row] for row in group], group, k_cap)
             new.update((row, outcome.new_tokens) for row, outcome in zip(group, outcomes, strict=True))
             drafted = sum(outcome.nodes for outcome in outcomes)
             if drafted:
                 draft_s = sum(outcome.draft_s for outcome in outcomes)
                 self._draft_s_per_token += 0.5 * (draft_s / drafted - self._draft_s_per_token)
-        self.reports.append(StepReport(len(rows), window, time.perf_counter() - start))
+        self.reports.append(StepReport(len(rows), k_cap, time.perf_counter() - start))
 
         updates: list[Update[S]] = []
         for completion, row in list(self.rows.items()):
@@ -174,7 +174,7 @@ class Decoder(Generic[S]):
             updates.append(Update(completion, text, done))
         return updates
 
-    def _window(self, rows: list[Row]) -> int | None:
+    def _k_cap(self, rows: list[Row]) -> int | None:
         if self.window is None:
             return None
         max_k = max(row.config.k for row in rows)

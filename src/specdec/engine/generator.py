@@ -42,7 +42,7 @@ class Generator:
     ``"model:PATH"``) or ready objects; ``runtime`` says where named models run
     (transformers or llama.cpp, dtype, threads); ``config`` holds the defaults
     that keyword arguments of :meth:`generate` and :meth:`stream` override;
-    ``batch`` sets how :meth:`generate_batch` sizes its speculation window.
+    ``batch`` sets how :meth:`generate_batch` caps every row's k (the batch's k_cap).
     """
 
     def __init__(
@@ -81,7 +81,7 @@ class Generator:
 
     @classmethod
     def from_profile(cls, profile: str | Path | Profile, target: str | LoadedModel | Target | None = None) -> Generator:
-        """A Generator in the configuration a `specdec tune` profile names (runtime, drafter, k settings, batch window).
+        """A Generator in the configuration a `specdec tune` profile names (runtime, drafter, k settings, k_cap).
 
         ``target`` replaces the profile's own (a ready model, or another name); a profile tuned for another target
         or on another machine still loads, with a ProfileWarning that says what differs.
@@ -232,7 +232,7 @@ class Generator:
 
         ``config`` is one config for every prompt or one per prompt; keyword
         overrides apply to all. Each row stops on its own (EOS, stop string,
-        max_new_tokens) and leaves the batch. The window follows ``self.batch``
+        max_new_tokens) and leaves the batch. The k_cap follows ``self.batch``
         unless a ``decoder`` from :meth:`batch_decoder` is passed (its reports then record each step).
         """
         configs = list(config) if isinstance(config, Sequence) else [config or self.config] * len(prompts)
@@ -292,7 +292,7 @@ class Generator:
         (``capabilities.max_rows``).
         """
         rows = self.backend.row_backend(batch=True, trees=True, cuda_graphs=self.batch.cuda_graphs)
-        if self.batch.window == "fixed" or rows.capabilities.max_rows == 1:
+        if self.batch.k_cap == "fixed" or rows.capabilities.max_rows == 1:
             return Decoder(rows)
         memory = partial(memory_in_use, rows.device)
         return Decoder(rows, LoadWindow(self.measured.batch(rows), self.batch.memory_threshold, memory))

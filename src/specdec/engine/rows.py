@@ -12,7 +12,7 @@ import torch
 
 from specdec.acceptance import AcceptanceEstimate
 from specdec.config import GenerationConfig
-from specdec.drafters.base import Drafter, DraftSettings, Proposal
+from specdec.drafters.base import EVERYONE, Drafter, DraftSettings, HistoryScope, Proposal
 from specdec.engine.stats import DecodeStats
 from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
@@ -26,7 +26,7 @@ class DraftPlan:
     """How much one row drafts at a step."""
 
     chosen: int  # the k policy's choice: what the row keeps of a proposal (a scored one: what its policy prices)
-    # nodes asked of the drafter: what the row wants within the batch's window, its token budget and the context, each
+    # nodes asked of the drafter: what the row wants within the batch's k_cap, its token budget and the context, each
     # leaving room for the target's own token of the step; 0: nothing is drafted
     asked: int = 0
     branches: int = 1  # the most children a draft node may have (1: a chain)
@@ -100,9 +100,9 @@ class Row:
     seeds: Seeds  # what keys the sequence's random draws
     stats: DecodeStats
     guards: Guards | NoGuards = field(default_factory=NoGuards)
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # what the batch's window reads
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # what the batch's k_cap reads
     started: float = field(default_factory=time.perf_counter)
-    scope: str | None = ""  # whose history its drafter may share (DraftSettings.scope)
+    scope: HistoryScope = EVERYONE  # whose history its drafter may share (DraftSettings.scope)
     shape: Shape = CHAINS  # what it drafts (trees.py's TREES for a row with branches > 1 whose drafter drafts trees)
 
     @property

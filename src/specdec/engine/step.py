@@ -3,14 +3,14 @@
 One step, for rows of any number (batch 1 is a batch: one sequence decodes on a
 :class:`~specdec.models.backend.OneRow` backend):
 
-1. **draft**: each row's :class:`DraftPlan` (its k policy's plan, capped by the batch's window and the row's limits:
+1. **draft**: each row's :class:`DraftPlan` (its k policy's plan, capped by the batch's k_cap and the row's limits:
    a step yields the accepted drafts plus one target token, never past max_new_tokens or the context; nothing on a
    guard's anchor step), then its drafter's proposal, cut to what the row keeps;
 2. **score**: each row is fed the tokens its cache lacks (the whole prompt at its first step, afterwards the pending
    token, the last one produced) followed by its drafts, all rows in ONE target forward;
 3. **verify**: each row's guards adjust its logits, then the verifier of its kind judges the drafts
    (verification/verifiers.py). A sampled row's uniforms are keyed by position (seeds.py): the token at position t is
-   decided by the same numbers whichever step reaches it, so its k policy, the batch's window and its drafter's
+   decided by the same numbers whichever step reaches it, so its k policy, the batch's k_cap and its drafter's
    history change no seeded output but through the drafts themselves (and deterministic drafts not at all);
 4. **commit**: each row's cache keeps its accepted drafts, its tokens grow, and its drafter, k policy, acceptance
    estimate, stats and guards observe the step's :class:`StepOutcome`.
@@ -77,13 +77,13 @@ class Timer:
 
 @torch.inference_mode()
 def speculative_step(
-    target: RowBackend, row_ids: list[int], rows: list[Row], window: int | None = None
+    target: RowBackend, row_ids: list[int], rows: list[Row], k_cap: int | None = None
 ) -> list[StepOutcome]:
-    """Advance ``rows`` (held in ``target``'s rows ``row_ids``) by one speculative step; ``window`` caps every row's
+    """Advance ``rows`` (held in ``target``'s rows ``row_ids``) by one speculative step; ``k_cap`` caps every row's
     k."""
     steps = []
     for row, row_id in zip(rows, row_ids, strict=True):
-        step = RowStep(row=row, row_id=row_id, plan=plan(row, window, target.max_context))
+        step = RowStep(row=row, row_id=row_id, plan=plan(row, k_cap, target.max_context))
         if step.plan.asked:
             with Timer() as drafting:
                 step.proposal, step.shape = draft(row, step.plan, drafting)
@@ -99,13 +99,13 @@ def speculative_step(
     ]
 
 
-def plan(row: Row, window: int | None, max_context: int) -> DraftPlan:
-    """Phase 1, how much: the k policy's plan within the window and the room the row has left (nothing on a guard's
-    anchor step); the row's shape sizes the draft within them. The policy is asked for a tree only where the row
+def plan(row: Row, k_cap: int | None, max_context: int) -> DraftPlan:
+    """Phase 1, how much: the k policy's plan within the batch's k_cap and the room the row has left (nothing on a
+    guard's anchor step); the row's shape sizes the draft within them. The policy is asked for a tree only where the row
     drafts trees and drafts this step."""
     anchored = row.guards.anchor_due(row.stats.new_tokens)
     room = min(row.config.max_new_tokens - row.stats.new_tokens, max_context - row.length) - 1
-    room = room if window is None else min(room, window)
+    room = room if k_cap is None else min(room, k_cap)
     drafts = not anchored and room > 0
     chosen = row.policy.plan(row.length, trees=drafts and row.shape.tree)
     if not drafts:

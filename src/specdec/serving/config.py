@@ -6,6 +6,7 @@ import hashlib
 import ipaddress
 from dataclasses import dataclass, fields
 
+from specdec.drafters.base import EVERYONE, OWN, HistoryScope
 from specdec.errors import ConfigError
 
 SUFFIX_SCOPES = ("auto", "global", "key", "request")
@@ -118,15 +119,15 @@ class ServeConfig:
             return self.allowed_hosts
         return LOOPBACK if is_loopback(self.host) else ()
 
-    def scope(self, key: str | None) -> str | None:
-        """The suffix scope of a request sent with API key ``key`` (DraftSettings.scope): "" everyone's history, None
-        its own only, else a digest of the key (the key itself is never kept)."""
+    def scope(self, key: str | None) -> HistoryScope:
+        """The suffix scope of a request sent with API key ``key`` (DraftSettings.scope): everyone's history, its own
+        only, or the group of its key, named by a digest of the key (the key itself is never kept)."""
         kind = self.suffix_scope if self.suffix_scope != "auto" else "key" if self.api_keys else "global"
         if kind == "request":
-            return None
+            return OWN
         if kind == "global" or not key:
-            return ""
-        return hashlib.sha256(key.encode()).hexdigest()[:32]
+            return EVERYONE
+        return HistoryScope.of_group(hashlib.sha256(key.encode()).hexdigest()[:32])
 
 
 def is_loopback(host: str) -> bool:

@@ -252,16 +252,16 @@ def _replica_failure(serve) -> str:
 def app_builder(args: dict):
     """Entry point for a Serve config file (``import_path: specdec.serving.ray_serve:app_builder``).
 
-    ``args``: target, draft, k, k_policy, dtype, precision, window, ServeConfig's request limits and keys (max_batch,
-    max_queue, default_max_tokens, shutdown_timeout_s, api_keys, open_metrics, max_request_bytes, allowed_hosts,
-    suffix_scope, suffix_max_tokens) and
-    RayConfig's fields but the address: the settings `specdec serve --ray` takes, by their typed names.
+    ``args``: target, draft, k, k_policy, dtype, precision, k_cap (or its former name, window), ServeConfig's request
+    limits and keys (max_batch, max_queue, default_max_tokens, shutdown_timeout_s, api_keys, open_metrics,
+    max_request_bytes, allowed_hosts, suffix_scope, suffix_max_tokens) and RayConfig's fields but the address: the
+    settings `specdec serve --ray` takes, by their typed names.
     """
     known = {
         "spec": ("target", "draft"),
         "generation": ("k", "k_policy"),
         "runtime": ("dtype", "precision"),
-        "batch": ("window",),
+        "batch": ("k_cap", "window"),
         "serve": (
             "max_batch",
             "max_queue",
