@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import loaded, perturbed, tiny_llama
 
-import specdec.engine.step as step_module
+import specdec.engine.rows as rows_module
 import specdec.verification.rejection as rejection
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import STEP_CASES, TargetLaw, sequential_pvalue, step_cases
@@ -145,7 +145,7 @@ def test_a_wrong_residual_fails(monkeypatch: pytest.MonkeyPatch, driver: str) ->
 def test_one_uniform_for_the_accept_test_and_the_residual_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: a drawn draft's acceptance test keyed like the target's own draw at its position (so a
     rejection's residual is drawn with the very uniform that rejected) must be caught."""
-    monkeypatch.setattr(step_module, "ACCEPT", SAMPLE)
+    monkeypatch.setattr(rows_module, "ACCEPT", SAMPLE)
     target = _target()
     gen = Generator(loaded(target), _drafter("other model", target))
     samples, stats = run_single(gen, SAMPLINGS["plain"], 1500)

@@ -23,7 +23,7 @@ from conftest import char_tokenizer, loaded, tiny_llama
 from test_trees import MIN_PVALUE, NEW, PROMPT, SAMPLINGS, VOCAB, _sample, one_uniform_for_every_level
 
 import specdec.drafters.suffix as suffix
-import specdec.engine.step as step_module
+import specdec.engine.rows as rows_module
 from specdec import GenerationConfig, Generator
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig
@@ -434,13 +434,13 @@ def test_sampled_suffix_chains_keep_the_target_law(monkeypatch: pytest.MonkeyPat
     """Earlier samples' outputs become later rows' chains (fixed tokens, judged against the target's own keyed draws):
     the target's law; every position drawn with its first position's uniform must fail."""
     if broken:
-        original = step_module.Chains.uniforms
+        original = rows_module.Chains.uniforms
 
         def one_for_every_position(self, row, proposal, device):
             uniforms = original(self, row, proposal, device)
             return Uniforms(uniforms.sample[:1].expand_as(uniforms.sample), uniforms.accept)
 
-        monkeypatch.setattr(step_module.Chains, "uniforms", one_for_every_position)
+        monkeypatch.setattr(rows_module.Chains, "uniforms", one_for_every_position)
     target = tiny_llama(3, vocab=VOCAB, scale=0.15)
     # a fixed window: the dynamic one caps k by this machine's measured costs, and with it how many drafts are judged
     gen = Generator(loaded(target), "suffix", batch=BatchConfig(k_cap="fixed"))
