@@ -315,6 +315,10 @@ COMMANDS_TEXT = """
 2026-12-05-cpu-model-sizes-avx2.json
   SPECDEC_KERNELS=avx2 python benchmarks/model_sizes.py --work /tmp/sizes --out ${J}2026-12-05-cpu-model-sizes-avx2.json
   --sizes 1b,3b --backends native-int4 --llama-bench $LLAMA_BENCH_AVX2
+2026-12-05-cpu-model-sizes-avx2-parts.json
+  SPECDEC_KERNELS=avx2 python benchmarks/model_sizes.py --work /tmp/sizes
+  --out ${J}2026-12-05-cpu-model-sizes-avx2-parts.json --sizes 1b,3b --backends native-int4
+  --llama-bench $LLAMA_BENCH_AVX2 --tokens 64 --acceptance 0.7
 """
 VARIABLES = {
     "J": "benchmarks/results/",
@@ -893,7 +897,11 @@ def model_sizes(results: list[Result]) -> list[Block]:
         for size, s in r.data["sizes"].items():
             greedy, bench_ = s["llamacpp_greedy_tokens_per_s"], s.get("llama_bench_tokens_per_s")
             speed.append([size, "llama.cpp greedy (llama-cpp-python)", f"{greedy:.1f}", "", "", "", "", ""])
-            if bench_:
+            parts = s.get("llama_bench")  # pg, tg and pp apart (older runs: tg alone)
+            if parts:
+                rates = f"{parts['pg']:.1f} / {parts['tg']:.1f} / {parts['pp']:.1f}"
+                speed.append([size, "llama-bench (C++): pg / tg / pp", rates, "", "", "", "", ""])
+            elif bench_:
                 speed.append([size, "llama-bench (C++)", f"{bench_:.1f}", "", "", "", "", ""])
             for name, b in s["backends"].items():
                 alone = b["target_only_tokens_per_s"]
@@ -902,6 +910,12 @@ def model_sizes(results: list[Result]) -> list[Block]:
                     for o in b["oracle"].values()
                 ]
                 versus = [f"{alone / greedy:.2f}x", f"{alone / bench_:.2f}x" if bench_ else "-"]
+                if parts and "target_only_decode_tokens_per_s" in b:  # part for part: prompt + generation, each
+                    decoding, prefill = b["target_only_decode_tokens_per_s"], b["prefill_tokens_per_s"]
+                    versus[1] = (
+                        f"{alone / parts['pg']:.2f}x pg; decoding {decoding:.1f} = {decoding / parts['tg']:.2f}x tg; "
+                        f"prefill {prefill:.1f} = {prefill / parts['pp']:.2f}x pp"
+                    )
                 speed.append([size, name, f"{alone:.1f}"] + versus + oracle)
                 if "generating" in b:
                     gb = b["bytes_per_token"] / 1e9
