@@ -894,15 +894,16 @@ def model_sizes(results: list[Result]) -> list[Block]:
     blocks = []
     for r in newest_per_machine(results):
         speed, memory = [], []
+        alphas = list(next(iter(r.data["sizes"].values()))["backends"].values())[0]["oracle"]
         for size, s in r.data["sizes"].items():
             greedy, bench_ = s["llamacpp_greedy_tokens_per_s"], s.get("llama_bench_tokens_per_s")
-            speed.append([size, "llama.cpp greedy (llama-cpp-python)", f"{greedy:.1f}", "", "", "", "", ""])
+            speed.append([size, "llama.cpp greedy (llama-cpp-python)", f"{greedy:.1f}"] + [""] * (2 + len(alphas)))
             parts = s.get("llama_bench")  # pg, tg and pp apart (older runs: tg alone)
             if parts:
                 rates = f"{parts['pg']:.1f} / {parts['tg']:.1f} / {parts['pp']:.1f}"
-                speed.append([size, "llama-bench (C++): pg / tg / pp", rates, "", "", "", "", ""])
+                speed.append([size, "llama-bench (C++): pg / tg / pp", rates] + [""] * (2 + len(alphas)))
             elif bench_:
-                speed.append([size, "llama-bench (C++)", f"{bench_:.1f}", "", "", "", "", ""])
+                speed.append([size, "llama-bench (C++)", f"{bench_:.1f}"] + [""] * (2 + len(alphas)))
             for name, b in s["backends"].items():
                 alone = b["target_only_tokens_per_s"]
                 oracle = [
@@ -920,26 +921,33 @@ def model_sizes(results: list[Result]) -> list[Block]:
                 if "generating" in b:
                     gb = b["bytes_per_token"] / 1e9
                     first = b.get("first_start")
-                    converting = f"{first['peak_rss_mb'] - first['rss_after_imports_mb']:.0f} / " if first else "- / "
+                    grew = first["peak_rss_mb"] - first["rss_after_imports_mb"] if first else 0.0
+                    # a first start from a cache the run found already filled converted nothing: no figure
+                    converting = f"{grew:.0f} / " if grew > b["model_bytes"] / 2**20 / 2 else "- / "
                     start = f"{b['cached_start']['seconds']:.1f}" if "cached_start" in b else "-"
                     memory.append(
                         [
                             size,
                             name,
                             f"{gb * 1000:.0f}",
-                            f"{gb * alone:.1f}",
+                            f"{gb * b.get('target_only_decode_tokens_per_s', alone):.1f}",
                             converting + f"{b['model_bytes'] / 2**20:.0f}",
                         ]
                         + [start, f"{b['generating']['peak_rss_mb']:.0f}"]
                     )
-        alphas = list(next(iter(r.data["sizes"].values()))["backends"].values())[0]["oracle"]
         header = ["size", "runtime", "target-only tok/s", "x llama.cpp greedy", "x llama-bench"]
         header += [f"a={a}: x own (predicted) / x llama.cpp greedy" for a in alphas]
         note = "Random weights in real shapes; an oracle drafter right with probability a, k the cost model's; one run."
         title = f"Model sizes: target-only and speculation (`benchmarks/model_sizes.py`) on {r.machine}, {r.date}"
         blocks.append(block("Across runtimes", title, header, speed, [r], note))
         if memory:
-            header = ["size", "runtime", "MB read per token", "GB/s", "peak RSS converting / model MB"]
+            header = [
+                "size",
+                "runtime",
+                "MB read per token",
+                "GB/s (decoding where measured)",
+                "peak RSS converting / model MB",
+            ]
             header += ["start from cache s", "peak RSS generating MB"]
             note = f"The same run; measured read bandwidth {r.data['machine']['read_GBps']:.1f} GB/s."
             title = f"Model sizes: bytes, bandwidth and memory on {r.machine}, {r.date}"

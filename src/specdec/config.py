@@ -187,12 +187,12 @@ class BatchConfig:
     memory_threshold: float = 0.8  # share of memory in use above which the dynamic k_cap turns speculation off
     # replay captured CUDA graphs for steps over the whole batch (CUDA only; nothing changes on a CPU)
     cuda_graphs: bool = True
-    # deprecated: k_cap's former name, still accepted (BatchConfig(k_cap=...), a profile's or a Serve config's "window")
+    # deprecated: k_cap's former name, still accepted (BatchConfig(window=...), a profile's or Serve config's "window")
     window: InitVar[str | None] = None
 
     def __post_init__(self, window: str | None) -> None:
         if window is not None:
-            warnings.warn("BatchConfig(k_cap=...) is deprecated: use k_cap", DeprecationWarning, stacklevel=3)
+            warnings.warn("BatchConfig(window=...) is deprecated: use k_cap", DeprecationWarning, stacklevel=3)
             object.__setattr__(self, "k_cap", window)
         if self.k_cap not in K_CAPS:
             raise ConfigError(f"unknown k_cap '{self.k_cap}': use one of {', '.join(K_CAPS)}")

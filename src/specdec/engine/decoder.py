@@ -20,7 +20,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from specdec.config import GenerationConfig
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Drafter, HistoryScope
 from specdec.engine.rows import CHAINS, Row
 from specdec.engine.stats import DecodeStats
 from specdec.engine.step import speculative_step
@@ -41,7 +41,7 @@ class Sink(Protocol):
     seeds: Seeds
     stats: DecodeStats  # the row records its steps here
     guards: Guards | NoGuards
-    scope: str | None  # DraftSettings.scope
+    scope: HistoryScope  # DraftSettings.scope
 
     def take(self, ids: list[int]) -> str:
         """The tokens one step accepted; returns the text they complete (it may keep fewer: EOS, a stop string)."""
