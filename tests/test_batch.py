@@ -304,6 +304,8 @@ def test_batched_generation_errors() -> None:
         BatchConfig(k_cap="adaptive")
     with pytest.warns(DeprecationWarning, match="use k_cap"):  # the former name, still accepted
         assert BatchConfig(window="fixed") == BatchConfig(k_cap="fixed")
+    with pytest.raises(ConfigError, match="give k_cap alone"):  # two names that disagree: neither is guessed
+        BatchConfig(k_cap="fixed", window="dynamic")
     with pytest.raises(ConfigError, match="memory_threshold"):
         BatchConfig(memory_threshold=1.5)
 

@@ -192,6 +192,8 @@ class BatchConfig:
 
     def __post_init__(self, window: str | None) -> None:
         if window is not None:
+            if self.k_cap != "dynamic" and self.k_cap != window:
+                raise ConfigError(f"BatchConfig got k_cap '{self.k_cap}' and window '{window}': give k_cap alone")
             warnings.warn("BatchConfig(window=...) is deprecated: use k_cap", DeprecationWarning, stacklevel=3)
             object.__setattr__(self, "k_cap", window)
         if self.k_cap not in K_CAPS:

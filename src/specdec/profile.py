@@ -100,7 +100,7 @@ class Profile:
             runtime = dict(data["runtime"])
             batch = dict(data.get("batch", {}))
             if "window" in batch:  # k_cap's former name, in profiles written before it
-                batch["k_cap"] = batch.pop("window")
+                batch.setdefault("k_cap", batch.pop("window"))
             plan = runtime.pop("precision", None)
             gen = data["generation"]
             generation = GenerationConfig(
