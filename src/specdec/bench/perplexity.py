@@ -18,13 +18,7 @@ from transformers import PreTrainedModel
 from specdec.config import RuntimeConfig
 from specdec.errors import ConfigError
 from specdec.models import Backend, load_model, open_target
-from specdec.models.native.perplexity_record import (
-    CHECK_MAX_WEIGHTS,
-    CHECK_TOKENS,
-    PerplexityResult,
-    store_check,
-    stored_check,
-)
+from specdec.models.native.perplexity_record import CHECK_TOKENS, PerplexityResult, store_check, stored_check
 from specdec.models.precision import apply_plan
 from specdec.training.ngram import documents
 
@@ -100,10 +94,6 @@ def perplexity(
     return PerplexityResult(label, math.exp(nll), math.exp(reference), len(tokens))
 
 
-NATIVE_CHECK_TOKENS = CHECK_TOKENS
-NATIVE_CHECK_MAX_WEIGHTS = CHECK_MAX_WEIGHTS
-
-
 def native_perplexity(
     target: str, identity: str, format: str, progress: Progress = lambda *a: None
 ) -> PerplexityResult:
@@ -119,7 +109,7 @@ def native_perplexity(
         target,
         RuntimeConfig(backend="native", native_format=format),
         str(prompt_sets()[DEFAULT_PROMPTS]),
-        NATIVE_CHECK_TOKENS,
+        CHECK_TOKENS,
         256,
         progress,
     )
