@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import replace
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import char_tokenizer, loaded, perturbed, tiny_gemma3, tiny_llama
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.config import K_POLICIES, BatchConfig, GuardConfig, TypicalAcceptance
 from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
+from specdec.drafters.base import Proposal
 from specdec.engine import Decoder
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend
@@ -264,6 +266,44 @@ def test_window_caps_each_rows_own_policy() -> None:
     for run in runs:
         assert run.stats.k_per_step == [6] * run.stats.steps  # each row's policy still chose 6
         assert max(run.stats.accepted_per_step) <= max(windows)
+
+
+class SlowOnce(PromptLookupDrafter):
+    """Prompt lookup whose first draft is held up, as by a stretch of load from another process."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
+        proposal = super().propose(context, k, branches)
+        if self.delay_s and len(proposal.tokens):
+            time.sleep(self.delay_s)
+            self.delay_s = 0.0
+        return proposal
+
+    def fork(self) -> SlowOnce:
+        return self  # one sequence here: the delay is spent once
+
+
+def test_a_drafting_cost_measured_under_load_does_not_turn_speculation_off_for_good() -> None:
+    """A draft held up once makes drafting look dear and the k_cap falls to 0; with nothing drafted the measured cost
+    relaxes, so drafting is tried again rather than left off for the decoder's life (a server's)."""
+    target = loaded(tiny_llama(0))
+    gen = Generator(
+        target, SlowOnce(0.3), GenerationConfig(k=4, k_policy="fixed", max_new_tokens=80, stop_on_eos=False)
+    )
+    # Verifying 2 tokens costs 10% more than 1: drafting pays while it costs well under a millisecond a token.
+    cheap = CostCurve({1: 0.010, 2: 0.011, 3: 0.012, 5: 0.014, 9: 0.020})
+    decoder = Decoder(
+        BatchedTransformersBackend(target.model), LoadWindow(BatchCostCurve({1: cheap}), memory=lambda: 0.0)
+    )
+    gen.admit(decoder, gen.completion(PROMPTS[0]))
+    while decoder.rows:
+        decoder.step()
+    caps = [report.k_cap for report in decoder.reports]
+    closed = caps.index(0)  # the held-up draft closed it
+    assert any(cap for cap in caps[closed:]), caps  # and it opened again
 
 
 @pytest.mark.parametrize("policy", K_POLICIES)

@@ -60,6 +60,9 @@ class Sink(Protocol):
 S = TypeVar("S", bound=Sink)
 
 REPORTS_KEPT = 100_000  # the latest steps' reports; a server's decoder steps forever
+# Each step that drafts nothing scales the measured drafting cost by this: a cost measured in a stretch of load from
+# elsewhere would otherwise keep the k_cap at 0, where nothing is drafted and the cost is never measured again.
+DRAFT_COST_RELAX = 0.9
 
 
 @dataclass(frozen=True)
@@ -154,13 +157,16 @@ class Decoder(Generic[S]):
         joining = [row for row in rows if self.backend.cached_lengths[row_ids[row]] == 0]
         running = [row for row in rows if self.backend.cached_lengths[row_ids[row]] > 0]
         new: dict[Row, torch.Tensor] = {}
+        drafted, draft_s = 0, 0.0
         for group in _by_length(joining) + ([running] if running else []):
             outcomes = speculative_step(self.backend, [row_ids[row] for row in group], group, k_cap)
             new.update((row, outcome.new_tokens) for row, outcome in zip(group, outcomes, strict=True))
-            drafted = sum(outcome.nodes for outcome in outcomes)
-            if drafted:
-                draft_s = sum(outcome.draft_s for outcome in outcomes)
-                self._draft_s_per_token += 0.5 * (draft_s / drafted - self._draft_s_per_token)
+            drafted += sum(outcome.nodes for outcome in outcomes)
+            draft_s += sum(outcome.draft_s for outcome in outcomes)
+        if drafted:
+            self._draft_s_per_token += 0.5 * (draft_s / drafted - self._draft_s_per_token)
+        else:
+            self._draft_s_per_token *= DRAFT_COST_RELAX
         self.reports.append(StepReport(len(rows), k_cap, time.perf_counter() - start))
 
         updates: list[Update[S]] = []
