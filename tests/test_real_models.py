@@ -30,6 +30,28 @@ def test_gemma_prompt_lookup_greedy_is_identical(gemma) -> None:
     assert accepted > 0, "prompt lookup should find something to copy in these prompts"
 
 
+def test_gemma_with_penalties_and_bias_is_identical_to_target_only(gemma) -> None:
+    """Copies of penalized tokens are proposed and judged against the processed target at each position: greedy output
+    equals target-only's with the same bias and penalties, and differs from the unprocessed output."""
+    from specdec import SamplingConfig
+
+    sampling = SamplingConfig(
+        presence_penalty=0.4,
+        frequency_penalty=0.6,
+        repetition_penalty=1.1,
+        logit_bias=((gemma.tokenizer.eos_token_id, -5.0),),
+    )
+    baseline, lookup = Generator(gemma, "none"), Generator(gemma, "prompt-lookup")
+    proposed, changed = 0, 0
+    for prompt in PROMPTS[:2]:
+        expected = baseline.generate(prompt, max_new_tokens=24, sampling=sampling)
+        got = lookup.generate(prompt, max_new_tokens=24, k=4, k_policy="fixed", sampling=sampling)
+        assert got.token_ids == expected.token_ids, prompt
+        changed += expected.token_ids != baseline.generate(prompt, max_new_tokens=24).token_ids
+        proposed += got.stats.draft_tokens_proposed
+    assert proposed > 0 and changed > 0
+
+
 @pytest.mark.slow
 def test_gemma_cost_model_k_is_identical(gemma, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # measure this machine's cost curve afresh

@@ -24,7 +24,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import GenerationConfig, Generator
-from specdec.config import PRESETS, GuardConfig, RuntimeConfig, TypicalAcceptance
+from specdec.config import PRESETS, GuardConfig, RuntimeConfig, SamplingConfig, TypicalAcceptance
 from specdec.drafters.base import EVERYONE, OWN, HistoryScope
 from specdec.engine import GenerationResult
 from specdec.errors import ConfigError
@@ -126,6 +126,33 @@ def server(request: pytest.FixtureRequest, folder: Path) -> Iterator[Server]:
 def local(folder: Path) -> Generator:
     """The same target, runtime and drafter in this process: what `specdec generate` computes."""
     return Generator(str(folder), "prompt-lookup", GenerationConfig(k=4, k_policy="fixed"), RuntimeConfig("auto"))
+
+
+def test_penalties_and_bias_through_the_openai_client(server: Server, local: Generator) -> None:
+    """OpenAI's presence and frequency penalties and logit_bias, and the common min_p and repetition_penalty, give what
+    the library gives with the same settings (greedy, speculating); a bias naming a token past the vocabulary is a
+    400 naming logit_bias."""
+    model = server.client.models.list().data[0].id
+    banned = local.encode(PROMPTS[0][-1])[0]
+    sampling = SamplingConfig(
+        presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.2, min_p=0.1, logit_bias=((banned, -100.0),)
+    )
+    expected = local.generate(PROMPTS[0], max_new_tokens=24, sampling=sampling)
+    got = server.client.completions.create(
+        model=model,
+        prompt=PROMPTS[0],
+        max_tokens=24,
+        temperature=0,
+        presence_penalty=0.5,
+        frequency_penalty=1.0,
+        logit_bias={str(banned): -100},
+        extra_body={"repetition_penalty": 1.2, "min_p": 0.1},
+    )
+    assert got.choices[0].text == expected.text and banned not in expected.token_ids
+    assert expected.text != local.generate(PROMPTS[0], max_new_tokens=24).text  # the settings changed the output
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client.completions.create(model=model, prompt="hi", max_tokens=2, logit_bias={str(10**7): 1})
+    assert refused.value.body["param"] == "logit_bias" and "vocabulary" in refused.value.body["message"]
 
 
 def test_completions_streamed_and_not(server: Server, local: Generator) -> None:
@@ -359,6 +386,12 @@ OUT_OF_BOUNDS = [
     ({"presence_penalty": float("nan")}, "presence_penalty", "finite number"),
     ({"frequency_penalty": float("-inf")}, "frequency_penalty", "finite number"),
     ({"logit_bias": {"5": float("inf")}}, "logit_bias", "finite number"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "greater than or equal to -2"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "less than or equal to 100"),
+    ({"logit_bias": {"five": 1}}, "logit_bias", "token ids written as strings"),
+    ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
     ({"typical_acceptance": {"epsilon": float("nan")}}, "typical_acceptance", "finite number"),
     ({"seed": 2**64}, "seed", "less than or equal to 18446744073709551615"),
     ({"n": 10**6}, "n", "not supported"),
@@ -401,6 +434,11 @@ def test_numbers_at_their_bounds_pass_every_check(in_process) -> None:
         "stop": ["x" * 256] * 4,
         "top_k": 2**20,
         "seed": 2**64 - 1,
+        "presence_penalty": 2.0,
+        "frequency_penalty": -2.0,
+        "logit_bias": {"5": 100, "6": -100},
+        "min_p": 1.0,
+        "repetition_penalty": 100.0,
         "guards": {
             "repetition": True,
             "loop_repeats": 16,

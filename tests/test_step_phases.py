@@ -154,6 +154,7 @@ def make_row(
         policy or FixedK(k),
         Seeds(0),
         DecodeStats(),
+        prompt_length=len(PROMPT),
         shape=shape,
     )
 

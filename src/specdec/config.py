@@ -13,6 +13,9 @@ MAX_BRANCHES = 8
 # "prompt-lookup+tree" (bench methods, profiles): the drafter proposes trees of up to TREE_BRANCHES children
 TREE_SUFFIX = "+tree"
 TREE_BRANCHES = 4
+MAX_PENALTY = 2.0  # presence and frequency penalties' bound (OpenAI's)
+MAX_REPETITION_PENALTY = 100.0
+MAX_BIAS = 100.0  # logit_bias values' bound (OpenAI's)
 MIN_TEMPERATURE = 1e-6  # below it, logits / temperature overflow float32 to inf (and probabilities to NaN)
 K_POLICIES = ("fixed", "heuristic", "perplexity", "confidence", "cost-model")
 # every command's drafter: the fastest measured for the target (drafters.build_drafter says which)
@@ -21,11 +24,23 @@ DEFAULT_DRAFT = "auto"
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How the next token is chosen. ``temperature == 0`` means greedy."""
+    """How the next token is chosen. ``temperature == 0`` means greedy.
+
+    The target's logits at every position pass, in this order, through ``logit_bias`` (added), ``repetition_penalty``
+    (a token already in the prompt or output: a positive logit divided by it, a negative one multiplied),
+    ``frequency_penalty`` and ``presence_penalty`` (OpenAI's: minus count x frequency_penalty, minus presence_penalty
+    once, counting the output's tokens), then temperature, ``top_k``, ``top_p`` and ``min_p`` (a token less likely than
+    min_p times the likeliest is dropped). verification/processors.py and shaping.py apply them.
+    """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, each id once
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
@@ -36,10 +51,40 @@ class SamplingConfig:
             raise ConfigError(f"top_k must be >= 1 or unset, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ConfigError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY or not math.isfinite(self.repetition_penalty):
+            raise ConfigError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1 is off), got {self.repetition_penalty}"
+            )
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        ids = [token for token, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            raise ConfigError("logit_bias names a token more than once: give each token id one bias")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ConfigError(f"logit_bias token ids are >= 0, got {token}")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ConfigError(
+                    f"logit_bias values must be in [-{MAX_BIAS}, {MAX_BIAS}], got {bias} for token {token}"
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processed(self) -> bool:
+        """Whether the target's logits pass through bias or penalties before temperature (processors.py)."""
+        return (
+            bool(self.logit_bias)
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
 
 # The guards' sizes in tokens, each (least, most). A server takes them from clients and runs every request on one
@@ -319,7 +364,7 @@ class RuntimeConfig:
             )
 
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p")
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingConfig))
 
 
 def with_overrides(config: GenerationConfig, **overrides: object) -> GenerationConfig:

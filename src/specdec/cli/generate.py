@@ -41,7 +41,7 @@ from specdec.config import (
     SamplingConfig,
     TypicalAcceptance,
 )
-from specdec.errors import SpecDecError
+from specdec.errors import ConfigError, SpecDecError
 from specdec.models import DEFAULT_TARGET
 
 if TYPE_CHECKING:
@@ -52,6 +52,21 @@ MaxNewTokens = Annotated[int, typer.Option(help="Most new tokens to generate.")]
 Temperature = Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")]
 TopK = Annotated[int | None, typer.Option(help="Keep only the k most likely tokens.")]
 TopP = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")]
+MinP = Annotated[float, typer.Option(help="Drop tokens less likely than this times the likeliest, in [0, 1].")]
+PresencePenalty = Annotated[
+    float, typer.Option(help="Subtracted once from the logit of every token the output holds (OpenAI's), in [-2, 2].")
+]
+FrequencyPenalty = Annotated[
+    float, typer.Option(help="Subtracted per occurrence in the output from a token's logit (OpenAI's), in [-2, 2].")
+]
+RepetitionPenalty = Annotated[
+    float,
+    typer.Option(help="Tokens in the prompt or output: a positive logit divided by it, a negative multiplied; 1 off."),
+]
+LogitBias = Annotated[
+    list[str] | None,
+    typer.Option(help="TOKEN_ID=BIAS added to that token's logit, BIAS in [-100, 100] (repeatable)."),
+]
 Seed = Annotated[int | None, typer.Option(help="Random seed, for reproducible sampling.")]
 Stop = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")]
 Stream = Annotated[bool, typer.Option(help="Print text as it is accepted.")]
@@ -98,6 +113,11 @@ def generate(
     temperature: Temperature = default(SamplingConfig, "temperature"),
     top_k: TopK = default(SamplingConfig, "top_k"),
     top_p: TopP = default(SamplingConfig, "top_p"),
+    min_p: MinP = default(SamplingConfig, "min_p"),
+    presence_penalty: PresencePenalty = default(SamplingConfig, "presence_penalty"),
+    frequency_penalty: FrequencyPenalty = default(SamplingConfig, "frequency_penalty"),
+    repetition_penalty: RepetitionPenalty = default(SamplingConfig, "repetition_penalty"),
+    logit_bias: LogitBias = None,
     seed: Seed = default(GenerationConfig, "seed"),
     stop: Stop = None,
     dtype: Dtype = default(RuntimeConfig, "dtype"),
@@ -127,7 +147,16 @@ def generate(
         k_policy=tuned.k_policy or k_policy,
         branches=tuned.branches or branches,
         max_new_tokens=max_new_tokens,
-        sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
+        sampling=SamplingConfig(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=bias_pairs(logit_bias or ()),
+        ),
         stop=tuple(stop or ()),
         seed=seed,
         guards=GuardConfig(
@@ -218,3 +247,15 @@ def demo(
     same = "identical" if base.token_ids == spec_run.token_ids else "DIFFERENT"
     speedup = spec_run.stats.tokens_per_s / base.stats.tokens_per_s
     console.print(Text.assemble("speed-up: ", (f"{speedup:.2f}x", "bold"), f"; output {same} to target-only greedy"))
+
+
+def bias_pairs(given: list[str] | tuple[str, ...]) -> tuple[tuple[int, float], ...]:
+    """``--logit-bias`` values (TOKEN_ID=BIAS) as pairs; a malformed one is a ConfigError naming it."""
+    pairs = []
+    for item in given:
+        token, _, bias = item.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise ConfigError(f"--logit-bias takes TOKEN_ID=BIAS (for example 198=-100), got '{item}'") from None
+    return tuple(pairs)

@@ -125,7 +125,8 @@ class Decoder(Generic[S]):
             policy,
             completion.seeds,
             completion.stats,
-            completion.guards,
+            prompt_length=len(completion.prompt_ids),
+            guards=completion.guards,
             scope=completion.scope,
             shape=TREES if completion.config.branches > 1 and drafter.capabilities.trees else CHAINS,
         )

@@ -9,7 +9,7 @@ from contextlib import closing
 from functools import partial
 from pathlib import Path
 
-from specdec.config import BatchConfig, GenerationConfig, GuardConfig, RuntimeConfig, with_overrides
+from specdec.config import BatchConfig, GenerationConfig, GuardConfig, RuntimeConfig, SamplingConfig, with_overrides
 from specdec.drafters import Drafter, auto_draft, build_drafter, drafter_name
 from specdec.engine.completion import Completion, GenerationResult
 from specdec.engine.costs import MachineCosts
@@ -23,6 +23,7 @@ from specdec.models.backend import TREES_UNSUPPORTED
 from specdec.profile import Profile, ProfileWarning, load_profile
 from specdec.quality import SentenceEmbedder
 from specdec.scheduling import CostCurve, KPolicy, LoadWindow, WayRates, build_k_policy, memory_in_use
+from specdec.verification.processors import check_vocabulary
 
 __all__ = ["Completion", "GenerationResult", "Generator"]
 
@@ -182,6 +183,7 @@ class Generator:
             raise ConfigError("stop strings need a tokenizer, and this model has none")
         if config.branches > 1 and not self.backend.capabilities.trees:
             raise ConfigError(TREES_UNSUPPORTED)
+        self.check_sampling(config.sampling)
         prompt_ids = self.encode(prompt)
         guards, drift = self._guards(config.guards, prompt_ids)
         return Completion(
@@ -193,6 +195,10 @@ class Generator:
             drift=drift,
             alone=self._alone,
         )
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """Raise ConfigError where ``sampling`` names tokens this target's vocabulary lacks (``logit_bias``)."""
+        check_vocabulary(sampling, self.backend.vocab_size)
 
     def _guards(self, config: GuardConfig, prompt_ids: list[int]) -> tuple[Guards | NoGuards, DriftMonitor | None]:
         """A generation's guards and, with a drift threshold, its drift monitor."""

@@ -99,6 +99,7 @@ class Row:
     policy: KPolicy
     seeds: Seeds  # what keys the sequence's random draws
     stats: DecodeStats
+    prompt_length: int = field(kw_only=True)  # the penalties count the output's tokens, after the prompt's
     guards: Guards | NoGuards = field(default_factory=NoGuards)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # what the batch's k_cap reads
     started: float = field(default_factory=time.perf_counter)

@@ -8,7 +8,8 @@ One step, for rows of any number (batch 1 is a batch: one sequence decodes on a
    guard's anchor step), then its drafter's proposal, cut to what the row keeps;
 2. **score**: each row is fed the tokens its cache lacks (the whole prompt at its first step, afterwards the pending
    token, the last one produced) followed by its drafts, all rows in ONE target forward;
-3. **verify**: each row's guards adjust its logits, then the verifier of its kind judges the drafts
+3. **verify**: each row's logits are processed (bias and penalties, verification/processors.py, each position from
+   its own context, drafts included), its guards adjust them, then the verifier of its kind judges the drafts
    (verification/verifiers.py). A sampled row's uniforms are keyed by position (seeds.py): the token at position t is
    decided by the same numbers whichever step reaches it, so its k policy, the batch's k_cap and its drafter's
    history change no seeded output but through the drafts themselves (and deterministic drafts not at all);
@@ -38,6 +39,7 @@ from specdec.engine.trees import TREES
 from specdec.models.backend import RowBackend
 from specdec.scheduling import StepOutcome
 from specdec.verification import Drafts, Kind, RowDrafts, judge
+from specdec.verification.processors import process
 
 __all__ = [
     "CHAINS",
@@ -159,7 +161,8 @@ def _align(logits: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 
 
 def verify_rows(steps: list[RowStep], logits: torch.Tensor) -> None:
-    """Phase 3: each row's guards adjust its logits, then the verifier of each row's kind judges its drafts."""
+    """Phase 3: each row's bias and penalties and its guards adjust its logits, then the verifier of each row's kind
+    judges its drafts."""
     device = logits.device
     tokens = torch.zeros(len(steps), logits.shape[1] - 1, dtype=torch.long)
     parents = torch.full_like(tokens, -1)
@@ -169,8 +172,10 @@ def verify_rows(steps: list[RowStep], logits: torch.Tensor) -> None:
         if n:
             tokens[i, :n] = proposal.tokens
             parents[i, :n] = proposal.links
+        column = logits[i, : n + 1]
+        process(column, row.tokens, row.prompt_length, proposal.tokens, proposal.links, row.config.sampling)
         with _guarding(row):  # masks the row's logits in place
-            temperature = row.guards.adjust(row.tokens, proposal.tokens, logits[i, : n + 1])
+            temperature = row.guards.adjust(row.tokens, proposal.tokens, column)
         kind, sampling, typical = Kind(row.rule, step.shape.tree), row.config.sampling, row.config.typical_acceptance
         uniforms = None if sampling.greedy else step.shape.uniforms(row, proposal, device)
         rows.append(RowDrafts(kind, n, sampling, typical, proposal.probs, temperature, uniforms))

@@ -158,6 +158,10 @@ def create_app(
             settings = body.generation_config(generator.config, max_tokens)
         except SpecDecError as exc:  # a sampling, guard or acceptance setting
             raise api.APIError(400, str(exc)) from None
+        try:
+            generator.check_sampling(settings.sampling)
+        except SpecDecError as exc:
+            raise api.APIError(400, str(exc), param="logit_bias") from None
         completion = await _encode(lambda p: generator.completion(p, settings), prompt, field)
         used, limit = len(completion.prompt_ids), generator.backend.max_context
         if used + max_tokens > limit:

@@ -25,7 +25,16 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from specdec.config import MAX_SEED, GenerationConfig, GuardConfig, SamplingConfig, TypicalAcceptance
+from specdec.config import (
+    MAX_BIAS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    GenerationConfig,
+    GuardConfig,
+    SamplingConfig,
+    TypicalAcceptance,
+)
 from specdec.engine import GenerationResult
 
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait before retrying
@@ -102,9 +111,12 @@ class OpenAIRequest(_Strict):
     stream_options: StreamOptions | None = None
     n: int = 1
     logprobs: bool | int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None
+    # not OpenAI's, but common in OpenAI-compatible servers (vLLM's and llama-server's meanings)
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] = 1.0
     user: str | None = None
     guards: dict[str, Any] | None = Field(
         None,
@@ -122,9 +134,6 @@ class OpenAIRequest(_Strict):
         for name, ok in (
             ("n", self.n == 1),
             ("logprobs", not self.logprobs),
-            ("presence_penalty", self.presence_penalty == 0),
-            ("frequency_penalty", self.frequency_penalty == 0),
-            ("logit_bias", not self.logit_bias),
         ):
             if not ok:
                 raise APIError(400, f"'{name}' is not supported by this server: leave it at its default", param=name)
@@ -140,13 +149,33 @@ class OpenAIRequest(_Strict):
                 param="stop",
             )
 
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; a key that is not a token id written in decimal is a 400."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise APIError(
+                    400, f"'logit_bias' keys are token ids written as strings, got {excerpt(key)}", param="logit_bias"
+                )
+            pairs.append((int(key), bias))
+        return tuple(pairs)
+
     @property
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def generation_config(self, defaults: GenerationConfig, max_tokens: int) -> GenerationConfig:
         """The library's config for this request; a bad sampling, guard or acceptance setting raises ConfigError."""
-        sampling = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        sampling = SamplingConfig(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.bias_pairs(),
+        )
         # Trees do not combine with guards or typical acceptance.
         plain = self.guards is None and self.typical_acceptance is None
         return GenerationConfig(

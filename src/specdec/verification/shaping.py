@@ -1,4 +1,4 @@
-"""Temperature, top-k and top-p applied identically to target and draft logits.
+"""Temperature, top-k, top-p and min-p applied identically to target and draft logits.
 
 Rejection sampling preserves the *shaped* target distribution, so both sides
 must be shaped by the same function before verification.
@@ -14,7 +14,7 @@ from specdec.config import SamplingConfig
 def shape_logits(
     logits: torch.Tensor, sampling: SamplingConfig, temperature: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Return float32 logits divided by the temperature, with filtered entries at -inf.
+    """Return float32 logits divided by the temperature, with filtered entries (top-k, top-p, min-p) at -inf.
 
     ``logits`` has the vocabulary as its last dimension; any leading shape is kept.
     ``temperature`` (optional, the leading shape of ``logits``) replaces the
@@ -33,6 +33,10 @@ def shape_logits(
         drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= sampling.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if sampling.min_p > 0:
+        # a token less likely than min_p times the likeliest is dropped (the likeliest always stays)
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return logits
 
 
