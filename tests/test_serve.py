@@ -155,6 +155,52 @@ def test_penalties_and_bias_through_the_openai_client(server: Server, local: Gen
     assert refused.value.body["param"] == "logit_bias" and "vocabulary" in refused.value.body["message"]
 
 
+def test_logprobs_echo_and_prompt_lists(server: Server, local: Generator, folder: Path) -> None:
+    """Completions' logprobs equal target-only decoding's bit for bit (native), echo scores the prompt (lm-evaluation-
+    harness's loglikelihood request: token ids, echo, logprobs 1, max_tokens 1), a list of prompts gets a choice each,
+    chat reports logprobs and top_logprobs, and streaming with logprobs is refused by name."""
+    model = server.client.models.list().data[0].id
+    alone = Generator(str(folder), "none", runtime=RuntimeConfig("auto"))
+    expected = alone.generate(PROMPTS[0], max_new_tokens=16, logprobs=2)
+    got = server.client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=2)
+    reported = got.choices[0].logprobs
+    assert got.choices[0].text == expected.text
+    assert reported.token_logprobs == [e.logprob for e in expected.logprobs]
+    assert [list(top.values()) for top in reported.top_logprobs] == [[p for _, p in e.top] for e in expected.logprobs]
+    assert "".join(reported.tokens) == expected.text and reported.text_offset[0] == len(PROMPTS[0])
+
+    ids = local.encode(PROMPTS[1])
+    body = {"model": model, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1, "echo": True}
+    answer = server.http.post("/v1/completions", json=body).json()["choices"][0]
+    scores = local.score(ids, 1)
+    token_logprobs, top = answer["logprobs"]["token_logprobs"], answer["logprobs"]["top_logprobs"]
+    assert len(token_logprobs) == len(ids) + 1 and token_logprobs[0] is None and top[0] is None
+    assert token_logprobs[1 : len(ids)] == [s.logprob for s in scores[1:]]
+    assert all(isinstance(t, dict) and len(t) == 1 for t in top[1:])  # what the harness's greedy check reads
+    only = server.http.post("/v1/completions", json=body | {"max_tokens": 0, "prompt": PROMPTS[1]}).json()
+    assert only["choices"][0]["text"] == PROMPTS[1] and only["usage"]["completion_tokens"] == 0
+
+    pair = server.client.completions.create(model=model, prompt=PROMPTS[:2], max_tokens=8, temperature=0)
+    assert [c.index for c in pair.choices] == [0, 1]
+    assert [c.text for c in pair.choices] == [local.generate(p, max_new_tokens=8).text for p in PROMPTS[:2]]
+
+    chat = server.client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob for c in content)  # greedy: the likeliest, or tied with it
+    for refused in ({"logprobs": 1}, {"echo": True}):
+        with pytest.raises(openai.BadRequestError) as error:
+            server.client.completions.create(model=model, prompt="hi", max_tokens=2, stream=True, **refused)
+        assert error.value.body["param"] == next(iter(refused))
+
+
 def test_completions_streamed_and_not(server: Server, local: Generator) -> None:
     model = server.client.models.list().data[0].id
     expected = local.generate(PROMPTS[0], max_new_tokens=24)
@@ -395,7 +441,9 @@ OUT_OF_BOUNDS = [
     ({"typical_acceptance": {"epsilon": float("nan")}}, "typical_acceptance", "finite number"),
     ({"seed": 2**64}, "seed", "less than or equal to 18446744073709551615"),
     ({"n": 10**6}, "n", "not supported"),
-    ({"logprobs": 10**6}, "logprobs", "not supported"),
+    ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ({"max_tokens": 0}, "max_tokens", "set echo"),
+    ({"prompt": ["a"] * 65}, "prompt", "1 to 64 prompts"),
     ({"max_tokens": 10**12}, "prompt", "maximum context length"),
 ]
 

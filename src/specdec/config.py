@@ -13,6 +13,7 @@ MAX_BRANCHES = 8
 # "prompt-lookup+tree" (bench methods, profiles): the drafter proposes trees of up to TREE_BRANCHES children
 TREE_SUFFIX = "+tree"
 TREE_BRANCHES = 4
+MAX_LOGPROBS = 20  # alternatives reported per token (OpenAI's chat limit)
 MAX_PENALTY = 2.0  # presence and frequency penalties' bound (OpenAI's)
 MAX_REPETITION_PENALTY = 100.0
 MAX_BIAS = 100.0  # logit_bias values' bound (OpenAI's)
@@ -193,8 +194,12 @@ class GenerationConfig:
     stop_on_eos: bool = True
     guards: GuardConfig = field(default_factory=GuardConfig)
     typical_acceptance: TypicalAcceptance | None = None  # None: exact verification (the default); set: LOSSY
+    # report each new token's log-probability and this many likeliest alternatives (verification/logprobs.py); None: off
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ConfigError(f"logprobs must be between 0 and {MAX_LOGPROBS} (or unset), got {self.logprobs}")
         if self.guards.temperature_schedule is not None and self.sampling.greedy:
             raise ConfigError("a temperature schedule samples: set a temperature > 0 (the schedule then replaces it)")
         if not 1 <= self.k <= MAX_K:

@@ -6,6 +6,7 @@ from specdec.engine.generator import Generator
 from specdec.engine.rows import Row
 from specdec.engine.stats import DecodeStats
 from specdec.engine.step import speculative_step
+from specdec.verification.logprobs import TokenLogprob
 
 __all__ = [
     "Completion",
@@ -15,6 +16,7 @@ __all__ = [
     "Generator",
     "Row",
     "Sink",
+    "TokenLogprob",
     "Update",
     "speculative_step",
 ]

@@ -17,6 +17,7 @@ from specdec.engine.stats import DecodeStats
 from specdec.engine.text import TextTracker
 from specdec.guards import DriftMonitor, Guards, NoGuards
 from specdec.seeds import Seeds
+from specdec.verification.logprobs import TokenLogprob
 
 FinishReason = Literal["length", "eos", "stop", "context"]
 
@@ -27,14 +28,20 @@ class GenerationResult:
     token_ids: list[int]  # the new tokens only
     stats: DecodeStats
     finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None  # one per new token, where GenerationConfig.logprobs asked for them
 
     def to_dict(self) -> dict[str, object]:
+        reported = {} if self.logprobs is None else {"logprobs": [_as_dict(entry) for entry in self.logprobs]}
         return {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.as_dict(),
-        }
+        } | reported
+
+
+def _as_dict(entry: TokenLogprob) -> dict[str, object]:
+    return {"token": entry.token, "logprob": entry.logprob, "top": [list(pair) for pair in entry.top]}
 
 
 class Completion(Sink):
@@ -67,6 +74,7 @@ class Completion(Sink):
         self._alone = alone
         self.stats = DecodeStats()
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None if config.logprobs is None else []
         self.finish_reason: FinishReason = "length"
         self.seeds = Seeds(config.seed if config.seed is not None else random.randrange(2**63))
         self.scope: HistoryScope = EVERYONE  # whose history its drafter may share; the server sets it
@@ -75,9 +83,9 @@ class Completion(Sink):
         """Decode alone: the same step as a batch, on its Generator's own (or a forked) single-sequence backend."""
         return self._alone(self)
 
-    def take(self, ids: list[int]) -> str:
-        """Add the tokens one step accepted; return the text they complete. Ends the run at EOS or a stop string (the
-        stats then count only what was kept)."""
+    def take(self, ids: list[int], logprobs: list[TokenLogprob] | None = None) -> str:
+        """Add the tokens one step accepted (and their ``logprobs``, where the config asks for them); return the text
+        they complete. Ends the run at EOS or a stop string (the stats then count only what was kept)."""
         if self.config.stop_on_eos:
             eos_at = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
             if eos_at is not None:
@@ -90,6 +98,8 @@ class Completion(Sink):
         self.stats.keep_emitted(len(ids))
         before = len(self.token_ids)
         self.token_ids += ids
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs += logprobs[: len(ids)]
         if self.drift is not None:
             start = time.perf_counter()
             self.stats.events += self.drift.watch(self.token_ids, before)
@@ -109,4 +119,4 @@ class Completion(Sink):
 
     def result(self) -> GenerationResult:
         text = self.text.text if self.text is not None else ""
-        return GenerationResult(text, self.token_ids, self.stats, self.finish_reason)
+        return GenerationResult(text, self.token_ids, self.stats, self.finish_reason, self.logprobs)

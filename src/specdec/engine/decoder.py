@@ -28,8 +28,9 @@ from specdec.engine.trees import TREES
 from specdec.errors import ConfigError, ContextLengthError
 from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
-from specdec.scheduling import KPolicy, LoadWindow
+from specdec.scheduling import KPolicy, LoadWindow, StepOutcome
 from specdec.seeds import Seeds
+from specdec.verification.logprobs import TokenLogprob, token_logprobs
 
 
 class Sink(Protocol):
@@ -43,8 +44,9 @@ class Sink(Protocol):
     guards: Guards | NoGuards
     scope: HistoryScope  # DraftSettings.scope
 
-    def take(self, ids: list[int]) -> str:
-        """The tokens one step accepted; returns the text they complete (it may keep fewer: EOS, a stop string)."""
+    def take(self, ids: list[int], logprobs: list[TokenLogprob] | None = None) -> str:
+        """The tokens one step accepted (with their log-probabilities where its config asks for them); returns the
+        text they complete (it may keep fewer: EOS, a stop string)."""
         ...
 
     @property
@@ -157,11 +159,11 @@ class Decoder(Generic[S]):
         row_ids = {row: i for i, row in enumerate(rows)}
         joining = [row for row in rows if self.backend.cached_lengths[row_ids[row]] == 0]
         running = [row for row in rows if self.backend.cached_lengths[row_ids[row]] > 0]
-        new: dict[Row, torch.Tensor] = {}
+        new: dict[Row, StepOutcome] = {}
         drafted, draft_s = 0, 0.0
         for group in _by_length(joining) + ([running] if running else []):
             outcomes = speculative_step(self.backend, [row_ids[row] for row in group], group, k_cap)
-            new.update((row, outcome.new_tokens) for row, outcome in zip(group, outcomes, strict=True))
+            new.update(zip(group, outcomes, strict=True))
             drafted += sum(outcome.nodes for outcome in outcomes)
             draft_s += sum(outcome.draft_s for outcome in outcomes)
         if drafted:
@@ -172,7 +174,10 @@ class Decoder(Generic[S]):
 
         updates: list[Update[S]] = []
         for completion, row in list(self.rows.items()):
-            text = completion.take(new[row].tolist())
+            outcome = new[row]
+            reported = row.config.logprobs
+            logprobs = None if reported is None else token_logprobs(outcome.logits, outcome.new_tokens, reported)
+            text = completion.take(outcome.new_tokens.tolist(), logprobs)
             limit = row.stats.new_tokens >= row.config.max_new_tokens or row.length >= self.backend.max_context
             done = completion.ended or limit
             if done:

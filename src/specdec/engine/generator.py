@@ -9,7 +9,17 @@ from contextlib import closing
 from functools import partial
 from pathlib import Path
 
-from specdec.config import BatchConfig, GenerationConfig, GuardConfig, RuntimeConfig, SamplingConfig, with_overrides
+import torch
+
+from specdec.config import (
+    MAX_LOGPROBS,
+    BatchConfig,
+    GenerationConfig,
+    GuardConfig,
+    RuntimeConfig,
+    SamplingConfig,
+    with_overrides,
+)
 from specdec.drafters import Drafter, auto_draft, build_drafter, drafter_name
 from specdec.engine.completion import Completion, GenerationResult
 from specdec.engine.costs import MachineCosts
@@ -23,7 +33,10 @@ from specdec.models.backend import TREES_UNSUPPORTED
 from specdec.profile import Profile, ProfileWarning, load_profile
 from specdec.quality import SentenceEmbedder
 from specdec.scheduling import CostCurve, KPolicy, LoadWindow, WayRates, build_k_policy, memory_in_use
+from specdec.verification.logprobs import TokenLogprob, token_logprobs
 from specdec.verification.processors import check_vocabulary
+
+SCORE_CHUNK = 64  # prompt positions per forward when scoring a prompt: the logits of each chunk are [64, V] at most
 
 __all__ = ["Completion", "GenerationResult", "Generator"]
 
@@ -173,6 +186,28 @@ class Generator:
         if backend is self.backend:
             with self._lock:
                 self._busy = False
+
+    def score(self, prompt: str | list[int], top: int = 0) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability given the tokens before it, with its ``top`` likeliest alternatives:
+        the target's own distribution (no bias, penalties or temperature), from forwards over the prompt in chunks of
+        SCORE_CHUNK positions. The first token follows nothing: None."""
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise ConfigError(f"top alternatives must be between 0 and {MAX_LOGPROBS}, got {top}")
+        ids = self.encode(prompt)
+        scored: list[TokenLogprob | None] = [None]
+        backend, _ = self.acquire()
+        try:
+            backend.reset()
+            with torch.inference_mode():
+                for start in range(0, len(ids) - 1, SCORE_CHUNK):
+                    chunk = ids[start : start + SCORE_CHUNK]
+                    logits = backend.forward(torch.tensor([chunk]))[0]
+                    following = ids[start + 1 : start + 1 + len(chunk)]
+                    scored += token_logprobs(logits[: len(following)], torch.tensor(following), top)
+        finally:
+            backend.reset()
+            self.release(backend)
+        return scored
 
     def completion(
         self, prompt: str | list[int], config: GenerationConfig | None = None, **overrides: object

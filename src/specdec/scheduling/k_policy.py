@@ -37,7 +37,9 @@ class StepOutcome:
     read_prompt: bool  # the row's feed held more than its pending token: ``target_s`` was mostly the prompt's
     anchored: bool  # a guard made this a target-only step
     context_length: int  # tokens in the sequence after the step
-    logits: torch.Tensor  # the target's raw logits [accepted + 1, V] at the positions of the new tokens
+    logits: (
+        torch.Tensor
+    )  # the target's logits as verified (bias, penalties, guards) [accepted + 1, V] at the new tokens
     new_tokens: torch.Tensor  # [accepted + 1]
 
     @property

@@ -49,6 +49,7 @@ def create_app(
     while the app runs (every ``config.suffix_save_every_s``) and when it stops."""
     metrics = Metrics()
     batcher = Batcher(generator, config.max_batch, config.max_queue, metrics)
+    scoring = asyncio.Semaphore(1)  # prompts scored for echo: one forward at a time beside the engine thread
     model = generator.target.name
 
     @asynccontextmanager
@@ -100,14 +101,55 @@ def create_app(
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
         _check_request(body)
         rid = api.new_id("cmpl")
-        job, prompt_tokens = await _submit(body, body.prompt, "prompt", body.max_tokens, request, rid)
-        if body.stream:
+        prompts = body.prompts
+        if body.stream:  # one prompt (unsupported() refuses more), neither echo nor logprobs
+            job, prompt_tokens = await _submit(body, prompts[0], "prompt", body.max_tokens, request, rid)
             chunks = _Chunks(
                 lambda text: api.completion_chunk(rid, model, text),
                 lambda finish: api.completion_chunk(rid, model, "", finish),
             )
             return _stream(job, batcher, chunks, prompt_tokens, body.stream_options)
-        return JSONResponse(api.completion_body(rid, model, await _result(job, batcher, request), prompt_tokens))
+        jobs: list[Job] = []
+        try:  # every prompt's job is submitted before any is awaited: they decode in one batch
+            if body.max_tokens != 0:
+                for i, prompt in enumerate(prompts):
+                    jobs.append((await _submit(body, prompt, "prompt", body.max_tokens, request, f"{rid}-{i}"))[0])
+            answers, used = [], [0, 0]
+            for i, prompt in enumerate(prompts):
+                answers.append(await _answer(body, prompt, jobs[i] if jobs else None, request, used))
+        finally:
+            for job in jobs:
+                job.cancel()  # a no-op for a finished job; the rest when a later prompt failed
+        usage = {"prompt_tokens": used[0], "completion_tokens": used[1], "total_tokens": sum(used)}
+        return JSONResponse(api.completion_body(rid, model, answers, spell, usage))
+
+    async def _answer(
+        body: api.CompletionRequest, prompt: str | list[int], job: Job | None, request: Request, used: list[int]
+    ) -> api.Answer:
+        """One prompt's choice: its job's result (none with max_tokens 0), led by the prompt and its scores when
+        echoed. ``used`` counts prompt and completion tokens."""
+        ids = job.completion.prompt_ids if job is not None else await _encode(generator.encode, prompt, "prompt")
+        prompt_text = prompt if isinstance(prompt, str) else await asyncio.to_thread(_text, ids)
+        result = await _result(job, batcher, request) if job is not None else None
+        tokens, entries = (result.token_ids, result.logprobs) if result is not None else ([], [])
+        text, finish = (result.text, api.FINISH[result.finish_reason]) if result is not None else ("", "length")
+        used[0] += len(ids)
+        used[1] += len(tokens)
+        if not body.echo:
+            return api.Answer(text, finish, tokens, entries if body.logprobs is not None else None, len(prompt_text))
+        scored = None
+        if body.logprobs is not None:
+            async with scoring:  # one prompt scored at a time, beside the engine thread
+                scored = await asyncio.to_thread(generator.score, ids, body.logprobs)
+            scored += entries or []
+        return api.Answer(prompt_text + text, finish, ids + tokens, scored, 0)
+
+    def _text(ids: list[int]) -> str:
+        return generator.tokenizer.decode(ids) if generator.tokenizer is not None else ""
+
+    def spell(token: int) -> str:
+        """A token's text, as log-probabilities name it."""
+        return generator.tokenizer.decode([token]) if generator.tokenizer is not None else str(token)
 
     @app.post("/v1/chat/completions")
     async def chat(body: api.ChatRequest, request: Request) -> Response:
@@ -124,7 +166,7 @@ def create_app(
                 first=api.chat_chunk(rid, model, {"role": "assistant", "content": ""}),
             )
             return _stream(job, batcher, chunks, prompt_tokens, body.stream_options)
-        return JSONResponse(api.chat_body(rid, model, await _result(job, batcher, request), prompt_tokens))
+        return JSONResponse(api.chat_body(rid, model, await _result(job, batcher, request), prompt_tokens, spell))
 
     def _check_model(name: str | None) -> None:
         if name not in (None, model):

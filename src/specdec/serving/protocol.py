@@ -3,7 +3,7 @@
 Requests are validated here so that a bad field gets a 400 naming it, in the
 shape OpenAI clients parse ({"error": {"message", "type", "param", "code"}}).
 Fields OpenAI defines that change what is generated and that specdec does
-not implement (n > 1, logprobs, echo, penalties, logit_bias) are refused
+not implement (n > 1, best_of, suffix, logprobs or echo while streaming) are refused
 by name rather than ignored. Two specdec extensions take the library's own
 settings: ``guards`` (GuardConfig's fields) and ``typical_acceptance``
 (TypicalAcceptance's fields; LOSSY), each an object whose omitted fields keep the library's defaults.
@@ -19,7 +19,8 @@ import json
 import math
 import time
 import uuid
-from dataclasses import fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from specdec.config import (
     MAX_BIAS,
+    MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_SEED,
@@ -35,12 +37,13 @@ from specdec.config import (
     SamplingConfig,
     TypicalAcceptance,
 )
-from specdec.engine import GenerationResult
+from specdec.engine import GenerationResult, TokenLogprob
 
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait before retrying
 EXCERPT_CHARS = 60  # an error message quotes at most this much of what the client sent
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256  # characters per stop string: each step searches the text's last this many for them
+MAX_PROMPTS = 64  # prompts in one completions request (each is its own sequence in the batch)
 MAX_TOP_K = 1 << 20  # more than any vocabulary (a top_k at or past the vocabulary's size keeps every token)
 
 
@@ -110,7 +113,6 @@ class OpenAIRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: bool | int | None = None
     presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None
@@ -131,10 +133,7 @@ class OpenAIRequest(_Strict):
 
     def unsupported(self) -> None:
         """Refuse OpenAI options that would change the output and that specdec does not implement."""
-        for name, ok in (
-            ("n", self.n == 1),
-            ("logprobs", not self.logprobs),
-        ):
+        for name, ok in (("n", self.n == 1),):
             if not ok:
                 raise APIError(400, f"'{name}' is not supported by this server: leave it at its default", param=name)
         stops = self.stops
@@ -193,7 +192,20 @@ class OpenAIRequest(_Strict):
             typical_acceptance=_settings(TypicalAcceptance, self.typical_acceptance, "typical_acceptance")
             if self.typical_acceptance is not None
             else None,
+            logprobs=self.reported_alternatives,
         )
+
+    @property
+    def reported_alternatives(self) -> int | None:
+        """How many likeliest alternatives each new token's log-probability comes with; None: no log-probabilities."""
+        return None
+
+    def refuse_while_streaming(self, *names: str) -> None:
+        """A 400 naming the first of ``names`` (fields set) that this server does not stream."""
+        if self.stream and names:
+            raise APIError(
+                400, f"'{names[0]}' is not supported with stream: true here: drop stream or {names[0]}", param=names[0]
+            )
 
 
 @functools.cache
@@ -238,20 +250,46 @@ def _finite(value: object) -> bool:
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[int]
+    # one prompt (text or token ids) or a list of them, each answered in its own choice
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 with echo: score the prompt only
     echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
     best_of: int | None = None
 
     def unsupported(self) -> None:
         super().unsupported()
         for name, ok in (
-            ("echo", not self.echo),
             ("suffix", self.suffix is None),
             ("best_of", self.best_of in (None, 1)),
         ):
             if not ok:
                 raise APIError(400, f"'{name}' is not supported by this server: leave it at its default", param=name)
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(
+                400,
+                "'max_tokens' 0 generates nothing: set echo to score the prompt, or max_tokens >= 1",
+                param="max_tokens",
+            )
+        prompts = self.prompts
+        if not prompts or len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"'prompt' takes 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt")
+        self.refuse_while_streaming(
+            *[name for name, on in (("logprobs", self.logprobs is not None), ("echo", self.echo)) if on]
+            + (["prompt"] if len(prompts) > 1 else [])
+        )
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids (a single prompt is a list of one)."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt) if self.prompt else [[]]  # type: ignore[arg-type]
+
+    @property
+    def reported_alternatives(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(_Strict):
@@ -284,6 +322,18 @@ def _text_part(part: dict[str, Any], where: str) -> str:
 class ChatRequest(OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "'top_logprobs' needs logprobs: true", param="top_logprobs")
+        self.refuse_while_streaming(*(["logprobs"] if self.logprobs else []))
+
+    @property
+    def reported_alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_budget(self) -> int | None:
@@ -302,34 +352,76 @@ def usage(prompt_tokens: int, result: GenerationResult) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
 
 
-def _envelope(rid: str, kind: str, model: str, choice: dict, usage_: dict | None = None) -> dict:
-    """OpenAI's frame around one choice: id, object kind, creation time, model (and usage on whole responses)."""
+def _envelope(rid: str, kind: str, model: str, choices: list[dict], usage_: dict | None = None) -> dict:
+    """OpenAI's frame around choices (each with its index and logprobs): id, object kind, creation time, model (and
+    usage on whole responses)."""
     body = {
         "id": rid,
         "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, **choice, "logprobs": None}],
+        "choices": [{"index": i, "logprobs": None} | choice for i, choice in enumerate(choices)],
     }
     return body if usage_ is None else body | {"usage": usage_}
 
 
-def completion_body(rid: str, model: str, result: GenerationResult, prompt_tokens: int) -> dict:
-    choice = {"text": result.text, "finish_reason": FINISH[result.finish_reason]}
-    return _envelope(rid, "text_completion", model, choice, usage(prompt_tokens, result))
+@dataclass(frozen=True)
+class Answer:
+    """One prompt's answer as a completions choice reports it: its text (the prompt's first where echoed), how it
+    ended, and the log-probabilities of its tokens (the prompt's first where echoed; None: not asked for)."""
+
+    text: str
+    finish: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None] | None
+    offset: int  # where the text's first token starts in the prompt and completion's text
+
+
+def completion_body(rid: str, model: str, answers: list[Answer], spell: Callable[[int], str], usage_: dict) -> dict:
+    choices = [
+        {"text": a.text, "finish_reason": a.finish}
+        | ({} if a.logprobs is None else {"logprobs": completion_logprobs(a.tokens, a.logprobs, spell, a.offset)})
+        for a in answers
+    ]
+    return _envelope(rid, "text_completion", model, choices, usage_)
+
+
+def completion_logprobs(
+    tokens: list[int], entries: list[TokenLogprob | None], spell: Callable[[int], str], offset: int
+) -> dict:
+    """The completions API's logprobs object: each token's text, log-probability (None for a prompt's first),
+    alternatives by text, and where its text starts."""
+    texts = [spell(token) for token in tokens]
+    starts = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    return {
+        "tokens": texts,
+        "token_logprobs": [None if e is None else e.logprob for e in entries],
+        "top_logprobs": [None if e is None else {spell(t): p for t, p in e.top} for e in entries],
+        "text_offset": starts,
+    }
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None = None) -> dict:
-    return _envelope(rid, "text_completion", model, {"text": text, "finish_reason": finish})
+    return _envelope(rid, "text_completion", model, [{"text": text, "finish_reason": finish}])
 
 
-def chat_body(rid: str, model: str, result: GenerationResult, prompt_tokens: int) -> dict:
+def chat_body(rid: str, model: str, result: GenerationResult, prompt_tokens: int, spell: Callable[[int], str]) -> dict:
     choice = {"message": {"role": "assistant", "content": result.text}, "finish_reason": FINISH[result.finish_reason]}
-    return _envelope(rid, "chat.completion", model, choice, usage(prompt_tokens, result))
+    if result.logprobs is not None:
+        choice["logprobs"] = {"content": [_chat_entry(e, spell) for e in result.logprobs]}
+    return _envelope(rid, "chat.completion", model, [choice], usage(prompt_tokens, result))
+
+
+def _chat_entry(entry: TokenLogprob, spell: Callable[[int], str]) -> dict:
+    def described(token: int, logprob: float) -> dict:
+        text = spell(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+
+    return described(entry.token, entry.logprob) | {"top_logprobs": [described(t, p) for t, p in entry.top]}
 
 
 def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None) -> dict:
-    return _envelope(rid, "chat.completion.chunk", model, {"delta": delta, "finish_reason": finish})
+    return _envelope(rid, "chat.completion.chunk", model, [{"delta": delta, "finish_reason": finish}])
 
 
 DONE = "data: [DONE]\n\n"  # a stream's last event

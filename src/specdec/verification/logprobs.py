@@ -1,0 +1,30 @@
+"""Log-probabilities as reported to users: of the target's distribution after bias and penalties (processors.py) and
+the guards' masks, at temperature 1 and before top-k, top-p and min-p, the distribution the step verified against
+before sampling's truncation. Greedy and sampled rows report alike; target-only decoding reports the same numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability and the ``top`` likeliest tokens' (id, log-probability), likeliest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[TokenLogprob]:
+    """Row i of ``logits`` [n, V] is the distribution ``tokens[i]`` was chosen from; ``top`` alternatives each."""
+    logp = torch.log_softmax(logits.float(), dim=-1).cpu()
+    chosen = logp.gather(-1, tokens.cpu()[:, None]).squeeze(-1).tolist()
+    if top:
+        values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+        alternatives = [tuple(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(ids, values, strict=True)]
+    else:
+        alternatives = [()] * len(chosen)
+    return [TokenLogprob(int(t), float(p), a) for t, p, a in zip(tokens.tolist(), chosen, alternatives, strict=True)]
