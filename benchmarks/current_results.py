@@ -400,6 +400,8 @@ RELABEL = {
         "native int4": "native int4, bfloat16 cache",
     }
 }
+# `specdec bench-batch`'s ways under the names results written before k_cap (the batch's cap on k) carry
+BATCH_WAYS = {"fixed window": "fixed k_cap", "dynamic window": "dynamic k_cap"}
 PLANS = {  # the precision presets of src/specdec/config.py, by their describe() string
     "attention=bfloat16,ffn=bfloat16,head=bfloat16,draft=bfloat16,verify=bfloat16": "bf16",
     "attention=float16,ffn=int8,head=float16,draft=float8,verify=float16": "fp8-draft",
@@ -612,7 +614,7 @@ def batch(results: list[Result]) -> list[Block]:
     blocks = []
     for section in SECTIONS:
         rows = latest(
-            ((r.machine, size, way), r, (m, ways["target-only"]["tokens_per_s"]))
+            ((r.machine, size, BATCH_WAYS.get(way, way)), r, (m, ways["target-only"]["tokens_per_s"]))
             for r in results
             if runtime(r.data["machine"])[0] == section
             for size, ways in r.data["batches"].items()

@@ -99,8 +99,8 @@ class Sizes:
         self.new_tokens = 8 if smoke else 48
         self.samples = 300 if smoke else 3000
         self.rows = (4,) if smoke else (8, 32)
-        # The dynamic window first measures the batch cost curve (minutes on a CPU).
-        self.window = "fixed" if smoke else "dynamic"
+        # The dynamic k_cap first measures the batch cost curve (minutes on a CPU).
+        self.k_cap = "fixed" if smoke else "dynamic"
 
 
 def run_check(check: Callable[[], dict]) -> dict:
@@ -257,7 +257,7 @@ def graphs_on_and_off(gemma: LoadedModel, texts: list[str], size: Sizes) -> dict
 def server_batcher(gemma: LoadedModel, texts: list[str], size: Sizes) -> dict:
     """The server's engine thread serving a few concurrent requests: each answer equals that request decoded alone."""
     config = GenerationConfig(max_new_tokens=size.new_tokens, stop_on_eos=False)
-    gen = Generator(gemma, "prompt-lookup", config, batch=BatchConfig(k_cap=size.window))
+    gen = Generator(gemma, "prompt-lookup", config, batch=BatchConfig(k_cap=size.k_cap))
 
     async def serve() -> list[list[int]]:
         batcher = Batcher(gen, max_batch=4, max_queue=16, metrics=Metrics())
@@ -283,13 +283,13 @@ def server_batcher(gemma: LoadedModel, texts: list[str], size: Sizes) -> dict:
 
 def batched_throughput(gemma: LoadedModel, texts: list[str], size: Sizes) -> dict:
     """Tokens/s of batches of 8 and 32 rows, target-only and with prompt lookup
-    (the dynamic window; fixed in a smoke run)."""
+    (the dynamic k_cap; fixed in a smoke run)."""
     figures = {}
     for rows in size.rows:
         batch = (texts * rows)[:rows]
         for drafter in ("none", "prompt-lookup"):
             config = GenerationConfig(max_new_tokens=size.new_tokens, stop_on_eos=False, k=4)
-            gen = Generator(gemma, drafter, config, batch=BatchConfig(k_cap=size.window))
+            gen = Generator(gemma, drafter, config, batch=BatchConfig(k_cap=size.k_cap))
             gen.generate_batch(batch[:2], max_new_tokens=4)  # warm-up (measures the batch cost curve once)
             start = time.perf_counter()
             results = gen.generate_batch(batch)

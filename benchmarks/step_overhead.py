@@ -4,7 +4,7 @@
     PYTHONPATH=OTHER/src python benchmarks/step_overhead.py  # another checkout, to compare engine versions
 
 Prints ms per step (min and median of 5 rounds), target-only and prompt lookup: single sequences (10 generations
-of 64 tokens per round) and batches of 8 (2 batches of 8 generations of 64 tokens per round, fixed window).
+of 64 tokens per round) and batches of 8 (2 batches of 8 generations of 64 tokens per round, fixed k_cap).
 """
 
 from __future__ import annotations

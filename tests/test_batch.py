@@ -1,4 +1,4 @@
-"""The batched engine: ragged caches, per-row exactness, rows joining and leaving, the dynamic window."""
+"""The batched engine: ragged caches, per-row exactness, rows joining and leaving, the dynamic k_cap."""
 
 from __future__ import annotations
 
@@ -78,17 +78,17 @@ def _drafters(model, seed: int):
 
 
 @pytest.mark.parametrize("make_target", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
-@pytest.mark.parametrize("window", ["fixed", "dynamic"])
-def test_batched_greedy_equals_each_prompt_alone(make_target, window: str) -> None:
+@pytest.mark.parametrize("k_cap", ["fixed", "dynamic"])
+def test_batched_greedy_equals_each_prompt_alone(make_target, k_cap: str) -> None:
     target = loaded(make_target(1))
     expected = [Generator(target, NoDrafter()).generate(p, GREEDY).token_ids for p in PROMPTS]
     for name, drafter in _drafters(target.model, 1):
-        gen = Generator(target, drafter, GREEDY, batch=BatchConfig(k_cap=window))
+        gen = Generator(target, drafter, GREEDY, batch=BatchConfig(k_cap=k_cap))
         results = gen.generate_batch(PROMPTS)
         assert [r.token_ids for r in results] == expected, name
         assert all(r.finish_reason == "length" and r.stats.new_tokens == 30 for r in results)
-        # (the dynamic window may judge a draft as costly as this target not worth running)
-        if name == "noisy copy" and window == "fixed":
+        # (the dynamic k_cap may judge a draft as costly as this target not worth running)
+        if name == "noisy copy" and k_cap == "fixed":
             assert sum(r.stats.draft_tokens_accepted for r in results) > 0
 
 
@@ -261,11 +261,11 @@ def test_window_caps_each_rows_own_policy() -> None:
         gen.admit(decoder, run)
     while decoder.rows:
         decoder.step()
-    windows = [report.k_cap for report in decoder.reports]
-    assert all(w is not None and 0 < w <= 2 for w in windows)  # the window stays where verification is cheap
+    caps = [report.k_cap for report in decoder.reports]
+    assert all(c is not None and 0 < c <= 2 for c in caps)  # the k_cap stays where verification is cheap
     for run in runs:
         assert run.stats.k_per_step == [6] * run.stats.steps  # each row's policy still chose 6
-        assert max(run.stats.accepted_per_step) <= max(windows)
+        assert max(run.stats.accepted_per_step) <= max(caps)
 
 
 class SlowOnce(PromptLookupDrafter):

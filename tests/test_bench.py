@@ -198,7 +198,7 @@ def test_bench_runs_a_precision_plan(tiny_folder: Path, prompts: Path, tmp_path:
     results = json.loads((out / "results.json").read_text())
     assert results["machine"]["dtype"] == "attention=bfloat16,ffn=int8,head=bfloat16,draft=bfloat16,verify=float32"
     assert results["greedy_identical_share"]["prompt-lookup@k4"] == 1.0  # the same plan's target-only output
-    refused = _bench(tiny_folder, prompts, tmp_path / "p2", "--precision", "cpu", "--backend", "llama.cpp")
+    refused = _bench(tiny_folder, prompts, tmp_path / "p2", "--precision", "cpu", "--runtime", "llama.cpp")
     assert refused.exit_code == 2 and "GGUF" in refused.output
 
 

@@ -219,7 +219,7 @@ def test_layer_skip_needs_the_transformers_backend() -> None:
     target.backend = NativeBackend(NativeModel.from_module(model))  # a runtime that runs no transformers model
     assert target.backend.transformers_model() is None
     assert target.backend.packed_weights() == PackedWeights("int8", sum(p.numel() for p in model.parameters()))
-    with pytest.raises(ConfigError, match="backend transformers"):
+    with pytest.raises(ConfigError, match="--runtime transformers"):
         build_drafter("layerskip:1", target)
 
 

@@ -131,7 +131,7 @@ class Oracle(Drafter):
 
 def test_a_seed_gives_the_target_only_output_whatever_is_drafted() -> None:
     """Sampling with a seed and deterministic drafts: the target-only output for that seed, whatever k, chains or
-    trees, alone or beside other rows under the dynamic window (which caps k by the load)."""
+    trees, alone or beside other rows under the dynamic k_cap (which caps k by the load)."""
     target = loaded(tiny_llama(0))
     settings = dict(max_new_tokens=40, temperature=0.8, seed=7, stop_on_eos=False)
     expected = Generator(target, "none").generate(PROMPTS[0], **settings).token_ids

@@ -82,7 +82,7 @@ def test_generate_on_a_crashing_llama_cpp_says_why_and_the_fix(crashing_llama_cp
         "specdec",
         "generate",
         "def f(x):",
-        "--backend",
+        "--runtime",
         "llama.cpp",
         "--max-new-tokens",
         "4",
@@ -103,7 +103,7 @@ def test_bench_skips_a_crashing_llama_cpp_and_runs_the_rest(crashing_llama_cpp: 
     backend = "native" if kernel_build.compiled() else "transformers"
     command = [
         sys.executable, "-m", "specdec", "bench", "--prompts", str(prompts), "--methods", "none,llamacpp-greedy",
-        "--max-new-tokens", "4", "--backend", backend, "--out", str(tmp_path / "out"),
+        "--max-new-tokens", "4", "--runtime", backend, "--out", str(tmp_path / "out"),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -365,8 +365,8 @@ def test_a_seed_reproduces_output_under_the_default_policy(monkeypatch: pytest.M
     runs, batched = [], []
     for clock in range(3):
         monkeypatch.setattr(step, "time", JitteryClock(clock))
-        # A batch's dynamic window follows the load (other rows, memory): a seed reproduces a batched row under the
-        # fixed window.
+        # A batch's dynamic k_cap follows the load (other rows, memory): a seed reproduces a batched row under the
+        # fixed k_cap.
         gen = Generator(
             loaded(target),
             ModelDrafter(TransformersBackend(tiny_llama(1, layers=1))),

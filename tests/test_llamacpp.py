@@ -31,12 +31,12 @@ def test_missing_package_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(MissingPackageError) as exc:
         open_target("gemma-3-270m", RuntimeConfig(backend="llama.cpp"))
     assert ".[llamacpp]" in str(exc.value) and "\n" not in str(exc.value)
-    out = CliRunner().invoke(app, ["generate", "hi", "--backend", "llama.cpp"])
+    out = CliRunner().invoke(app, ["generate", "hi", "--runtime", "llama.cpp"])
     assert out.exit_code == 2 and "llama-cpp-python" in out.output
 
 
 def test_non_gguf_target_is_refused(tiny_folder) -> None:
-    out = CliRunner().invoke(app, ["generate", "hi", "--backend", "llama.cpp", "--target", str(tiny_folder)])
+    out = CliRunner().invoke(app, ["generate", "hi", "--runtime", "llama.cpp", "--target", str(tiny_folder)])
     assert out.exit_code == 2 and "GGUF" in out.output
 
 
@@ -48,7 +48,7 @@ def exact_target():
 @needs_llama_cpp
 @pytest.mark.real_model
 def test_batched_generation_is_refused_on_llama_cpp(exact_target) -> None:
-    with pytest.raises(ConfigError, match="one sequence at a time.*--backend native or transformers"):
+    with pytest.raises(ConfigError, match="one sequence at a time.*--runtime native or transformers"):
         Generator(exact_target, "prompt-lookup").generate_batch(PROMPTS[:2])
     with pytest.raises(ConfigError, match="one sequence per context"):
         exact_target.backend.fork()
@@ -121,6 +121,6 @@ def test_mixed_runtimes_and_sampling_on_llama_cpp(tiny_folder) -> None:
     assert self_draft.stats.acceptance_rate > 0.9
     # A torch draft with another tokenizer (a tiny character-level model) is re-tokenized for a llama.cpp target.
     out = CliRunner().invoke(
-        app, ["generate", "hi", "--backend", "llama.cpp", "--draft", f"model:{tiny_folder}", "--max-new-tokens", "8"]
+        app, ["generate", "hi", "--runtime", "llama.cpp", "--draft", f"model:{tiny_folder}", "--max-new-tokens", "8"]
     )
     assert out.exit_code == 0, out.output

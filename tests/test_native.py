@@ -180,7 +180,7 @@ def test_sampling_on_native_keeps_the_targets_distribution() -> None:
 
 def test_unsupported_models_and_options_are_refused_clearly() -> None:
     narrow = loaded(tiny_llama(0), tokenizer=char_tokenizer())  # heads of 8: the attention kernel needs multiples of 16
-    with pytest.raises(ConfigError, match="head size that is a multiple of 16.*--backend transformers"):
+    with pytest.raises(ConfigError, match="head size that is a multiple of 16.*--runtime transformers"):
         open_target(narrow, NATIVE)
     # auto falls back
     assert isinstance(open_target(narrow, RuntimeConfig(backend="auto")).backend, TransformersBackend)
@@ -191,7 +191,7 @@ def test_unsupported_models_and_options_are_refused_clearly() -> None:
 
 
 def test_the_server_batches_native_requests(tmp_path) -> None:
-    """`specdec serve --backend native`: concurrent requests decode together (rows join between steps); each gets the
+    """`specdec serve --runtime native`: concurrent requests decode together (rows join between steps); each gets the
     target's own greedy text."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -201,7 +201,7 @@ def test_the_server_batches_native_requests(tmp_path) -> None:
     model.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     local = Generator(str(tmp_path / "tiny"), "none", runtime=NATIVE)
-    server = Server(str(tmp_path / "tiny"), "--backend", "native", "--draft", "prompt-lookup", "--max-batch", "8")
+    server = Server(str(tmp_path / "tiny"), "--runtime", "native", "--draft", "prompt-lookup", "--max-batch", "8")
     try:
         model_id = server.client.models.list().data[0].id
         with ThreadPoolExecutor(4) as pool:
@@ -312,7 +312,7 @@ def test_rotary_embeddings_the_native_backend_does_not_compute_are_refused_by_na
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, intermediate_size=128
     )
     dynamic = LlamaConfig(**base, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
-    with pytest.raises(ConfigError, match="not 'dynamic': use --backend transformers"):
+    with pytest.raises(ConfigError, match="not 'dynamic': use --runtime transformers"):
         native_model._shape(dynamic)
     partial = LlamaConfig(
         **base, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}

@@ -94,7 +94,7 @@ def test_hidden_states_come_per_row() -> None:
 @pytest.mark.parametrize("family", FAMILIES[:2])
 def test_generate_batch_on_native_equals_each_row_alone(family: str) -> None:
     """Greedy rows with and without drafts, sampled rows with their own seeds, a tree row, every k policy: each row
-    of one batch (dynamic window and fixed) produces what it produces alone."""
+    of one batch (dynamic k_cap and fixed) produces what it produces alone."""
     tokenizer, model = char_tokenizer(), models()[1][family]
     target = Generator(loaded(model, tokenizer=tokenizer), "none", runtime=NATIVE).target
     configs = [
@@ -103,9 +103,9 @@ def test_generate_batch_on_native_equals_each_row_alone(family: str) -> None:
         for seed, sampling in ((0, SamplingConfig()), (3, SamplingConfig(temperature=0.8)))
     ] + [GenerationConfig(max_new_tokens=24, stop_on_eos=False, k=6, k_policy="fixed", branches=3, seed=1)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(configs))]
-    for window in ("fixed", "dynamic"):
-        gen = Generator(target, "prompt-lookup", runtime=NATIVE, batch=BatchConfig(k_cap=window))
-        if window == "dynamic":  # the window may cap k: compare greedy rows with their target-only text
+    for k_cap in ("fixed", "dynamic"):
+        gen = Generator(target, "prompt-lookup", runtime=NATIVE, batch=BatchConfig(k_cap=k_cap))
+        if k_cap == "dynamic":  # the k_cap may cap k: compare greedy rows with their target-only text
             greedy = [i for i, c in enumerate(configs) if c.sampling.greedy]
             solo = Generator(target, "none", runtime=NATIVE)
             batch = gen.generate_batch([prompts[i] for i in greedy], [configs[i] for i in greedy])

@@ -35,7 +35,7 @@ def ray_server(folder: Path, ray_cluster: str, driver: None) -> Iterator[Server]
     server = Server(
         str(folder),
         *["--ray", "--replicas", "2", "--ray-address", ray_cluster],
-        *["--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--window", "fixed", "--max-batch", "8"],
+        *["--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--k-cap", "fixed", "--max-batch", "8"],
     )
     deadline = time.monotonic() + 120  # the ingress answers once one replica is up; wait for both
     while _running() < 2 and time.monotonic() < deadline:

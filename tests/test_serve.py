@@ -100,7 +100,7 @@ class Server:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved tiny Llama with a character tokenizer and a chat template, in a shape the native runtime runs (head size
-    16), so that `specdec serve`'s default (`--backend auto`) serves it on native, as it would a real model."""
+    16), so that `specdec serve`'s default (`--runtime auto`) serves it on native, as it would a real model."""
     tokenizer = char_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     folder = tmp_path_factory.mktemp("serve") / "tiny-chat"
@@ -1180,7 +1180,7 @@ def test_tree_drafts_through_the_server(folder: Path, local: Generator) -> None:
         "6",
         "--k-policy",
         "fixed",
-        "--window",
+        "--k-cap",
         "fixed",
         "--branches",
         "3",

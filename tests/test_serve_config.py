@@ -109,6 +109,35 @@ def test_the_cli_states_the_same_rules(monkeypatch: pytest.MonkeyPatch) -> None:
         assert ("the target would load now" in said) == ("--insecure-no-auth" in args)
 
 
+def test_serve_takes_window_as_k_caps_former_name_and_refuses_both_disagreeing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from specdec.cli import serve
+
+    built: list[BatchConfig] = []
+    monkeypatch.setattr(serve, "_serve_locally", lambda *args: built.append(args[4]))  # the BatchConfig; no server
+    runner = CliRunner()
+
+    def batch(*args: str) -> BatchConfig:
+        result = runner.invoke(app, ["serve", *args])
+        assert result.exit_code == 0, result.output
+        return built.pop()
+
+    assert batch() == BatchConfig(k_cap="dynamic")
+    assert batch("--window", "fixed") == batch("--k-cap", "fixed") == BatchConfig(k_cap="fixed")
+    assert batch("--k-cap", "fixed", "--window", "fixed") == BatchConfig(k_cap="fixed")  # both, agreeing
+    # a profile's k_cap (fixed) gives way to the command line's, under either name
+    profile = str(_profile(tmp_path / "p.json"))
+    assert batch("--profile", profile, "--target", "tuned-model") == BatchConfig(k_cap="fixed")
+    assert batch("--profile", profile, "--target", "tuned-model", "--window", "dynamic") == BatchConfig()
+    for args in (["--k-cap", "dynamic", "--window", "fixed"], ["--window", "dynamic", "--k-cap", "fixed"]):
+        result = runner.invoke(app, ["serve", *args])
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1 and "Traceback" not in result.output, result.output
+        assert lines[0].startswith("error: --k-cap ") and "disagree" in lines[0] and "give --k-cap alone" in lines[0]
+    assert not built
+
+
 def _profile(path: Path) -> Path:
     Profile(
         target="tuned-model",

@@ -442,7 +442,7 @@ def test_sampled_suffix_chains_keep_the_target_law(monkeypatch: pytest.MonkeyPat
 
         monkeypatch.setattr(rows_module.Chains, "uniforms", one_for_every_position)
     target = tiny_llama(3, vocab=VOCAB, scale=0.15)
-    # a fixed window: the dynamic one caps k by this machine's measured costs, and with it how many drafts are judged
+    # a fixed k_cap: the dynamic one caps k by this machine's measured costs, and with it how many drafts are judged
     gen = Generator(loaded(target), "suffix", batch=BatchConfig(k_cap="fixed"))
     settings = {"k": 8, "k_policy": "fixed", "branches": 1, "max_new_tokens": NEW, "stop_on_eos": False}
     configs = [GenerationConfig(**settings, sampling=SAMPLINGS["plain"], seed=s) for s in range(2000)]
@@ -496,9 +496,9 @@ def test_commands_refuse_what_a_learning_drafter_would_fake() -> None:
 def test_bench_batch_gives_a_learning_drafter_afresh_to_every_batch_and_method(
     tiny_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Suffix drafting in bench-batch: each window and batch size drafts from a new history (none copies the answers
+    """Suffix drafting in bench-batch: each k_cap and batch size drafts from a new history (none copies the answers
     another method gave to the same prompts), and every method's greedy answers are target-only's."""
-    from specdec.bench.batch import BatchBenchConfig, run_batch_benchmark
+    from specdec.bench.batch import METHODS, BatchBenchConfig, markdown, run_batch_benchmark
 
     built: list[SuffixStore] = []
     original = SuffixStore.__init__
@@ -517,5 +517,7 @@ def test_bench_batch_gives_a_learning_drafter_afresh_to_every_batch_and_method(
     results = run_batch_benchmark(config)
     for figures in results["batches"].values():
         assert all(entry["identical_share"] == 1.0 for entry in figures.values())
+        assert tuple(figures) == METHODS and figures["fixed k_cap"]["mean_k_cap"] is None  # the fixed one caps nothing
+    assert "| mean k_cap |" in markdown(results)
     # the first Generator's, the warm-up's three, then three a batch size (fixed, dynamic, one at a time)
     assert len(built) == 1 + 3 + 3 * 2

@@ -357,12 +357,12 @@ class RuntimeConfig:
         if self.precision is not None and self.backend not in ("transformers", "auto"):
             raise ConfigError(
                 "--precision plans apply to the transformers backend; llama.cpp's format is its GGUF file's "
-                "quantization type and the native backend's is --native-format: use --backend transformers"
+                "quantization type and the native backend's is --native-format: use --runtime transformers"
             )
         if self.native_format not in NATIVE_FORMATS:
             raise ConfigError(f"unknown native format '{self.native_format}': use one of {', '.join(NATIVE_FORMATS)}")
         if self.native_format != "auto" and self.backend not in ("native", "auto"):
-            raise ConfigError("--native-format applies to the native backend: use --backend native or auto, or drop it")
+            raise ConfigError("--native-format applies to the native backend: use --runtime native or auto, or drop it")
         if self.dtype != "float32" and self.backend == "native":
             raise ConfigError(
                 "--dtype applies to the transformers backend; the native backend's is --native-format: drop --dtype"

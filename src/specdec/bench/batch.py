@@ -1,8 +1,8 @@
-"""The batching benchmark: fixed vs dynamic speculation window at several batch sizes.
+"""The batching benchmark: the fixed against the dynamic k_cap (the batch's cap on k) at several batch sizes.
 
 For each batch size B, B prompts of the set (taken in turn from each category) are decoded together
-by batched target-only decoding, by speculation with a fixed window (every
-row drafts k each step) and with the dynamic window (scheduling/window.py),
+by batched target-only decoding, by speculation under the fixed k_cap (every
+row drafts k each step) and under the dynamic k_cap (scheduling/window.py),
 and, as the baseline batching must beat, one request at a time. All methods
 run in one process on the same machine; figures are ratios within the run.
 """
@@ -30,7 +30,7 @@ class BatchBenchConfig:
     target: str = DEFAULT_TARGET
     draft: str = DEFAULT_DRAFT
     batch_sizes: tuple[int, ...] = (8, 16, 32)
-    k: int = 5  # the fixed window, and the dynamic window's largest
+    k: int = 5  # every row's k under the fixed k_cap, the most the dynamic k_cap allows
     max_new_tokens: int = 64
     sequential: bool = True  # also decode the requests one at a time
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -39,12 +39,10 @@ class BatchBenchConfig:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ConfigError(f"batch sizes must be positive integers, got {self.batch_sizes}")
         if self.draft == "none":
-            raise ConfigError(
-                "the batching benchmark compares speculation windows: pass a drafter (--draft prompt-lookup)"
-            )
+            raise ConfigError("the batching benchmark compares caps on k: pass a drafter (--draft prompt-lookup)")
 
 
-METHODS = ("target-only", "fixed window", "dynamic window", "one at a time")
+METHODS = ("target-only", "fixed k_cap", "dynamic k_cap", "one at a time")
 
 
 def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None] = lambda _: None) -> dict:
@@ -64,7 +62,7 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
             "its first answer. Use batch sizes up to the prompt count, more prompts, or --draft prompt-lookup"
         )
     fixed = GenerationConfig(k=config.k, k_policy="fixed", max_new_tokens=config.max_new_tokens)
-    window_kinds = {"fixed window": "fixed", "dynamic window": "dynamic"}
+    k_caps = {"fixed k_cap": "fixed", "dynamic k_cap": "dynamic"}
 
     def fresh() -> dict[str, Generator]:
         """The drafting methods' generators. ``auto`` is made concrete once (``sequential``); a drafter that learns
@@ -76,13 +74,12 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
 
         one = Generator(target, drafter(), sequential.config, config.runtime) if learns else sequential
         return {"one at a time": one} | {
-            name: Generator(target, drafter(), fixed, batch=BatchConfig(k_cap=window))
-            for name, window in window_kinds.items()
+            name: Generator(target, drafter(), fixed, batch=BatchConfig(k_cap=k_cap)) for name, k_cap in k_caps.items()
         }
 
     target_only = Generator(target, "none", fixed, batch=BatchConfig(k_cap="fixed"))  # nothing to cap
     warm = [p.prompt for p in prompts[:2]]
-    fresh()["dynamic window"].generate_batch(warm, max_new_tokens=4)  # measures the batch cost curve once (cached)
+    fresh()["dynamic k_cap"].generate_batch(warm, max_new_tokens=4)  # measures the batch cost curve once (cached)
     sequential.generate(warm[0], max_new_tokens=4)  # measures the single-sequence cost curve once (cached)
 
     results: dict[str, dict] = {}
@@ -96,21 +93,21 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
                 continue
             advance(f"batch {size}: {name}")
             if name == "target-only":
-                outputs, latencies, wall, windows = _together(target_only, batch)
+                outputs, latencies, wall, caps = _together(target_only, batch)
             elif name == "one at a time":
-                outputs, latencies, wall, windows = _one_at_a_time(generators[name], batch)
+                outputs, latencies, wall, caps = _one_at_a_time(generators[name], batch)
             else:
-                outputs, latencies, wall, windows = _together(generators[name], batch)
+                outputs, latencies, wall, caps = _together(generators[name], batch)
             ids = [o.token_ids for o in outputs]
             reference = reference or ids
-            figures[name] = _figures(outputs, latencies, wall, windows, ids, reference)
+            figures[name] = _figures(outputs, latencies, wall, caps, ids, reference)
         base = figures["target-only"]["tokens_per_s"]
         for entry in figures.values():
             entry["throughput_vs_target_only"] = entry["tokens_per_s"] / base if base else None
         for statistic in ("mean", "p50", "p99"):
-            fixed_latency = figures["fixed window"][f"{statistic}_latency_s"]
-            figures["dynamic window"][f"{statistic}_latency_cut_vs_fixed"] = (
-                1 - figures["dynamic window"][f"{statistic}_latency_s"] / fixed_latency
+            fixed_latency = figures["fixed k_cap"][f"{statistic}_latency_s"]
+            figures["dynamic k_cap"][f"{statistic}_latency_cut_vs_fixed"] = (
+                1 - figures["dynamic k_cap"][f"{statistic}_latency_s"] / fixed_latency
             )
         results[str(size)] = figures
     return {
@@ -125,8 +122,8 @@ def _together(generator: Generator, batch: list[str]) -> tuple[list[GenerationRe
     start = time.perf_counter()
     outputs = generator.generate_batch(batch, decoder=decoder)
     wall = time.perf_counter() - start
-    windows = [r.k_cap for r in decoder.reports if r.k_cap is not None]
-    return outputs, [o.stats.wall_s for o in outputs], wall, windows
+    caps = [r.k_cap for r in decoder.reports if r.k_cap is not None]
+    return outputs, [o.stats.wall_s for o in outputs], wall, caps
 
 
 def _one_at_a_time(
@@ -145,7 +142,7 @@ def _figures(
     outputs: list[GenerationResult],
     latencies: list[float],
     wall: float,
-    windows: list[int],
+    caps: list[int],
     ids: list[list[int]],
     reference: list[list[int]],
 ) -> dict:
@@ -164,8 +161,8 @@ def _figures(
         "ms_per_token": 1000
         * statistics.fmean(lat / max(len(o.token_ids), 1) for lat, o in zip(latencies, outputs, strict=True)),
         "acceptance_rate": sum(o.stats.draft_tokens_accepted for o in outputs) / proposed if proposed else None,
-        "mean_window": statistics.fmean(windows) if windows else None,
-        "steps_without_speculation": sum(w == 0 for w in windows) / len(windows) if windows else None,
+        "mean_k_cap": statistics.fmean(caps) if caps else None,
+        "steps_without_speculation": sum(c == 0 for c in caps) / len(caps) if caps else None,
         "identical_share": sum(a == b for a, b in zip(ids, reference, strict=True)) / len(ids),
     }
 
@@ -175,7 +172,7 @@ def markdown(results: dict) -> str:
     lines = [
         "# specdec batching benchmark",
         "",
-        f"Target `{cfg['target']}` ({machine['dtype']}), drafter `{cfg['draft']}`, window k = {cfg['k']}, "
+        f"Target `{cfg['target']}` ({machine['dtype']}), drafter `{cfg['draft']}`, k = {cfg['k']}, "
         f"up to {cfg['max_new_tokens']} new tokens per request, prompts from `{cfg['prompts']}`.",
         machine_line(machine),
         "",
@@ -188,7 +185,7 @@ def markdown(results: dict) -> str:
         lines += [
             f"## batch {size}",
             "",
-            "| method | tok/s | vs target-only | latency mean / p50 / p99 s | ms/token | acceptance | mean window "
+            "| method | tok/s | vs target-only | latency mean / p50 / p99 s | ms/token | acceptance | mean k_cap "
             "| steps w/o drafts | identical |",
             "|" + "---|" * 9,
         ]
@@ -197,13 +194,13 @@ def markdown(results: dict) -> str:
                 f"| {name} | {f['tokens_per_s']:.1f} | {f['throughput_vs_target_only']:.2f}x "
                 f"| {f['mean_latency_s']:.2f} / {f['p50_latency_s']:.2f} / {f['p99_latency_s']:.2f} "
                 f"| {f['ms_per_token']:.0f} "
-                f"| {fmt(f['acceptance_rate'], '{:.0%}')} | {fmt(f['mean_window'], '{:.1f}')} "
+                f"| {fmt(f['acceptance_rate'], '{:.0%}')} | {fmt(f['mean_k_cap'], '{:.1f}')} "
                 f"| {fmt(f['steps_without_speculation'], '{:.0%}')} | {f['identical_share']:.0%} |"
             )
-        cuts = [f"{figures['dynamic window'][f'{s}_latency_cut_vs_fixed']:.0%}" for s in ("mean", "p50", "p99")]
+        cuts = [f"{figures['dynamic k_cap'][f'{s}_latency_cut_vs_fixed']:.0%}" for s in ("mean", "p50", "p99")]
         lines += [
             "",
-            f"The dynamic window cuts latency (mean / p50 / p99) by {' / '.join(cuts)} against the fixed window "
+            f"The dynamic k_cap cuts latency (mean / p50 / p99) by {' / '.join(cuts)} against the fixed k_cap "
             "(negative: it adds latency).",
             "",
         ]

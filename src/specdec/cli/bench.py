@@ -192,11 +192,12 @@ def _show_bench(results: dict, config: BenchConfig) -> None:
 
 ReportOut = Annotated[Path, typer.Option(help="Output folder for results.json and report.md.")]
 BatchSizes = Annotated[str, typer.Option(help="Comma-separated batch sizes.")]
-Window = Annotated[
+BatchK = Annotated[
     int,
     typer.Option(
-        help="The fixed window, and the largest dynamic window; deliberately the seed's fixed window (the "
-        f"library's default is {default(GenerationConfig, 'k')})."
+        help="Tokens each row drafts per step: all of them under the fixed k_cap, at most under the dynamic k_cap "
+        "(the batch's cap on k); deliberately the seed's k (the library's default is "
+        f"{default(GenerationConfig, 'k')})."
     ),
 ]
 RequestMaxNewTokens = Annotated[
@@ -217,7 +218,7 @@ def bench_batch(
     target: Target = DEFAULT_TARGET,
     draft: Draft = default(BatchBenchConfig, "draft"),
     batch_sizes: BatchSizes = ",".join(map(str, default(BatchBenchConfig, "batch_sizes"))),
-    k: Window = default(BatchBenchConfig, "k"),
+    k: BatchK = default(BatchBenchConfig, "k"),
     max_new_tokens: RequestMaxNewTokens = default(BatchBenchConfig, "max_new_tokens"),
     sequential: Sequential = default(BatchBenchConfig, "sequential"),
     backend: FastRuntimeOpt = FAST_BACKEND,
@@ -227,8 +228,8 @@ def bench_batch(
     out: ReportOut = Path("bench-batch-out"),
     overwrite: Overwrite = False,
 ) -> None:
-    """Batched decoding: fixed vs dynamic speculation window per batch size, against batched target-only and one request
-    at a time."""
+    """Batched decoding: the fixed against the dynamic k_cap (the batch's cap on k) per batch size, against batched
+    target-only and one request at a time."""
 
     from specdec.bench.batch import METHODS, BatchBenchConfig, markdown, run_batch_benchmark
 

@@ -259,7 +259,7 @@ PROFILE_GROUPS = (
     ("backend", "dtype", "precision", "threads", "ubatch", "native_format"),
     ("draft", "branches", "k", "k_policy"),  # k settings tuned for one drafter
     ("temperature",),
-    ("k_cap",),
+    ("k_cap", "former_k_cap"),  # serve's --k-cap and --window, its former name
 )
 
 

@@ -45,11 +45,12 @@ KCap = Annotated[
     str,
     typer.Option(
         "--k-cap",
-        "--window",
         help="The batch's cap on every row's k: dynamic (chosen each step from the load) or fixed (each row's k "
         "policy alone). --window is its former name, still accepted.",
     ),
 ]
+# --k-cap's former name, an option of its own so that both given can be compared (they must agree)
+FormerKCap = Annotated[str | None, typer.Option("--window", hidden=True)]
 MaxBatch = Annotated[
     int, typer.Option(envvar="SPECDEC_MAX_BATCH", help="Sequences decoded together; more requests wait.")
 ]
@@ -188,6 +189,7 @@ def serve(
     k_policy: KPolicyOpt = default(GenerationConfig, "k_policy"),
     branches: Branches = default(GenerationConfig, "branches"),
     k_cap: KCap = default(BatchConfig, "k_cap"),
+    former_k_cap: FormerKCap = None,
     max_batch: MaxBatch = default(ServeConfig, "max_batch"),
     max_queue: MaxQueue = default(ServeConfig, "max_queue"),
     default_max_tokens: DefaultMaxTokens = default(ServeConfig, "default_max_tokens"),
@@ -223,7 +225,8 @@ def serve(
 ) -> None:
     """Serve the target over an OpenAI-compatible HTTP API with speculative continuous batching."""
     tuned = with_profile(context, profile, target)
-    target, draft, k_cap = tuned.target or target, tuned.draft or draft, tuned.k_cap or k_cap
+    target, draft = tuned.target or target, tuned.draft or draft
+    k_cap = tuned.k_cap or given_k_cap(context, k_cap, former_k_cap)
     _refuse_options_of_the_other_mode(context, ray)
     # ServeConfig's and RayConfig's options are read by their fields' names
     server = config_from(
@@ -304,6 +307,17 @@ def _serve_on_ray(
     serve_on_ray(
         spec, ray_config, ready=lambda: err.print(f"serving on http://{server.host}:{server.port}/v1 (Ray Serve)")
     )
+
+
+def given_k_cap(context: typer.Context, k_cap: str, former: str | None) -> str:
+    """--k-cap, or --window (its former name) where that is given; both given must agree (neither is guessed)."""
+    if former is None:
+        return k_cap
+    if typed_options(context, ["k_cap"]) and k_cap != former:
+        raise ConfigError(
+            f"--k-cap {k_cap} and --window {former} disagree: --window is --k-cap's former name, give --k-cap alone"
+        )
+    return former
 
 
 def api_keys(given: list[str], key_file: Path | None) -> tuple[str, ...]:

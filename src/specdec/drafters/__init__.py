@@ -86,7 +86,7 @@ def _named(spec: str, target: Target, runtime: RuntimeConfig = RuntimeConfig()) 
             raise ConfigError(f"layerskip:L needs a layer count, got '{arg}' (for example layerskip:6)")
         model = target.backend.transformers_model()
         if model is None:
-            raise ConfigError("layerskip drafts with the target's own layers in torch: use --backend transformers")
+            raise ConfigError("layerskip drafts with the target's own layers in torch: use --runtime transformers")
         return ModelDrafter(TransformersBackend(shallow_view(model, int(arg))))
     if spec == "default":
         warnings.warn(
@@ -162,7 +162,7 @@ def _eagle(folder: str, target: Target) -> EagleDrafter:
     if embeddings is None:
         raise ConfigError(
             "an eagle head drafts from the target's hidden states and embedding: "
-            "use --backend native, transformers or llama.cpp"
+            "use --runtime native, transformers or llama.cpp"
         )
     return load_eagle(folder, embeddings, target.backend.vocab_size, target.backend.device)
 
@@ -170,7 +170,7 @@ def _eagle(folder: str, target: Target) -> EagleDrafter:
 def _distilled(folder: str, target: Target, runtime: RuntimeConfig) -> ModelDrafter:
     model = target.backend.transformers_model()
     if model is None:
-        raise ConfigError("a distilled draft runs on the target's own embedding in torch: use --backend transformers")
+        raise ConfigError("a distilled draft runs on the target's own embedding in torch: use --runtime transformers")
     draft = load_draft(folder, model)
     # an exit draft's layers are the target's
     if runtime.precision is not None and not read_meta(folder)["arch"].get("exit"):

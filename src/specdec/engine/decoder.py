@@ -113,7 +113,7 @@ class Decoder(Generic[S]):
         if drafter.capabilities.features and not self.backend.capabilities.features:
             raise ConfigError(
                 f"{type(drafter).__name__} drafts from the target's hidden states, which this runtime does not return: "
-                "use --backend native or transformers, or a drafter that does not read them"
+                "use --runtime native or transformers, or a drafter that does not read them"
             )
         if len(completion.prompt_ids) >= self.backend.max_context:
             raise ContextLengthError(

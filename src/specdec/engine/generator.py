@@ -283,7 +283,7 @@ class Generator:
             )
         if len(prompts) > 1 and self.backend.capabilities.max_rows == 1:
             raise ConfigError(
-                "this runtime decodes one sequence at a time (llama.cpp): batch on --backend native or transformers, "
+                "this runtime decodes one sequence at a time (llama.cpp): batch on --runtime native or transformers, "
                 "or generate one prompt at a time"
             )
         completions = [self.completion(prompt, c, **overrides) for prompt, c in zip(prompts, configs, strict=True)]

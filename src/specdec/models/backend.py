@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 TREES_UNSUPPORTED = (
-    "this backend scores chains of drafts only: trees (branches > 1) run on --backend native or transformers"
+    "this backend scores chains of drafts only: trees (branches > 1) run on --runtime native or transformers"
 )
 
 Embed = Callable[[torch.Tensor], torch.Tensor]  # token ids -> the model's input embeddings, its scale included

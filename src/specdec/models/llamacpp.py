@@ -225,7 +225,7 @@ class LlamaCppBackend(Backend):
     def fork(self) -> LlamaCppBackend:
         raise ConfigError(
             "a llama.cpp model decodes one sequence per context: for batched generation use a transformers draft "
-            "(--draft model:NAME), a model-free drafter (prompt-lookup, ngram:FILE), and --backend transformers"
+            "(--draft model:NAME), a model-free drafter (prompt-lookup, ngram:FILE), and --runtime transformers"
         )
 
     def reset(self) -> None:

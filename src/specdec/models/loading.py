@@ -112,7 +112,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         except Exception as exc:  # noqa: BLE001 - any failure of transformers' model of a well-formed GGUF header
             raise ConfigError(
                 f"transformers could not load {gguf} ({first_line(exc)}): the file is damaged or its model is not one "
-                "transformers reads from GGUF; download it again, or use --backend llama.cpp"
+                "transformers reads from GGUF; download it again, or use --runtime llama.cpp"
             ) from None
         # The weights are already float; drop the GGUF quantizer marker so transformers will serialize them.
         model.hf_quantizer = None

@@ -33,7 +33,7 @@ class Target:
     tokenizer: Tokenizer | None
     eos_ids: frozenset[int]
     runtime: str = "transformers"  # the runtime it runs on: transformers, native or llama.cpp
-    fallback: str | None = None  # why ``--backend auto`` did not choose native
+    fallback: str | None = None  # why ``--runtime auto`` did not choose native
     chosen: str | None = None  # how ``--native-format auto`` chose the native format
 
 
@@ -113,7 +113,7 @@ def _open_loaded(loaded: LoadedModel, format: str) -> Target | str:
     from specdec.models.native import formats
 
     if next(loaded.model.parameters()).device.type != "cpu":
-        return "the native backend runs on the CPU: use --backend transformers on other devices"
+        return "the native backend runs on the CPU: use --runtime transformers on other devices"
     text = loaded.model.config.get_text_config()
     if (problem := native.unsupported(text)) is not None:
         return problem

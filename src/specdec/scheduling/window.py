@@ -1,9 +1,9 @@
-"""The speculation window of a batched step, chosen from the load.
+"""The dynamic k_cap: the batch's cap on every row's k in a step, chosen from the load.
 
 One sequence verifies k + 1 tokens for little more than the price of one,
 because a one-token forward leaves the machine idle. A batch of B rows
 verifies B(k + 1) tokens, and once that forward is compute-bound every draft
-token costs nearly what a real one does. The dynamic window is the k that
+token costs nearly what a real one does. The dynamic k_cap is the k that
 maximises the batch's expected tokens per second under the measured cost of a
 forward over B rows of n tokens, given each row's acceptance rate: it shrinks
 as the batch grows, reaches 0 (plain batched decoding) when speculation stops

@@ -45,14 +45,14 @@ CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-DSPECDEC_TORCH"]  # every bu
 
 NON_FINITE = (
     "a native layer got NaN or infinite activations (the model's numbers overflowed on this input, or its weights are "
-    "damaged): the native format cannot represent them; try --backend transformers"
+    "damaged): the native format cannot represent them; try --runtime transformers"
 )
 
 
 def on_cpu(*tensors: torch.Tensor) -> None:
     if any(t.device.type != "cpu" for t in tensors):
         raise ValueError(
-            "the native kernels compute on the CPU: pass CPU tensors (elsewhere use --backend transformers)"
+            "the native kernels compute on the CPU: pass CPU tensors (elsewhere use --runtime transformers)"
         )
 
 

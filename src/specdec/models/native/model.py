@@ -133,7 +133,7 @@ class NativeModel:
         def fetch(name: str, required: bool = True) -> torch.Tensor | None:
             tensor = tensors(name)
             if tensor is None and required:
-                raise ConfigError(f"the checkpoint has no tensor {name!r}: use --backend transformers")
+                raise ConfigError(f"the checkpoint has no tensor {name!r}: use --runtime transformers")
             counted[0] += 0 if tensor is None else tensor.numel()
             return tensor
 
@@ -141,7 +141,7 @@ class NativeModel:
         head = fetch("lm_head.weight", required=not config.tie_word_embeddings)
         if head is None and source is None:
             raise ConfigError(
-                "the checkpoint has neither an output head nor an input embedding: use --backend transformers"
+                "the checkpoint has neither an output head nor an input embedding: use --runtime transformers"
             )
         head = PackedInt8(source if head is None else head)  # tied: the output head is the input embedding
         embedding = None if source is None else source.to(torch.bfloat16)
@@ -485,7 +485,7 @@ def unsupported(config) -> str | None:
     if (problem := kernel_build.kernels_problem()) is not None:
         return (
             "the native backend needs a CPU with AVX2 (x86) or SDOT (ARM) and a C++ compiler (g++) for its kernels, "
-            f"and {problem}: use --backend transformers --precision cpu (`specdec doctor` says more)"
+            f"and {problem}: use --runtime transformers --precision cpu (`specdec doctor` says more)"
         )
     return None
 
@@ -494,7 +494,7 @@ def _shape(config) -> Shape:
     family = config.model_type
     if family not in FAMILIES:
         runs = ", ".join(FAMILIES)
-        raise ConfigError(f"the native backend runs {runs} models, not '{family}': use --backend transformers")
+        raise ConfigError(f"the native backend runs {runs} models, not '{family}': use --runtime transformers")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layers = config.num_hidden_layers
     gemma = family == "gemma3_text"
@@ -504,7 +504,7 @@ def _shape(config) -> Shape:
     if unknown := set(types) - {"sliding_attention", "full_attention"}:
         raise ConfigError(
             f"the native backend runs full and sliding-window attention, not {sorted(unknown)}: "
-            "use --backend transformers"
+            "use --runtime transformers"
         )
     windows = tuple(config.sliding_window if t == "sliding_attention" else 0 for t in types)
     ropes = {t: config.rope_parameters[t] for t in set(types)} if gemma else {"": config.rope_parameters or {}}
@@ -512,11 +512,11 @@ def _shape(config) -> Shape:
         if (kind := rope.get("rope_type", "default")) not in ROPE_TYPES:
             kinds = ", ".join(ROPE_TYPES)
             raise ConfigError(
-                f"the native backend's rotary embeddings are {kinds}, not {kind!r}: use --backend transformers"
+                f"the native backend's rotary embeddings are {kinds}, not {kind!r}: use --runtime transformers"
             )
         if (part := rope.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ConfigError(
-                f"the native backend rotates whole heads, not a share of {part}: use --backend transformers"
+                f"the native backend rotates whole heads, not a share of {part}: use --runtime transformers"
             )
     if gemma:
         scale, embed_scale, softcap = (
@@ -525,15 +525,15 @@ def _shape(config) -> Shape:
             config.final_logit_softcapping,
         )
         if config.attn_logit_softcapping is not None:
-            raise ConfigError("the native backend does not cap attention logits: use --backend transformers")
+            raise ConfigError("the native backend does not cap attention logits: use --runtime transformers")
     else:
         if config.hidden_act != "silu":
             act = config.hidden_act
-            raise ConfigError(f"the native backend's MLP is SwiGLU, not {act!r}: use --backend transformers")
+            raise ConfigError(f"the native backend's MLP is SwiGLU, not {act!r}: use --runtime transformers")
         scale, embed_scale, softcap = head_dim**-0.5, 1.0, None
     if head_dim % 16:
         raise ConfigError(
-            f"the native backend needs a head size that is a multiple of 16, not {head_dim}: use --backend transformers"
+            f"the native backend needs a head size that is a multiple of 16, not {head_dim}: use --runtime transformers"
         )
     widths = {
         "hidden": config.hidden_size,
@@ -542,7 +542,7 @@ def _shape(config) -> Shape:
     }
     if odd := {name: width for name, width in widths.items() if width % 32}:
         shown = ", ".join(f"{name} {width}" for name, width in odd.items())
-        raise ConfigError(f"the native formats need widths in multiples of 32, not {shown}: use --backend transformers")
+        raise ConfigError(f"the native formats need widths in multiples of 32, not {shown}: use --runtime transformers")
     return Shape(
         family=family,
         heads=config.num_attention_heads,

@@ -129,7 +129,7 @@ def gguf_reader(path: Path, config) -> Tensors:
             values = _dequantized(raw.view(dtype).reshape(shape), kind)
         except NotImplementedError:
             raise ConfigError(
-                f"tensor {gguf_name} is {kind.name}, which gguf cannot de-quantize: use --backend llama.cpp"
+                f"tensor {gguf_name} is {kind.name}, which gguf cannot de-quantize: use --runtime llama.cpp"
             ) from None
         except ValueError as exc:  # a shape its blocks do not fill
             raise ConfigError(
