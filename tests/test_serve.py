@@ -201,6 +201,31 @@ def test_logprobs_echo_and_prompt_lists(server: Server, local: Generator, folder
         assert error.value.body["param"] == next(iter(refused))
 
 
+def test_n_answers_each_with_its_own_seed(server: Server) -> None:
+    """n answers per prompt, in OpenAI's order: the first is the request's own seeded answer, the others independent
+    draws, all reproducible; greedy answers agree; chat takes n too; streaming n > 1 is refused by name."""
+    model = server.client.models.list().data[0].id
+
+    def texts(**settings) -> list[str]:
+        got = server.client.completions.create(model=model, max_tokens=12, **settings)
+        return [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+
+    sampled = {"prompt": PROMPTS[0], "temperature": 1.0, "seed": 5}
+    three = texts(n=3, **sampled)
+    assert len(three) == 3 and three[0] == texts(**sampled)[0] and len(set(three)) > 1
+    assert texts(n=3, **sampled) == three
+    assert texts(n=2, prompt=PROMPTS[:2], temperature=0) == [
+        t for p in PROMPTS[:2] for t in texts(prompt=p, temperature=0) * 2
+    ]
+    chat = server.client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, n=2, temperature=1.0, seed=3
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    with pytest.raises(openai.BadRequestError) as error:
+        server.client.completions.create(model=model, prompt="hi", max_tokens=2, n=2, stream=True)
+    assert error.value.body["param"] == "n"
+
+
 def test_completions_streamed_and_not(server: Server, local: Generator) -> None:
     model = server.client.models.list().data[0].id
     expected = local.generate(PROMPTS[0], max_new_tokens=24)
@@ -440,7 +465,8 @@ OUT_OF_BOUNDS = [
     ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
     ({"typical_acceptance": {"epsilon": float("nan")}}, "typical_acceptance", "finite number"),
     ({"seed": 2**64}, "seed", "less than or equal to 18446744073709551615"),
-    ({"n": 10**6}, "n", "not supported"),
+    ({"n": 10**6}, "n", "less than or equal to 64"),
+    ({"prompt": ["a"] * 8, "n": 9}, "n", "at most 64 in all"),
     ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
     ({"max_tokens": 0}, "max_tokens", "set echo"),
     ({"prompt": ["a"] * 65}, "prompt", "1 to 64 prompts"),

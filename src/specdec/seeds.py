@@ -91,6 +91,12 @@ def _concrete(device: torch.device | str) -> torch.device:
     return device
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice ``choice`` among several answers to one seeded request: the request's own for the first,
+    unrelated ones for the rest (so n answers are n independent draws, each reproducible)."""
+    return seed if choice == 0 else _mix(seed ^ _mix(choice))
+
+
 def _mix(x: int) -> int:
     """SplitMix64's finaliser: nearby inputs give unrelated outputs."""
     x = (x + 0x9E3779B97F4A7C15) & MASK

@@ -109,14 +109,17 @@ def create_app(
                 lambda finish: api.completion_chunk(rid, model, "", finish),
             )
             return _stream(job, batcher, chunks, prompt_tokens, body.stream_options)
+        # each prompt's n answers in OpenAI's order; every job is submitted before any is awaited (one batch)
+        asked = [(prompt, choice) for prompt in prompts for choice in range(body.n)]
         jobs: list[Job] = []
-        try:  # every prompt's job is submitted before any is awaited: they decode in one batch
+        try:
             if body.max_tokens != 0:
-                for i, prompt in enumerate(prompts):
-                    jobs.append((await _submit(body, prompt, "prompt", body.max_tokens, request, f"{rid}-{i}"))[0])
+                for i, (prompt, choice) in enumerate(asked):
+                    submitted = await _submit(body, prompt, "prompt", body.max_tokens, request, f"{rid}-{i}", choice)
+                    jobs.append(submitted[0])
             answers, used = [], [0, 0]
-            for i, prompt in enumerate(prompts):
-                answers.append(await _answer(body, prompt, jobs[i] if jobs else None, request, used))
+            for i, (prompt, choice) in enumerate(asked):
+                answers.append(await _answer(body, prompt, jobs[i] if jobs else None, request, used, choice == 0))
         finally:
             for job in jobs:
                 job.cancel()  # a no-op for a finished job; the rest when a later prompt failed
@@ -124,16 +127,21 @@ def create_app(
         return JSONResponse(api.completion_body(rid, model, answers, spell, usage))
 
     async def _answer(
-        body: api.CompletionRequest, prompt: str | list[int], job: Job | None, request: Request, used: list[int]
+        body: api.CompletionRequest,
+        prompt: str | list[int],
+        job: Job | None,
+        request: Request,
+        used: list[int],
+        first: bool,
     ) -> api.Answer:
-        """One prompt's choice: its job's result (none with max_tokens 0), led by the prompt and its scores when
-        echoed. ``used`` counts prompt and completion tokens."""
+        """One choice: its job's result (none with max_tokens 0), led by the prompt and its scores when echoed.
+        ``used`` counts prompt tokens (once per prompt: at its ``first`` answer) and completion tokens."""
         ids = job.completion.prompt_ids if job is not None else await _encode(generator.encode, prompt, "prompt")
         prompt_text = prompt if isinstance(prompt, str) else await asyncio.to_thread(_text, ids)
         result = await _result(job, batcher, request) if job is not None else None
         tokens, entries = (result.token_ids, result.logprobs) if result is not None else ([], [])
         text, finish = (result.text, api.FINISH[result.finish_reason]) if result is not None else ("", "length")
-        used[0] += len(ids)
+        used[0] += len(ids) if first else 0
         used[1] += len(tokens)
         if not body.echo:
             return api.Answer(text, finish, tokens, entries if body.logprobs is not None else None, len(prompt_text))
@@ -166,7 +174,17 @@ def create_app(
                 first=api.chat_chunk(rid, model, {"role": "assistant", "content": ""}),
             )
             return _stream(job, batcher, chunks, prompt_tokens, body.stream_options)
-        return JSONResponse(api.chat_body(rid, model, await _result(job, batcher, request), prompt_tokens, spell))
+        jobs = [job]
+        try:  # the other answers (n > 1), each its own sequence and seed, decoded in the same batch
+            for choice in range(1, body.n):
+                jobs.append(
+                    (await _submit(body, ids, "messages", body.token_budget, request, f"{rid}-{choice}", choice))[0]
+                )
+            results = [await _result(each, batcher, request) for each in jobs]
+        finally:
+            for each in jobs:
+                each.cancel()
+        return JSONResponse(api.chat_body(rid, model, results, prompt_tokens, spell))
 
     def _check_model(name: str | None) -> None:
         if name not in (None, model):
@@ -193,11 +211,17 @@ def create_app(
             raise api.APIError(400, str(exc), param=field) from None
 
     async def _submit(
-        body: api.OpenAIRequest, prompt: str | list[int], field: str, budget: int | None, request: Request, rid: str
+        body: api.OpenAIRequest,
+        prompt: str | list[int],
+        field: str,
+        budget: int | None,
+        request: Request,
+        rid: str,
+        choice: int = 0,
     ) -> tuple[Job, int]:
         max_tokens = budget or config.default_max_tokens
         try:
-            settings = body.generation_config(generator.config, max_tokens)
+            settings = body.generation_config(generator.config, max_tokens, choice)
         except SpecDecError as exc:  # a sampling, guard or acceptance setting
             raise api.APIError(400, str(exc)) from None
         try:

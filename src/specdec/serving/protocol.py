@@ -3,7 +3,7 @@
 Requests are validated here so that a bad field gets a 400 naming it, in the
 shape OpenAI clients parse ({"error": {"message", "type", "param", "code"}}).
 Fields OpenAI defines that change what is generated and that specdec does
-not implement (n > 1, best_of, suffix, logprobs or echo while streaming) are refused
+not implement (best_of, suffix; n > 1, logprobs or echo while streaming) are refused
 by name rather than ignored. Two specdec extensions take the library's own
 settings: ``guards`` (GuardConfig's fields) and ``typical_acceptance``
 (TypicalAcceptance's fields; LOSSY), each an object whose omitted fields keep the library's defaults.
@@ -38,6 +38,7 @@ from specdec.config import (
     TypicalAcceptance,
 )
 from specdec.engine import GenerationResult, TokenLogprob
+from specdec.seeds import choice_seed
 
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait before retrying
 EXCERPT_CHARS = 60  # an error message quotes at most this much of what the client sent
@@ -112,7 +113,7 @@ class OpenAIRequest(_Strict):
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_PROMPTS)] = 1  # answers per prompt, each its own sequence and seed
     presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None
@@ -133,9 +134,6 @@ class OpenAIRequest(_Strict):
 
     def unsupported(self) -> None:
         """Refuse OpenAI options that would change the output and that specdec does not implement."""
-        for name, ok in (("n", self.n == 1),):
-            if not ok:
-                raise APIError(400, f"'{name}' is not supported by this server: leave it at its default", param=name)
         stops = self.stops
         if len(stops) > MAX_STOPS:
             raise APIError(400, f"'stop' takes up to {MAX_STOPS} strings, got {len(stops)}", param="stop")
@@ -163,8 +161,9 @@ class OpenAIRequest(_Strict):
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def generation_config(self, defaults: GenerationConfig, max_tokens: int) -> GenerationConfig:
-        """The library's config for this request; a bad sampling, guard or acceptance setting raises ConfigError."""
+    def generation_config(self, defaults: GenerationConfig, max_tokens: int, choice: int = 0) -> GenerationConfig:
+        """The library's config for answer ``choice`` of this request (each answer its own seed, the first the
+        request's); a bad sampling, guard or acceptance setting raises ConfigError."""
         sampling = SamplingConfig(
             temperature=self.temperature,
             top_k=self.top_k,
@@ -184,7 +183,7 @@ class OpenAIRequest(_Strict):
             max_new_tokens=max_tokens,
             sampling=sampling,
             stop=self.stops,
-            seed=self.seed,
+            seed=None if self.seed is None else choice_seed(self.seed, choice),
             stop_on_eos=not self.ignore_eos,
             guards=_settings(GuardConfig, self.guards, "guards", SERVER_GUARDS)
             if self.guards is not None
@@ -275,9 +274,12 @@ class CompletionRequest(OpenAIRequest):
         prompts = self.prompts
         if not prompts or len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"'prompt' takes 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt")
+        if len(prompts) * self.n > MAX_PROMPTS:
+            raise APIError(400, f"{len(prompts)} prompts x n {self.n} answers: at most {MAX_PROMPTS} in all", param="n")
         self.refuse_while_streaming(
             *[name for name, on in (("logprobs", self.logprobs is not None), ("echo", self.echo)) if on]
             + (["prompt"] if len(prompts) > 1 else [])
+            + (["n"] if self.n > 1 else [])
         )
 
     @property
@@ -329,7 +331,7 @@ class ChatRequest(OpenAIRequest):
         super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs logprobs: true", param="top_logprobs")
-        self.refuse_while_streaming(*(["logprobs"] if self.logprobs else []))
+        self.refuse_while_streaming(*(["logprobs"] if self.logprobs else []) + (["n"] if self.n > 1 else []))
 
     @property
     def reported_alternatives(self) -> int | None:
@@ -405,11 +407,22 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None = None)
     return _envelope(rid, "text_completion", model, [{"text": text, "finish_reason": finish}])
 
 
-def chat_body(rid: str, model: str, result: GenerationResult, prompt_tokens: int, spell: Callable[[int], str]) -> dict:
-    choice = {"message": {"role": "assistant", "content": result.text}, "finish_reason": FINISH[result.finish_reason]}
-    if result.logprobs is not None:
-        choice["logprobs"] = {"content": [_chat_entry(e, spell) for e in result.logprobs]}
-    return _envelope(rid, "chat.completion", model, [choice], usage(prompt_tokens, result))
+def chat_body(
+    rid: str, model: str, results: list[GenerationResult], prompt_tokens: int, spell: Callable[[int], str]
+) -> dict:
+    """A chat completion with a choice per result (n of them), the prompt counted once."""
+    choices = []
+    for result in results:
+        choice = {
+            "message": {"role": "assistant", "content": result.text},
+            "finish_reason": FINISH[result.finish_reason],
+        }
+        if result.logprobs is not None:
+            choice["logprobs"] = {"content": [_chat_entry(e, spell) for e in result.logprobs]}
+        choices.append(choice)
+    generated = sum(len(result.token_ids) for result in results)
+    usage_ = {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
+    return _envelope(rid, "chat.completion", model, choices, usage_)
 
 
 def _chat_entry(entry: TokenLogprob, spell: Callable[[int], str]) -> dict:
