@@ -178,6 +178,28 @@ class TypicalAcceptance:
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit integers (torch's generators take no more)
 
 
+GRAMMAR_KINDS = ("json", "json_schema", "regex", "lark", "gbnf")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What the output must match: ``json`` (any JSON object), or a ``json_schema``, ``regex``, ``lark`` or ``gbnf``
+    (llama.cpp's grammar format) given as ``source`` text (grammar.py enforces it)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ConfigError(f"unknown grammar kind '{self.kind}': use one of {', '.join(GRAMMAR_KINDS)}")
+        if (self.kind == "json") == bool(self.source):
+            raise ConfigError(
+                "a json grammar takes no source (it is any JSON object)"
+                if self.kind == "json"
+                else f"a {self.kind} grammar needs its source text"
+            )
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """One generation request: speculation depth, length, stopping, sampling, guards, and (only if asked) lossy
@@ -196,8 +218,13 @@ class GenerationConfig:
     typical_acceptance: TypicalAcceptance | None = None  # None: exact verification (the default); set: LOSSY
     # report each new token's log-probability and this many likeliest alternatives (verification/logprobs.py); None: off
     logprobs: int | None = None
+    grammar: Grammar | None = None  # structured output: every token keeps the output inside it (grammar.py)
 
     def __post_init__(self) -> None:
+        if self.grammar is not None and self.branches > 1:
+            raise ConfigError("a grammar does not combine with tree drafts (branches > 1) yet: set branches to 1")
+        if self.grammar is not None and not self.stop_on_eos:
+            raise ConfigError("a grammar ends its output with end-of-sequence: drop ignore_eos (stop_on_eos=False)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ConfigError(f"logprobs must be between 0 and {MAX_LOGPROBS} (or unset), got {self.logprobs}")
         if self.guards.temperature_schedule is not None and self.sampling.greedy:

@@ -15,6 +15,7 @@ from specdec.drafters.base import EVERYONE, HistoryScope
 from specdec.engine.decoder import Sink
 from specdec.engine.stats import DecodeStats
 from specdec.engine.text import TextTracker
+from specdec.grammar import Constraint, NoConstraint
 from specdec.guards import DriftMonitor, Guards, NoGuards
 from specdec.seeds import Seeds
 from specdec.verification.logprobs import TokenLogprob
@@ -48,10 +49,10 @@ class Completion(Sink):
     """One generation: iterating decodes it alone and yields text deltas; :meth:`result` gives the outcome afterwards.
 
     Built by :meth:`Generator.completion <specdec.engine.generator.Generator.completion>`, which checks and encodes the
-    prompt and gives what the completion needs: ``eos_ids``, ``text`` (None without a tokenizer), ``guards``, ``drift``
-    (None without a drift threshold) and ``alone``, how it decodes alone (the Generator's loop on a single-sequence
-    decoder). In a batch (``Generator.admit``) the decoder decodes it with others, handing each step's tokens to
-    :meth:`take` and calling :meth:`close` when it ends.
+    prompt and gives what the completion needs: ``constraint`` (its grammar's state), ``eos_ids``, ``text`` (None
+    without a tokenizer), ``guards``, ``drift`` (None without a drift threshold) and ``alone``, how it decodes alone
+    (the Generator's loop on a single-sequence decoder). In a batch (``Generator.admit``) the decoder decodes it with
+    others, handing each step's tokens to :meth:`take` and calling :meth:`close` when it ends.
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class Completion(Sink):
         prompt_ids: list[int],
         config: GenerationConfig,
         *,
+        constraint: Constraint | NoConstraint,
         eos_ids: frozenset[int],
         text: TextTracker | None,
         guards: Guards | NoGuards,
@@ -67,6 +69,7 @@ class Completion(Sink):
     ) -> None:
         self.prompt_ids = prompt_ids
         self.config = config
+        self.constraint = constraint
         self.eos_ids = eos_ids
         self.text = text
         self.guards = guards

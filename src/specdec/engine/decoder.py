@@ -26,6 +26,7 @@ from specdec.engine.stats import DecodeStats
 from specdec.engine.step import speculative_step
 from specdec.engine.trees import TREES
 from specdec.errors import ConfigError, ContextLengthError
+from specdec.grammar import Constraint, NoConstraint
 from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
 from specdec.scheduling import KPolicy, LoadWindow, StepOutcome
@@ -42,6 +43,7 @@ class Sink(Protocol):
     seeds: Seeds
     stats: DecodeStats  # the row records its steps here
     guards: Guards | NoGuards
+    constraint: Constraint | NoConstraint  # its grammar's state (structured output)
     scope: HistoryScope  # DraftSettings.scope
 
     def take(self, ids: list[int], logprobs: list[TokenLogprob] | None = None) -> str:
@@ -129,6 +131,7 @@ class Decoder(Generic[S]):
             completion.stats,
             prompt_length=len(completion.prompt_ids),
             guards=completion.guards,
+            constraint=completion.constraint,
             scope=completion.scope,
             shape=TREES if completion.config.branches > 1 and drafter.capabilities.trees else CHAINS,
         )

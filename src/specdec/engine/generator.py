@@ -27,6 +27,7 @@ from specdec.engine.decoder import Decoder, Update
 from specdec.engine.prompts import PromptEncoder
 from specdec.engine.text import TextTracker
 from specdec.errors import ConfigError, VocabularyMismatchError
+from specdec.grammar import GrammarCompiler
 from specdec.guards import DriftMonitor, Guards, NoGuards, ignorable_tokens
 from specdec.models import DEFAULT_TARGET, Backend, LoadedModel, Target, open_target
 from specdec.models.backend import TREES_UNSUPPORTED
@@ -88,6 +89,7 @@ class Generator:
                 "with a tokenizer (it is then re-tokenized), or --draft prompt-lookup"
             )
         self.eos_ids = self.target.eos_ids
+        self.grammars = GrammarCompiler(self.tokenizer, self.eos_ids)  # structured output's, built on first use
         self._ignorable: frozenset[int] | None = None
         self._embedder: SentenceEmbedder | None = None
         self._busy = False  # a single-sequence run is decoding on self.backend and self.drafter
@@ -224,6 +226,7 @@ class Generator:
         return Completion(
             prompt_ids,
             config,
+            constraint=self.grammars.constraint(config.grammar),
             eos_ids=self.eos_ids,
             text=TextTracker(self.tokenizer, config.stop) if self.tokenizer is not None else None,
             guards=guards,

@@ -14,6 +14,7 @@ from specdec.acceptance import AcceptanceEstimate
 from specdec.config import GenerationConfig
 from specdec.drafters.base import EVERYONE, Drafter, DraftSettings, HistoryScope, Proposal
 from specdec.engine.stats import DecodeStats
+from specdec.grammar import Constraint, NoConstraint
 from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
 from specdec.scheduling import KPlan, KPolicy, NodePrice
@@ -101,6 +102,7 @@ class Row:
     stats: DecodeStats
     prompt_length: int = field(kw_only=True)  # the penalties count the output's tokens, after the prompt's
     guards: Guards | NoGuards = field(default_factory=NoGuards)
+    constraint: Constraint | NoConstraint = field(default_factory=NoConstraint)  # its grammar's state
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # what the batch's k_cap reads
     started: float = field(default_factory=time.perf_counter)
     scope: HistoryScope = EVERYONE  # whose history its drafter may share (DraftSettings.scope)

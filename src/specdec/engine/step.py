@@ -8,13 +8,14 @@ One step, for rows of any number (batch 1 is a batch: one sequence decodes on a
    guard's anchor step), then its drafter's proposal, cut to what the row keeps;
 2. **score**: each row is fed the tokens its cache lacks (the whole prompt at its first step, afterwards the pending
    token, the last one produced) followed by its drafts, all rows in ONE target forward;
-3. **verify**: each row's logits are processed (bias and penalties, verification/processors.py, each position from
-   its own context, drafts included), its guards adjust them, then the verifier of its kind judges the drafts
-   (verification/verifiers.py). A sampled row's uniforms are keyed by position (seeds.py): the token at position t is
-   decided by the same numbers whichever step reaches it, so its k policy, the batch's k_cap and its drafter's
-   history change no seeded output but through the drafts themselves (and deterministic drafts not at all);
-4. **commit**: each row's cache keeps its accepted drafts, its tokens grow, and its drafter, k policy, acceptance
-   estimate, stats and guards observe the step's :class:`StepOutcome`.
+3. **verify**: each row's logits are processed (bias and penalties, verification/processors.py, then its grammar's
+   mask, grammar.py: each position from its own context, drafts included), its guards adjust them, then the verifier
+   of its kind judges the drafts (verification/verifiers.py). A sampled row's uniforms are keyed by position
+   (seeds.py): the token at position t is decided by the same numbers whichever step reaches it, so its k policy, the
+   batch's k_cap and its drafter's history change no seeded output but through the drafts themselves (and
+   deterministic drafts not at all);
+4. **commit**: each row's cache keeps its accepted drafts, its tokens grow (its grammar's state with them), and its
+   drafter, k policy, acceptance estimate, stats and guards observe the step's :class:`StepOutcome`.
 
 The rows, their steps' records and the :class:`Shape` seam are in engine/rows.py. Where a tree differs from a chain,
 the phases ask a shape: a row's own, chosen when it joins, plans its step (chains, :data:`CHAINS`, or, for a row with
@@ -130,6 +131,8 @@ def draft(row: Row, draft_plan: DraftPlan, drafting: Timer) -> tuple[Proposal, S
         with _guarding(row):
             allowed = row.guards.trim(row.tokens, proposal.tokens)
         proposal = proposal.cut(allowed)
+        # and so would one its grammar forbids (p = 0); a drawn draft is judged, rejected, and its residual drawn
+        proposal = proposal.cut(row.constraint.allowed(proposal.tokens, proposal.links))
     # the drafts' shape whatever the row's: a chain row's drafter may draft a tree unasked (trees.py judges whether the
     # row can take one)
     return replace(proposal, tokens=proposal.tokens.cpu()), TREES.drafted(row, proposal)
@@ -174,6 +177,7 @@ def verify_rows(steps: list[RowStep], logits: torch.Tensor) -> None:
             parents[i, :n] = proposal.links
         column = logits[i, : n + 1]
         process(column, row.tokens, row.prompt_length, proposal.tokens, proposal.links, row.config.sampling)
+        row.constraint.mask(column, proposal.tokens)
         with _guarding(row):  # masks the row's logits in place
             temperature = row.guards.adjust(row.tokens, proposal.tokens, column)
         kind, sampling, typical = Kind(row.rule, step.shape.tree), row.config.sampling, row.config.typical_acceptance
@@ -200,6 +204,7 @@ def commit(
         row.drafter.observe_features(hidden[kept])
     new_tokens = torch.cat([proposal.tokens[path], torch.tensor([step.next_token])])
     row.tokens = torch.cat([row.tokens, new_tokens])
+    row.constraint.advance(new_tokens.tolist())
     outcome = StepOutcome(
         chosen=step.plan.chosen,
         asked=step.plan.asked,

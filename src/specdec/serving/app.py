@@ -228,6 +228,11 @@ def create_app(
             generator.check_sampling(settings.sampling)
         except SpecDecError as exc:
             raise api.APIError(400, str(exc), param="logit_bias") from None
+        if settings.grammar is not None:  # compiled here too, so that a schema that does not compile is named as such
+            try:
+                await asyncio.to_thread(generator.grammars.constraint, settings.grammar)
+            except SpecDecError as exc:
+                raise api.APIError(400, str(exc), param="grammar" if body.grammar else "response_format") from None
         completion = await _encode(lambda p: generator.completion(p, settings), prompt, field)
         used, limit = len(completion.prompt_ids), generator.backend.max_context
         if used + max_tokens > limit:

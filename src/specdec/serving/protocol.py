@@ -33,6 +33,7 @@ from specdec.config import (
     MAX_REPETITION_PENALTY,
     MAX_SEED,
     GenerationConfig,
+    Grammar,
     GuardConfig,
     SamplingConfig,
     TypicalAcceptance,
@@ -99,6 +100,22 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaSpec(_Strict):
+    """OpenAI's ``response_format.json_schema``: a named schema (``strict`` is taken; the schema is always enforced)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+
 class OpenAIRequest(_Strict):
     """Fields shared by both endpoints (OpenAI's names and defaults)."""
 
@@ -121,6 +138,8 @@ class OpenAIRequest(_Strict):
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] = 1.0
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    grammar: str | None = Field(None, description="llama-server's extension: a GBNF grammar the output must match")
     guards: dict[str, Any] | None = Field(
         None,
         description="specdec extension: long-generation guards, an object of GuardConfig's fields except the drift "
@@ -174,8 +193,9 @@ class OpenAIRequest(_Strict):
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.bias_pairs(),
         )
-        # Trees do not combine with guards or typical acceptance.
-        plain = self.guards is None and self.typical_acceptance is None
+        grammar = self.structure()
+        # Trees do not combine with guards, typical acceptance or a grammar.
+        plain = self.guards is None and self.typical_acceptance is None and grammar is None
         return GenerationConfig(
             k=defaults.k,
             k_policy=defaults.k_policy,
@@ -192,7 +212,26 @@ class OpenAIRequest(_Strict):
             if self.typical_acceptance is not None
             else None,
             logprobs=self.reported_alternatives,
+            grammar=grammar,
         )
+
+    def structure(self) -> Grammar | None:
+        """The grammar ``response_format`` or ``grammar`` asks for (both at once is a 400)."""
+        kind = self.response_format.type if self.response_format is not None else "text"
+        if kind != "text" and self.grammar is not None:
+            raise APIError(400, "'grammar' and a JSON response_format exclude each other: give one", param="grammar")
+        if self.grammar is not None:
+            return Grammar("gbnf", self.grammar)
+        if kind == "json_object":
+            return Grammar("json")
+        if kind == "json_schema":
+            spec = self.response_format.json_schema  # type: ignore[union-attr]
+            if spec is None:
+                raise APIError(
+                    400, "'response_format' json_schema needs its json_schema object", param="response_format"
+                )
+            return Grammar("json_schema", json.dumps(spec.schema_))
+        return None
 
     @property
     def reported_alternatives(self) -> int | None:

@@ -1,0 +1,255 @@
+"""Structured output (JSON, JSON schemas, regex, GBNF): the grammar's mask is part of the target's distribution at
+every verified position, so greedy output equals target-only's and sampled output follows the masked law (a mask
+that ignores the drafts fails). Deterministic drafts the grammar
+forbids are cut before scoring; drawn ones are judged and rejected (cutting them by their value would skip the
+residual draw and change the law)."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from typing import Literal
+
+import pytest
+import torch
+from conftest import loaded, perturbed, tiny_llama
+from test_distribution import MIN_PVALUE, _check
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+import specdec.grammar as grammar_module
+from specdec import GenerationConfig, Generator, SamplingConfig
+from specdec.bench.lossless import TargetLaw
+from specdec.config import Grammar, RuntimeConfig
+from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
+from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
+from specdec.errors import ConfigError
+from specdec.grammar import GrammarCompiler
+from specdec.models import TransformersBackend
+from specdec.models.loading import materialize, resolve
+from specdec.verification import to_probs
+from specdec.verification.processors import process
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "kind": {"enum": ["cat", "dog"]}},
+    "required": ["name", "kind"],
+    "additionalProperties": False,
+}
+GRAMMARS = {
+    "json": Grammar("json_schema", json.dumps(SCHEMA)),
+    "regex": Grammar("regex", r"(yes|no), because [a-z ]{1,30}\."),
+    "gbnf": Grammar("gbnf", 'root ::= "[" item ("," item)* "]"\nitem ::= [0-9]+'),
+}
+
+
+@cache
+def smol_tokenizer():
+    """SmolLM2's tokenizer (the bundled model's), which llguidance reads."""
+    return AutoTokenizer.from_pretrained(materialize(resolve("smollm2-135m-instruct")))
+
+
+def _generators(target, tokenizer) -> dict[str, Generator]:
+    draft = perturbed(target, noise=0.03, seed=1)
+    return {
+        "none": Generator(loaded(target, tokenizer=tokenizer), NoDrafter()),
+        "lookup": Generator(loaded(target, tokenizer=tokenizer), PromptLookupDrafter()),
+        "model": Generator(loaded(target, tokenizer=tokenizer), ModelDrafter(TransformersBackend(draft))),
+    }
+
+
+@pytest.mark.parametrize("kind", list(GRAMMARS))
+def test_greedy_under_a_grammar_equals_target_only(kind: str) -> None:
+    tokenizer = smol_tokenizer()
+    target = tiny_llama(0, vocab=len(tokenizer))
+    gens = _generators(target, tokenizer)
+    prompt = '{"name": "Rex", "kind": "dog"} [1,22,333] yes, because it is. ' * 2
+    config = GenerationConfig(k=4, k_policy="fixed", max_new_tokens=40, grammar=GRAMMARS[kind])
+    expected = gens["none"].generate(prompt, config)
+    for name in ("lookup", "model"):
+        got = gens[name].generate(prompt, config)
+        assert got.token_ids == expected.token_ids, name
+    batched = gens["model"].generate_batch([prompt, prompt[:40]], config)
+    assert batched[0].token_ids == expected.token_ids
+    assert batched[1].token_ids == gens["none"].generate(prompt[:40], config).token_ids
+    if expected.finish_reason == "eos":  # a complete answer matches its grammar
+        text = expected.text
+        if kind == "json":
+            value = json.loads(text)
+            assert set(value) == {"name", "kind"} and value["kind"] in ("cat", "dog")
+
+
+class Forbidden(Drafter):
+    """Drafts the same token every step (a copier's guess the grammar may forbid)."""
+
+    capabilities = DrafterCapabilities()
+    vocab_size = None
+    backend = None
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def begin(self, settings: DraftSettings) -> None:
+        pass
+
+    def propose(self, context: torch.Tensor, k: int, branches: int = 1) -> Proposal:
+        return Proposal(torch.full((k,), self.token, dtype=torch.long))
+
+    def fork(self) -> Forbidden:
+        return self
+
+
+def test_drafts_the_grammar_forbids_are_cut_before_scoring() -> None:
+    tokenizer = smol_tokenizer()
+    target = tiny_llama(0, vocab=len(tokenizer))
+    letter = tokenizer.encode("Q", add_special_tokens=False)[0]  # never allowed by a digits-only grammar
+    config = GenerationConfig(k=4, k_policy="fixed", max_new_tokens=12, grammar=Grammar("regex", "[0-9]{5,9}"))
+    got = Generator(loaded(target, tokenizer=tokenizer), Forbidden(letter)).generate("n:", config)
+    assert got.stats.draft_tokens_proposed == 0 and got.text.isdigit() and 5 <= len(got.text) <= 9
+
+
+def test_bad_grammars_are_refused_by_name() -> None:
+    tokenizer = smol_tokenizer()
+    compiler = GrammarCompiler(tokenizer, frozenset({tokenizer.eos_token_id}))
+    for grammar, named in [
+        (Grammar("json_schema", '{"type": "objectx"}'), "does not compile"),
+        (Grammar("json_schema", "{not json"), "not JSON"),
+        (Grammar("gbnf", "root ::= missing"), "does not compile"),
+    ]:
+        with pytest.raises(ConfigError, match=named):
+            compiler.constraint(grammar)
+    with pytest.raises(ConfigError, match="unknown grammar kind"):
+        Grammar("xml", "<a/>")
+    with pytest.raises(ConfigError, match="tree drafts"):
+        GenerationConfig(branches=2, grammar=Grammar("json"))
+
+
+# A vocabulary of 8 one-character tokens, so that the law test's cells fill: after the prompt the grammar wants a
+# letter, then a digit or a brace, and so on (at least 3 pairs: no end-of-sequence within the 5 tokens drawn).
+CHARS = ["{", "}", "<eos>", "a", "b", ":", "1", "2"]  # end-of-sequence where the tiny model's config has it
+PAIRS = Grammar("regex", r"([ab:][12{}]){3,}")
+PROMPT = [3, 6, 4]
+SAMPLED = SamplingConfig(temperature=1.0, top_p=0.98, frequency_penalty=0.6)
+
+
+def _char_tokenizer() -> PreTrainedTokenizerFast:
+    model = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(CHARS)}, merges=[], unk_token=None))
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    model.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=model, eos_token="<eos>")
+
+
+class MaskedLaw(TargetLaw):
+    """The target's law after the prompt and a prefix: penalties from that context, then the grammar's mask after the
+    prefix (the output alone: the prompt is not the grammar's)."""
+
+    def __init__(self, model, prompt, sampling, compiler: GrammarCompiler) -> None:
+        super().__init__(model, prompt, sampling)
+        self.compiler = compiler
+
+    def __call__(self, prefix: tuple[int, ...]) -> torch.Tensor:
+        if prefix not in self._cache:
+            with torch.no_grad():
+                logits = self.model(torch.tensor([self.prompt + list(prefix)])).logits[0, -1:].float()
+            none = torch.zeros(0, dtype=torch.long)
+            process(logits, torch.tensor(self.prompt + list(prefix)), len(self.prompt), none, none, self.sampling)
+            constraint = self.compiler.constraint(PAIRS)
+            constraint.advance(list(prefix))
+            constraint.mask(logits, none)
+            self._cache[prefix] = to_probs(logits[0], self.sampling).double()
+        return self._cache[prefix]
+
+
+def _masked_law_pvalue() -> float:
+    tokenizer = _char_tokenizer()
+    target = tiny_llama(3, vocab=len(CHARS), scale=0.15)
+    gen = Generator(loaded(target, tokenizer=tokenizer), ModelDrafter(TransformersBackend(perturbed(target, 0.4, 1))))
+    config = GenerationConfig(k=4, k_policy="fixed", max_new_tokens=5, sampling=SAMPLED, grammar=PAIRS)
+    results = [gen.generate(PROMPT, config, seed=seed) for seed in range(3000)]
+    samples, stats = [tuple(r.token_ids) for r in results], [r.stats for r in results]
+    assert {len(s) for s in samples} == {5}, "an end-of-sequence outside the shaped target's support"
+    law = MaskedLaw(target, PROMPT, SAMPLED, GrammarCompiler(tokenizer, frozenset({2})))
+    return _check(samples, stats, law, ("rejected at 1st", "rejected at 2nd"))
+
+
+def test_sampled_output_under_a_grammar_follows_the_masked_law() -> None:
+    assert _masked_law_pvalue() > MIN_PVALUE
+
+
+def test_a_mask_that_ignores_the_drafts_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: every position masked as the first (the drafts before it not consumed) breaks the law."""
+    real = grammar_module.Constraint.mask
+    monkeypatch.setattr(grammar_module.Constraint, "mask", lambda self, logits, drafts: real(self, logits, drafts[:0]))
+    # what the wrong masks let through is kept as it comes (the real constraint would refuse it outright)
+    monkeypatch.setattr(
+        grammar_module.Constraint, "advance", lambda self, tokens: [self.matcher.consume_token(t) for t in tokens]
+    )
+    try:
+        pvalue = _masked_law_pvalue()
+    except AssertionError as caught:  # a token the grammar forbids there: caught outright
+        assert "outside the shaped target's support" in str(caught)
+        return
+    assert pvalue < MIN_PVALUE
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    """`specdec serve` on a tiny model with SmolLM2's tokenizer and chat template, drafting by prompt lookup; and the
+    same model and drafter in this process."""
+    from test_serve import Server
+
+    folder = tmp_path_factory.mktemp("structured") / "tiny-smol"
+    tokenizer = smol_tokenizer()
+    tiny_llama(0, vocab=len(tokenizer), hidden=64).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    server = Server(str(folder), "--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--k-cap", "fixed")
+    local = Generator(str(folder), "prompt-lookup", GenerationConfig(k=4, k_policy="fixed"), RuntimeConfig("auto"))
+    yield server, local
+    server.stop()
+
+
+def test_structured_output_through_the_openai_client(served) -> None:
+    """A Pydantic model's schema (the client's structured-output parse), JSON mode and llama-server's GBNF grammar:
+    each answer is what the library gives with the same grammar, and a schema that does not compile is a 400 naming
+    response_format."""
+    import openai
+    from pydantic import BaseModel
+
+    server, local = served
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog"]
+        legs: Literal[2, 4]
+
+    messages = [{"role": "user", "content": "A pet, as JSON:"}]
+    parsed = server.client.beta.chat.completions.parse(
+        model=server.client.models.list().data[0].id,
+        messages=messages,
+        response_format=Pet,
+        max_tokens=40,
+        temperature=0,
+    )
+    pet = parsed.choices[0].message.parsed
+    assert isinstance(pet, Pet)
+    # the client sends the model's schema made strict: every property required, no others
+    schema = Grammar("json_schema", json.dumps(Pet.model_json_schema() | {"additionalProperties": False}))
+    ids = local.chat_ids(messages)
+    assert parsed.choices[0].message.content == local.generate(ids, max_new_tokens=40, grammar=schema).text
+
+    prompt = "Numbers: [4,5,6] and [7,8]. More: "
+    gbnf = 'root ::= "[" [0-9] ("," [0-9])* "]"'
+    got = server.client.completions.create(
+        model=None, prompt=prompt, max_tokens=20, temperature=0, extra_body={"grammar": gbnf}
+    )
+    assert got.choices[0].text == local.generate(prompt, max_new_tokens=20, grammar=Grammar("gbnf", gbnf)).text
+    json_mode = server.client.completions.create(
+        model=None, prompt=prompt, max_tokens=30, temperature=0, extra_body={"response_format": {"type": "json_object"}}
+    )
+    expected = local.generate(prompt, max_new_tokens=30, grammar=Grammar("json"))
+    assert json_mode.choices[0].text == expected.text
+    if expected.finish_reason == "eos":
+        assert isinstance(json.loads(expected.text), dict)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client.completions.create(model=None, prompt="hi", max_tokens=4, extra_body={"response_format": bad})
+    assert refused.value.body["param"] == "response_format" and "does not compile" in refused.value.body["message"]
