@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from functools import cache
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -16,10 +17,12 @@ from conftest import loaded, perturbed, tiny_llama
 from test_distribution import MIN_PVALUE, _check
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from typer.testing import CliRunner
 
 import specdec.grammar as grammar_module
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import TargetLaw
+from specdec.cli.main import app
 from specdec.config import Grammar, RuntimeConfig
 from specdec.drafters import ModelDrafter, NoDrafter, PromptLookupDrafter
 from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
@@ -193,15 +196,44 @@ def test_a_mask_that_ignores_the_drafts_fails(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory):
-    """`specdec serve` on a tiny model with SmolLM2's tokenizer and chat template, drafting by prompt lookup; and the
-    same model and drafter in this process."""
-    from test_serve import Server
-
+def smol_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved tiny model with SmolLM2's tokenizer and chat template."""
     folder = tmp_path_factory.mktemp("structured") / "tiny-smol"
     tokenizer = smol_tokenizer()
     tiny_llama(0, vocab=len(tokenizer), hidden=64).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_cli_takes_a_schema_and_reports_logprobs(smol_folder: Path, tmp_path: Path) -> None:
+    schema = tmp_path / "pet.json"
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"kind": {"enum": ["cat", "dog"]}},
+                "required": ["kind"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    args = ["generate", "A pet:", "--target", str(smol_folder), "--draft", "prompt-lookup", "--max-new-tokens", "20"]
+    got = CliRunner().invoke(app, [*args, "--json-schema", str(schema), "--logprobs", "2", "--json"])
+    assert got.exit_code == 0, got.output
+    result = json.loads(got.output.strip().splitlines()[-1])
+    assert json.loads(result["text"])["kind"] in ("cat", "dog")
+    assert len(result["logprobs"]) == len(result["token_ids"]) and all(len(e["top"]) == 2 for e in result["logprobs"])
+    missing = CliRunner().invoke(app, [*args, "--grammar", str(tmp_path / "none.gbnf")])
+    assert missing.exit_code != 0 and "cannot read" in missing.output and "Traceback" not in missing.output
+
+
+@pytest.fixture(scope="module")
+def served(smol_folder: Path):
+    """`specdec serve` on the tiny SmolLM2-tokenizer model, drafting by prompt lookup; and the same model and drafter
+    in this process."""
+    from test_serve import Server
+
+    folder = smol_folder
     server = Server(str(folder), "--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--k-cap", "fixed")
     local = Generator(str(folder), "prompt-lookup", GenerationConfig(k=4, k_policy="fixed"), RuntimeConfig("auto"))
     yield server, local

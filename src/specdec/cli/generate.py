@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -36,6 +37,7 @@ from specdec.cli.options import (
 from specdec.config import (
     DEFAULT_DRAFT,
     GenerationConfig,
+    Grammar,
     GuardConfig,
     RuntimeConfig,
     SamplingConfig,
@@ -68,6 +70,14 @@ LogitBias = Annotated[
     typer.Option(help="TOKEN_ID=BIAS added to that token's logit, BIAS in [-100, 100] (repeatable)."),
 ]
 Seed = Annotated[int | None, typer.Option(help="Random seed, for reproducible sampling.")]
+Logprobs = Annotated[
+    int | None,
+    typer.Option(help="Report each token's log-probability and this many alternatives (0-20) in --json output."),
+]
+JsonSchema = Annotated[Path | None, typer.Option(help="A JSON schema file the output must match (structured output).")]
+GrammarFile = Annotated[
+    Path | None, typer.Option(help="A GBNF grammar file (llama.cpp's format) the output must match.")
+]
 Stop = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")]
 Stream = Annotated[bool, typer.Option(help="Print text as it is accepted.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object with text, token_ids and stats.")]
@@ -120,6 +130,9 @@ def generate(
     logit_bias: LogitBias = None,
     seed: Seed = default(GenerationConfig, "seed"),
     stop: Stop = None,
+    logprobs: Logprobs = None,
+    json_schema: JsonSchema = None,
+    grammar: GrammarFile = None,
     dtype: Dtype = default(RuntimeConfig, "dtype"),
     precision: Precision = None,
     backend: FastRuntimeOpt = FAST_BACKEND,
@@ -159,13 +172,9 @@ def generate(
         ),
         stop=tuple(stop or ()),
         seed=seed,
-        guards=GuardConfig(
-            repetition=repetition_guard,
-            temperature_schedule=float_pair("--temperature-schedule", temperature_schedule),
-            anchor_every=anchor_every,
-            drift_threshold=drift_threshold,
-            drift_anchor=drift_anchor,
-        ),
+        logprobs=logprobs,
+        grammar=grammar_of(json_schema, grammar),
+        guards=guard_config(repetition_guard, temperature_schedule, anchor_every, drift_threshold, drift_anchor),
         typical_acceptance=TypicalAcceptance() if typical_acceptance else None,
     )
     if typical_acceptance:
@@ -259,3 +268,33 @@ def bias_pairs(given: list[str] | tuple[str, ...]) -> tuple[tuple[int, float], .
         except ValueError:
             raise ConfigError(f"--logit-bias takes TOKEN_ID=BIAS (for example 198=-100), got '{item}'") from None
     return tuple(pairs)
+
+
+def grammar_of(json_schema: Path | None, gbnf: Path | None) -> Grammar | None:
+    """The grammar ``--json-schema`` or ``--grammar`` names (one of them at most), read from its file."""
+    if json_schema is not None and gbnf is not None:
+        raise ConfigError("--json-schema and --grammar exclude each other: give one")
+    path, kind = (json_schema, "json_schema") if json_schema is not None else (gbnf, "gbnf")
+    if path is None:
+        return None
+    try:
+        return Grammar(kind, path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def guard_config(
+    repetition: bool,
+    temperature_schedule: str | None,
+    anchor_every: int | None,
+    drift_threshold: float | None,
+    drift_anchor: bool,
+) -> GuardConfig:
+    """The guards the generate options ask for."""
+    return GuardConfig(
+        repetition=repetition,
+        temperature_schedule=float_pair("--temperature-schedule", temperature_schedule),
+        anchor_every=anchor_every,
+        drift_threshold=drift_threshold,
+        drift_anchor=drift_anchor,
+    )
