@@ -164,6 +164,7 @@ def test_sampled_output_with_penalties_follows_the_processed_law() -> None:
     assert _sampled_law_pvalue() > MIN_PVALUE
 
 
+@pytest.mark.slow
 def test_penalties_that_ignore_the_drafts_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: every position processed from the context without the drafts before it breaks the law."""
     real = step_module.process

@@ -179,6 +179,7 @@ def test_sampled_output_under_a_grammar_follows_the_masked_law() -> None:
     assert _masked_law_pvalue() > MIN_PVALUE
 
 
+@pytest.mark.slow
 def test_a_mask_that_ignores_the_drafts_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: every position masked as the first (the drafts before it not consumed) breaks the law."""
     real = grammar_module.Constraint.mask

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
-from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
 
 from specdec.config import Grammar
 from specdec.errors import ConfigError
@@ -69,11 +69,11 @@ class Constraint:
         sampled draft the grammar forbids is judged (rejected: p = 0 there) at its own row; the rows after it are
         never read and repeat its mask."""
         rows = logits.shape[0]
-        bitmask = allocate_token_bitmask(rows, self.vocab_size)
+        bitmask = np.zeros((rows, (self.vocab_size + 31) // 32), dtype=np.int32)  # bit t of word w: token 32 w + t
         consumed, valid = 0, True
         for j in range(rows):
             if valid:
-                fill_next_token_bitmask(self.matcher, bitmask, j)
+                self.matcher.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, bitmask[j].nbytes)
             else:
                 bitmask[j] = bitmask[j - 1]
             if valid and j < min(len(drafts), rows - 1):
@@ -81,9 +81,8 @@ class Constraint:
                 consumed += valid
         self.matcher.rollback(consumed)
         width = min(self.vocab_size, logits.shape[1])
-        masked = logits[:, :width].float()
-        apply_token_bitmask_inplace(masked, bitmask.to(masked.device))
-        logits[:, :width] = masked.to(logits.dtype)
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :width].astype(bool)
+        logits[:, :width].masked_fill_(torch.from_numpy(~allowed).to(logits.device), float("-inf"))
         logits[:, width:] = float("-inf")
 
     def advance(self, tokens: list[int]) -> None:
