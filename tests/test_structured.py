@@ -286,3 +286,68 @@ def test_structured_output_through_the_openai_client(served) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         server.client.completions.create(model=None, prompt="hi", max_tokens=4, extra_body={"response_format": bad})
     assert refused.value.body["param"] == "response_format" and "does not compile" in refused.value.body["message"]
+
+
+def test_tool_calls_round_trip_through_the_openai_client(served) -> None:
+    """A forced call (tool_choice required, or a named function) is constrained to the function's JSON and answered
+    as OpenAI's tool_calls; the call and its result go back as messages; an unknown function is a 400."""
+    import openai
+
+    server, local = served
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"enum": [1, 2, 3]}},
+                    "required": ["city", "days"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+        {
+            "type": "function",
+            "function": {"name": "noop", "parameters": {"type": "object", "additionalProperties": False}},
+        },
+    ]
+    messages = [{"role": "user", "content": "Weather in Rome for 2 days?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        got = server.client.chat.completions.create(
+            model=None, messages=messages, tools=tools, tool_choice=choice, max_tokens=40, temperature=0
+        )
+        answer = got.choices[0]
+        assert answer.finish_reason == "tool_calls" and answer.message.content is None
+        (call,) = answer.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert call.type == "function" and call.id.startswith("call-")
+        if choice is named or call.function.name == "get_weather":
+            assert call.function.name == "get_weather" and arguments["city"] in ("Paris", "Rome")
+        else:
+            assert call.function.name == "noop" and arguments == {}
+    followed = messages + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call-1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call-1", "content": "sunny, 24 C"},
+    ]
+    after = server.client.chat.completions.create(
+        model=None, messages=followed, tools=tools, max_tokens=8, temperature=0
+    )
+    assert after.choices[0].message.tool_calls is None or after.choices[0].finish_reason == "tool_calls"
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client.chat.completions.create(
+            model=None, messages=messages, tools=tools, tool_choice={"type": "function", "function": {"name": "fly"}}
+        )
+    assert refused.value.body["param"] == "tool_choice"

@@ -350,9 +350,10 @@ class Generator:
         """``prompt``'s token ids, checked: not empty, valid text or in-vocabulary ids, within the context."""
         return self.prompts.encode(prompt)
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        """Chat ``messages`` (OpenAI's role/content dicts) in the target's chat template, tokenized and checked."""
-        return self.prompts.chat_ids(messages)
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat ``messages`` (OpenAI's role/content dicts) in the target's chat template, with the ``tools`` it may call
+        (OpenAI's function definitions), tokenized and checked."""
+        return self.prompts.chat_ids(messages, tools)
 
     @property
     def max_prompt_chars(self) -> int | None:

@@ -31,9 +31,10 @@ class PromptEncoder:
                 raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
         return self._fits(ids, "prompt")
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Chat ``messages`` (OpenAI's role/content dicts, content as text) in the target's chat template, tokenized
-        and checked."""
+        and checked; ``tools`` (OpenAI's function definitions) go to the template where it takes them, else into a
+        system message that says how to call one (a JSON object with the function's name and arguments)."""
         tokenizer = self._tokenizer_for("chat messages")
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError(f"model '{self.name}' has no chat template: send a plain prompt (a completion) instead")
@@ -43,9 +44,13 @@ class PromptEncoder:
                     json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value,
                     f"message {i}'s {field}",
                 )
+        if tools and "tools" not in str(tokenizer.chat_template):
+            messages = [{"role": "system", "content": tool_instructions(tools)}, *messages]
         self._check_text("".join(str(m.get("content", "")) for m in messages), "the messages together")
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (roles, order) raises what it likes
             raise PromptError(f"the chat template rejected these messages: {str(exc)[:200]}") from None
         return self._fits(list(ids), "messages")
@@ -89,3 +94,12 @@ class PromptEncoder:
                 f"{self.max_context}: shorten the {field}"
             )
         return ids
+
+
+def tool_instructions(tools: list[dict]) -> str:
+    """A system message offering ``tools`` to a model whose chat template has no place for them."""
+    listed = json.dumps([tool.get("function", tool) for tool in tools], ensure_ascii=False)
+    return (
+        f"You can call these functions: {listed}\nTo call one, answer with only a JSON object: "
+        '{"name": <the function\'s name>, "arguments": <an object of its parameters>}.'
+    )

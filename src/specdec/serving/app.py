@@ -164,7 +164,7 @@ def create_app(
         _check_request(body)
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         # Templating and tokenizing take seconds on a long prompt: off the event loop.
-        ids = await _encode(generator.chat_ids, messages, "messages")
+        ids = await _encode(lambda m: generator.chat_ids(m, body.offered), messages, "messages")
         rid = api.new_id("chatcmpl")
         job, prompt_tokens = await _submit(body, ids, "messages", body.token_budget, request, rid)
         if body.stream:
@@ -184,7 +184,7 @@ def create_app(
         finally:
             for each in jobs:
                 each.cancel()
-        return JSONResponse(api.chat_body(rid, model, results, prompt_tokens, spell))
+        return JSONResponse(api.chat_body(rid, model, results, prompt_tokens, spell, body.tool_call))
 
     def _check_model(name: str | None) -> None:
         if name not in (None, model):
@@ -232,7 +232,8 @@ def create_app(
             try:
                 await asyncio.to_thread(generator.grammars.constraint, settings.grammar)
             except SpecDecError as exc:
-                raise api.APIError(400, str(exc), param="grammar" if body.grammar else "response_format") from None
+                named = "grammar" if body.grammar else "response_format" if body.response_format else "tools"
+                raise api.APIError(400, str(exc), param=named) from None
         completion = await _encode(lambda p: generator.completion(p, settings), prompt, field)
         used, limit = len(completion.prompt_ids), generator.backend.max_context
         if used + max_tokens > limit:

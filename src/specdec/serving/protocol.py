@@ -45,6 +45,7 @@ RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait before retrying
 EXCERPT_CHARS = 60  # an error message quotes at most this much of what the client sent
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256  # characters per stop string: each step searches the text's last this many for them
+MAX_TOOLS = 128  # functions offered in one request
 MAX_PROMPTS = 64  # prompts in one completions request (each is its own sequence in the batch)
 MAX_TOP_K = 1 << 20  # more than any vocabulary (a top_k at or past the vocabulary's size keeps every token)
 
@@ -337,12 +338,19 @@ class ChatMessage(_Strict):
     model_config = ConfigDict(extra="allow", strict=True)  # name, tool fields: passed to the chat template as they are
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    # Text, or OpenAI's content parts ({"type": "text", "text": ...}; text parts only).
-    content: str | list[dict[str, Any]]
+    # Text, or OpenAI's content parts ({"type": "text", "text": ...}; text parts only); none on an assistant's message
+    # that made tool calls (its tool_calls field)
+    content: str | list[dict[str, Any]] | None = None
 
     def for_template(self, index: int) -> dict[str, Any]:
-        """The message as a chat template takes it: content as one string (text parts joined)."""
-        message = self.model_dump(exclude_none=True)
+        """The message as a chat template takes it: content as one string (text parts joined; "" for none)."""
+        if self.content is None and self.role != "assistant":
+            raise APIError(
+                400,
+                f"'messages.{index}.content' is missing: only an assistant's message may have none",
+                param="messages",
+            )
+        message = self.model_dump(exclude_none=True) | {"content": self.content or ""}
         if isinstance(self.content, list):
             message["content"] = "".join(
                 _text_part(part, f"messages.{index}.content.{j}") for j, part in enumerate(self.content)
@@ -360,17 +368,99 @@ def _text_part(part: dict[str, Any], where: str) -> str:
     return part["text"]
 
 
+class FunctionSpec(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # taken; an answer calls one function
 
     def unsupported(self) -> None:
         super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs logprobs: true", param="top_logprobs")
-        self.refuse_while_streaming(*(["logprobs"] if self.logprobs else []) + (["n"] if self.n > 1 else []))
+        names = [tool.function.name for tool in self.tools or ()]
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise APIError(
+                400, f"'tool_choice' names '{clip(self.tool_choice.function.name)}', not among the tools", "tool_choice"
+            )
+        if self.tool_choice not in (None, "none") and not names:
+            raise APIError(400, "'tool_choice' needs tools", param="tool_choice")
+        if self.calls_forced and (self.response_format is not None or self.grammar is not None):
+            raise APIError(400, "a forced tool call and a response format exclude each other", param="tool_choice")
+        self.refuse_while_streaming(
+            *(["logprobs"] if self.logprobs else []) + (["n"] if self.n > 1 else []) + (["tools"] if names else [])
+        )
+
+    @property
+    def offered(self) -> list[dict] | None:
+        """The tools the model is shown (none with tool_choice "none"), as the chat template takes them."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    @property
+    def calls_forced(self) -> bool:
+        """The answer must be a call: tool_choice "required" or a named function."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def structure(self) -> Grammar | None:
+        if not self.calls_forced:
+            return super().structure()
+        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.function.name}, "arguments": tool.function.parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for tool in self.tools or ()
+            if named in (None, tool.function.name)
+        ]
+        return Grammar("json_schema", json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls}))
+
+    def tool_call(self, text: str) -> dict | None:
+        """The call ``text`` makes (a JSON object naming an offered function and its arguments, bare or inside
+        <tool_call> tags), as OpenAI's tool_calls entry; None for an answer in words."""
+        if self.offered is None:
+            return None
+        body = text.strip().removeprefix("<tool_call>").removesuffix("</tool_call>").strip()
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        names = {tool.function.name for tool in self.tools or ()}
+        if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments"), dict):
+            return None
+        return {
+            "id": new_id("call"),
+            "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)},
+        }
 
     @property
     def reported_alternatives(self) -> int | None:
@@ -447,15 +537,22 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None = None)
 
 
 def chat_body(
-    rid: str, model: str, results: list[GenerationResult], prompt_tokens: int, spell: Callable[[int], str]
+    rid: str,
+    model: str,
+    results: list[GenerationResult],
+    prompt_tokens: int,
+    spell: Callable[[int], str],
+    call: Callable[[str], dict | None] = lambda text: None,
 ) -> dict:
-    """A chat completion with a choice per result (n of them), the prompt counted once."""
+    """A chat completion with a choice per result (n of them), the prompt counted once; an answer that ``call`` reads
+    as a tool call is reported as one."""
     choices = []
     for result in results:
-        choice = {
-            "message": {"role": "assistant", "content": result.text},
-            "finish_reason": FINISH[result.finish_reason],
-        }
+        made = call(result.text)
+        message = {"role": "assistant", "content": result.text}
+        if made is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": [made]}
+        choice = {"message": message, "finish_reason": "tool_calls" if made else FINISH[result.finish_reason]}
         if result.logprobs is not None:
             choice["logprobs"] = {"content": [_chat_entry(e, spell) for e in result.logprobs]}
         choices.append(choice)
