@@ -319,6 +319,8 @@ COMMANDS_TEXT = """
   SPECDEC_KERNELS=avx2 python benchmarks/model_sizes.py --work /tmp/sizes
   --out ${J}2026-12-05-cpu-model-sizes-avx2-parts.json --sizes 1b,3b --backends native-int4
   --llama-bench $LLAMA_BENCH_AVX2 --tokens 64 --acceptance 0.7
+2026-12-05-cpu-grammar-mask.json
+  python benchmarks/grammar_mask.py --repeats 1 --out ${J}2026-12-05-cpu-grammar-mask.json
 """
 VARIABLES = {
     "J": "benchmarks/results/",
@@ -477,6 +479,7 @@ def kind(data: Any) -> str:
         "runtimes": "where-time-goes",
         "store_sizes": "suffix-store",
         "soak": "soak",
+        "engines": "grammar-mask",
     }
     found = [name for key, name in shapes.items() if key in data]
     return found[0] if found else "ppl" if all(" " in key for key in data) else "unknown"
@@ -831,6 +834,38 @@ def where_time_goes(results: list[Result]) -> list[Block]:
     return [block("Across runtimes", title, header, cells, [r for r, _ in rows.values()], note)]
 
 
+def grammar_mask(results: list[Result]) -> list[Block]:
+    """Structured output: the grammar engines' mask cost and JSON-schema requests with and without speculation."""
+    blocks = []
+    for r in newest_per_machine(results):
+        d = r.data
+        rows = [
+            [
+                row["draft"],
+                "yes" if row["schema"] else "no",
+                f"{row['tokens_per_s']:.1f}",
+                f"{row['vs_target_only']:.2f}x",
+                f"{row['acceptance']:.0%}",
+            ]
+            for row in d["requests"]
+        ]
+        engines = "; ".join(
+            f"{name} {e['mask_us_median']:.1f} us median ({e['mask_us_mean']:.1f} mean) a token's mask, "
+            f"tokenizer table {e['tokenizer_table_s']:.2f} s, compile {e['compile_ms_mean']:.1f} ms"
+            for name, e in d["engines"].items()
+        )
+        note = (
+            f"Gemma-3-270M on the native runtime, greedy, {d['new_tokens']} new tokens, {d['prompts']} extraction "
+            f"prompts with their JSON schemas (written in the script), against target-only with the same setting; "
+            f"{r.machine}, {r.date}. Masks walking valid JSON documents: {engines}. The engine's mask (llguidance's "
+            f"bitmask applied to the logits) cost {d['mask_us_per_position']:.0f} us per verified position."
+        )
+        title = "Structured output: JSON-schema requests with and without speculation (`benchmarks/grammar_mask.py`)"
+        header = ["drafter", "schema", "tok/s", "vs target-only (same schema setting)", "acceptance"]
+        blocks.append(block("native", title, header, rows, [r], note))
+    return blocks
+
+
 def tune(results: list[Result]) -> list[Block]:
     blocks = []
     held_out = [r for r in results if "default" in r.data]  # tuned on a search part, confirmed on a held-out part
@@ -1143,6 +1178,7 @@ WRITERS: dict[str, Callable[[list[Result]], list[Block]]] = {
     "ppl": perplexity,
     "suffix-store": suffix_store,
     "soak": soak,
+    "grammar-mask": grammar_mask,
 }
 
 
