@@ -381,9 +381,11 @@ def test_disconnect_cancels_and_frees_capacity(server: Server) -> None:
     ("body", "status", "param", "message"),
     [
         ({"prompt": "hi", "temperature": -1}, 400, "temperature", "greater than or equal to 0"),
-        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+        ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 0"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "set echo to score the prompt"),
         ({"prompt": "hi", "colour": "red"}, 400, "colour", "Unrecognized request argument"),
-        ({"prompt": "hi", "n": 2}, 400, "n", "not supported"),
+        ({"prompt": "hi", "n": 65}, 400, "n", "less than or equal to 64"),
+        ({"prompt": ["a", "b"], "n": 40, "max_tokens": 5}, 400, "n", "at most 64 in all"),
         ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
         ({"max_tokens": 5}, 400, "prompt", "required"),
         ({"prompt": "", "max_tokens": 5}, 400, "prompt", "empty"),
