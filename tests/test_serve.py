@@ -158,7 +158,7 @@ def test_penalties_and_bias_through_the_openai_client(server: Server, local: Gen
 def test_logprobs_echo_and_prompt_lists(server: Server, local: Generator, folder: Path) -> None:
     """Completions' logprobs equal target-only decoding's bit for bit (native), echo scores the prompt (lm-evaluation-
     harness's loglikelihood request: token ids, echo, logprobs 1, max_tokens 1), a list of prompts gets a choice each,
-    chat reports logprobs and top_logprobs, and streaming with logprobs is refused by name."""
+    chat reports logprobs and top_logprobs; streamed, each reports what the whole answer does."""
     model = server.client.models.list().data[0].id
     alone = Generator(str(folder), "none", runtime=RuntimeConfig("auto"))
     expected = alone.generate(PROMPTS[0], max_new_tokens=16, logprobs=2)
@@ -195,15 +195,46 @@ def test_logprobs_echo_and_prompt_lists(server: Server, local: Generator, folder
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.top_logprobs[0].logprob >= c.logprob for c in content)  # greedy: the likeliest, or tied with it
-    for refused in ({"logprobs": 1}, {"echo": True}):
-        with pytest.raises(openai.BadRequestError) as error:
-            server.client.completions.create(model=model, prompt="hi", max_tokens=2, stream=True, **refused)
-        assert error.value.body["param"] == next(iter(refused))
+
+    whole = server.client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=2)
+    streamed = merged_completion_stream(server, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=2)
+    assert streamed[0] == (whole.choices[0].text, whole.choices[0].logprobs.model_dump())
+    echoed = merged_completion_stream(server, **body)
+    assert echoed[0] == (answer["text"], answer["logprobs"])
+    streamed_chat = server.client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
+    entries = [
+        entry for c in streamed_chat if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content
+    ]
+    assert [e.model_dump() for e in entries] == [e.model_dump() for e in content]
+
+
+def merged_completion_stream(server: Server, **request: object) -> list[tuple[str, dict]]:
+    """A streamed completions request's choices, each its text and its logprobs fields joined over its chunks."""
+    request = {"model": server.client.models.list().data[0].id} | request
+    joined: dict[int, tuple[str, dict]] = {}
+    with server.http.stream("POST", "/v1/completions", json=request | {"stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                text, fields = joined.get(choice["index"], ("", {}))
+                pieces = choice["logprobs"] or {}
+                joined[choice["index"]] = (text + choice["text"], {k: fields.get(k, []) + v for k, v in pieces.items()})
+    return [joined[i] for i in sorted(joined)]
 
 
 def test_n_answers_each_with_its_own_seed(server: Server) -> None:
     """n answers per prompt, in OpenAI's order: the first is the request's own seeded answer, the others independent
-    draws, all reproducible; greedy answers agree; chat takes n too; streaming n > 1 is refused by name."""
+    draws, all reproducible; greedy answers agree; chat takes n too; streamed, the same answers."""
     model = server.client.models.list().data[0].id
 
     def texts(**settings) -> list[str]:
@@ -221,9 +252,26 @@ def test_n_answers_each_with_its_own_seed(server: Server) -> None:
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, n=2, temperature=1.0, seed=3
     )
     assert [c.index for c in chat.choices] == [0, 1]
-    with pytest.raises(openai.BadRequestError) as error:
-        server.client.completions.create(model=model, prompt="hi", max_tokens=2, n=2, stream=True)
-    assert error.value.body["param"] == "n"
+    streamed = merged_completion_stream(server, n=3, max_tokens=12, **sampled)
+    assert [text for text, _ in streamed] == three
+    pairs = merged_completion_stream(server, n=2, prompt=PROMPTS[:2], temperature=0, max_tokens=12)
+    assert [text for text, _ in pairs] == texts(n=2, prompt=PROMPTS[:2], temperature=0)
+    chat_stream = server.client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        n=2,
+        temperature=1.0,
+        seed=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(chat_stream)
+    for choice in chat.choices:
+        pieces = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(p.delta.content or "" for p in pieces) == choice.message.content
+        assert pieces[0].delta.role == "assistant" and pieces[-1].finish_reason == choice.finish_reason
+    assert chunks[-1].usage.model_dump() == chat.usage.model_dump()
 
 
 def test_completions_streamed_and_not(server: Server, local: Generator) -> None:

@@ -7,6 +7,7 @@ residual draw and change the law)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Literal
@@ -72,6 +73,9 @@ def test_greedy_under_a_grammar_equals_target_only(kind: str) -> None:
     for name in ("lookup", "model"):
         got = gens[name].generate(prompt, config)
         assert got.token_ids == expected.token_ids, name
+    trees = replace(config, branches=2)  # prompt lookup and the model draft trees, each node masked after its path
+    for name in ("lookup", "model"):
+        assert gens[name].generate(prompt, trees).token_ids == expected.token_ids, f"{name}, trees"
     batched = gens["model"].generate_batch([prompt, prompt[:40]], config)
     assert batched[0].token_ids == expected.token_ids
     assert batched[1].token_ids == gens["none"].generate(prompt[:40], config).token_ids
@@ -111,6 +115,35 @@ def test_drafts_the_grammar_forbids_are_cut_before_scoring() -> None:
     assert got.stats.draft_tokens_proposed == 0 and got.text.isdigit() and 5 <= len(got.text) <= 9
 
 
+def test_each_tree_node_is_masked_after_its_own_path() -> None:
+    """A tree's rows: row 0 after the accepted output, row j + 1 after node j's path, as a fresh constraint advanced
+    along that path masks them; a node the grammar forbids repeats its parent's row (never read), and the leading
+    nodes the grammar allows are counted along their paths."""
+    tokenizer = smol_tokenizer()
+    compiler = GrammarCompiler(tokenizer, frozenset({tokenizer.eos_token_id}))
+    grammar = Grammar("gbnf", 'root ::= "[" item ("," item)* "]"\nitem ::= [0-9]+')
+    tok = {c: tokenizer.encode(c, add_special_tokens=False)[0] for c in "[],12Q"}
+    accepted = [tok["["], tok["1"]]
+    #        node:     0         1         2         3         4         5
+    drafts = torch.tensor([tok[","], tok["2"], tok["]"], tok["Q"], tok["1"], tok["2"]])
+    links = torch.tensor([-1, 0, -1, 2, 3, 1])  # paths: ",", ",2", "]", "]Q" (forbidden), "]Q1", ",22"
+    paths = [[0], [0, 1], [2], [2, 3], [2, 3, 4], [0, 1, 5]]
+    constraint = compiler.constraint(grammar)
+    constraint.advance(accepted)
+    logits = torch.zeros(len(drafts) + 1, len(tokenizer))
+    constraint.mask(logits, drafts, links)
+    assert constraint.allowed(drafts, links) == 3  # node 3 ("Q" after "]") is the first forbidden
+    for row, path in [(0, []), *((j + 1, p) for j, p in enumerate(paths))]:
+        forbidden = 3 in path
+        fresh = compiler.constraint(grammar)
+        fresh.advance(accepted + [int(drafts[i]) for i in (paths[2] if forbidden else path)])
+        expected = torch.zeros(1, len(tokenizer))
+        fresh.mask(expected, drafts[:0], links[:0])
+        assert torch.equal(logits[row], expected[0]), (row, path)
+    # the constraint is back after the accepted output
+    assert constraint.allowed(drafts[:1], links[:1]) == 1 and constraint.allowed(drafts[3:4], links[:1]) == 0
+
+
 def test_bad_grammars_are_refused_by_name() -> None:
     tokenizer = smol_tokenizer()
     compiler = GrammarCompiler(tokenizer, frozenset({tokenizer.eos_token_id}))
@@ -123,8 +156,6 @@ def test_bad_grammars_are_refused_by_name() -> None:
             compiler.constraint(grammar)
     with pytest.raises(ConfigError, match="unknown grammar kind"):
         Grammar("xml", "<a/>")
-    with pytest.raises(ConfigError, match="tree drafts"):
-        GenerationConfig(branches=2, grammar=Grammar("json"))
 
 
 # A vocabulary of 8 one-character tokens, so that the law test's cells fill: after the prompt the grammar wants a
@@ -158,16 +189,18 @@ class MaskedLaw(TargetLaw):
             process(logits, torch.tensor(self.prompt + list(prefix)), len(self.prompt), none, none, self.sampling)
             constraint = self.compiler.constraint(PAIRS)
             constraint.advance(list(prefix))
-            constraint.mask(logits, none)
+            constraint.mask(logits, none, none)
             self._cache[prefix] = to_probs(logits[0], self.sampling).double()
         return self._cache[prefix]
 
 
-def _masked_law_pvalue() -> float:
+def _masked_law_pvalue(branches: int = 1) -> float:
     tokenizer = _char_tokenizer()
     target = tiny_llama(3, vocab=len(CHARS), scale=0.15)
     gen = Generator(loaded(target, tokenizer=tokenizer), ModelDrafter(TransformersBackend(perturbed(target, 0.4, 1))))
-    config = GenerationConfig(k=4, k_policy="fixed", max_new_tokens=5, sampling=SAMPLED, grammar=PAIRS)
+    config = GenerationConfig(
+        k=4, k_policy="fixed", max_new_tokens=5, sampling=SAMPLED, grammar=PAIRS, branches=branches
+    )
     results = [gen.generate(PROMPT, config, seed=seed) for seed in range(3000)]
     samples, stats = [tuple(r.token_ids) for r in results], [r.stats for r in results]
     assert {len(s) for s in samples} == {5}, "an end-of-sequence outside the shaped target's support"
@@ -180,10 +213,17 @@ def test_sampled_output_under_a_grammar_follows_the_masked_law() -> None:
 
 
 @pytest.mark.slow
+def test_sampled_trees_under_a_grammar_follow_the_masked_law() -> None:
+    assert _masked_law_pvalue(branches=2) > MIN_PVALUE
+
+
+@pytest.mark.slow
 def test_a_mask_that_ignores_the_drafts_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: every position masked as the first (the drafts before it not consumed) breaks the law."""
     real = grammar_module.Constraint.mask
-    monkeypatch.setattr(grammar_module.Constraint, "mask", lambda self, logits, drafts: real(self, logits, drafts[:0]))
+    monkeypatch.setattr(
+        grammar_module.Constraint, "mask", lambda self, logits, drafts, links: real(self, logits, drafts[:0], links[:0])
+    )
     # what the wrong masks let through is kept as it comes (the real constraint would refuse it outright)
     monkeypatch.setattr(
         grammar_module.Constraint, "advance", lambda self, tokens: [self.matcher.consume_token(t) for t in tokens]
@@ -328,6 +368,21 @@ def test_tool_calls_round_trip_through_the_openai_client(served) -> None:
             assert call.function.name == "get_weather" and arguments["city"] in ("Paris", "Rome")
         else:
             assert call.function.name == "noop" and arguments == {}
+        # streamed, the same call in one delta, as OpenAI's stream accumulators read it
+        chunks = list(
+            server.client.chat.completions.create(
+                model=None,
+                messages=messages,
+                tools=tools,
+                tool_choice=choice,
+                max_tokens=40,
+                temperature=0,
+                stream=True,
+            )
+        )
+        (delta,) = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
+        assert delta[0].index == 0 and delta[0].function.model_dump() == call.function.model_dump()
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
     followed = messages + [
         {
             "role": "assistant",

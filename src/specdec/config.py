@@ -221,8 +221,6 @@ class GenerationConfig:
     grammar: Grammar | None = None  # structured output: every token keeps the output inside it (grammar.py)
 
     def __post_init__(self) -> None:
-        if self.grammar is not None and self.branches > 1:
-            raise ConfigError("a grammar does not combine with tree drafts (branches > 1) yet: set branches to 1")
         if self.grammar is not None and not self.stop_on_eos:
             raise ConfigError("a grammar ends its output with end-of-sequence: drop ignore_eos (stop_on_eos=False)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -2,10 +2,10 @@
 keep the output inside, enforced with llguidance.
 
 A sequence's :class:`Constraint` holds the grammar's state after its accepted output. The step asks it three things:
-how many of a chain's deterministic drafts the grammar allows (the rest are cut before scoring: they could never be
-accepted; a drawn draft is judged and rejected instead, as its residual must be drawn),
-the mask of each verified position from that position's own context (the drafts before it consumed, then rolled
-back), and to advance over the tokens the step kept. Masking is part of the target's distribution, so greedy output
+how many of its deterministic drafts (a chain or a tree) the grammar allows (the rest are cut before scoring: they
+could never be accepted; a drawn draft is judged and rejected instead, as its residual must be drawn), the mask of
+each verified position from that position's own context (the drafts on its path consumed, then rolled back), and to
+advance over the tokens the step kept. Masking is part of the target's distribution, so greedy output
 equals target-only decoding with the same grammar and sampled output follows the masked law.
 
 llguidance was chosen over xgrammar by measurement (benchmarks/grammar_mask.py: per-token mask cost alike, tens of
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
+from contextlib import closing
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -41,7 +43,7 @@ class NoConstraint:
     def allowed(self, drafts: torch.Tensor, links: torch.Tensor) -> int:
         return len(drafts)
 
-    def mask(self, logits: torch.Tensor, drafts: torch.Tensor) -> None:
+    def mask(self, logits: torch.Tensor, drafts: torch.Tensor, links: torch.Tensor) -> None:
         pass
 
     def advance(self, tokens: list[int]) -> None:
@@ -56,34 +58,50 @@ class Constraint:
         self.vocab_size = vocab_size  # the grammar's tokenizer's; logits past it are masked out
 
     def allowed(self, drafts: torch.Tensor, links: torch.Tensor) -> int:
-        """How many leading ``drafts`` (a chain: ``links`` each node's parent) the grammar allows after the accepted
-        output; none of a tree (a constrained row drafts chains)."""
-        if not len(drafts) or not torch.equal(links, torch.arange(-1, len(drafts) - 1)):
-            return 0
-        taken = self.matcher.try_consume_tokens(drafts.tolist())
-        self.matcher.rollback(taken)
-        return taken
+        """How many leading ``drafts`` (nodes listed parents first, ``links`` each node's parent, -1 the accepted
+        output) the grammar allows, each after its own path."""
+        with closing(self._walk(drafts, links, len(drafts))) as walk:
+            return next((j for j, ok in enumerate(walk) if not ok), len(drafts))
 
-    def mask(self, logits: torch.Tensor, drafts: torch.Tensor) -> None:
-        """Set to -inf, in place, what the grammar forbids in ``logits`` [n + 1, V]: row j after ``drafts[:j]``. A
-        sampled draft the grammar forbids is judged (rejected: p = 0 there) at its own row; the rows after it are
-        never read and repeat its mask."""
+    def mask(self, logits: torch.Tensor, drafts: torch.Tensor, links: torch.Tensor) -> None:
+        """Set to -inf, in place, what the grammar forbids in ``logits`` [n + 1, V]: row 0 after the accepted output,
+        row j + 1 after node j's path (``links`` as in :meth:`allowed`). A sampled draft the grammar forbids is judged
+        (rejected: p = 0 there) at its parent's row; its own row and its children's are never read and repeat its
+        parent's mask."""
         rows = logits.shape[0]
         bitmask = np.zeros((rows, (self.vocab_size + 31) // 32), dtype=np.int32)  # bit t of word w: token 32 w + t
-        consumed, valid = 0, True
-        for j in range(rows):
-            if valid:
-                self.matcher.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, bitmask[j].nbytes)
-            else:
-                bitmask[j] = bitmask[j - 1]
-            if valid and j < min(len(drafts), rows - 1):
-                valid = self.matcher.try_consume_tokens([int(drafts[j])]) == 1
-                consumed += valid
-        self.matcher.rollback(consumed)
+        self.matcher.unsafe_compute_mask_ptr(bitmask[0].ctypes.data, bitmask[0].nbytes)
+        with closing(self._walk(drafts, links, rows - 1)) as walk:
+            for j, ok in enumerate(walk):
+                if ok:
+                    self.matcher.unsafe_compute_mask_ptr(bitmask[j + 1].ctypes.data, bitmask[j + 1].nbytes)
+                else:
+                    bitmask[j + 1] = bitmask[int(links[j]) + 1]
         width = min(self.vocab_size, logits.shape[1])
         allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :width].astype(bool)
         logits[:, :width].masked_fill_(torch.from_numpy(~allowed).to(logits.device), float("-inf"))
         logits[:, width:] = float("-inf")
+
+    def _walk(self, drafts: torch.Tensor, links: torch.Tensor, count: int) -> Iterator[bool]:
+        """For each of the first ``count`` nodes, whether the grammar allows its path; while a True is held the matcher
+        is in the state after that path. Closed, the matcher is back after the accepted output."""
+        valid: list[bool] = []
+        path: list[int] = []  # the nodes consumed, nearest the accepted output first
+        try:
+            for j in range(min(count, len(drafts))):
+                parent = int(links[j])
+                if parent >= 0 and not valid[parent]:
+                    valid.append(False)
+                else:
+                    while path and path[-1] != parent:  # back up to the parent's state
+                        self.matcher.rollback(1)
+                        path.pop()
+                    valid.append(self.matcher.try_consume_tokens([int(drafts[j])]) == 1)
+                    if valid[-1]:
+                        path.append(j)
+                yield valid[-1]
+        finally:
+            self.matcher.rollback(len(path))
 
     def advance(self, tokens: list[int]) -> None:
         """Consume the tokens a step kept (each the grammar's choice or allowed by it; once the grammar is complete,

@@ -177,7 +177,7 @@ def verify_rows(steps: list[RowStep], logits: torch.Tensor) -> None:
             parents[i, :n] = proposal.links
         column = logits[i, : n + 1]
         process(column, row.tokens, row.prompt_length, proposal.tokens, proposal.links, row.config.sampling)
-        row.constraint.mask(column, proposal.tokens)
+        row.constraint.mask(column, proposal.tokens, proposal.links)
         with _guarding(row):  # masks the row's logits in place
             temperature = row.guards.adjust(row.tokens, proposal.tokens, column)
         kind, sampling, typical = Kind(row.rule, step.shape.tree), row.config.sampling, row.config.typical_acceptance

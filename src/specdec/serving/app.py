@@ -18,6 +18,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -101,30 +102,67 @@ def create_app(
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
         _check_request(body)
         rid = api.new_id("cmpl")
-        prompts = body.prompts
-        if body.stream:  # one prompt (unsupported() refuses more), neither echo nor logprobs
-            job, prompt_tokens = await _submit(body, prompts[0], "prompt", body.max_tokens, request, rid)
-            chunks = _Chunks(
-                lambda text: api.completion_chunk(rid, model, text),
-                lambda finish: api.completion_chunk(rid, model, "", finish),
-            )
-            return _stream(job, batcher, chunks, prompt_tokens, body.stream_options)
         # each prompt's n answers in OpenAI's order; every job is submitted before any is awaited (one batch)
-        asked = [(prompt, choice) for prompt in prompts for choice in range(body.n)]
-        jobs: list[Job] = []
+        asked = [(prompt, choice) for prompt in body.prompts for choice in range(body.n)]
+        jobs: list[Job | None] = [None] * len(asked)
+        streaming = False
         try:
             if body.max_tokens != 0:
                 for i, (prompt, choice) in enumerate(asked):
                     submitted = await _submit(body, prompt, "prompt", body.max_tokens, request, f"{rid}-{i}", choice)
-                    jobs.append(submitted[0])
+                    jobs[i] = submitted[0]
+            if body.stream:
+                choices, prompt_tokens = [], 0
+                for i, (prompt, choice) in enumerate(asked):
+                    ids, text, scored = await _echoed(body, prompt, jobs[i])
+                    prompt_tokens += len(ids) if choice == 0 else 0
+                    chunk = _completion_chunks(rid, i, 0 if body.echo else len(text), body.logprobs is not None)
+                    opening = [chunk(text, ids, scored, None)] if body.echo else []
+                    choices.append(_Choice(jobs[i], opening, chunk))
+                usage = _usage_chunk(rid, "text_completion", prompt_tokens, body.stream_options)
+                streaming = True
+                return _stream(choices, batcher, usage)
             answers, used = [], [0, 0]
             for i, (prompt, choice) in enumerate(asked):
-                answers.append(await _answer(body, prompt, jobs[i] if jobs else None, request, used, choice == 0))
+                answers.append(await _answer(body, prompt, jobs[i], request, used, choice == 0))
         finally:
-            for job in jobs:
-                job.cancel()  # a no-op for a finished job; the rest when a later prompt failed
-        usage = {"prompt_tokens": used[0], "completion_tokens": used[1], "total_tokens": sum(used)}
+            for job in jobs if not streaming else ():
+                if job is not None:
+                    job.cancel()  # a no-op for a finished job; the rest when a later prompt failed
+        usage = api.usage(used[0], used[1])
         return JSONResponse(api.completion_body(rid, model, answers, spell, usage))
+
+    def _completion_chunks(rid: str, index: int, offset: int, reported: bool) -> _ChunkOf:
+        """How choice ``index`` of a completions stream becomes chunks; ``offset``: where its first token's text
+        starts (after the prompt, or 0 where the prompt is echoed); ``reported``: logprobs asked for."""
+        at = offset
+
+        def chunk(text: str, tokens: list[int], entries: list | None, finish: str | None) -> dict:
+            nonlocal at
+            logprobs = None
+            if reported:
+                logprobs = api.completion_logprobs(tokens, entries or [], spell, at)
+                at += sum(len(token) for token in logprobs["tokens"])
+            return api.completion_chunk(rid, model, text, finish, index, logprobs)
+
+        return chunk
+
+    def _usage_chunk(rid: str, kind: str, prompt_tokens: int, options: api.StreamOptions | None) -> _UsageOf | None:
+        if options is None or not options.include_usage:
+            return None
+        return lambda generated: api.usage_chunk(rid, kind, model, api.usage(prompt_tokens, generated))
+
+    async def _echoed(
+        body: api.CompletionRequest, prompt: str | list[int], job: Job | None
+    ) -> tuple[list[int], str, list | None]:
+        """The prompt's token ids, its text, and where echo and logprobs ask for them its tokens' scores (None
+        otherwise; the first token's is None)."""
+        ids = job.completion.prompt_ids if job is not None else await _encode(generator.encode, prompt, "prompt")
+        text = prompt if isinstance(prompt, str) else await asyncio.to_thread(_text, ids)
+        if not body.echo or body.logprobs is None:
+            return ids, text, None
+        async with scoring:  # one prompt scored at a time, beside the engine thread
+            return ids, text, await asyncio.to_thread(generator.score, ids, body.logprobs)
 
     async def _answer(
         body: api.CompletionRequest,
@@ -136,8 +174,7 @@ def create_app(
     ) -> api.Answer:
         """One choice: its job's result (none with max_tokens 0), led by the prompt and its scores when echoed.
         ``used`` counts prompt tokens (once per prompt: at its ``first`` answer) and completion tokens."""
-        ids = job.completion.prompt_ids if job is not None else await _encode(generator.encode, prompt, "prompt")
-        prompt_text = prompt if isinstance(prompt, str) else await asyncio.to_thread(_text, ids)
+        ids, prompt_text, scored = await _echoed(body, prompt, job)
         result = await _result(job, batcher, request) if job is not None else None
         tokens, entries = (result.token_ids, result.logprobs) if result is not None else ([], [])
         text, finish = (result.text, api.FINISH[result.finish_reason]) if result is not None else ("", "length")
@@ -145,10 +182,7 @@ def create_app(
         used[1] += len(tokens)
         if not body.echo:
             return api.Answer(text, finish, tokens, entries if body.logprobs is not None else None, len(prompt_text))
-        scored = None
-        if body.logprobs is not None:
-            async with scoring:  # one prompt scored at a time, beside the engine thread
-                scored = await asyncio.to_thread(generator.score, ids, body.logprobs)
+        if scored is not None:
             scored += entries or []
         return api.Answer(prompt_text + text, finish, ids + tokens, scored, 0)
 
@@ -166,25 +200,56 @@ def create_app(
         # Templating and tokenizing take seconds on a long prompt: off the event loop.
         ids = await _encode(lambda m: generator.chat_ids(m, body.offered), messages, "messages")
         rid = api.new_id("chatcmpl")
-        job, prompt_tokens = await _submit(body, ids, "messages", body.token_budget, request, rid)
-        if body.stream:
-            chunks = _Chunks(
-                lambda text: api.chat_chunk(rid, model, {"content": text}),
-                lambda finish: api.chat_chunk(rid, model, {}, finish),
-                first=api.chat_chunk(rid, model, {"role": "assistant", "content": ""}),
-            )
-            return _stream(job, batcher, chunks, prompt_tokens, body.stream_options)
-        jobs = [job]
-        try:  # the other answers (n > 1), each its own sequence and seed, decoded in the same batch
-            for choice in range(1, body.n):
-                jobs.append(
-                    (await _submit(body, ids, "messages", body.token_budget, request, f"{rid}-{choice}", choice))[0]
-                )
+        jobs: list[Job] = []
+        streaming = False
+        try:  # the answers (n of them), each its own sequence and seed, decoded in the same batch
+            for choice in range(body.n):
+                submitted = await _submit(body, ids, "messages", body.token_budget, request, f"{rid}-{choice}", choice)
+                jobs.append(submitted[0])
+            if body.stream:
+                choices = [
+                    _Choice(
+                        job,
+                        [api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, i)],
+                        _chat_chunks(rid, i, body.logprobs, body.tool_call if body.offered else None),
+                    )
+                    for i, job in enumerate(jobs)
+                ]
+                usage = _usage_chunk(rid, "chat.completion.chunk", len(ids), body.stream_options)
+                streaming = True
+                return _stream(choices, batcher, usage)
             results = [await _result(each, batcher, request) for each in jobs]
         finally:
-            for each in jobs:
+            for each in jobs if not streaming else ():
                 each.cancel()
-        return JSONResponse(api.chat_body(rid, model, results, prompt_tokens, spell, body.tool_call))
+        return JSONResponse(api.chat_body(rid, model, results, len(ids), spell, body.tool_call))
+
+    def _chat_chunks(rid: str, index: int, reported: bool, call: Callable[[str], dict | None] | None) -> _ChunkOf:
+        """How choice ``index`` of a chat stream becomes chunks; ``reported``: logprobs asked for. Where tools are
+        offered (``call`` reads a tool call from an answer), the answer is held to its end and sent in one chunk, as
+        a tool call or as words."""
+        held: list[tuple[str, list]] = []
+
+        def chunk(text: str, tokens: list[int], entries: list | None, finish: str | None) -> dict | None:
+            if call is not None:
+                held.append((text, entries or []))
+                if finish is None:
+                    return None
+                text, entries = "".join(t for t, _ in held), [e for _, each in held for e in each]
+                made = call(text)
+                if made is not None:
+                    return api.chat_chunk(
+                        rid,
+                        model,
+                        {"tool_calls": [{"index": 0} | made]},
+                        "tool_calls",
+                        index,
+                        api.chat_logprobs(entries, spell) if reported else None,
+                    )
+            logprobs = api.chat_logprobs(entries or [], spell) if reported else None
+            return api.chat_chunk(rid, model, {"content": text} if text else {}, finish, index, logprobs)
+
+        return chunk
 
     def _check_model(name: str | None) -> None:
         if name not in (None, model):
@@ -439,11 +504,20 @@ def key_refusal(keys: tuple[str, ...], open_metrics: bool, path: str, authorizat
     return api.APIError(401, message, code="invalid_api_key" if authorization else None)
 
 
-class _Chunks:
-    """How one endpoint shapes its stream: a chunk per text piece, the closing chunk, an optional opening chunk."""
+# A stream's choice as chunks: (text, its tokens, their log-probabilities or None, finish reason or None) -> the
+# chunk, or None where the piece is held back for a later chunk
+_ChunkOf = Callable[[str, list[int], list | None, str | None], dict | None]
+_UsageOf = Callable[[int], dict]  # completion tokens -> the stream's usage chunk
 
-    def __init__(self, text: Callable[[str], dict], end: Callable[[str], dict], first: dict | None = None) -> None:
-        self.text, self.end, self.first = text, end, first
+
+@dataclass
+class _Choice:
+    """One choice of a stream: its job (None when it only echoes its prompt), the chunks that open it, and how the
+    pieces of its answer become chunks."""
+
+    job: Job | None
+    opening: list[dict]
+    chunk: _ChunkOf
 
 
 async def _next_event(job: Job, batcher: Batcher, timeout: float) -> tuple[str, object] | None:
@@ -462,38 +536,72 @@ async def _next_event(job: Job, batcher: Batcher, timeout: float) -> tuple[str, 
         return "error", (503, f"the server's engine stopped before request {job.request_id} finished: retry")
 
 
-def _stream(
-    job: Job, batcher: Batcher, chunks: _Chunks, prompt_tokens: int, options: api.StreamOptions | None
-) -> StreamingResponse:
+def _sse(chunk: dict | None) -> str:
+    """A chunk as an event; nothing for a piece held back."""
+    return "" if chunk is None else api.sse(chunk)
+
+
+async def _pump(index: int, job: Job, batcher: Batcher, into: asyncio.Queue) -> None:
+    """Forward ``job``'s events to ``into``, each with choice ``index``, up to its last."""
+    while True:
+        event = await _next_event(job, batcher, HEARTBEAT_S)
+        if event is not None:
+            into.put_nowait((index, event))
+            if event[0] != "text":
+                return
+
+
+def _stream(choices: list[_Choice], batcher: Batcher, usage: _UsageOf | None) -> StreamingResponse:
+    """Server-sent events for ``choices``, their chunks interleaved as their steps come, each ending with its finish
+    reason (and the tokens no piece carried); then the usage chunk where asked for, and [DONE]."""
+
     async def events() -> AsyncIterator[str]:
+        merged: asyncio.Queue = asyncio.Queue()
+        pumps = [
+            asyncio.create_task(_pump(i, choice.job, batcher, merged))
+            for i, choice in enumerate(choices)
+            if choice.job is not None
+        ]
         try:
-            if chunks.first is not None:
-                yield api.sse(chunks.first)
-            while True:
-                event = await _next_event(job, batcher, HEARTBEAT_S)
-                if event is None:  # still waiting (queued, or a long step): tell the client the stream is alive
+            for choice in choices:
+                for opening in choice.opening:
+                    yield api.sse(opening)
+                if choice.job is None and (event := _sse(choice.chunk("", [], None, "length"))):
+                    yield event
+            sent, generated, running = [0] * len(choices), 0, len(pumps)
+            while running:
+                try:
+                    index, (kind, payload) = await asyncio.wait_for(merged.get(), HEARTBEAT_S)
+                except TimeoutError:  # still waiting (queued, or a long step): tell the client the stream is alive
                     yield KEEP_ALIVE
                     continue
-                kind, payload = event
+                chunk = choices[index].chunk
                 if kind == "text":
-                    yield api.sse(chunks.text(payload))
+                    sent[index] += len(payload.tokens)
+                    if event := _sse(chunk(payload.text, payload.tokens, payload.logprobs, None)):
+                        yield event
                 elif kind == "error":
                     yield api.stream_error(api.APIError(*payload))
                     return
                 else:
-                    yield api.sse(chunks.end(api.FINISH[payload.finish_reason]))
-                    if options is not None and options.include_usage:
-                        yield api.sse(
-                            chunks.end(api.FINISH[payload.finish_reason])
-                            | {"choices": [], "usage": api.usage(prompt_tokens, payload)}
-                        )
-                    yield api.DONE
-                    return
+                    rest = payload.token_ids[sent[index] :]
+                    entries = None if payload.logprobs is None else payload.logprobs[sent[index] :]
+                    if event := _sse(chunk("", rest, entries, api.FINISH[payload.finish_reason])):
+                        yield event
+                    generated += len(payload.token_ids)
+                    running -= 1
+            if usage is not None:
+                yield api.sse(usage(generated))
+            yield api.DONE
         except Exception:  # a bug after the 200 went out: the stream still ends in its protocol
             log.exception("a stream failed")
             yield api.stream_error(api.INTERNAL_ERROR)
         finally:
-            job.cancel()  # the client went away (or the stream ended): nothing more is wanted
+            for pump in pumps:
+                pump.cancel()
+            for choice in choices:
+                if choice.job is not None:
+                    choice.job.cancel()  # the client went away (or the stream ended): nothing more is wanted
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

@@ -2,7 +2,7 @@
 
 HTTP handlers run on the event loop and never touch the model. They submit a
 Job and read its events from an asyncio queue that this thread fills:
-("text", piece) as tokens are accepted, then ("done", GenerationResult) or
+("text", Piece) as tokens are accepted, then ("done", GenerationResult) or
 ("error", (HTTP status, message)). Between two steps the thread admits waiting
 jobs up to ``max_batch`` rows and drops cancelled ones (the decoder retires
 finished ones itself), whose cache slots are freed at once. A request the
@@ -29,6 +29,7 @@ from specdec.engine import Completion, Generator
 from specdec.errors import SpecDecError
 from specdec.memory import available_bytes
 from specdec.serving.metrics import Metrics
+from specdec.verification.logprobs import TokenLogprob
 
 log = logging.getLogger("specdec.serve")
 
@@ -53,6 +54,17 @@ class MemoryFullError(Exception):
 MEMORY_SHARE = 0.9  # of the memory available now, what the KV caches of requests still to grow may claim
 
 
+@dataclass(frozen=True)
+class Piece:
+    """What a step added to one request's answer: its text and the tokens since the last piece (with their
+    log-probabilities where the request asks for them). Tokens whose text is held back (a partial character, a
+    possible stop string) come with the piece that shows it, or with the result."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None
+
+
 @dataclass(eq=False)
 class Job:
     """One request as the engine thread sees it."""
@@ -63,6 +75,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    sent_tokens: int = 0  # tokens handed out in pieces so far
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])  # what the client and the log both see
 
     def emit(self, kind: str, payload: object) -> None:
@@ -231,12 +244,20 @@ class Batcher:
                 job.first_token_s = time.perf_counter() - job.submitted
                 self.metrics.ttft.observe(job.first_token_s)
             if update.text:
-                job.emit("text", update.text)
+                job.emit("text", self._piece(job, update.text))
             if update.done:
                 self._finish(update.completion, error=None)
         for completion, job in list(self.active.items()):
             if job.cancelled.is_set():
                 self._finish(completion, error=None, cancelled=True)
+
+    @staticmethod
+    def _piece(job: Job, text: str) -> Piece:
+        """``text`` with the tokens the job's completion gained since its last piece."""
+        completion, start = job.completion, job.sent_tokens
+        job.sent_tokens = len(completion.token_ids)
+        logprobs = None if completion.logprobs is None else completion.logprobs[start:]
+        return Piece(text, completion.token_ids[start:], logprobs)
 
     def _admit(self) -> None:
         """Move waiting jobs into the batch while there is room (called with the lock held)."""

@@ -239,13 +239,6 @@ class OpenAIRequest(_Strict):
         """How many likeliest alternatives each new token's log-probability comes with; None: no log-probabilities."""
         return None
 
-    def refuse_while_streaming(self, *names: str) -> None:
-        """A 400 naming the first of ``names`` (fields set) that this server does not stream."""
-        if self.stream and names:
-            raise APIError(
-                400, f"'{names[0]}' is not supported with stream: true here: drop stream or {names[0]}", param=names[0]
-            )
-
 
 @functools.cache
 def _adapter(kind: type) -> TypeAdapter:
@@ -316,11 +309,6 @@ class CompletionRequest(OpenAIRequest):
             raise APIError(400, f"'prompt' takes 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt")
         if len(prompts) * self.n > MAX_PROMPTS:
             raise APIError(400, f"{len(prompts)} prompts x n {self.n} answers: at most {MAX_PROMPTS} in all", param="n")
-        self.refuse_while_streaming(
-            *[name for name, on in (("logprobs", self.logprobs is not None), ("echo", self.echo)) if on]
-            + (["prompt"] if len(prompts) > 1 else [])
-            + (["n"] if self.n > 1 else [])
-        )
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -411,9 +399,6 @@ class ChatRequest(OpenAIRequest):
             raise APIError(400, "'tool_choice' needs tools", param="tool_choice")
         if self.calls_forced and (self.response_format is not None or self.grammar is not None):
             raise APIError(400, "a forced tool call and a response format exclude each other", param="tool_choice")
-        self.refuse_while_streaming(
-            *(["logprobs"] if self.logprobs else []) + (["n"] if self.n > 1 else []) + (["tools"] if names else [])
-        )
 
     @property
     def offered(self) -> list[dict] | None:
@@ -478,8 +463,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, result: GenerationResult) -> dict:
-    generated = len(result.token_ids)
+def usage(prompt_tokens: int, generated: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
 
 
@@ -532,8 +516,12 @@ def completion_logprobs(
     }
 
 
-def completion_chunk(rid: str, model: str, text: str, finish: str | None = None) -> dict:
-    return _envelope(rid, "text_completion", model, [{"text": text, "finish_reason": finish}])
+def completion_chunk(
+    rid: str, model: str, text: str, finish: str | None = None, index: int = 0, logprobs: dict | None = None
+) -> dict:
+    """A completions stream's chunk for choice ``index``."""
+    choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+    return _envelope(rid, "text_completion", model, [choice])
 
 
 def chat_body(
@@ -554,11 +542,15 @@ def chat_body(
             message = {"role": "assistant", "content": None, "tool_calls": [made]}
         choice = {"message": message, "finish_reason": "tool_calls" if made else FINISH[result.finish_reason]}
         if result.logprobs is not None:
-            choice["logprobs"] = {"content": [_chat_entry(e, spell) for e in result.logprobs]}
+            choice["logprobs"] = chat_logprobs(result.logprobs, spell)
         choices.append(choice)
     generated = sum(len(result.token_ids) for result in results)
-    usage_ = {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
-    return _envelope(rid, "chat.completion", model, choices, usage_)
+    return _envelope(rid, "chat.completion", model, choices, usage(prompt_tokens, generated))
+
+
+def chat_logprobs(entries: list[TokenLogprob], spell: Callable[[int], str]) -> dict:
+    """The chat API's logprobs object: each token's text, log-probability, bytes and alternatives."""
+    return {"content": [_chat_entry(e, spell) for e in entries]}
 
 
 def _chat_entry(entry: TokenLogprob, spell: Callable[[int], str]) -> dict:
@@ -569,8 +561,17 @@ def _chat_entry(entry: TokenLogprob, spell: Callable[[int], str]) -> dict:
     return described(entry.token, entry.logprob) | {"top_logprobs": [described(t, p) for t, p in entry.top]}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None) -> dict:
-    return _envelope(rid, "chat.completion.chunk", model, [{"delta": delta, "finish_reason": finish}])
+def chat_chunk(
+    rid: str, model: str, delta: dict, finish: str | None = None, index: int = 0, logprobs: dict | None = None
+) -> dict:
+    """A chat stream's chunk for choice ``index``."""
+    choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+    return _envelope(rid, "chat.completion.chunk", model, [choice])
+
+
+def usage_chunk(rid: str, kind: str, model: str, usage_: dict) -> dict:
+    """A stream's last chunk where stream_options asks for usage: no choices, the whole request's usage."""
+    return _envelope(rid, kind, model, [], usage_)
 
 
 DONE = "data: [DONE]\n\n"  # a stream's last event
