@@ -313,7 +313,7 @@ def test_the_server_exits_with_code_1_after_its_engine_thread_dies(monkeypatch: 
     """The process a supervisor runs: the request in flight gets its 500, then the server stops and exits with 1."""
     generator = _tiny_generator()
     decoder = generator.batch_decoder()
-    monkeypatch.setattr(generator, "batch_decoder", lambda: decoder)
+    monkeypatch.setattr(generator, "batch_decoder", lambda max_rows=None: decoder)
     monkeypatch.setattr(server_module, "_log_to_stderr", lambda: None)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

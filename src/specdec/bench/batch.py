@@ -118,7 +118,7 @@ def run_batch_benchmark(config: BatchBenchConfig, advance: Callable[[str], None]
 
 
 def _together(generator: Generator, batch: list[str]) -> tuple[list[GenerationResult], list[float], float, list[int]]:
-    decoder = generator.batch_decoder()
+    decoder = generator.batch_decoder(len(batch))
     start = time.perf_counter()
     outputs = generator.generate_batch(batch, decoder=decoder)
     wall = time.perf_counter() - start

@@ -277,7 +277,7 @@ def _serve_locally(
         drafter, history = server_drafter(draft, opened, server)
         server.check_drafter(draft, "suffix" if history is not None else str(drafter))
         generator = Generator(opened, drafter, generation, runtime, batch=batch)
-        generator.batch_decoder()  # measures this machine's batch costs now (cached), not on the first request
+        generator.batch_decoder(server.max_batch)  # measures this machine's batch costs now, not at the first request
     concrete = "suffix" if history is not None else generator.draft_name
     shown = draft if draft == concrete else f"{draft} ({concrete})"
     err.print(f"serving '{generator.target.name}' with draft '{shown}' on http://{server.host}:{server.port}/v1")

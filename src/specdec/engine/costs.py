@@ -156,12 +156,21 @@ def machine_draft_step(drafter: Drafter, branches: int = 1) -> float:
     return stored["1"]
 
 
-def machine_batch_cost_curve(backend: RowBackend) -> BatchCostCurve:
-    """The batched backend's cost over rows and tokens on this machine: measured once (many batched forwards of the
-    model), cached where plausible."""
+def batch_rows(max_rows: int | None) -> tuple[int, ...]:
+    """The row counts a batch of at most ``max_rows`` rows (None: any) is priced by: BATCH_ROWS up to the first that
+    covers it (the curve is proportional beyond its last)."""
+    if max_rows is None:
+        return BATCH_ROWS
+    covering = next((rows for rows in BATCH_ROWS if rows >= max_rows), BATCH_ROWS[-1])
+    return tuple(rows for rows in BATCH_ROWS if rows <= covering)
+
+
+def machine_batch_cost_curve(backend: RowBackend, rows: tuple[int, ...] = BATCH_ROWS) -> BatchCostCurve:
+    """The batched backend's cost over ``rows`` and tokens on this machine: measured once (batched forwards of the
+    model, more the more rows), cached where plausible."""
 
     def measure() -> dict[str, dict[str, float]]:
-        curve = batch_cost_curve(backend)
+        curve = batch_cost_curve(backend, rows)
         return {str(rows): {str(n): s for n, s in c.seconds.items()} for rows, c in curve.by_rows.items()}
 
     def falling(stored: dict[str, dict[str, float]]) -> str | None:
@@ -171,7 +180,7 @@ def machine_batch_cost_curve(backend: RowBackend) -> BatchCostCurve:
         curves += [({rows: c[n] for rows, c in by_rows.items()}, f"{n} tokens a row, by rows") for n in sizes]
         return next((why for curve, what in curves if (why := _falling_cost(curve, what))), None)
 
-    stored = _cached(backend.identity, measure, falling)
+    stored = _cached(f"{backend.identity}|rows {','.join(map(str, rows))}", measure, falling)
     return BatchCostCurve({int(rows): CostCurve({int(n): s for n, s in c.items()}) for rows, c in stored.items()})
 
 
@@ -187,7 +196,7 @@ class MachineCosts:
         self._forward: CostCurve | None = None
         self._tree_overhead: CostCurve | None = None
         self._draft_step: dict[tuple[str, int], float] = {}  # by what drafts and branches
-        self._batch: dict[str, BatchCostCurve] = {}  # by the batched backend's identity
+        self._batch: dict[tuple[str, tuple[int, ...]], BatchCostCurve] = {}  # by the rows' identity and counts
 
     def forward(self) -> CostCurve:
         """The target's forward cost curve."""
@@ -204,12 +213,14 @@ class MachineCosts:
                 self._tree_overhead = machine_tree_overhead(rows)
         return self._tree_overhead
 
-    def batch(self, rows: RowBackend) -> BatchCostCurve:
-        """The cost of a forward over B rows of n tokens on ``rows``, a batched backend of this target with no rows."""
+    def batch(self, rows: RowBackend, max_rows: int | None = None) -> BatchCostCurve:
+        """The cost of a forward over B rows of n tokens on ``rows``, a batched backend of this target with no rows,
+        for batches of at most ``max_rows`` rows (None: any)."""
+        key = (rows.identity, batch_rows(max_rows))
         with self._lock:
-            if rows.identity not in self._batch:
-                self._batch[rows.identity] = machine_batch_cost_curve(rows)
-        return self._batch[rows.identity]
+            if key not in self._batch:
+                self._batch[key] = machine_batch_cost_curve(rows, key[1])
+        return self._batch[key]
 
     def draft_step(self, drafter: Drafter, branches: int = 1) -> float:
         """Seconds of one of ``drafter``'s steps drafting ``branches`` nodes a level: the draft model's one-token

@@ -290,7 +290,7 @@ class Generator:
                 "or generate one prompt at a time"
             )
         completions = [self.completion(prompt, c, **overrides) for prompt, c in zip(prompts, configs, strict=True)]
-        decoder = decoder if decoder is not None else self.batch_decoder()
+        decoder = decoder if decoder is not None else self.batch_decoder(len(prompts))
         for _ in self._decode(decoder, completions, partial(self.admit, decoder)):
             pass
         return [completion.result() for completion in completions]
@@ -329,8 +329,9 @@ class Generator:
             for completion in completions:
                 decoder.leave(completion)
 
-    def batch_decoder(self) -> Decoder[Completion]:
-        """A decoder over this target's weights for sequences that join and leave between steps (the server's engine).
+    def batch_decoder(self, max_rows: int | None = None) -> Decoder[Completion]:
+        """A decoder over this target's weights for sequences that join and leave between steps (the server's engine),
+        its dynamic k_cap priced for batches of up to ``max_rows`` rows (None: any; fewer rows are measured faster).
 
         On a runtime that holds one sequence per forward (llama.cpp) it holds one row at a time
         (``capabilities.max_rows``).
@@ -339,7 +340,8 @@ class Generator:
         if self.batch.k_cap == "fixed" or rows.capabilities.max_rows == 1:
             return Decoder(rows)
         memory = partial(memory_in_use, rows.device)
-        return Decoder(rows, LoadWindow(self.measured.batch(rows), self.batch.memory_threshold, memory))
+        costs = self.measured.batch(rows, max_rows)
+        return Decoder(rows, LoadWindow(costs, self.batch.memory_threshold, memory))
 
     def admit(self, decoder: Decoder[Completion], completion: Completion) -> None:
         """Add ``completion`` to a batch ``decoder`` with a forked drafter and a fresh k policy."""

@@ -96,7 +96,7 @@ class Batcher:
         self.generator = generator
         self.max_queue = max_queue
         self.metrics = metrics
-        self.decoder = generator.batch_decoder()
+        self.decoder = generator.batch_decoder(max_batch)
         # a runtime that holds one sequence per forward (llama.cpp) runs one request at a time
         self.max_batch = min(max_batch, self.decoder.backend.capabilities.max_rows or max_batch)
         # every request decodes with a fork: a drafter that cannot fork is refused now, not per request
