@@ -219,7 +219,7 @@ def test_costs_measured_under_load_or_falling_are_used_but_not_cached(
         monkeypatch.setattr(
             cost_module,
             "batch_cost_curve",
-            lambda rows, t=table: BatchCostCurve({r: CostCurve(c) for r, c in t.items()}),
+            lambda backend, rows, t=table: BatchCostCurve({r: CostCurve(c) for r, c in t.items()}),
         )
         rows = Namespace(identity=f"rows {kept}")
         assert cost_module.machine_batch_cost_curve(rows).by_rows[2](1) == table[2][1]  # type: ignore[arg-type]
