@@ -12,6 +12,7 @@ an empty meta tensor; code under test writes ``torch.tensor(data).to(device)``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -103,6 +104,7 @@ class OnFakeDevice:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self.info = replace(inner.info, device=DEVICE)
         self.device = DEVICE
 
     def __getattr__(self, name: str) -> Any:

@@ -29,7 +29,7 @@ from specdec.engine.step import (
 from specdec.engine.trees import TREES
 from specdec.errors import ConfigError
 from specdec.guards import NoGuards
-from specdec.models.backend import BackendCapabilities, RowBackend
+from specdec.models.backend import BackendCapabilities, ModelInfo, RowBackend
 from specdec.scheduling import FixedK, KPlan, KPolicy, StepOutcome
 from specdec.seeds import Seeds
 from specdec.verification import Drafts, Kind, RowDrafts, Rule, judge
@@ -50,10 +50,9 @@ class ScriptedTarget(RowBackend):
     """Rows whose forward returns, for each fed row, ``script[row_id]`` peaked (its last positions right-aligned), and
     that record every truncation."""
 
-    vocab_size = V
-    max_context = 64
-    capabilities = BackendCapabilities(trees=True)
-    device = torch.device("cpu")
+    info = ModelInfo(
+        "scripted", vocab_size=V, max_context=64, capabilities=BackendCapabilities(trees=True), torch_threads=False
+    )
 
     def __init__(self, rows: int) -> None:
         self.cached_lengths = [0] * rows
@@ -61,10 +60,6 @@ class ScriptedTarget(RowBackend):
         self.script: dict[int, list[int]] = {}
         self.fed: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor | None] | None]] = []
         self.truncated: list[tuple[int, int, list[int] | None]] = []
-
-    @property
-    def identity(self) -> str:
-        return "scripted"
 
     def add_rows(self, count: int) -> None:
         self.cached_lengths += [0] * count

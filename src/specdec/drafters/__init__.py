@@ -120,7 +120,10 @@ def _named(spec: str, target: Target, runtime: RuntimeConfig = RuntimeConfig()) 
             arg, replace(runtime, backend="transformers" if kind == "model" else "llama.cpp", precision=None)
         )
         if runtime.precision is not None and kind == "model":
-            convert_draft(draft.backend.model, runtime.precision.draft)
+            model = draft.backend.model
+            convert_draft(model, runtime.precision.draft)
+            # a backend's ModelInfo is taken when it is built: one over the converted weights names their format
+            draft = replace(draft, backend=TransformersBackend(model))
         if draft.backend.vocab_size == target.backend.vocab_size or draft.tokenizer is None or target.tokenizer is None:
             return ModelDrafter(draft.backend)  # the engine refuses a vocabulary mismatch it cannot re-tokenize
         return CrossTokenizerDrafter(draft.backend, draft.tokenizer, target.tokenizer, draft.eos_ids)

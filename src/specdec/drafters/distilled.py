@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -146,12 +147,11 @@ class ReducedVocabBackend(TransformersBackend):
     def __init__(self, model: PreTrainedModel, full_vocab: int) -> None:
         super().__init__(model)
         self.keep_ids = model.keep_ids
-        self.vocab_size = full_vocab
+        # logits over the target's vocabulary; a drafting model: chains of one sequence, no hidden states
+        self.info = replace(self.info, vocab_size=full_vocab, capabilities=BackendCapabilities())
 
     def fork(self) -> ReducedVocabBackend:
         return ReducedVocabBackend(self.model, self.vocab_size)
-
-    capabilities = BackendCapabilities()  # a drafting model: chains of one sequence, no hidden states
 
     def row_backend(self, *, batch: bool, trees: bool = False, cuda_graphs: bool = True) -> RowBackend:
         return OneRow(self.fork() if batch else self)

@@ -2,8 +2,9 @@
 
 The engine needs two operations from a model runtime: score a run of new tokens (appending them to the KV cache) and
 return logits for each position; and keep only the first n cached positions after a rejection. Any runtime that
-implements these classes (transformers, llama.cpp, the native kernels) plugs into the engine; what else it can do is
-declared in its ``capabilities``, never probed.
+implements these classes (transformers, llama.cpp, the native kernels) plugs into the engine; what it is (vocabulary,
+context, device, name) and what else it can do (``capabilities``) are declared once in its :class:`ModelInfo`, never
+probed.
 """
 
 from __future__ import annotations
@@ -46,20 +47,60 @@ class PackedWeights:
     count: int  # the model's weights, as a checkpoint counts them
 
 
-class Backend(ABC):
-    """A model with a KV cache over one token sequence."""
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a backend is, fixed when it is built: both contracts read their vocabulary, context, device and
+    capabilities here."""
 
+    # What decides its speed apart from torch's threads (runtime, weights, format, precision, device): with the thread
+    # count, the key of its measured costs (``identity``).
+    name: str
     vocab_size: int
     max_context: int
-    capabilities: BackendCapabilities = BackendCapabilities()
     device: torch.device = torch.device("cpu")
-    #: after a forward with ``features``: the final hidden state of each fed position [1, n, H]
-    last_features: torch.Tensor | None = None
+    capabilities: BackendCapabilities = BackendCapabilities()
+    # Its speed follows torch's thread count, which may change after it is built: ``identity`` appends the count at
+    # the time it is read. False for a runtime with a thread pool of its own (llama.cpp), whose name says its threads.
+    torch_threads: bool = True
+
+
+def with_threads(name: str) -> str:
+    """``name`` with torch's current thread count: the identity of something whose speed follows it."""
+    return f"{name}|threads={torch.get_num_threads()}"
+
+
+class Described(ABC):
+    """What both contracts share: a :class:`ModelInfo`, read through properties."""
+
+    info: ModelInfo
 
     @property
-    @abstractmethod
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.info.max_context
+
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        return self.info.capabilities
+
+    @property
     def identity(self) -> str:
-        """What decides this backend's speed (runtime, weights, dtype, threads): the key of its measured costs."""
+        """What decides this model's speed (runtime, weights, dtype, threads now): the key of its measured costs."""
+        return with_threads(self.info.name) if self.info.torch_threads else self.info.name
+
+
+class Backend(Described):
+    """A model with a KV cache over one token sequence."""
+
+    #: after a forward with ``features``: the final hidden state of each fed position [1, n, H]
+    last_features: torch.Tensor | None = None
 
     @property
     @abstractmethod
@@ -111,25 +152,16 @@ class Backend(ABC):
         return OneRow(self.fork() if batch else self)
 
 
-class RowBackend(ABC):
+class RowBackend(Described):
     """A model with one cache row per sequence, each with its own length: what the decode step runs on.
 
     Rows are numbered 0..rows-1 in the order they were added (its row id); removing rows renumbers the
     rest.
     """
 
-    vocab_size: int
-    max_context: int
-    capabilities: BackendCapabilities
-    device: torch.device
     cached_lengths: list[int]  # cached positions of each row
     #: after a forward with ``features``: per fed row, its positions' final hidden states [len(feed), H]
     last_features: list[torch.Tensor]
-
-    @property
-    @abstractmethod
-    def identity(self) -> str:
-        """The model and runtime, as Backend.identity: what measured costs are cached under."""
 
     @abstractmethod
     def add_rows(self, count: int) -> None:
@@ -216,16 +248,9 @@ class OneRow(RowBackend):
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.vocab_size = backend.vocab_size
-        self.max_context = backend.max_context
-        self.capabilities = replace(backend.capabilities, max_rows=1)
-        self.device = backend.device
+        self.info = replace(backend.info, capabilities=replace(backend.capabilities, max_rows=1))
         self.last_features: list[torch.Tensor] = []
         self._rows = 0
-
-    @property
-    def identity(self) -> str:
-        return self.backend.identity
 
     @property
     def cached_lengths(self) -> list[int]:  # type: ignore[override]

@@ -24,8 +24,8 @@ from transformers import Cache, PreTrainedModel
 from specdec.errors import ConfigError
 from specdec.models.backend import BackendCapabilities, RowBackend, keep_branch, tree_mask, tree_positions
 from specdec.models.cuda_graphs import CudaGraphs
-from specdec.models.loading import model_identity
 from specdec.models.precision import PADDED_ATTENTION
+from specdec.models.transformers_backend import transformers_info
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 
@@ -89,8 +89,6 @@ class BatchedTransformersBackend(RowBackend):
     captured graphs (models/cuda_graphs.py); elsewhere the flag does nothing.
     """
 
-    capabilities = BackendCapabilities(trees=True, features=True, max_rows=None)
-
     def __init__(self, model: PreTrainedModel, cuda_graphs: bool = True) -> None:
         config = model.config.get_text_config()
         kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
@@ -109,19 +107,14 @@ class BatchedTransformersBackend(RowBackend):
             getattr(config, "sliding_window", None) if "sliding_attention" in kinds else None
         )
         self.layer_kinds = kinds
-        self.vocab_size: int = model.get_output_embeddings().out_features
-        self.max_context: int = getattr(config, "max_position_embeddings", None) or 2**31
-        self.device = next(model.parameters()).device
+        capabilities = BackendCapabilities(trees=True, features=True, max_rows=None)
+        self.info = transformers_info(model, capabilities, runtime="batched|")
         self.mask_dtype = model.get_input_embeddings().weight.dtype
         self.cache = RowCache()
         self.cached_lengths: list[int] = []
         self.last_features: list[torch.Tensor] = []
         self._hidden: torch.Tensor | None = None
         self.graphs = CudaGraphs() if cuda_graphs and self.device.type == "cuda" else None
-
-    @property
-    def identity(self) -> str:
-        return f"batched|{model_identity(self.model)}"
 
     @property
     def row_count(self) -> int:

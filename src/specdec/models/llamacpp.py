@@ -24,7 +24,7 @@ import torch
 from specdec.atomic import PUBLIC, atomic_write_bytes
 from specdec.errors import ConfigError, MissingPackageError
 from specdec.machine import cpu_flags, cpu_name
-from specdec.models.backend import TREES_UNSUPPORTED, Backend, BackendCapabilities, Embed
+from specdec.models.backend import TREES_UNSUPPORTED, Backend, BackendCapabilities, Embed, ModelInfo
 
 INSTALL = 'pip install -e ".[llamacpp]"  (builds llama.cpp from source: about 5-15 minutes on 2 cores)'
 # llama.cpp built for AVX-512 without -march=native: no AMX, which faults in some VMs
@@ -172,7 +172,6 @@ class LlamaCppBackend(Backend):
     decoding computes (bit-identical greedy output) at the price of the batching speed-up.
     """
 
-    capabilities = BackendCapabilities(features=True)
     _batch = None  # llama.cpp's token batch, freed by __del__ (None until allocated: __init__ may fail before)
 
     def __init__(
@@ -193,11 +192,16 @@ class LlamaCppBackend(Backend):
             verbose=False,
         )
         self.threads = threads
-        self._identity = (
-            f"llama.cpp|{os.path.abspath(gguf)}|{os.path.getsize(gguf)}|threads={threads}|ubatch={ubatch or batch}"
+        # llama.cpp runs on a thread pool of its own, fixed here: torch's thread count does not decide its speed.
+        self.info = ModelInfo(
+            name=(
+                f"llama.cpp|{os.path.abspath(gguf)}|{os.path.getsize(gguf)}|threads={threads}|ubatch={ubatch or batch}"
+            ),
+            vocab_size=self.llama.n_vocab(),
+            max_context=self.llama.n_ctx(),
+            capabilities=BackendCapabilities(features=True),
+            torch_threads=False,
         )
-        self.vocab_size: int = self.llama.n_vocab()
-        self.max_context: int = self.llama.n_ctx()
         self._batch_size = batch
         self._batch = llama_cpp.llama_batch_init(batch, 0, 1)
         self._memory = llama_cpp.llama_get_memory(self.llama.ctx)
@@ -213,10 +217,6 @@ class LlamaCppBackend(Backend):
         if self._batch is not None:
             self._lib.llama_batch_free(self._batch)
             self._batch = None
-
-    @property
-    def identity(self) -> str:
-        return self._identity
 
     @property
     def cached_length(self) -> int:

@@ -24,6 +24,7 @@ from transformers.utils import logging as hf_logging
 
 from specdec.config import DTYPES
 from specdec.errors import ConfigError, ModelNotFoundError
+from specdec.models.backend import with_threads
 from specdec.models.file_headers import check_gguf, check_gguf_model, safetensors_header
 from specdec.models.precision import precision_of
 from specdec.models.registry import (
@@ -140,14 +141,17 @@ hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 
 
-def model_identity(model: PreTrainedModel) -> str:
-    """What decides a transformers model's speed here (weights, precision, device, threads): the key of its measured
-    costs."""
+def model_name(model: PreTrainedModel) -> str:
+    """What decides a transformers model's speed here apart from threads (weights, precision, device): with the thread
+    count, the key of its measured costs."""
     config = model.config
     weights = sum(p.numel() for p in model.parameters())
     precision = precision_of(model) or model.dtype
     device = next(model.parameters()).device
-    return (
-        f"transformers|{config.name_or_path or config.model_type}|{weights}|{precision}|{device}|"
-        f"threads={torch.get_num_threads()}"
-    )
+    return f"transformers|{config.name_or_path or config.model_type}|{weights}|{precision}|{device}"
+
+
+def model_identity(model: PreTrainedModel) -> str:
+    """What decides a transformers model's speed here (weights, precision, device, threads): the key of its measured
+    costs."""
+    return with_threads(model_name(model))

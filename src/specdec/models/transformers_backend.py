@@ -6,8 +6,16 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdec.errors import ConfigError
-from specdec.models.backend import TREES_UNSUPPORTED, Backend, BackendCapabilities, Embed, OneRow, RowBackend
-from specdec.models.loading import model_identity
+from specdec.models.backend import (
+    TREES_UNSUPPORTED,
+    Backend,
+    BackendCapabilities,
+    Embed,
+    ModelInfo,
+    OneRow,
+    RowBackend,
+)
+from specdec.models.loading import model_name
 
 
 class TransformersBackend(Backend):
@@ -17,19 +25,11 @@ class TransformersBackend(Backend):
     same weights (``row_backend``), whose cache is addressed by slot.
     """
 
-    capabilities = BackendCapabilities(trees=True, features=True, max_rows=None)
-
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
+        self.info = transformers_info(model, BackendCapabilities(trees=True, features=True, max_rows=None))
         self.last_features: torch.Tensor | None = None
-        self.vocab_size: int = model.get_output_embeddings().out_features
-        self.max_context: int = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31
-        self.device = next(model.parameters()).device
         self.reset()
-
-    @property
-    def identity(self) -> str:
-        return model_identity(self.model)
 
     @property
     def cached_length(self) -> int:
@@ -95,3 +95,15 @@ class TransformersBackend(Backend):
         # which keep every position until cropped (so that a rejection can roll them back).
         self._cache.crop(length - self._length)
         self._length = length
+
+
+def transformers_info(model: PreTrainedModel, capabilities: BackendCapabilities, runtime: str = "") -> ModelInfo:
+    """The record of a transformers model as it is now (its precision plan applied), on a runtime named ``runtime``
+    (a prefix of its name)."""
+    return ModelInfo(
+        name=runtime + model_name(model),
+        vocab_size=model.get_output_embeddings().out_features,
+        max_context=getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31,
+        device=next(model.parameters()).device,
+        capabilities=capabilities,
+    )

@@ -27,6 +27,7 @@ from specdec.models.backend import (
     Backend,
     BackendCapabilities,
     Embed,
+    ModelInfo,
     OneRow,
     PackedWeights,
     RowBackend,
@@ -340,18 +341,11 @@ class NativeBackend(Backend):
     """A single-sequence :class:`~specdec.models.backend.Backend` over a :class:`NativeModel`: one sequence runs
     through OneRow over its cache, a batch on :class:`NativeRows` over the same weights."""
 
-    capabilities = BackendCapabilities(trees=True, features=True, max_rows=None)
-
     def __init__(self, model: NativeModel, cache_dtype: str | None = None) -> None:
         self.model = model
-        self.vocab_size = model.vocab_size
-        self.max_context = model.shape.max_context
         self.cache = new_cache(model, cache_dtype)
+        self.info = native_info(model, self.cache.dtype)
         self.last_features: torch.Tensor | None = None
-
-    @property
-    def identity(self) -> str:
-        return _identity(self.model, self.cache.dtype)
 
     def row_backend(self, *, batch: bool, trees: bool = False, cuda_graphs: bool = True) -> RowBackend:
         return NativeRows(self.model, self.cache.dtype) if batch else OneRow(self)
@@ -398,20 +392,12 @@ class NativeRows(RowBackend):
     is freed when it leaves: one forward for all rows reads the weights once, and each row's logits are bit for bit
     those it gets alone."""
 
-    capabilities = BackendCapabilities(trees=True, features=True, max_rows=None)
-    device = torch.device("cpu")
-
     def __init__(self, model: NativeModel, cache_dtype: str | None = None) -> None:
         self.model = model
         self.cache_dtype = new_cache(model, cache_dtype).dtype
-        self.vocab_size = model.vocab_size
-        self.max_context = model.shape.max_context
+        self.info = native_info(model, self.cache_dtype, runtime="rows|")
         self.caches: list[PagedCache] = []
         self.last_features: list[torch.Tensor] = []
-
-    @property
-    def identity(self) -> str:
-        return f"rows|{_identity(self.model, self.cache_dtype)}"
 
     @property
     def cached_lengths(self) -> list[int]:  # type: ignore[override]
@@ -467,12 +453,16 @@ class NativeRows(RowBackend):
         return page * sum(min(pages, window // paged_cache.PAGE + 3) if window else pages for window in shape.windows)
 
 
-def _identity(model: NativeModel, cache_dtype: str) -> str:
-    """What decides a native model's speed: its weights and format, the KV cache's type, the kernels' build, threads."""
-    threads = torch.get_num_threads()
-    return (
-        f"native|{model.name}|{model.weights}|{model.format}|kv={cache_dtype}|{kernel_build.build_name()}|cpu|"
-        f"threads={threads}"
+def native_info(model: NativeModel, cache_dtype: str, runtime: str = "") -> ModelInfo:
+    """The record of a native model on a runtime named ``runtime`` (a prefix of its name). Its name: what decides its
+    speed apart from threads (its weights and format, the KV cache's type, the kernels' build, chosen once a
+    process)."""
+    return ModelInfo(
+        name=f"{runtime}native|{model.name}|{model.weights}|{model.format}|kv={cache_dtype}|"
+        f"{kernel_build.build_name()}|cpu",
+        vocab_size=model.vocab_size,
+        max_context=model.shape.max_context,
+        capabilities=BackendCapabilities(trees=True, features=True, max_rows=None),
     )
 
 
