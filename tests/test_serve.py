@@ -184,32 +184,24 @@ def test_logprobs_echo_and_prompt_lists(server: Server, local: Generator, folder
     assert [c.index for c in pair.choices] == [0, 1]
     assert [c.text for c in pair.choices] == [local.generate(p, max_new_tokens=8).text for p in PROMPTS[:2]]
 
-    chat = server.client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=8,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=2,
-    )
+    chat_request = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    chat = server.client.chat.completions.create(**chat_request)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.top_logprobs[0].logprob >= c.logprob for c in content)  # greedy: the likeliest, or tied with it
 
-    whole = server.client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=2)
     streamed = merged_completion_stream(server, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=2)
-    assert streamed[0] == (whole.choices[0].text, whole.choices[0].logprobs.model_dump())
+    assert streamed[0] == (got.choices[0].text, got.choices[0].logprobs.model_dump())
     echoed = merged_completion_stream(server, **body)
     assert echoed[0] == (answer["text"], answer["logprobs"])
-    streamed_chat = server.client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=8,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=2,
-        stream=True,
-    )
+    streamed_chat = server.client.chat.completions.create(**chat_request, stream=True)
     entries = [
         entry for c in streamed_chat if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content
     ]
