@@ -321,6 +321,9 @@ COMMANDS_TEXT = """
   --llama-bench $LLAMA_BENCH_AVX2 --tokens 64 --acceptance 0.7
 2026-12-05-cpu-grammar-mask.json
   python benchmarks/grammar_mask.py --repeats 1 --out ${J}2026-12-05-cpu-grammar-mask.json
+2026-12-06-cpu-kernel-steps-zen4.json
+  python benchmarks/kernel_steps.py --out ${J}2026-12-06-cpu-kernel-steps-zen4.json --builds avx2,avx512
+  --llama-bench $LLAMA_BENCH --llama-bench-avx2 $LLAMA_BENCH_AVX2
 """
 VARIABLES = {
     "J": "benchmarks/results/",
