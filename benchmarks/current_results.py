@@ -324,6 +324,8 @@ COMMANDS_TEXT = """
 2026-12-06-cpu-kernel-steps-zen4.json
   python benchmarks/kernel_steps.py --out ${J}2026-12-06-cpu-kernel-steps-zen4.json --builds avx2,avx512
   --llama-bench $LLAMA_BENCH --llama-bench-avx2 $LLAMA_BENCH_AVX2
+2026-12-06-cpu-int4-grids.json
+  python benchmarks/int4_grids.py --out ${J}2026-12-06-cpu-int4-grids.json
 """
 VARIABLES = {
     "J": "benchmarks/results/",
@@ -482,6 +484,7 @@ def kind(data: Any) -> str:
         "runtimes": "where-time-goes",
         "store_sizes": "suffix-store",
         "soak": "soak",
+        "grids": "int4-grids",
         "engines": "grammar-mask",
     }
     found = [name for key, name in shapes.items() if key in data]
@@ -715,6 +718,19 @@ def autoscaling(results: list[Result]) -> list[Block]:
     header = ["clients", "load start to 2nd replica s", "load end to 1 replica s", "requests", "statuses"]
     title = "Ray Serve autoscaling, 1 to 2 replicas (`benchmarks/ray_autoscaling.py`)"
     return [block("transformers", title, header + ["machine", "date", "result"], cells, newest_per_machine(results))]
+
+
+def int4_grids(results: list[Result]) -> list[Block]:
+    """benchmarks/int4_grids.py: candidate 4-bit grids on Gemma-3-270M, perplexity and KL from float32."""
+    used = newest_per_machine(results)
+    cells = [
+        [name, f"{g['bits']:g}", f"{g['perplexity']:.3f}", f"{g['kl']:.4f}", r.machine, r.date, r.link]
+        for r in used
+        for name, g in r.data["grids"].items()
+    ]
+    header = ["grid (per 32 inputs)", "bits a weight", "perplexity", "KL from float32", "machine", "date", "result"]
+    title = "4-bit weight grids judged before kernels (`benchmarks/int4_grids.py`: Gemma-3-270M, float32 activations)"
+    return [block("native", title, header, cells, used)] if cells else []
 
 
 def soak(results: list[Result]) -> list[Block]:
@@ -1181,6 +1197,7 @@ WRITERS: dict[str, Callable[[list[Result]], list[Block]]] = {
     "ppl": perplexity,
     "suffix-store": suffix_store,
     "soak": soak,
+    "int4-grids": int4_grids,
     "grammar-mask": grammar_mask,
 }
 

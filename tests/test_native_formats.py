@@ -23,6 +23,17 @@ pytestmark = pytest.mark.skipif(kernel_build.compiled() is None, reason="the nat
 INT4 = RuntimeConfig(backend="native", native_format="int4")
 
 
+def test_an_int4_grid_reaches_each_groups_largest_weight() -> None:
+    """Weights near 1e-4 have float16 steps in the subnormal range, where rounding to nearest can leave a group's
+    largest weight past the grid's end (clipped); such steps round up, and no group's grid stops short."""
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)) * 1e-4
+    _, step, least = formats.quantize_int4(weight)
+    top = weight.reshape(64, -1, 32).amax(dim=2)
+    assert bool((least + 15 * step >= top).all())
+    nearest = ((top - least) / 15).half().float()
+    assert bool((least + 15 * nearest < top).any())  # the case exists: nearest would have clipped these
+
+
 @pytest.mark.parametrize("threads", [1, 4, 8], indirect=True)
 def test_int4_products_equal_their_reference_and_a_rows_bits_do_not_depend_on_its_neighbours(threads: int) -> None:
     generator = torch.Generator().manual_seed(threads)

@@ -29,7 +29,7 @@ from specdec.models.native.model import NativeModel, Tensors
 from specdec.models.registry import cache_root
 
 log = logging.getLogger("specdec")
-STORE_VERSION = 3  # the cached files' layout: change it with NativeModel.state or the packed buffers
+STORE_VERSION = 4  # the cached files' layout: change it with NativeModel.state or the packed buffers
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DEQUANTIZE_ROWS = 4096  # rows of a GGUF matrix de-quantized at a time
 
