@@ -724,7 +724,7 @@ def int4_grids(results: list[Result]) -> list[Block]:
     """benchmarks/int4_grids.py: candidate 4-bit grids on Gemma-3-270M, perplexity and KL from float32."""
     used = newest_per_machine(results)
     cells = [
-        [name, f"{g['bits']:g}", f"{g['perplexity']:.3f}", f"{g['kl']:.4f}", r.machine, r.date, r.link]
+        [name, f"{g['bits']:.3g}", f"{g['perplexity']:.3f}", f"{g['kl']:.4f}", r.machine, r.date, r.link]
         for r in used
         for name, g in r.data["grids"].items()
     ]

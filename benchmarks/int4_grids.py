@@ -5,11 +5,12 @@ Usage: python benchmarks/int4_grids.py --out FILE [--grids NAME,...] [--tokens 8
 Gemma-3-270M (transformers, float32) has each decoder linear layer's weights replaced by their int4 reconstruction
 under a grid (per 32 inputs of an output, w = d u + m with u in [0, 15]; d and m stored as each grid says), and is
 scored on the default prompt set in windows of 512: perplexity, and the mean KL divergence from the float32 model's
-next-token distribution. Activations stay float32, so the figures isolate the grid (the native runtime adds int8
-activations on top). KL is the figure to compare: Gemma's int4 perplexity moves by several points under changes that
-leave the weights' error alike (rounding float16 steps up, not to nearest, where nearest clips moves it 54.9 -> 49.0).
+next-token distribution. Activations and the output head stay float32, so the figures isolate the grid (the native
+runtime adds int8 activations and an int8 head on top). KL is the figure to compare: Gemma's int4 perplexity moves
+by several points under changes that leave the weights' error alike.
 
-Bits a weight: 4 for u, plus the grid's bits for d and m per 32, plus two float16 scales per super-block of S groups.
+Bits a weight, over the layers' shapes: 4 for u, plus the grid's bits for d and m per 32 inputs, plus two float16
+scales per super-block of groups (a row's last super-block may hold fewer groups).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,64 +31,83 @@ from specdec.machine import fingerprint
 from specdec.models.native import formats
 
 GROUP = 32
-Grid = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # weights [out, in] -> minima, steps [out, groups]
+INF = float("inf")
 
 
-def shipped(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The native int4 format's own grid (formats.quantize_int4)."""
-    _, step, least = formats.quantize_int4(w)
-    return least, step
+@dataclass(frozen=True)
+class Grid:
+    """How d and m are stored: float16 values per ``span`` inputs (``covering``: m rounded down and d up where
+    rounding to nearest would leave the span's extremes off the grid, as formats.quantize_int4 does), or ``bits``-bit
+    codes times a float16 scale per super-block of ``super_groups`` groups (None: per output row)."""
+
+    span: int = GROUP
+    covering: bool = True
+    bits: int | None = None
+    super_groups: int | None = None
+
+    def bits_a_weight(self, width: int) -> float:
+        if self.bits is None:
+            return 4 + 32 / self.span
+        groups = width // GROUP
+        supers = 1 if self.super_groups is None else math.ceil(groups / self.super_groups)
+        return 4 + 2 * self.bits / GROUP + 32 * supers / width
+
+    def __call__(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The minima and steps [out, in / 32] of the weights [out, in]."""
+        if self.bits is None:
+            spans = w.reshape(w.shape[0], -1, self.span)
+            low, high = spans.amin(2), spans.amax(2)
+            least = _float16(low, down=True) if self.covering else low.half().float()
+            step = ((high - (least if self.covering else low)) / 15).half().float()
+            if self.covering:
+                step = torch.where(least + 15 * step < high, _next(step, INF), step)
+            repeat = self.span // GROUP
+            return least.repeat_interleave(repeat, 1), step.repeat_interleave(repeat, 1)
+        groups = w.reshape(w.shape[0], -1, GROUP)
+        low, high = groups.amin(2), groups.amax(2)
+        count = groups.shape[1] if self.super_groups is None else self.super_groups
+        least = _coded(low, count, 2 ** (self.bits - 1) - 1, down=True)
+        return least, _coded((high - least) / 15, count, 2**self.bits - 1, down=False)
 
 
-def float16_grid(span: int = GROUP) -> Grid:
-    """A float16 step and minimum per ``span`` inputs: m the least value, d its range / 15 rounded to nearest."""
+def _next(x: torch.Tensor, toward: float) -> torch.Tensor:
+    """The float16 value next to float16 values ``x`` (as float32) toward ``toward``."""
+    half = x.half()
+    return torch.nextafter(half, torch.full_like(half, toward)).float()
 
-    def grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        spans = w.reshape(w.shape[0], -1, span)
-        low, high = spans.amin(2), spans.amax(2)
-        step = ((high - low) / 15).half().float()
-        repeat = span // GROUP
-        return low.half().float().repeat_interleave(repeat, 1), step.repeat_interleave(repeat, 1)
 
-    return grid
+def _float16(x: torch.Tensor, down: bool) -> torch.Tensor:
+    """x rounded to float16, then one float16 step down (or up) where that rounding went the other way."""
+    rounded = x.half().float()
+    return (
+        torch.where(rounded > x, _next(rounded, -INF), rounded)
+        if down
+        else torch.where(rounded < x, _next(rounded, INF), rounded)
+    )
 
 
 def _coded(values: torch.Tensor, groups: int, top: int, down: bool) -> torch.Tensor:
     """``values`` [out, n] as integer codes in [-top, top] (``down``: rounded down) or [0, top] (rounded up) times a
-    float16 scale per ``groups`` consecutive values."""
-    blocks = values.reshape(values.shape[0], -1, groups)
-    largest = blocks.abs().amax(2, keepdim=True)
-    scale = (largest / top).half().float()
-    scale = torch.where(scale * top < largest, (largest / top * (1 + 2**-10)).half().float(), scale)
-    ratio = blocks / torch.where(scale == 0, torch.ones_like(scale), scale)
+    float16 scale per ``groups`` consecutive values of a row (the last may hold fewer)."""
+    n = values.shape[1]
+    padded = torch.nn.functional.pad(values, (0, -n % groups)).reshape(values.shape[0], -1, groups)
+    largest = padded.abs().amax(2, keepdim=True)
+    scale = _float16(largest / top, down=False)  # the largest value's code within [-top, top]
+    ratio = padded / torch.where(scale == 0, torch.ones_like(scale), scale)
     codes = torch.where(ratio == torch.round(ratio), ratio, torch.floor(ratio) if down else torch.ceil(ratio))
-    return (scale * codes.clamp(-top if down else 0, top)).reshape(values.shape)
+    return (scale * codes.clamp(-top if down else 0, top)).reshape(values.shape[0], -1)[:, :n]
 
 
-def coded_grid(super_groups: int | None, bits: int) -> Grid:
-    """d and m as ``bits``-bit codes times a float16 scale per super-block of ``super_groups`` groups (None: per
-    output); m rounded down, then d rounded up, so that the grid spans each group."""
-
-    def grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        groups = w.reshape(w.shape[0], -1, GROUP)
-        low, high = groups.amin(2), groups.amax(2)
-        count = groups.shape[1] if super_groups is None else math.gcd(groups.shape[1], super_groups)
-        least = _coded(low, count, 2 ** (bits - 1) - 1, down=True)
-        return least, _coded((high - least) / 15, count, 2**bits - 1, down=False)
-
-    return grid
-
-
-GRIDS: dict[str, tuple[float, Grid | None]] = {  # name: (bits a weight, grid)
-    "float32": (32.0, None),
-    "float16 per 32, steps rounded to nearest": (5.0, float16_grid()),
-    "float16 per 32, steps rounded up where nearest clips (shipped)": (5.0, shipped),
-    "float16 per 64": (4.5, float16_grid(64)),
-    "8-bit codes, a scale per output": (4.5, coded_grid(None, 8)),
-    "8-bit codes, a scale per 8 groups": (4.625, coded_grid(8, 8)),
-    "6-bit codes, a scale per 8 groups (Q4_K's layout)": (4.5, coded_grid(8, 6)),
-    "8-bit codes, a scale per 4 groups": (4.75, coded_grid(4, 8)),
-    "6-bit codes, a scale per 4 groups": (4.625, coded_grid(4, 6)),
+GRIDS: dict[str, Grid | None] = {
+    "float32": None,
+    "float16 per 32, to nearest": Grid(covering=False),
+    "float16 per 32, covering (shipped)": Grid(),
+    "float16 per 64, covering": Grid(span=64),
+    "8-bit codes, a scale per row": Grid(bits=8),
+    "8-bit codes, a scale per 8 groups": Grid(bits=8, super_groups=8),
+    "6-bit codes, a scale per 8 groups (Q4_K's layout)": Grid(bits=6, super_groups=8),
+    "8-bit codes, a scale per 4 groups": Grid(bits=8, super_groups=4),
+    "6-bit codes, a scale per 4 groups": Grid(bits=6, super_groups=4),
 }
 
 
@@ -121,9 +141,14 @@ def main() -> None:
         return [torch.log_softmax(model(input_ids=torch.tensor([w])).logits[0].float(), -1) for w in windows]
 
     reference = log_probs()
+    shipped = next(iter(layers.values())).weight.detach().float()
+    _, step, least = formats.quantize_int4(shipped)
+    covering = GRIDS["float16 per 32, covering (shipped)"](shipped)
+    assert all(torch.equal(a, b) for a, b in zip((least, step), covering, strict=True)), "the script's grid drifted"
+    counts = {n: m.weight.numel() for n, m in layers.items()}
     results = {}
     for name in names:
-        bits, grid = GRIDS[name]
+        grid = GRIDS[name]
         for n, layer in layers.items():
             layer.weight.copy_(original[n] if grid is None else reconstructed(original[n].float(), grid))
         got = log_probs()
@@ -131,12 +156,16 @@ def main() -> None:
         nll = sum(-float(g[:-1].gather(1, torch.tensor(w[1:])[:, None]).sum()) for g, w in pairs)
         kl = sum(float((r.exp() * (r - g)).sum()) for r, g in zip(reference, got, strict=True))
         positions = sum(len(w) for w in windows)
+        bits = 32.0 if grid is None else sum(grid.bits_a_weight(layers[n].in_features) * c for n, c in counts.items())
         results[name] = {
-            "bits": bits,
+            "bits": bits if grid is None else bits / sum(counts.values()),
             "perplexity": math.exp(nll / sum(len(w) - 1 for w in windows)),
             "kl": kl / positions,
         }
-        print(f"{name}: {bits} bits, perplexity {results[name]['perplexity']:.3f}, KL {results[name]['kl']:.4f}")
+        print(
+            f"{name}: {results[name]['bits']:.3f} bits, perplexity {results[name]['perplexity']:.3f}, "
+            f"KL {results[name]['kl']:.4f}"
+        )
     record = {"machine": fingerprint(), "model": "gemma-3-270m", "tokens": len(tokens), "grids": results}
     args.out.write_text(json.dumps(record, indent=2))
 

@@ -28,10 +28,11 @@ def test_an_int4_grid_reaches_each_groups_largest_weight() -> None:
     largest weight past the grid's end (clipped); such steps round up, and no group's grid stops short."""
     weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)) * 1e-4
     _, step, least = formats.quantize_int4(weight)
-    top = weight.reshape(64, -1, 32).amax(dim=2)
-    assert bool((least + 15 * step >= top).all())
+    low, top = weight.reshape(64, -1, 32).amin(dim=2), weight.reshape(64, -1, 32).amax(dim=2)
+    assert bool((least <= low).all() and (least + 15 * step >= top).all() and (step >= 0).all())
     nearest = ((top - least) / 15).half().float()
     assert bool((least + 15 * nearest < top).any())  # the case exists: nearest would have clipped these
+    assert bool((low.half().float() > low).any())  # and a minimum rounded to nearest would have stood above some
 
 
 @pytest.mark.parametrize("threads", [1, 4, 8], indirect=True)
@@ -47,12 +48,13 @@ def test_int4_products_equal_their_reference_and_a_rows_bits_do_not_depend_on_it
     assert float((alone - exact).norm() / exact.norm()) < 0.02  # what int8 activations add to the 4-bit weights
 
 
-def test_weights_on_a_4bit_grid_are_packed_without_loss() -> None:
+@pytest.mark.parametrize("size", [1.0, 1e-3])  # 1e-3: steps among float16's subnormals
+def test_weights_on_a_4bit_grid_are_packed_without_loss(size: float) -> None:
     """A group already on a grid d u + m (float16 d and m, u in 0..15 spanning 0 and 15), as a Q4_1 GGUF's weights
     are, comes back bit for bit: such a checkpoint loses nothing more in int4."""
     generator = torch.Generator().manual_seed(0)
-    step = (torch.rand(64, 8, generator=generator) * 0.05 + 0.001).half().float()
-    least = (torch.randn(64, 8, generator=generator) * 0.1).half().float()
+    step = ((torch.rand(64, 8, generator=generator) * 0.05 + 0.001) * size).half().float()
+    least = (torch.randn(64, 8, generator=generator) * 0.1 * size).half().float()
     u = torch.randint(0, 16, (64, 8, 32), generator=generator)
     u[:, :, 0], u[:, :, 1] = 0, 15
     weight = (u * step[:, :, None] + least[:, :, None]).reshape(64, 256)

@@ -217,21 +217,29 @@ FORMATS: dict[str, type[Packed]] = {"int8": PackedInt8, "int4": PackedInt4}
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per group of 32 inputs of an output: integers u in [0, 15] (uint8 [out, in]) and the step d and minimum m
-    (float32 [out, in / 32], float16 values) of w = d u + m: m the group's least value, d its range / 15, rounded up
-    where rounding to nearest would leave the largest value past the grid's end (small steps are float16 subnormals,
-    coarse enough for that clipping to cost: benchmarks/int4_grids.py)."""
+    (float32 [out, in / 32], float16 values) of w = d u + m covering the group: m its least value rounded down to
+    float16, d the rest of its range / 15, rounded up where rounding to nearest would leave the largest value past
+    the grid's end (small steps are float16 subnormals, coarse enough for that clipping to cost:
+    benchmarks/int4_grids.py). Weights already on such a grid keep it exactly."""
     groups = weight.float().reshape(weight.shape[0], -1, INT4_GROUP)
-    least, top = groups.amin(dim=2), groups.amax(dim=2)
-    least16 = least.to(torch.float16)
+    low, top = groups.amin(dim=2), groups.amax(dim=2)
+    if not bool(torch.isfinite(low.half()).all() and torch.isfinite(top.half()).all()):
+        raise ValueError("an int4 layer's weights exceed float16's range (65504): use --native-format int8")
+    least16 = low.to(torch.float16)
+    least16 = torch.where(least16.float() > low, _next_half(least16, float("-inf")), least16)
     step16 = ((top - least16.float()) / 15).to(torch.float16)
+    step16 = torch.where(least16.float() + 15 * step16.float() < top, _next_half(step16, float("inf")), step16)
     if not bool(torch.isfinite(least16).all() and torch.isfinite(step16).all()):
         raise ValueError("an int4 layer's weights exceed float16's range (65504): use --native-format int8")
-    short = least16.float() + 15 * step16.float() < top
-    step16 = torch.where(short, torch.nextafter(step16, torch.full_like(step16, float("inf"))), step16)
     least, step = least16.float(), step16.float()
     safe = torch.where(step == 0, torch.ones_like(step), step)
     u = torch.round((groups - least[:, :, None]) / safe[:, :, None]).clamp(0, 15).to(torch.uint8).reshape(weight.shape)
     return u, step, least
+
+
+def _next_half(x: torch.Tensor, toward: float) -> torch.Tensor:
+    """The float16 values next to float16 ``x`` toward ``toward``."""
+    return torch.nextafter(x, torch.full_like(x, toward))
 
 
 def _group_sums(q: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:

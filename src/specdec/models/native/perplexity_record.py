@@ -1,8 +1,9 @@
 """The native runtime's perplexity against float32, as stored once measured.
 
 `specdec doctor --target NAME` measures it (bench/perplexity.py's ``native_perplexity``, on the shipped default
-prompts) and stores it here, keyed by the backend's ``identity`` (model, weights, format, kernels' build); what
-`generate` and `demo` say of the runtime reads the stored figure and never measures.
+prompts) and stores it here, keyed by the backend's ``identity`` (model, weights, format, kernels' build) and the
+packed files' version (a changed quantizer is a new version); what `generate` and `demo` say of the runtime reads
+the stored figure and never measures.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdec.atomic import PUBLIC, atomic_write_bytes
+from specdec.models.native.store import STORE_VERSION  # the packed weights' version: their numbers, too
 from specdec.models.registry import cache_root
 
 CHECK_TOKENS = 1024  # of the shipped default prompt set: enough to tell a sound int8 model from a broken one
@@ -33,7 +35,7 @@ class PerplexityResult:
 
 def record_path(identity: str) -> Path:
     """Where the check of the native backend ``identity`` is stored."""
-    key = hashlib.sha256(f"{identity}|{CHECK_TOKENS}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{identity}|{CHECK_TOKENS}|{STORE_VERSION}".encode()).hexdigest()[:16]
     return cache_root() / "perplexity" / f"native-{key}.json"
 
 
