@@ -326,6 +326,9 @@ COMMANDS_TEXT = """
   --llama-bench $LLAMA_BENCH --llama-bench-avx2 $LLAMA_BENCH_AVX2
 2026-12-06-cpu-int4-grids.json
   python benchmarks/int4_grids.py --out ${J}2026-12-06-cpu-int4-grids.json
+2026-12-07-cpu-kernel-steps-intel.json
+  python benchmarks/kernel_steps.py --out ${J}2026-12-07-cpu-kernel-steps-intel.json --llama-bench $LLAMA_BENCH
+  --llama-bench-avx2 $LLAMA_BENCH_AVX2 --llama-bench-avx2-vnni $LLAMA_BENCH_AVX2_VNNI
 """
 VARIABLES = {
     "J": "benchmarks/results/",
@@ -335,6 +338,8 @@ VARIABLES = {
     "LLAMA_BENCH": "vendor/llama.cpp/build-avx512/bin/llama-bench",
     # cmake -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
     "LLAMA_BENCH_AVX2": "vendor/llama.cpp/build-avx2/bin/llama-bench",
+    # cmake -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX_VNNI=ON -DGGML_FMA=ON -DGGML_F16C=ON (no AVX-512)
+    "LLAMA_BENCH_AVX2_VNNI": "vendor/llama.cpp/build-avxvnni/bin/llama-bench",
     # the same AVX2 build's server
     "LLAMA_SERVER_AVX2": "vendor/llama.cpp/build-avx2/bin/llama-server",
     "SUFFIX": "specdec bench --methods none,prompt-lookup,prompt-lookup+tree,suffix,suffix+tree --k 8 "
@@ -1092,7 +1097,7 @@ def kernel_steps(results: list[Result]) -> list[Block]:
 
         cells = []
         for build, b in d["builds"].items():
-            peer = d.get("llama_bench_avx2" if build == "avx2" else "llama_bench", {})
+            peer = d.get(f"llama_bench_{build.replace('-', '_')}", d.get("llama_bench", {}))
             tg = peer.get(f"tg{d['tokens']}")
             for fmt, e in b["engine"].items():
                 pre = b["models"][f"gemma-3-270m {fmt}"]["prefill_tok_s"]
@@ -1112,20 +1117,22 @@ def kernel_steps(results: list[Result]) -> list[Block]:
         for prompts in ("default", "unseen"):
             header += [f"{prompts}: none tok/s", "none vs llama-bench tg", "auto vs none", "auto vs llama-bench tg"]
         header += ["prefill 512 tok/s", "vs llama-bench pp512", "prefill 2048 tok/s", "vs llama-bench pp2048"]
+        same = [b for b in d["builds"] if f"llama_bench_{b.replace('-', '_')}" in d]
         peers = "; ".join(
             f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in d[key].items())
             for key, label in (
                 ("llama_bench", "llama-bench built for AVX-512 and AVX-VNNI"),
                 ("llama_bench_avx2", "llama-bench built for AVX2 alone"),
+                ("llama_bench_avx2_vnni", "llama-bench built for AVX2 and AVX-VNNI"),
             )
             if key in d
         )
         note = (
             f"Gemma-3-270M through the engine (`Generator`, greedy, {d['tokens']} new tokens, prefill included), on "
             f"the default prompts and on benchmarks/prompts/kernels-unseen.jsonl; llama-bench on its Q4_K_M GGUF, "
-            f"2 threads, tokens/s: {peers or 'not measured'}. The forced avx2 build is compared with llama-bench built "
-            f"for AVX2 alone, every other build with llama-bench built for AVX-512 (its AMX path, the rest of this "
-            f"CPU, crashed here)."
+            f"2 threads, tokens/s: {peers or 'not measured'}. Each forced build is compared with llama-bench built for "
+            f"the same instruction sets where it was measured ({', '.join(same) or 'none'}), every other build with "
+            f"llama-bench built for AVX-512 (llama.cpp's AMX path crashed on the Intel machines)."
         )
         title = (
             f"Native against `llama-bench`, per kernel build (`benchmarks/kernel_steps.py`) on {r.machine}, {r.date}"

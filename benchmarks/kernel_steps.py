@@ -2,7 +2,7 @@
 limits; native against llama.cpp's own `llama-bench` on the same machine.
 
 Usage: python benchmarks/kernel_steps.py --out FILE [--builds avx2,avx2-vnni,avx512,amx] [--llama-bench PATH]
-       [--llama-bench-avx2 PATH] [--tokens 64] [--skip-1b]
+       [--llama-bench-avx2 PATH] [--llama-bench-avx2-vnni PATH] [--tokens 64] [--skip-1b]
 
 Every x86 build this CPU runs is measured (each forced with SPECDEC_KERNELS in a process of its own; a forced build's
 timings differ from a real CPU of that kind only in clock and caches):
@@ -21,7 +21,8 @@ timings differ from a real CPU of that kind only in clock and caches):
    own milliseconds per step (prompt lookup, outside forwards and drafting).
 
 --llama-bench: llama.cpp's benchmark built for this machine; --llama-bench-avx2: one built for AVX2 alone (compared
-with the forced avx2 build). Each runs tg (--tokens), pp9, pp512 and pp2048 on the Gemma-3-270M GGUF, 2 threads.
+with the forced avx2 build); --llama-bench-avx2-vnni: one built for AVX2 with AVX-VNNI (compared with the avx2-vnni
+build). Each runs tg (--tokens), pp9, pp512 and pp2048 on the Gemma-3-270M GGUF, 2 threads.
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ def main() -> None:
     parser.add_argument("--builds", help="comma-separated; default: every x86 build this CPU runs")
     parser.add_argument("--llama-bench", help="llama-bench built for this machine")
     parser.add_argument("--llama-bench-avx2", help="llama-bench built for AVX2 alone")
+    parser.add_argument("--llama-bench-avx2-vnni", help="llama-bench built for AVX2 with AVX-VNNI")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--skip-1b", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -210,7 +212,12 @@ def main() -> None:
             raise SystemExit(f"the {build} build's measurement failed (exit {done.returncode})")
         result["builds"][build] = json.loads(done.stdout.splitlines()[-1])
         args.out.write_text(json.dumps(result, indent=1) + "\n")  # each build's figures kept as soon as they exist
-    for key, binary in (("llama_bench", args.llama_bench), ("llama_bench_avx2", args.llama_bench_avx2)):
+    peers = (
+        ("llama_bench", args.llama_bench),
+        ("llama_bench_avx2", args.llama_bench_avx2),
+        ("llama_bench_avx2_vnni", args.llama_bench_avx2_vnni),
+    )
+    for key, binary in peers:
         if binary:
             result[key] = llama_bench(binary, args.tokens)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
@@ -231,7 +238,7 @@ def summary(result: dict) -> str:
                 f"roofline {roof:.1f} ms; prefill tok/s {pre}"
             )
         lines.append(f"{build} engine tok/s: {json.dumps(b['engine'])}")
-    for key in ("llama_bench", "llama_bench_avx2"):
+    for key in ("llama_bench", "llama_bench_avx2", "llama_bench_avx2_vnni"):
         if key in result:
             lines.append(f"{key}: {json.dumps(result[key])}")
     return "\n".join(lines)
