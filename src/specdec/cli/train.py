@@ -1,4 +1,4 @@
-"""Commands that build drafters from data: `specdec distill` and `specdec ngram build`."""
+"""Commands that build drafters from data: `specdec distill`, `specdec distill-data` and `specdec ngram build`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from typing import Annotated
 import typer
 
 from specdec.cli.options import (
+    FAST_BACKEND,
+    FastRuntimeOpt,
+    NativeFormatOpt,
     Target,
     console,
     default,
@@ -15,13 +18,15 @@ from specdec.cli.options import (
     status,
     user_errors,
 )
+from specdec.config import RuntimeConfig
 from specdec.errors import SpecDecError
 from specdec.models import DEFAULT_TARGET
 from specdec.training.distill import DistillConfig
+from specdec.training.native_data import DataConfig
 from specdec.training.ngram import NgramBuildConfig
 
 Data = Annotated[
-    list[str],
+    list[str] | None,
     typer.Option(
         help="Training text: files, folders, JSONL (prompt-only records are continued by the target). Repeatable."
     ),
@@ -69,8 +74,8 @@ Resume = Annotated[bool, typer.Option(help="Continue the distillation saved in -
 
 @user_errors
 def distill(
-    data: Data,
     out: DraftOut,
+    data: Data = None,
     target: Target = DEFAULT_TARGET,
     arch: Arch = str(default(DistillConfig, "arch")),
     steps: Steps = default(DistillConfig, "steps"),
@@ -86,6 +91,13 @@ def distill(
     eval_every: EvalEvery = default(DistillConfig, "eval_every"),
     checkpoint_every: CheckpointEvery = default(DistillConfig, "checkpoint_every"),
     init_from: InitFrom = None,
+    teacher_data: Annotated[
+        Path | None,
+        typer.Option(
+            help="A `specdec distill-data` folder: train on the target's own writing and recorded hidden states "
+            "instead of --data."
+        ),
+    ] = None,
     resume: Resume = False,
 ) -> None:
     """Distil a draft model for a target: the target scores the data once, then a small draft learns to match it."""
@@ -96,7 +108,7 @@ def distill(
     from specdec.training.distill import distill as run_distill
 
     config = DistillConfig(
-        data=tuple(data),
+        data=tuple(data or ()),
         out=str(out),
         arch=DraftArch.parse(arch),
         steps=steps,
@@ -112,6 +124,7 @@ def distill(
         eval_every=eval_every,
         checkpoint_every=checkpoint_every,
         init_from=str(init_from) if init_from else None,
+        teacher_data=str(teacher_data) if teacher_data else None,
     )
     with status(f"loading {target}"):
         model = load_model(target)
@@ -138,6 +151,86 @@ def distill(
         f"{record['tokens_trained']:,} tokens, {record['train_s']:.0f} s training; "
         f"held-out acceptance {last['acceptance_rate']:.0%}, "
         f"top-1 agreement {last['top1_agreement']:.0%} (at step 0: {record['evaluations'][0]['acceptance_rate']:.0%})"
+    )
+
+
+@user_errors
+def distill_data(
+    out: Annotated[Path, typer.Option(help="Folder for the shards and manifest.json (a run there is continued).")],
+    target: Target = DEFAULT_TARGET,
+    tokens: Annotated[
+        int, typer.Option(help="New tokens the target writes in all; run again with more to extend the data.")
+    ] = default(DataConfig, "tokens"),
+    data: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Text and code to draw passage prompts from (files, folders; repeatable). Default: the "
+            "Python standard library."
+        ),
+    ] = None,
+    batch: Annotated[int, typer.Option(help="Rows the target decodes together (one shard).")] = default(
+        DataConfig, "batch"
+    ),
+    max_new_tokens: Annotated[int, typer.Option(help="Longest continuation per prompt.")] = default(
+        DataConfig, "max_new_tokens"
+    ),
+    max_prompt_tokens: Annotated[int, typer.Option(help="A longer prompt keeps its last tokens.")] = default(
+        DataConfig, "max_prompt_tokens"
+    ),
+    sampled_share: Annotated[
+        float, typer.Option(help="Share of rows that sample (at a temperature from 0.7 to 1.0); the rest are greedy.")
+    ] = default(DataConfig, "sampled_share"),
+    general_share: Annotated[
+        float, typer.Option(help="Share of prompts from general topics; the rest are passages of --data.")
+    ] = default(DataConfig, "general_share"),
+    seed: Annotated[int, typer.Option(help="Seeds the prompts, the temperatures and the sampling.")] = default(
+        DataConfig, "seed"
+    ),
+    backend: FastRuntimeOpt = FAST_BACKEND,
+    native_format: NativeFormatOpt = default(RuntimeConfig, "native_format"),
+) -> None:
+    """Have the target write training data for a feature-reading draft head: its own continuations, greedy and
+    sampled, with the hidden states the head reads, decoded in batches (resumable: run it again to continue)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from specdec.models import open_target
+    from specdec.training.native_data import write_data
+
+    config = DataConfig(
+        out=str(out),
+        tokens=tokens,
+        **({"sources": tuple(data)} if data else {}),
+        batch=batch,
+        max_new_tokens=max_new_tokens,
+        max_prompt_tokens=max_prompt_tokens,
+        sampled_share=sampled_share,
+        general_share=general_share,
+        seed=seed,
+    )
+    with status(f"loading {target}"):
+        model = open_target(target, RuntimeConfig(backend=backend, native_format=native_format))
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} new tokens {task.fields[figures]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=err) as progress:
+        task = progress.add_task("the target writes", total=tokens, figures="")
+
+        def report(phase: str, done: float, total: float, figures: dict) -> None:
+            text = ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in figures.items())
+            progress.update(task, completed=done, total=total, figures=text)
+
+        manifest = write_data(model, config, progress=report)
+    shards = manifest["shards"]
+    new = sum(s["new_tokens"] for s in shards)
+    seconds = sum(s["seconds"] for s in shards)
+    console.print(
+        f"{out}: {len(shards)} shards, {sum(s['sequences'] for s in shards):,} sequences, {new:,} new tokens "
+        f"({sum(s['tokens'] for s in shards):,} with their prompts) on {model.runtime}, "
+        f"{new / max(seconds, 1e-9):.0f} new tokens/s"
     )
 
 

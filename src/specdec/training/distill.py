@@ -7,6 +7,8 @@ Two phases, both resumable from the output folder:
    tokenized into fixed-length chunks; the target scores every position once and
    keeps only its top-k distribution over the draft's kept tokens (indices int32,
    log-probabilities float16: 6 bytes per entry, so millions of tokens fit).
+   Or a `specdec distill-data` folder (``teacher_data``): the target's own
+   batched writing with its hidden states, scored from those states.
 2. Training. Teacher-forced soft cross-entropy (the KL divergence up to a
    constant) between the stored top-k distributions and the draft's, with
    AdamW and a cosine schedule; checkpoints, and a periodic evaluation of the
@@ -44,6 +46,7 @@ from specdec.drafters.model import ModelDrafter
 from specdec.engine import Generator
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
+from specdec.training.native_data import read_sequences
 from specdec.training.ngram import JSONL_TEXT_FIELDS, corpus_files, documents, jsonl_records, record_text
 from specdec.training.on_policy import (
     chat_template_of,
@@ -132,6 +135,9 @@ class DistillConfig:
     seed: int = 0
     # A draft folder of the same arch to start the draft's own weights from (its kept vocabulary may differ).
     init_from: str | None = None
+    # A `specdec distill-data` folder: the target's own writing and hidden states, scored from those states (no
+    # target forward), instead of ``data``.
+    teacher_data: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -158,8 +164,11 @@ class DistillConfig:
                 f"on_policy_tokens must be between 0 and teacher_tokens ({self.teacher_tokens}), "
                 f"got {self.on_policy_tokens}"
             )
-        if not self.data:
-            raise ConfigError("no training data: pass --data with text files, folders or JSONL prompt files")
+        if bool(self.data) == bool(self.teacher_data):
+            raise ConfigError(
+                "training data comes from --data (text files, folders or JSONL prompt files) or from --teacher-data "
+                "(a specdec distill-data folder): pass one of them"
+            )
 
 
 @dataclass
@@ -252,14 +261,7 @@ def score_with_teacher(
             f"only {len(stream)} tokens of data: need at least {4 * (config.seq_len + 1)} "
             f"for --seq-len {config.seq_len}"
         )
-    counts = Counter(stream)
-    keep = min(config.arch.keep, target.vocab_size)
-    keep_ids = torch.tensor(sorted(t for t, _ in counts.most_common(keep)), dtype=torch.long)
-    if len(keep_ids) < keep:  # a small corpus: fill the head with the lowest ids not yet kept
-        rest = torch.tensor(
-            [t for t in range(target.vocab_size) if t not in counts][: keep - len(keep_ids)], dtype=torch.long
-        )
-        keep_ids = torch.sort(torch.cat([keep_ids, rest])).values
+    keep_ids = _kept(Counter(stream), min(config.arch.keep, target.vocab_size), target.vocab_size)
     data = torch.tensor(stream[: chunks * (config.seq_len + 1)]).view(chunks, config.seq_len + 1)
     tokens = data[:, :-1].contiguous()
     head = target.model.get_output_embeddings().weight[keep_ids]
@@ -287,6 +289,50 @@ def score_with_teacher(
     return TeacherData(tokens, top_ids, top_logp, keep_ids, held_out=max(1, chunks // 20), hidden=states)
 
 
+def _kept(counts: Counter, keep: int, vocab_size: int) -> torch.Tensor:
+    """The ``keep`` most frequent token ids (ascending); a small corpus fills the rest with the lowest ids not seen."""
+    keep_ids = torch.tensor(sorted(t for t, _ in counts.most_common(keep)), dtype=torch.long)
+    if len(keep_ids) < keep:
+        rest = torch.tensor([t for t in range(vocab_size) if t not in counts][: keep - len(keep_ids)], dtype=torch.long)
+        keep_ids = torch.sort(torch.cat([keep_ids, rest])).values
+    return keep_ids
+
+
+@torch.inference_mode()
+def teacher_from_data(target: LoadedModel, config: DistillConfig, progress: Progress) -> TeacherData:
+    """Teacher data from a `specdec distill-data` folder: windows of ``seq_len`` positions within each sequence (the
+    target's hidden states there were recorded with the tokens), the next token's top-k from those states and the
+    target's output rows; the last shards' windows held out."""
+    windows: list[tuple[torch.Tensor, torch.Tensor]] = []
+    counts: Counter = Counter()
+    length = config.seq_len
+    for written in read_sequences(config.teacher_data):
+        for start in range(0, len(written.features) - length + 1, length):
+            tokens = written.tokens[start : start + length]
+            windows.append((tokens, written.features[start : start + length]))
+            counts.update(tokens.tolist())
+    if len(windows) < 4:
+        raise ConfigError(
+            f"'{config.teacher_data}' holds {len(windows)} windows of --seq-len {length}: need at least 4 (write more "
+            "with specdec distill-data, or lower --seq-len)"
+        )
+    keep_ids = _kept(counts, min(config.arch.keep, target.vocab_size), target.vocab_size)
+    head = target.model.get_output_embeddings().weight[keep_ids].float()
+    top_k = min(config.top_k, len(keep_ids))
+    tokens = torch.stack([t for t, _ in windows])
+    states = torch.stack([f for _, f in windows])
+    top_ids = torch.empty(len(windows), length, top_k, dtype=torch.int32)
+    top_logp = torch.empty(len(windows), length, top_k, dtype=torch.float16)
+    for start in range(0, len(windows), config.batch):
+        logp = torch.log_softmax(states[start : start + config.batch].float() @ head.T, dim=-1)
+        values, indices = logp.topk(top_k, dim=-1)
+        top_ids[start : start + len(values)] = indices.int()
+        top_logp[start : start + len(values)] = values.half()
+        progress("scoring the recorded states", start + len(values), len(windows), {})
+    hidden = states if config.arch.eagle else None
+    return TeacherData(tokens, top_ids, top_logp, keep_ids, held_out=max(1, len(windows) // 20), hidden=hidden)
+
+
 def distill(
     target: LoadedModel, config: DistillConfig, resume: bool = False, progress: Progress = lambda *a: None
 ) -> dict:
@@ -306,8 +352,11 @@ def distill(
         teacher = _read_teacher(teacher_path)
     else:
         started = time.perf_counter()
-        stream = collect_tokens(target, config, progress)
-        teacher = score_with_teacher(target, stream, config, progress)
+        if config.teacher_data:
+            teacher = teacher_from_data(target, config, progress)
+        else:
+            stream = collect_tokens(target, config, progress)
+            teacher = score_with_teacher(target, stream, config, progress)
         atomic_write(teacher_path, lambda out: torch.save(asdict(teacher), out))
         teacher_s = time.perf_counter() - started
     model = target.model
