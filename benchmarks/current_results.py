@@ -1132,7 +1132,8 @@ def kernel_steps(results: list[Result]) -> list[Block]:
             f"the default prompts and on benchmarks/prompts/kernels-unseen.jsonl; llama-bench on its Q4_K_M GGUF, "
             f"2 threads, tokens/s: {peers or 'not measured'}. Each forced build is compared with llama-bench built for "
             f"the same instruction sets where it was measured ({', '.join(same) or 'none'}), every other build with "
-            f"llama-bench built for AVX-512 (llama.cpp's AMX path crashed on the Intel machines)."
+            f"llama-bench built for AVX-512"
+            + (" (llama.cpp's AMX path crashed on this machine)." if "amx" in d["builds"] else ".")
         )
         title = (
             f"Native against `llama-bench`, per kernel build (`benchmarks/kernel_steps.py`) on {r.machine}, {r.date}"

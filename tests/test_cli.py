@@ -25,6 +25,7 @@ from specdec.config import (
 )
 from specdec.serving.config import RayConfig, ServeConfig
 from specdec.training.distill import DistillConfig, DraftArch
+from specdec.training.native_data import DataConfig
 from specdec.training.ngram import NgramBuildConfig
 from specdec.tuning.search import TuneConfig
 
@@ -87,6 +88,7 @@ COMMAND_CONFIGS = {
     "bench-serve": LoadConfig,
     "quality": QualityBenchConfig,
     "distill": DistillConfig,
+    "distill-data": DataConfig,
     "ngram build": NgramBuildConfig,
     "tune": TuneConfig,
 }
@@ -141,7 +143,7 @@ def test_every_cli_default_is_the_librarys_or_says_why() -> None:
             if field_name in own:
                 assert _same(param.default, default(config, field_name)), (name, param.name)
                 checked += 1
-            if name in ("distill", "ngram build"):
+            if name in ("distill", "distill-data", "ngram build"):
                 continue  # training settings: their top_k, batch... are not generation's
             library = next(
                 (

@@ -10,13 +10,22 @@ import torch
 from conftest import char_tokenizer, loaded, step_outcome, tiny_llama
 from test_distill import TEXT, config
 from test_native import models
+from transformers import DynamicCache
 
 from specdec import GenerationConfig, Generator, SamplingConfig, drafters
 from specdec.bench.lossless import TargetLaw, sequential_pvalue
 from specdec.config import BatchConfig, RuntimeConfig
 from specdec.drafters import FallbackDrafter, PromptLookupDrafter, SuffixDrafter, auto_draft, build_drafter
 from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, Proposal
-from specdec.drafters.eagle import EagleDrafter, ModuleHead, NativeHead, build_eagle, load_eagle, why_not_native
+from specdec.drafters.eagle import (
+    EagleDrafter,
+    ModuleHead,
+    NativeHead,
+    build_eagle,
+    head_forward,
+    load_eagle,
+    why_not_native,
+)
 from specdec.drafters.fallback import merge_trees
 from specdec.engine.costs import MachineCosts
 from specdec.errors import ConfigError
@@ -26,7 +35,7 @@ from specdec.models.batched import BatchedTransformersBackend
 from specdec.models.native import kernel_build
 from specdec.scheduling import CostCurve
 from specdec.scheduling.k_policy import CostModelK, StepOutcome
-from specdec.training.distill import DistillConfig, DraftArch, distill
+from specdec.training.distill import DistillConfig, DraftArch, TeacherData, distill, unrolled_eagle, unrolled_eagle_loss
 
 PROMPTS = [
     "the cat sat on the mat. the cat sat on the",
@@ -382,6 +391,45 @@ def test_eagle_distillation_trains_saves_and_loads(tmp_path: Path, monkeypatch: 
     (other / "teacher.pt").write_bytes((Path(settings.out) / "teacher.pt").read_bytes())
     with pytest.raises(ConfigError, match="another kind of draft"):  # its teacher data has hidden states
         distill(target, DistillConfig(**{**settings.__dict__, "arch": DraftArch(layers=1, keep=40), "out": str(other)}))
+
+
+@torch.no_grad()
+def test_the_training_time_test_sees_what_the_head_sees_when_it_drafts() -> None:
+    """Depth 2 of the unrolled head in one masked forward equals the head drafting incrementally: the target-fed pairs
+    of positions 0..p in its cache, then its own feature from depth 1 with the next token at position p + 1; depth 3
+    likewise after its own chain. Depth 1 is the plain teacher-forced forward."""
+    tokenizer = char_tokenizer()
+    model = tiny_llama(0, vocab=len(tokenizer), layers=3)
+    target = loaded(model, tokenizer=tokenizer)
+    keep_ids = torch.arange(40)
+    head = build_eagle(model, keep_ids, 1).float().eval()
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 40, (2, 9), generator=generator)
+    hidden = torch.randn(2, 9, model.config.hidden_size, generator=generator).to(torch.bfloat16)
+    top_ids = torch.randint(0, 40, (2, 9, 4), generator=generator).int()
+    teacher = TeacherData(tokens, top_ids, torch.zeros(2, 9, 4, dtype=torch.float16), keep_ids, 1, hidden)
+    rows = torch.arange(2)
+    states = hidden.float()
+    (l1, f1), (l2, f2), (l3, _) = unrolled_eagle(target, head, teacher, rows, states, 0.0, 3)
+    embed = model.get_input_embeddings()
+    for p in range(6):
+        cache = DynamicCache()
+        first, _ = head_forward(head, embed, tokens[:, 1 : p + 2], states[:, : p + 1], torch.arange(p + 1)[None], cache)
+        second, mine = head_forward(
+            head, embed, tokens[:, p + 2 : p + 3], f1[:, p : p + 1], torch.tensor([[p + 1]]), cache
+        )
+        third, _ = head_forward(head, embed, tokens[:, p + 3 : p + 4], mine, torch.tensor([[p + 2]]), cache)
+        torch.testing.assert_close(first[:, -1], l1[:, p], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(second[:, 0], l2[:, p], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(mine[:, 0], f2[:, p], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(third[:, 0], l3[:, p], rtol=1e-4, atol=1e-4)
+    loss, losses, agreement = unrolled_eagle_loss(target, head, teacher, rows, 0.0, 3)
+    assert len(losses) == len(agreement) == 3
+    torch.testing.assert_close(loss, losses[0] + 0.8 * losses[1] + 0.64 * losses[2])
+    with pytest.raises(ConfigError, match="--arch eagle"):
+        DistillConfig(data=("x",), out="o", unroll=2)
+    with pytest.raises(ConfigError, match="longer --seq-len"):
+        DistillConfig(data=("x",), out="o", arch=DraftArch.parse("eagle,keep=40"), unroll=4, seq_len=4)
 
 
 def test_eagle_arch_errors() -> None:

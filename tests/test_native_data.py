@@ -19,6 +19,7 @@ from specdec.errors import ConfigError
 from specdec.models.native import NativeBackend, kernel_build
 from specdec.training.distill import DistillConfig, DraftArch, distill, teacher_from_data
 from specdec.training.native_data import MANIFEST, DataConfig, read_sequences, row_config, write_data
+from specdec.training.on_policy import prompt_ids
 
 pytestmark = pytest.mark.skipif(kernel_build.compiled() is None, reason="the native backend needs AVX2 and g++")
 
@@ -102,6 +103,13 @@ def test_data_runs_refuse_what_they_cannot_continue(tmp_path: Path) -> None:
         write_data(target, config)
     with pytest.raises(ConfigError, match="holds no training data"):
         list(read_sequences(tmp_path / "nothing"))
+    with pytest.raises(ConfigError, match="exceed the context"):
+        write_data(target, replace(config, out=str(tmp_path / "long"), max_prompt_tokens=10**6))
+    tokenizer, model = char_tokenizer(), models()[1]["gemma3"]
+    write_data(target, replace(config, out=str(tmp_path / "fresh")))
+    settings = DistillConfig(data=(), teacher_data=str(tmp_path / "fresh"), out=str(tmp_path / "x"), seq_len=4)
+    with pytest.raises(ConfigError, match="written by 'tiny', not 'other'"):
+        teacher_from_data(loaded(model, name="other", tokenizer=tokenizer), settings, lambda *a: None)
     with pytest.raises(ConfigError, match="share between 0 and 1"):
         replace(config, sampled_share=1.5)
     with pytest.raises(ConfigError, match="temperature range"):
@@ -109,21 +117,26 @@ def test_data_runs_refuse_what_they_cannot_continue(tmp_path: Path) -> None:
 
 
 @pytest.mark.real_model
-def test_gemma_writes_data_from_the_command_line(tmp_path: Path) -> None:
+def test_gemma_writes_data_from_the_command_line(tmp_path: Path, gemma) -> None:
     """`specdec distill-data` on the bundled Gemma (native): shards of its own continuations with 640-wide hidden
-    states, and the run's rate on stdout."""
+    states, prompts with one beginning-of-sequence token, and the run's rate on stdout."""
     corpus = tmp_path / "corpus.md"
     corpus.write_text("# Gardens\n\nA garden needs water, light and patience. Tomatoes like the sun.\n" * 20)
     out = tmp_path / "data"
-    args = ["distill-data", "--out", str(out), "--tokens", "20", "--batch", "4", "--max-new-tokens", "6"]
-    result = CliRunner().invoke(app, [*args, "--data", str(corpus), "--runtime", "native"])
+    args = ["distill-data", "--out", str(out), "--tokens", "20", "--batch", "8", "--max-new-tokens", "6"]
+    args += ["--general-share", "0", "--data", str(corpus), "--runtime", "native"]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "new tokens/s" in result.stdout
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["target"] == "gemma-3-270m" and manifest["shards"]
     sequences = list(read_sequences(out))
-    assert len(sequences) == 4 * len(manifest["shards"])
+    assert len(sequences) == 8 * len(manifest["shards"])
     assert all(w.features.shape == (len(w.tokens) - 1, 640) for w in sequences)
+    bos = gemma.tokenizer.bos_token_id
+    assert all(w.tokens[0] == bos and w.tokens[1] != bos for w in sequences)
+    # a prompt whose text already starts with it (a chat template's) gets no second one
+    assert prompt_ids(gemma.tokenizer, "<bos>Hello")[:2] == prompt_ids(gemma.tokenizer, "Hello")[:2] != [bos, bos]
     assert all(len(w.tokens) - w.prompt_length <= 6 for w in sequences)
 
 

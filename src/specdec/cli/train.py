@@ -98,9 +98,17 @@ def distill(
             "instead of --data."
         ),
     ] = None,
+    unroll: Annotated[
+        int,
+        typer.Option(
+            help="An eagle head's training-time test: it drafts this many tokens in training, from the second on its "
+            "own features (1: the target's features only)."
+        ),
+    ] = default(DistillConfig, "unroll"),
     resume: Resume = False,
 ) -> None:
-    """Distil a draft model for a target: the target scores the data once, then a small draft learns to match it."""
+    """Distil a draft model for a target: the target scores the data once (or its recorded states do, with
+    --teacher-data), then a small draft learns to match it."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from specdec.models import load_model
@@ -125,6 +133,7 @@ def distill(
         checkpoint_every=checkpoint_every,
         init_from=str(init_from) if init_from else None,
         teacher_data=str(teacher_data) if teacher_data else None,
+        unroll=unroll,
     )
     with status(f"loading {target}"):
         model = load_model(target)

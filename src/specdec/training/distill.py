@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from transformers import DynamicCache
 
 from specdec.atomic import atomic_write
 from specdec.config import GenerationConfig
@@ -46,7 +47,7 @@ from specdec.drafters.model import ModelDrafter
 from specdec.engine import Generator
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
-from specdec.training.native_data import read_sequences
+from specdec.training.native_data import read_manifest, read_sequences
 from specdec.training.ngram import JSONL_TEXT_FIELDS, corpus_files, documents, jsonl_records, record_text
 from specdec.training.on_policy import (
     chat_template_of,
@@ -138,6 +139,8 @@ class DistillConfig:
     # A `specdec distill-data` folder: the target's own writing and hidden states, scored from those states (no
     # target forward), instead of ``data``.
     teacher_data: str | None = None
+    # An eagle head's training-time test: it drafts this many tokens in training, from the second on its own features.
+    unroll: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -150,6 +153,7 @@ class DistillConfig:
             "checkpoint_every",
             "continue_tokens",
             "generate_batch",
+            "unroll",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -164,6 +168,10 @@ class DistillConfig:
                 f"on_policy_tokens must be between 0 and teacher_tokens ({self.teacher_tokens}), "
                 f"got {self.on_policy_tokens}"
             )
+        if self.unroll > 1 and not self.arch.eagle:
+            raise ConfigError("--unroll trains an eagle head drafting on its own features: use it with --arch eagle")
+        if self.unroll >= self.seq_len:
+            raise ConfigError(f"--unroll {self.unroll} needs a longer --seq-len than {self.seq_len}: lower --unroll")
         if bool(self.data) == bool(self.teacher_data):
             raise ConfigError(
                 "training data comes from --data (text files, folders or JSONL prompt files) or from --teacher-data "
@@ -300,17 +308,33 @@ def _kept(counts: Counter, keep: int, vocab_size: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def teacher_from_data(target: LoadedModel, config: DistillConfig, progress: Progress) -> TeacherData:
-    """Teacher data from a `specdec distill-data` folder: windows of ``seq_len`` positions within each sequence (the
-    target's hidden states there were recorded with the tokens), the next token's top-k from those states and the
-    target's output rows; the last shards' windows held out."""
-    windows: list[tuple[torch.Tensor, torch.Tensor]] = []
-    counts: Counter = Counter()
+    """Teacher data from a `specdec distill-data` folder: windows of ``seq_len`` positions within each sequence (from
+    its start, the last one ending at its last recorded state, so each sequence's end is kept), the next token's top-k
+    from the recorded states and the target's output rows; the windows of the last twentieth of the sequences held
+    out whole."""
+    manifest = read_manifest(Path(config.teacher_data))
+    if manifest is not None and manifest["target"] != target.name:
+        raise ConfigError(
+            f"'{config.teacher_data}' was written by '{manifest['target']}', not '{target.name}': distill it with "
+            f"--target {manifest['target']}, or write data with this target"
+        )
+    width = target.model.config.get_text_config().hidden_size
     length = config.seq_len
+    windows: list[tuple[torch.Tensor, torch.Tensor]] = []
+    per_sequence: list[int] = []
+    counts: Counter = Counter()
     for written in read_sequences(config.teacher_data):
-        for start in range(0, len(written.features) - length + 1, length):
-            tokens = written.tokens[start : start + length]
-            windows.append((tokens, written.features[start : start + length]))
-            counts.update(tokens.tolist())
+        if written.features.shape[1] != width:
+            raise ConfigError(
+                f"'{config.teacher_data}' holds states {written.features.shape[1]} wide, not this target's {width}: "
+                "write the data with this target"
+            )
+        last = len(written.features) - length
+        starts = sorted({*range(0, last + 1, length), last}) if last >= 0 else []
+        for start in starts:
+            windows.append((written.tokens[start : start + length], written.features[start : start + length]))
+            counts.update(windows[-1][0].tolist())
+        per_sequence.append(len(starts))
     if len(windows) < 4:
         raise ConfigError(
             f"'{config.teacher_data}' holds {len(windows)} windows of --seq-len {length}: need at least 4 (write more "
@@ -329,8 +353,9 @@ def teacher_from_data(target: LoadedModel, config: DistillConfig, progress: Prog
         top_ids[start : start + len(values)] = indices.int()
         top_logp[start : start + len(values)] = values.half()
         progress("scoring the recorded states", start + len(values), len(windows), {})
+    held_out = min(len(windows) - 1, max(1, sum(per_sequence[-max(1, len(per_sequence) // 20) :])))
     hidden = states if config.arch.eagle else None
-    return TeacherData(tokens, top_ids, top_logp, keep_ids, held_out=max(1, len(windows) // 20), hidden=hidden)
+    return TeacherData(tokens, top_ids, top_logp, keep_ids, held_out=held_out, hidden=hidden)
 
 
 def distill(
@@ -408,7 +433,10 @@ def distill(
         for group in optimizer.param_groups:
             group["lr"] = lr
         rows = torch.randint(0, train_chunks, (config.batch,))
-        loss = batch_loss(target, draft, teacher, rows, noise=EAGLE_FEATURE_NOISE)[0]
+        if config.unroll > 1:
+            loss = unrolled_eagle_loss(target, draft, teacher, rows, EAGLE_FEATURE_NOISE, config.unroll)[0]
+        else:
+            loss = batch_loss(target, draft, teacher, rows, noise=EAGLE_FEATURE_NOISE)[0]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -489,6 +517,7 @@ def start_from(draft, folder: str, target: str) -> None:
 # Relative noise on the input features in training: drafting beyond one token reads the head's own, imperfect ones.
 EAGLE_FEATURE_NOISE = 0.2
 EAGLE_FEATURE_WEIGHT = 0.5  # of the feature regression against the cross-entropy
+EVAL_DEPTH = 3  # drafted tokens an eagle head's held-out agreement is reported for
 
 
 def batch_loss(
@@ -506,16 +535,73 @@ def batch_loss(
         return soft_cross_entropy(logits, top_ids, top_logp), (
             logits.argmax(-1) == top_ids[..., 0].long()
         ).float().mean()
+    loss, _, agreement = unrolled_eagle_loss(target, draft, teacher, rows, noise, 1)
+    return loss, agreement[0]
+
+
+def unrolled_eagle_loss(
+    target: LoadedModel, head, teacher: TeacherData, rows: torch.Tensor, noise: float, depth: int
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """(loss, then each depth's loss and top-1 agreement) of an eagle head drafting ``depth`` tokens on teacher chunks
+    ``rows`` (:func:`unrolled_eagle`). A depth's loss is the cross-entropy against the target's distribution plus the
+    regression of the next state; the total weighs depth d by 0.8^(d - 1)."""
+    top_ids, top_logp = teacher.top_ids[rows], teacher.top_logp[rows]
     states = teacher.hidden[rows].float()
     scale = states.pow(2).mean().sqrt()
+    losses, agreement = [], []
+    for d, (logits, predicted) in enumerate(unrolled_eagle(target, head, teacher, rows, states, noise, depth), 1):
+        regression = torch.nn.functional.smooth_l1_loss(
+            predicted.float() / scale, states[:, d : d + logits.shape[1]] / scale
+        )
+        losses.append(soft_cross_entropy(logits, top_ids[:, d:], top_logp[:, d:]) + EAGLE_FEATURE_WEIGHT * regression)
+        agreement.append((logits.argmax(-1) == top_ids[:, d:, 0].long()).float().mean())
+    return sum(0.8**d * loss for d, loss in enumerate(losses)), losses, agreement
+
+
+def unrolled_eagle(
+    target: LoadedModel,
+    head,
+    teacher: TeacherData,
+    rows: torch.Tensor,
+    states: torch.Tensor,
+    noise: float,
+    depth: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """An eagle head's logits and output features at each depth 1..``depth`` over teacher chunks ``rows`` (their
+    ``states``, float32).
+
+    Depth 1 reads the target's states (f_p, x_{p+1}) at every position p (with relative ``noise``), as when the head
+    drafts the first token after a verified context; depth d >= 2 (the training-time test) reads the head's own feature
+    from depth d - 1 with the true next token, at position p + d - 1, as when it drafts further, and attends to what
+    its cache would hold then: the target-fed entries of positions up to p and its own chain's entries at p.
+    """
+    tokens = teacher.tokens[rows]
+    embed = target.model.get_input_embeddings()
+    n = tokens.shape[1] - 1
+    scale = states.pow(2).mean().sqrt()
     features = states[:, :-1] + noise * scale * torch.randn_like(states[:, :-1]) if noise else states[:, :-1]
-    positions = torch.arange(tokens.shape[1] - 1)[None].expand(len(rows), -1)
-    logits, predicted = head_forward(draft, target.model.get_input_embeddings(), tokens[:, 1:], features, positions)
-    loss = soft_cross_entropy(logits, top_ids[:, 1:], top_logp[:, 1:])
-    loss = loss + EAGLE_FEATURE_WEIGHT * torch.nn.functional.smooth_l1_loss(
-        predicted.float() / scale, states[:, 1:] / scale
-    )
-    return loss, (logits.argmax(-1) == top_ids[:, 1:, 0].long()).float().mean()
+    cache = DynamicCache() if depth > 1 else None
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    widths: list[int] = []
+    for d in range(1, min(depth, n) + 1):
+        width = n - d + 1  # queries p = 0 .. width - 1
+        positions = torch.arange(d - 1, d - 1 + width)[None].expand(len(rows), -1)
+        mask = None if d == 1 else _unrolled_mask(n, widths, width, head.dtype)
+        logits, predicted = head_forward(head, embed, tokens[:, d:], features[:, :width], positions, cache, mask)
+        out.append((logits, predicted))
+        features, widths = predicted[:, : width - 1], widths + [width]
+    return out
+
+
+def _unrolled_mask(n: int, widths: list[int], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [1, 1, width, cached + width] of a depth whose query p sees the first depth's entries 0..p,
+    then entry p of each later depth held (its own chain), and itself."""
+    query = torch.arange(width)[:, None]
+    blocks = [torch.arange(n)[None] <= query]  # the first depth's entries: the target-fed context
+    blocks += [torch.arange(w)[None] == query for w in widths[1:]]
+    blocks.append(torch.arange(width)[None] == query)
+    visible = torch.cat(blocks, dim=1)
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
 
 
 def soft_cross_entropy(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
@@ -577,10 +663,17 @@ def evaluate(
     losses, agreements = [], []
     # Bounded memory: logits are [rows, seq_len, kept vocabulary].
     for rows in torch.arange(chunks - teacher.held_out, chunks).split(8):
-        loss, agree = batch_loss(target, draft, teacher, rows)
-        losses.append(loss)
-        agreements.append(agree)
-    loss, agree = torch.stack(losses).mean(), torch.stack(agreements).mean()
+        if teacher.hidden is None:
+            loss, agree = batch_loss(target, draft, teacher, rows)
+            losses.append(loss)
+            agreements.append([agree])
+        else:  # an eagle head drafting 1, 2, 3 tokens deep, on its own features beyond the first
+            _, depth_losses, agree_by_depth = unrolled_eagle_loss(target, draft, teacher, rows, 0.0, EVAL_DEPTH)
+            losses.append(depth_losses[0])
+            agreements.append(agree_by_depth)
+    loss = torch.stack(losses).mean()
+    by_depth = [float(torch.stack(d).mean()) for d in zip(*agreements, strict=True)]
+    agree = by_depth[0]
     held = teacher.tokens[-teacher.held_out :]
     if teacher.hidden is not None:
         drafter = EagleDrafter(draft, target.model.get_input_embeddings(), target.vocab_size)
@@ -597,4 +690,4 @@ def evaluate(
         "held_out_loss": float(loss),
         "top1_agreement": float(agree),
         "acceptance_rate": accepted / max(proposed, 1),
-    }
+    } | ({"agreement_by_depth": by_depth} if teacher.hidden is not None else {})

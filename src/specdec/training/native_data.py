@@ -22,7 +22,7 @@ import random
 import sysconfig
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -35,7 +35,7 @@ from specdec.drafters.base import Drafter, DrafterCapabilities, DraftSettings, P
 from specdec.engine import Generator
 from specdec.errors import ConfigError
 from specdec.models.target import Target
-from specdec.training.on_policy import chat_template_of, corpus_prompts, general_prompts, mixed_prompts
+from specdec.training.on_policy import chat_template_of, corpus_prompts, general_prompts, mixed_prompts, prompt_ids
 
 MANIFEST = "manifest.json"
 LAYOUT = 1  # the shards' layout, in the manifest: change it with what a shard holds
@@ -92,14 +92,16 @@ class Written:
     prompt_length: int
     temperature: float  # 0: greedy
     features: torch.Tensor  # [T - 1, H] bfloat16
-    row: int = 0  # its row in the run (its settings: ``row_config(config, row)``)
+    # its row in the run (its settings: ``row_config(config, row)``); while a batch decodes, its slot in the batch
+    row: int = 0
 
 
 class FeatureRecorder(Drafter):
     """A drafter that proposes nothing and keeps the target's final hidden states of every position its sequence fed.
 
-    ``sink`` (shared by the forks) has a slot per fork, in the order they are made (a batch forks one per row as its
-    rows join, in prompt order); when a fork's sequence ends whole, its :class:`Written` fills the fork's slot."""
+    ``sink`` (shared by the forks) has a slot per fork, in the order they are made (``generate_batch`` forks one per
+    row as its rows join, in prompt order: ``write_data`` checks each slot against its row's prompt and output); when a
+    fork's sequence ends, its :class:`Written` (``row``: the slot) fills the slot."""
 
     capabilities = DrafterCapabilities(features=True)
 
@@ -122,7 +124,7 @@ class FeatureRecorder(Drafter):
     def finish(self, tokens: torch.Tensor, prompt_length: int) -> None:
         features, self._features = self._features, []
         fed = sum(len(f) for f in features)
-        if fed and fed == len(tokens) - 1 and self.slot >= 0:  # one cut off midway (failed, cancelled) is not kept
+        if fed and fed == len(tokens) - 1 and self.slot >= 0:  # one that left within a step has no whole record
             self.sink[self.slot] = Written(
                 tokens.detach().cpu().clone(), prompt_length, self._temperature, torch.cat(features), self.slot
             )
@@ -161,6 +163,13 @@ def write_data(target: Target, config: DataConfig, progress: Progress = lambda *
             f"writing training data needs a runtime that batches and returns hidden states; '{target.runtime}' does "
             "not: use --runtime native (fastest on a CPU) or transformers"
         )
+    if target.tokenizer is None:
+        raise ConfigError(f"target '{target.name}' has no tokenizer to write prompts with")
+    if config.max_prompt_tokens + config.max_new_tokens > target.backend.max_context:
+        raise ConfigError(
+            f"--max-prompt-tokens {config.max_prompt_tokens} and --max-new-tokens {config.max_new_tokens} exceed the "
+            f"context of {target.backend.max_context} tokens: lower them"
+        )
     out = Path(config.out)
     manifest = read_manifest(out)
     header = {"layout": LAYOUT, "target": target.name, "model": target.backend.info.name, "settings": config.settings()}
@@ -168,18 +177,17 @@ def write_data(target: Target, config: DataConfig, progress: Progress = lambda *
         manifest = {**header, "shards": []}
     elif {k: manifest.get(k) for k in header} != header:
         given, held = {**header, **header["settings"]}, {**manifest, **(manifest.get("settings") or {})}
-        differs = sorted(k for k in given if k != "settings" and held.get(k) != given[k])
+        differs = [f"{k} {held.get(k)!r}" for k in sorted(given) if k != "settings" and held.get(k) != given[k]]
         raise ConfigError(
-            f"'{out}' holds data written with other settings ({', '.join(differs)}): continue it with the same "
-            "settings, or choose another --out"
+            f"'{out}' holds data written with other settings ({', '.join(differs)}): continue it with those (the "
+            "same target, runtime, format and kernel build), or choose another --out"
         )
     out.mkdir(parents=True, exist_ok=True)
     sink: list[Written | None] = []
     generator = Generator(
         target, FeatureRecorder(sink), GenerationConfig(k_policy="fixed"), batch=BatchConfig(k_cap="fixed")
     )
-    bos = getattr(target.tokenizer, "bos_token_id", None) if target.tokenizer is not None else None
-    prompts = prompt_stream(target, config)
+    prompts = encoded_prompts(target, config)
     for _ in range(len(manifest["shards"]) * config.batch):  # the prompts of the shards already written
         next(prompts)
     written = sum(s["new_tokens"] for s in manifest["shards"])
@@ -188,13 +196,18 @@ def write_data(target: Target, config: DataConfig, progress: Progress = lambda *
     while written < config.tokens:
         index = len(manifest["shards"])
         rows = range(index * config.batch, (index + 1) * config.batch)
-        batch = [_cut(generator.encode(next(prompts)), config.max_prompt_tokens, bos) for _ in rows]
+        batch = [next(prompts) for _ in rows]
         configs = [row_config(config, row) for row in rows]
         sink.clear()
         started = time.perf_counter()
-        generator.generate_batch(batch, configs)
+        results = generator.generate_batch(batch, configs)
         took = time.perf_counter() - started
-        shard = _shard([w for w in sink if w is not None], rows.start)
+        kept = [w for w in sink if w is not None]
+        for w in kept:
+            prompt, output = w.tokens[: w.prompt_length].tolist(), w.tokens[w.prompt_length :].tolist()
+            if prompt != batch[w.row] or output != results[w.row].token_ids:
+                raise RuntimeError(f"recorded sequence {w.row} is not its row's: the batch forked rows out of order")
+        shard = _shard([replace(w, row=rows.start + w.row) for w in kept])
         name = f"shard-{index:05d}.safetensors"
         atomic_write_bytes(out / name, save_safetensors(shard))
         new = int((shard["lengths"] - shard["prompt_lengths"]).sum())
@@ -207,6 +220,17 @@ def write_data(target: Target, config: DataConfig, progress: Progress = lambda *
     return manifest
 
 
+def encoded_prompts(target: Target, config: DataConfig) -> Iterator[list[int]]:
+    """The run's prompts as token ids, each cut to its last ``max_prompt_tokens`` (its beginning-of-sequence token
+    kept); an empty one is passed over (the same ones on every run)."""
+    tokenizer = target.tokenizer
+    bos = getattr(tokenizer, "bos_token_id", None)
+    for text in prompt_stream(target, config):
+        ids = prompt_ids(tokenizer, text)
+        if len(ids) > (1 if bos is not None and ids[:1] == [bos] else 0):
+            yield _cut(ids, config.max_prompt_tokens, bos)
+
+
 def _cut(ids: list[int], longest: int, bos: int | None) -> list[int]:
     """A prompt's last ``longest`` tokens, its beginning-of-sequence token kept in front."""
     if len(ids) <= longest:
@@ -216,11 +240,11 @@ def _cut(ids: list[int], longest: int, bos: int | None) -> list[int]:
     return ids[len(ids) - longest :]
 
 
-def _shard(sequences: list[Written], first_row: int) -> dict[str, torch.Tensor]:
+def _shard(sequences: list[Written]) -> dict[str, torch.Tensor]:
     if not sequences:
         raise RuntimeError("a batch ended with no sequence whole: nothing to write (the engine lost its rows)")
     return {
-        "rows": torch.tensor([first_row + w.row for w in sequences], dtype=torch.int64),
+        "rows": torch.tensor([w.row for w in sequences], dtype=torch.int64),
         "tokens": torch.cat([w.tokens for w in sequences]).to(torch.int32),
         "lengths": torch.tensor([len(w.tokens) for w in sequences], dtype=torch.int64),
         "prompt_lengths": torch.tensor([w.prompt_length for w in sequences], dtype=torch.int64),

@@ -116,6 +116,13 @@ def _passage(rng: random.Random, text: str, length: int) -> str:
     return text[start : end if end > 0 else len(text)].strip()
 
 
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """``text``'s token ids as the model reads a prompt: with its beginning-of-sequence token, written once (a chat
+    template's text already starts with it)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
+
+
 def chat_template_of(target: LoadedModel) -> Callable[[str], str] | None:
     """The target's own chat format for one user message, when its tokenizer has one."""
     tokenizer = target.tokenizer
@@ -137,10 +144,8 @@ def continue_prompts(
         raise ConfigError(f"target '{target.name}' has no tokenizer to write prompts with")
     stops = sorted(eos_ids(target)) or [-1]  # the tokens that end the target's turn, as in the engine
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else max(stops[0], 0)
-    bos = getattr(tokenizer, "bos_token", None)
     while group := [p for _, p in zip(range(batch), prompts, strict=False)]:
-        # A chat template already writes the beginning-of-sequence token; do not add a second one.
-        encoded = [tokenizer(p, add_special_tokens=not (bos and p.startswith(bos)))["input_ids"][-512:] for p in group]
+        encoded = [prompt_ids(tokenizer, p)[-512:] for p in group]
         width = max(map(len, encoded))
         ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
         mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
