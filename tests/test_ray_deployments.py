@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -88,7 +89,6 @@ def test_the_serve_config_file_runs_with_serve_run(
 ) -> None:
     """deploy/specdec-serve.yaml as users run it (`serve run`), with this test's model, port and one small replica."""
     import yaml
-    from ray import serve
 
     config = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "specdec-serve.yaml").read_text())
     port = _free_port()
@@ -121,9 +121,16 @@ def test_the_serve_config_file_runs_with_serve_run(
         except subprocess.TimeoutExpired:  # Serve must not outlive the test (its proxy would keep this port)
             process.kill()
             process.wait()
-            serve.shutdown()
+            _shut_serve_down(ray_cluster)
             stopped = False
     assert stopped, "`serve run` did not stop within 120 s of SIGINT"
+
+
+def _shut_serve_down(address: str) -> None:
+    """Serve's applications on the cluster shut down from a fresh driver: this process's cached handle may point at a
+    controller an earlier test's shutdown killed, and then finds nothing to shut down while `serve run`'s stays."""
+    code = "import sys, ray; from ray import serve; ray.init(address=sys.argv[1]); serve.shutdown()"
+    subprocess.run([sys.executable, "-c", code, address], check=True, timeout=180, capture_output=True)
 
 
 @pytest.mark.slow

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -24,6 +26,9 @@ from specdec.models import DEFAULT_TARGET
 from specdec.training.distill import DistillConfig
 from specdec.training.native_data import DataConfig
 from specdec.training.ngram import NgramBuildConfig
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 Data = Annotated[
     list[str] | None,
@@ -72,6 +77,33 @@ InitFrom = Annotated[
 Resume = Annotated[bool, typer.Option(help="Continue the distillation saved in --out.")]
 
 
+@contextmanager
+def phases() -> Iterator[Callable[[str, float, float, dict], None]]:
+    """A progress bar per phase of a long run on stderr: the ``progress`` callback training runs report through."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} {task.fields[figures]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=err) as progress:
+        tasks: dict[str, TaskID] = {}
+
+        def report(phase: str, done: float, total: float, figures: dict) -> None:
+            if phase not in tasks:
+                tasks[phase] = progress.add_task(phase, total=total, figures="")
+            text = ", ".join(
+                f"{k.replace('_', ' ')} {v:.3f}" if k == "loss" else f"{k.replace('_', ' ')} {v:.0f}"
+                for k, v in figures.items()
+            )
+            progress.update(tasks[phase], completed=done, total=total, figures=text)
+
+        yield report
+
+
 @user_errors
 def distill(
     out: DraftOut,
@@ -109,8 +141,6 @@ def distill(
 ) -> None:
     """Distil a draft model for a target: the target scores the data once (or its recorded states do, with
     --teacher-data), then a small draft learns to match it."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
     from specdec.models import load_model
     from specdec.training.distill import DistillConfig, DraftArch
     from specdec.training.distill import distill as run_distill
@@ -137,22 +167,7 @@ def distill(
     )
     with status(f"loading {target}"):
         model = load_model(target)
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed:.0f}/{task.total:.0f} {task.fields[figures]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=err) as progress:
-        tasks: dict[str, object] = {}
-
-        def report(phase: str, done: float, total: float, figures: dict) -> None:
-            if phase not in tasks:
-                tasks[phase] = progress.add_task(phase, total=total, figures="")
-            text = ", ".join(f"{k} {v:.3f}" if k == "loss" else f"{k} {v:.0f}" for k, v in figures.items())
-            progress.update(tasks[phase], completed=done, total=total, figures=text)
-
+    with phases() as report:
         record = run_distill(model, config, resume=resume, progress=report)
     last = record["evaluations"][-1]
     console.print(
@@ -200,8 +215,6 @@ def distill_data(
 ) -> None:
     """Have the target write training data for a feature-reading draft head: its own continuations, greedy and
     sampled, with the hidden states the head reads, decoded in batches (resumable: run it again to continue)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
     from specdec.models import open_target
     from specdec.training.native_data import write_data
 
@@ -218,20 +231,7 @@ def distill_data(
     )
     with status(f"loading {target}"):
         model = open_target(target, RuntimeConfig(backend=backend, native_format=native_format))
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed:.0f}/{task.total:.0f} new tokens {task.fields[figures]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=err) as progress:
-        task = progress.add_task("the target writes", total=tokens, figures="")
-
-        def report(phase: str, done: float, total: float, figures: dict) -> None:
-            text = ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in figures.items())
-            progress.update(task, completed=done, total=total, figures=text)
-
+    with phases() as report:
         manifest = write_data(model, config, progress=report)
     shards = manifest["shards"]
     new = sum(s["new_tokens"] for s in shards)
