@@ -98,7 +98,9 @@ def test_the_serve_config_file_runs_with_serve_run(
     args |= {"target": str(folder), "replicas": 1, "max_replicas": 2, "cpus_per_replica": 1, "max_batch": 4}
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
     command = [shutil.which("serve"), "run", str(tmp_path / "serve.yaml"), "--address", ray_cluster]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "serve-run.log"  # what `serve run` said, for a failure's message
+    with log.open("w") as sink:  # the child keeps its own handle
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     stopped = True
     try:
@@ -123,7 +125,8 @@ def test_the_serve_config_file_runs_with_serve_run(
             process.wait()
             _shut_serve_down(ray_cluster)
             stopped = False
-    assert stopped, "`serve run` did not stop within 120 s of SIGINT"
+    said = log.read_text(errors="replace").splitlines()[-15:]
+    assert stopped, "`serve run` did not stop within 120 s of SIGINT; its last lines:\n" + "\n".join(said)
 
 
 def _shut_serve_down(address: str) -> None:
