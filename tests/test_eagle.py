@@ -410,7 +410,7 @@ def test_the_training_time_test_sees_what_the_head_sees_when_it_drafts() -> None
     teacher = TeacherData(tokens, top_ids, torch.zeros(2, 9, 4, dtype=torch.float16), keep_ids, 1, hidden)
     rows = torch.arange(2)
     states = hidden.float()
-    (l1, f1), (l2, f2), (l3, _) = unrolled_eagle(target, head, teacher, rows, states, 0.0, 3)
+    (l1, f1), (l2, f2), (l3, _) = unrolled_eagle(target, head, tokens, states[:, :-1], 3)
     embed = model.get_input_embeddings()
     for p in range(6):
         cache = DynamicCache()

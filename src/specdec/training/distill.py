@@ -287,14 +287,19 @@ def score_with_teacher(
         ids = tokens[start : start + config.batch]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             hidden = target.model.model(input_ids=ids).last_hidden_state
-            logp = torch.log_softmax((hidden @ head.T).float(), dim=-1)
-        values, indices = logp.topk(top_k, dim=-1)
-        top_ids[start : start + len(ids)] = indices.int()
-        top_logp[start : start + len(ids)] = values.half()
+            logits = hidden @ head.T
+        top_ids[start : start + len(ids)], top_logp[start : start + len(ids)] = _top(logits, top_k)
         if states is not None:
             states[start : start + len(ids)] = hidden.to(torch.bfloat16)
         progress("scoring with the target", start + len(ids), chunks, {})
     return TeacherData(tokens, top_ids, top_logp, keep_ids, held_out=max(1, chunks // 20), hidden=states)
+
+
+def _top(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's entries of ``logits`` over the kept vocabulary: the ``top_k`` indices (int32) and their
+    log-probabilities (float16)."""
+    values, indices = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    return indices.int(), values.half()
 
 
 def _kept(counts: Counter, keep: int, vocab_size: int) -> torch.Tensor:
@@ -348,11 +353,9 @@ def teacher_from_data(target: LoadedModel, config: DistillConfig, progress: Prog
     top_ids = torch.empty(len(windows), length, top_k, dtype=torch.int32)
     top_logp = torch.empty(len(windows), length, top_k, dtype=torch.float16)
     for start in range(0, len(windows), config.batch):
-        logp = torch.log_softmax(states[start : start + config.batch].float() @ head.T, dim=-1)
-        values, indices = logp.topk(top_k, dim=-1)
-        top_ids[start : start + len(values)] = indices.int()
-        top_logp[start : start + len(values)] = values.half()
-        progress("scoring the recorded states", start + len(values), len(windows), {})
+        logits = states[start : start + config.batch].float() @ head.T
+        top_ids[start : start + len(logits)], top_logp[start : start + len(logits)] = _top(logits, top_k)
+        progress("scoring the recorded states", start + len(logits), len(windows), {})
     held_out = min(len(windows) - 1, max(1, sum(per_sequence[-max(1, len(per_sequence) // 20) :])))
     hidden = states if config.arch.eagle else None
     return TeacherData(tokens, top_ids, top_logp, keep_ids, held_out=held_out, hidden=hidden)
@@ -548,8 +551,9 @@ def unrolled_eagle_loss(
     top_ids, top_logp = teacher.top_ids[rows], teacher.top_logp[rows]
     states = teacher.hidden[rows].float()
     scale = states.pow(2).mean().sqrt()
+    features = states[:, :-1] + noise * scale * torch.randn_like(states[:, :-1]) if noise else states[:, :-1]
     losses, agreement = [], []
-    for d, (logits, predicted) in enumerate(unrolled_eagle(target, head, teacher, rows, states, noise, depth), 1):
+    for d, (logits, predicted) in enumerate(unrolled_eagle(target, head, teacher.tokens[rows], features, depth), 1):
         regression = torch.nn.functional.smooth_l1_loss(
             predicted.float() / scale, states[:, d : d + logits.shape[1]] / scale
         )
@@ -559,33 +563,24 @@ def unrolled_eagle_loss(
 
 
 def unrolled_eagle(
-    target: LoadedModel,
-    head,
-    teacher: TeacherData,
-    rows: torch.Tensor,
-    states: torch.Tensor,
-    noise: float,
-    depth: int,
+    target: LoadedModel, head, tokens: torch.Tensor, features: torch.Tensor, depth: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """An eagle head's logits and output features at each depth 1..``depth`` over teacher chunks ``rows`` (their
-    ``states``, float32).
+    """An eagle head's logits and output features at each depth 1..``depth`` over chunks ``tokens`` [B, L] whose
+    target states at positions 0..L-2 are ``features`` [B, L - 1, H].
 
-    Depth 1 reads the target's states (f_p, x_{p+1}) at every position p (with relative ``noise``), as when the head
+    Depth 1 reads the target's states (f_p, x_{p+1}) at every position p, as when the head
     drafts the first token after a verified context; depth d >= 2 (the training-time test) reads the head's own feature
     from depth d - 1 with the true next token, at position p + d - 1, as when it drafts further, and attends to what
     its cache would hold then: the target-fed entries of positions up to p and its own chain's entries at p.
     """
-    tokens = teacher.tokens[rows]
     embed = target.model.get_input_embeddings()
     n = tokens.shape[1] - 1
-    scale = states.pow(2).mean().sqrt()
-    features = states[:, :-1] + noise * scale * torch.randn_like(states[:, :-1]) if noise else states[:, :-1]
     cache = DynamicCache() if depth > 1 else None
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     widths: list[int] = []
     for d in range(1, min(depth, n) + 1):
         width = n - d + 1  # queries p = 0 .. width - 1
-        positions = torch.arange(d - 1, d - 1 + width)[None].expand(len(rows), -1)
+        positions = torch.arange(d - 1, d - 1 + width)[None].expand(len(tokens), -1)
         mask = None if d == 1 else _unrolled_mask(n, widths, width, head.dtype)
         logits, predicted = head_forward(head, embed, tokens[:, d:], features[:, :width], positions, cache, mask)
         out.append((logits, predicted))
