@@ -329,6 +329,10 @@ COMMANDS_TEXT = """
 2026-12-07-cpu-kernel-steps-intel.json
   python benchmarks/kernel_steps.py --out ${J}2026-12-07-cpu-kernel-steps-intel.json --llama-bench $LLAMA_BENCH
   --llama-bench-avx2 $LLAMA_BENCH_AVX2 --llama-bench-avx2-vnni $LLAMA_BENCH_AVX2_VNNI
+2026-12-07-cpu-model-sizes-avx2-intel.json
+  SPECDEC_KERNELS=avx2 python benchmarks/model_sizes.py --work /tmp/sizes
+  --out ${J}2026-12-07-cpu-model-sizes-avx2-intel.json --sizes 1b,3b --backends native-int4
+  --llama-bench $LLAMA_BENCH_AVX2 --tokens 64 --acceptance 0.7
 """
 VARIABLES = {
     "J": "benchmarks/results/",
@@ -528,9 +532,16 @@ def latest(entries: Iterable[tuple[Hashable, Result, Any]]) -> dict[Any, tuple[R
     return kept
 
 
-def newest_per_machine(results: list[Result]) -> list[Result]:
-    """For results that are one measurement as a whole: the newest per machine."""
-    return [r for r, _ in latest((r.machine, r, None) for r in results).values()]
+def newest_per_machine(results: list[Result], by_build: bool = False) -> list[Result]:
+    """For results that are one measurement as a whole: the newest per machine (and ``by_build``: per kernel build,
+    a build forced by its command's SPECDEC_KERNELS apart from the machine's own)."""
+    return [r for r, _ in latest(((r.machine, by_build and forced_build(r)), r, None) for r in results).values()]
+
+
+def forced_build(r: Result) -> str:
+    """The kernel build a result's command forced (``SPECDEC_KERNELS=...``), or "" for the machine's own."""
+    found = re.match(r"SPECDEC_KERNELS=(\S+) ", COMMANDS.get(r.name) or "")
+    return found.group(1) if found else ""
 
 
 def plan(describe: str) -> str:
@@ -953,7 +964,8 @@ def tune(results: list[Result]) -> list[Block]:
 
 def model_sizes(results: list[Result]) -> list[Block]:
     blocks = []
-    for r in newest_per_machine(results):
+    for r in newest_per_machine(results, by_build=True):
+        on = f"{r.machine}, the {forced_build(r)} build (forced)" if forced_build(r) else r.machine
         speed, memory = [], []
         alphas = list(next(iter(r.data["sizes"].values()))["backends"].values())[0]["oracle"]
         for size, s in r.data["sizes"].items():
@@ -999,7 +1011,7 @@ def model_sizes(results: list[Result]) -> list[Block]:
         header = ["size", "runtime", "target-only tok/s", "x llama.cpp greedy", "x llama-bench"]
         header += [f"a={a}: x own (predicted) / x llama.cpp greedy" for a in alphas]
         note = "Random weights in real shapes; an oracle drafter right with probability a, k the cost model's; one run."
-        title = f"Model sizes: target-only and speculation (`benchmarks/model_sizes.py`) on {r.machine}, {r.date}"
+        title = f"Model sizes: target-only and speculation (`benchmarks/model_sizes.py`) on {on}, {r.date}"
         blocks.append(block("Across runtimes", title, header, speed, [r], note))
         if memory:
             header = [
@@ -1011,7 +1023,7 @@ def model_sizes(results: list[Result]) -> list[Block]:
             ]
             header += ["start from cache s", "peak RSS generating MB"]
             note = f"The same run; measured read bandwidth {r.data['machine']['read_GBps']:.1f} GB/s."
-            title = f"Model sizes: bytes, bandwidth and memory on {r.machine}, {r.date}"
+            title = f"Model sizes: bytes, bandwidth and memory on {on}, {r.date}"
             blocks.append(block("Across runtimes", title, header, memory, [r], note))
     return blocks
 
