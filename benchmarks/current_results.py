@@ -333,6 +333,8 @@ COMMANDS_TEXT = """
   SPECDEC_KERNELS=avx2 python benchmarks/model_sizes.py --work /tmp/sizes
   --out ${J}2026-12-07-cpu-model-sizes-avx2-intel.json --sizes 1b,3b --backends native-int4
   --llama-bench $LLAMA_BENCH_AVX2 --tokens 64 --acceptance 0.7
+2026-12-07-cpu-greedy-head.json
+  python benchmarks/greedy_head.py --out ${J}2026-12-07-cpu-greedy-head.json
 """
 VARIABLES = {
     "J": "benchmarks/results/",
@@ -495,6 +497,7 @@ def kind(data: Any) -> str:
         "soak": "soak",
         "grids": "int4-grids",
         "engines": "grammar-mask",
+        "greedy_head": "greedy-head",
     }
     found = [name for key, name in shapes.items() if key in data]
     return found[0] if found else "ppl" if all(" " in key for key in data) else "unknown"
@@ -747,6 +750,23 @@ def int4_grids(results: list[Result]) -> list[Block]:
     header = ["grid (per 32 inputs)", "bits a weight", "perplexity", "KL from float32", "machine", "date", "result"]
     title = "4-bit weight grids judged before kernels (`benchmarks/int4_grids.py`: Gemma-3-270M, float32 activations)"
     return [block("native", title, header, cells, used)] if cells else []
+
+
+def greedy_head(results: list[Result]) -> list[Block]:
+    """benchmarks/greedy_head.py: a greedy step with the logits written and their argmax taken, against the output
+    head's own argmax, per forced build."""
+    used = newest_per_machine(results)
+    cells = [
+        [build, name.removeprefix("gemma-3-270m "), f"{m['logits']:.2f}", f"{m['argmax']:.2f}", f"{m['ratio']:.3f}"]
+        + [r.machine, r.date, r.link]
+        for r in used
+        for build, parts in r.data["greedy_head"].items()
+        for name, m in parts.items()
+        if name != "build"
+    ]
+    header = ["build", "format x positions", "logits, then argmax ms", "head's argmax ms", "ratio", "machine", "date"]
+    title = "Greedy steps without logits (`benchmarks/greedy_head.py`: Gemma-3-270M, 64 cached tokens, median)"
+    return [block("native", title, header + ["result"], cells, used)] if cells else []
 
 
 def soak(results: list[Result]) -> list[Block]:
@@ -1219,6 +1239,7 @@ WRITERS: dict[str, Callable[[list[Result]], list[Block]]] = {
     "soak": soak,
     "int4-grids": int4_grids,
     "grammar-mask": grammar_mask,
+    "greedy-head": greedy_head,
 }
 
 

@@ -136,17 +136,14 @@ def test_greedy_check_catches_a_broken_engine(
 ) -> None:
     import specdec.verification.verifiers as verifiers
 
-    real_verify = verifiers.verify
+    real_verify = verifiers.verify_greedy
 
-    def accept_everything(draft_tokens, draft_lengths, target_logits, *args, **kwargs) -> Verdict:
-        verdict = real_verify(draft_tokens, draft_lengths, target_logits, *args, **kwargs)
+    def accept_everything(draft_tokens, draft_lengths, choice) -> Verdict:
+        verdict = real_verify(draft_tokens, draft_lengths, choice)
         rows = torch.arange(draft_tokens.shape[0])
-        return Verdict(
-            draft_lengths,
-            target_logits[rows, draft_lengths].argmax(-1) if draft_tokens.shape[1] else verdict.next_token,
-        )
+        return Verdict(draft_lengths, choice[rows, draft_lengths] if draft_tokens.shape[1] else verdict.next_token)
 
-    monkeypatch.setattr(verifiers, "verify", accept_everything)
+    monkeypatch.setattr(verifiers, "verify_greedy", accept_everything)
     loose = _bench(tiny_folder, prompts, tmp_path / "loose", "--methods", "none,prompt-lookup")
     assert loose.exit_code == 0, loose.output
     data = json.loads((tmp_path / "loose" / "results.json").read_text())

@@ -183,6 +183,11 @@ class Recording:
         self.writes += [(start + i, int(t)) for i, t in enumerate(tokens[0])]
         return self.inner.forward(tokens, last, tree, features)
 
+    def forward_argmax(
+        self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None, features: bool = False
+    ) -> torch.Tensor:
+        return self.forward(tokens, last, tree, features).max(dim=-1).indices
+
     def truncate(self, length: int, branch: list[int] | None = None) -> None:
         if length < self.kept:
             self.dropped.append((self.kept, length))

@@ -48,6 +48,23 @@ def test_int4_products_equal_their_reference_and_a_rows_bits_do_not_depend_on_it
     assert float((alone - exact).norm() / exact.norm()) < 0.02  # what int8 activations add to the 4-bit weights
 
 
+@pytest.mark.parametrize("threads", [1, 3], indirect=True)
+def test_the_heads_argmax_is_that_of_its_logits_without_writing_them(threads: int) -> None:
+    """``linear_argmax`` gives the first index of each row's largest logit, whatever the rows beside it (1 row on VNNI,
+    2 or more in AMX tiles where this CPU has them): ties go to the first index, and the padding of the last block
+    (outputs of 0) never wins over logits that are all negative."""
+    generator = torch.Generator().manual_seed(threads)
+    weight = -torch.rand(600, 256, generator=generator) - 0.5  # 600 outputs: a partial last block
+    weight[[5, 77, 300, 599]] = -0.01  # four equal rows, the largest logits: index 5 must win
+    heads = formats.PackedInt8(weight), formats.PackedInt8(torch.randn(600, 256, generator=generator))
+    for head in heads:
+        for n in (1, 2, 9, 17):
+            x = torch.rand(n, 256, generator=generator) + 0.1  # positive: every logit of the first head is negative
+            logits = formats.linear(x, head)
+            assert torch.equal(formats.linear_argmax(x, head), logits.max(dim=-1).indices), n
+    assert bool((formats.linear(x, heads[0]) < 0).all()) and formats.linear_argmax(x, heads[0]).tolist() == [5] * 17
+
+
 @pytest.mark.parametrize("size", [1.0, 1e-3])  # 1e-3: steps among float16's subnormals
 def test_weights_on_a_4bit_grid_are_packed_without_loss(size: float) -> None:
     """A group already on a grid d u + m (float16 d and m, u in 0..15 spanning 0 and 15), as a Q4_1 GGUF's weights

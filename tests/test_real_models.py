@@ -142,6 +142,9 @@ def test_native_backend_speculation_equals_its_own_target_only(target: str, form
             got = drafted.generate(prompt, max_new_tokens=32, k=8, k_policy=k_policy)
             assert got.token_ids == expected, (target, k_policy, prompt)
             accepted += got.stats.draft_tokens_accepted
+            if k_policy == "fixed":  # logprobs make the steps write and read the logits: the same argmaxes
+                with_logits = drafted.generate(prompt, max_new_tokens=32, k=8, k_policy=k_policy, logprobs=0)
+                assert with_logits.token_ids == expected and with_logits.logprobs, (target, prompt)
     assert accepted > 0
     if target == "gemma-3-270m":
         with pytest.raises(ConfigError, match="distilled draft runs on the target's own embedding"):

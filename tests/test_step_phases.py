@@ -263,6 +263,61 @@ def test_the_dispatch_judges_each_kind_by_its_verifier() -> None:
     assert Rule.of(SamplingConfig(temperature=0.7), typical) is Rule.TYPICAL
 
 
+class ArgmaxTarget(ScriptedTarget):
+    """A scripted target that also gives each position's argmax alone, and records which of the two it was asked."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__(rows)
+        self.asked: list[str] = []
+
+    def forward(self, row_ids, feeds, last, trees=None, features=False) -> torch.Tensor:
+        self.asked.append("logits")
+        return super().forward(row_ids, feeds, last, trees, features)
+
+    def forward_argmax(self, row_ids, feeds, last, trees=None, features=False) -> torch.Tensor:
+        self.asked.append("argmax")
+        return super().forward(row_ids, feeds, last, trees, features).max(dim=-1).indices
+
+
+def test_greedy_rows_whose_logits_nothing_reshapes_are_judged_from_the_argmaxes_alone() -> None:
+    """A batch of plain greedy rows asks the target for argmaxes only (no logits written; none kept in the outcome),
+    with the verdicts the logits give; one row that reads its logits (logprobs) makes the batch ask for logits."""
+    judged = [[5, 6, 7, 9], [4, 6, 7, 9], [5, 4, 7, 9]]
+    verdicts = {}
+    for reader in (False, True):
+        target = ArgmaxTarget(3)
+        target.script = dict(enumerate(judged))
+        rows = [make_row([5, 6, 7], k=3) for _ in range(2)] + [make_row([5, 6, 7], k=3, logprobs=1 if reader else None)]
+        outcomes = speculative_step(target, [0, 1, 2], rows)
+        assert target.asked == ["logits" if reader else "argmax"]
+        assert all((outcome.logits is None) is not reader for outcome in outcomes)
+        verdicts[reader] = [row.tokens[len(PROMPT) :].tolist() for row in rows]
+    assert verdicts[False] == verdicts[True] == [[5, 6, 7, 9], [4], [5, 4]]
+
+
+def test_a_row_needs_its_logits_when_anything_reshapes_or_reads_them() -> None:
+    from specdec.config import GuardConfig
+    from specdec.grammar import Constraint
+    from specdec.guards import Guards
+    from specdec.scheduling.k_policy import PerplexityK
+
+    assert make_row().argmax_only
+    assert not make_row(temperature=0.7).argmax_only  # sampled: the whole law
+    assert not make_row(logprobs=0).argmax_only
+    biased = make_row()
+    biased.config = GenerationConfig(k=4, sampling=SamplingConfig(frequency_penalty=0.5))
+    assert not biased.argmax_only
+    assert not make_row(typical_acceptance=TypicalAcceptance()).argmax_only
+    assert not make_row(policy=PerplexityK(max_k=4)).argmax_only
+    guarded = make_row()
+    guarded.guards = Guards(GuardConfig(repetition=True), len(PROMPT))
+    assert not guarded.argmax_only
+    guarded.guards = Guards(GuardConfig(), len(PROMPT))  # guards that leave the logits alone
+    assert guarded.argmax_only
+    guarded.constraint = Constraint.__new__(Constraint)  # a grammar masks them
+    assert not guarded.argmax_only
+
+
 # Phase 4: commit.
 
 

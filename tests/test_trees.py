@@ -30,7 +30,7 @@ from specdec.scheduling import CostCurve, KPolicy
 from specdec.scheduling.k_policy import TREE_TRIAL_EVERY, CostModelK, StepOutcome
 from specdec.seeds import rng_on
 from specdec.verification import Uniforms
-from specdec.verification.sampling import draw
+from specdec.verification.sampling import draw, greedy
 from specdec.verification.shaping import to_probs
 from specdec.verification.tree import verify_tree_greedy
 
@@ -62,7 +62,7 @@ def test_greedy_tree_verdicts_for_a_batch() -> None:
     parents = torch.tensor([[-1, -1, 1, 1], [-1, 0, -1, -1], [-1, -1, -1, -1]])
     argmax = torch.tensor([[7, 0, 8, 0, 0], [3, 0, 0, 0, 0], [6, 0, 0, 0, 0]])  # column j + 1 judges node j's children
     logits = torch.nn.functional.one_hot(argmax, vocab).float()
-    verdict = verify_tree_greedy(tokens, parents, torch.tensor([4, 2, 0]), logits)
+    verdict = verify_tree_greedy(tokens, parents, torch.tensor([4, 2, 0]), greedy(logits))
     assert verdict.per_row() == [([1, 3], 0), ([], 3), ([], 6)]
 
 
@@ -469,11 +469,11 @@ def test_the_proposal_contract_is_enforced() -> None:
         Proposal(torch.tensor([1, 2, 3]), q, tree, torch.tensor([0.9, 0.5, 0.4]))
     Proposal(torch.tensor([1, 2, 3]), q, chain, torch.tensor([0.9, 0.5, 0.4]))
     Proposal(torch.tensor([1, 2, 3]), None, tree, torch.tensor([0.9, 0.5, 0.4]))
-    logits = torch.zeros(1, 4, VOCAB)
+    choice = greedy(torch.zeros(1, 4, VOCAB))
     with pytest.raises(ValueError, match="two siblings with the same token"):
-        verify_tree_greedy(torch.tensor([[4, 4, 1]]), tree[None], torch.tensor([3]), logits)
-    verify_tree_greedy(torch.tensor([[4, 5, 4]]), tree[None], torch.tensor([3]), logits)  # cousins may repeat a token
-    verify_tree_greedy(torch.tensor([[4, 5, 4]]), tree[None], torch.tensor([2]), logits)  # past a row's count: ignored
+        verify_tree_greedy(torch.tensor([[4, 4, 1]]), tree[None], torch.tensor([3]), choice)
+    verify_tree_greedy(torch.tensor([[4, 5, 4]]), tree[None], torch.tensor([3]), choice)  # cousins may repeat a token
+    verify_tree_greedy(torch.tensor([[4, 5, 4]]), tree[None], torch.tensor([2]), choice)  # past a row's count: ignored
 
 
 class AlwaysTrees(PromptLookupDrafter):

@@ -40,6 +40,8 @@ COMPACT = {"whitespace_flexible": False}
 class NoConstraint:
     """The constraint of a sequence without a grammar: the step calls it like :class:`Constraint`, nothing changes."""
 
+    reads_logits = False  # mask leaves the logits as they are
+
     def allowed(self, drafts: torch.Tensor, links: torch.Tensor) -> int:
         return len(drafts)
 
@@ -52,6 +54,8 @@ class NoConstraint:
 
 class Constraint:
     """One sequence's grammar state (an llguidance matcher after its accepted output)."""
+
+    reads_logits = True  # mask sets what the grammar forbids to -inf
 
     def __init__(self, matcher, vocab_size: int) -> None:
         self.matcher = matcher

@@ -149,6 +149,8 @@ class NoGuards:
     """The guard hook of a sequence without guards: the decode step calls it like :class:`Guards`, and nothing
     changes."""
 
+    reads_logits = False  # adjust leaves the logits as they are
+
     def anchor_due(self, new_tokens: int) -> bool:
         return False
 
@@ -185,6 +187,11 @@ class Guards:
         self._ngrams: dict[tuple[int, ...], set[int]] | None = None
         # the last drafts scanned: the accepted length they followed, the drafts, LoopScan.extend's answer
         self._drafts: tuple[int, list[int], list[int | None]] = (0, [], [])
+
+    @property
+    def reads_logits(self) -> bool:
+        """Whether adjust changes the logits (the repetition guard masks them; a schedule's temperatures judge them)."""
+        return bool(self.config.repetition) or self.config.temperature_schedule is not None
 
     def _sync(self, context: torch.Tensor) -> None:
         """Read the output ``context`` (prompt and accepted output) holds beyond what was read."""

@@ -118,6 +118,18 @@ class Row:
         return self.tokens.shape[0]
 
     @property
+    def argmax_only(self) -> bool:
+        """Whether its steps need of the target's logits only each position's argmax: greedy, exact, and nothing that
+        reshapes or reads them (bias or penalties, a grammar, guards, logprobs, a k policy that reads them)."""
+        c = self.config
+        return (
+            self.rule is Rule.GREEDY
+            and not c.sampling.processed
+            and c.logprobs is None
+            and not (self.guards.reads_logits or self.constraint.reads_logits or self.policy.reads_logits)
+        )
+
+    @property
     def draft_settings(self) -> DraftSettings:
         return DraftSettings(self.config.sampling, self.seeds, self.policy.min_confidence, self.scope)
 

@@ -7,7 +7,9 @@ One step, for rows of any number (batch 1 is a batch: one sequence decodes on a
    a step yields the accepted drafts plus one target token, never past max_new_tokens or the context; nothing on a
    guard's anchor step), then its drafter's proposal, cut to what the row keeps;
 2. **score**: each row is fed the tokens its cache lacks (the whole prompt at its first step, afterwards the pending
-   token, the last one produced) followed by its drafts, all rows in ONE target forward;
+   token, the last one produced) followed by its drafts, all rows in ONE target forward, which returns each
+   position's logits, or only its argmax where every row is greedy and nothing reshapes its logits
+   (``Row.argmax_only``: the target then need not write them);
 3. **verify**: each row's logits are processed (bias and penalties, verification/processors.py, then its grammar's
    mask, grammar.py: each position from its own context, drafts included), its guards adjust them, then the verifier
    of its kind judges the drafts (verification/verifiers.py). A sampled row's uniforms are keyed by position
@@ -92,12 +94,13 @@ def speculative_step(
                 step.proposal, step.shape = draft(row, step.plan, drafting)
             step.draft_s = drafting.seconds
         steps.append(step)
+    argmax = all(step.row.argmax_only for step in steps)
     with Timer() as judging:
-        logits = score(target, steps)
-        verify_rows(steps, logits)
+        scores = score(target, steps, argmax)
+        verify_rows(steps, scores, argmax)
     features = target.last_features if any(step.row.drafter.capabilities.features for step in steps) else None
     return [
-        commit(target, step, logits[i], None if features is None else features[i], judging.seconds)
+        commit(target, step, None if argmax else scores[i], None if features is None else features[i], judging.seconds)
         for i, step in enumerate(steps)
     ]
 
@@ -138,9 +141,9 @@ def draft(row: Row, draft_plan: DraftPlan, drafting: Timer) -> tuple[Proposal, S
     return replace(proposal, tokens=proposal.tokens.cpu()), TREES.drafted(row, proposal)
 
 
-def score(target: RowBackend, steps: list[RowStep]) -> torch.Tensor:
-    """Phase 2: one target forward over every row's missing context and drafts; logits [B, width + 1, V] with
-    position j of row i judging that row's draft j."""
+def score(target: RowBackend, steps: list[RowStep], argmax: bool = False) -> torch.Tensor:
+    """Phase 2: one target forward over every row's missing context and drafts; logits [B, width + 1, V] (with
+    ``argmax``: their argmaxes [B, width + 1]) with position j of row i judging that row's draft j."""
     feeds = []
     for step in steps:
         uncached = step.row.tokens[target.cached_lengths[step.row_id] :]
@@ -149,25 +152,27 @@ def score(target: RowBackend, steps: list[RowStep]) -> torch.Tensor:
     trees = [step.shape.tree_of(step.proposal) for step in steps]
     sizes = [len(step.proposal) for step in steps]
     reads_hidden = any(step.row.drafter.capabilities.features for step in steps)
-    logits = target.forward([step.row_id for step in steps], feeds, max(sizes) + 1, trees, reads_hidden)
-    return _align(logits, sizes)
+    forward = target.forward_argmax if argmax else target.forward
+    scores = forward([step.row_id for step in steps], feeds, max(sizes) + 1, trees, reads_hidden)
+    return _align(scores, sizes)
 
 
-def _align(logits: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Shift each row's logits left, in place, by what it drafted less than the widest (feeds end in their drafts), so
-    that column j of row i judges its draft j; columns past a row's drafts are left as they were (nobody reads them)."""
-    width = logits.shape[1] - 1
+def _align(scores: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Shift each row's logits (or argmaxes) left, in place, by what it drafted less than the widest (feeds end in
+    their drafts), so that column j of row i judges its draft j; columns past a row's drafts are left as they were
+    (nobody reads them)."""
+    width = scores.shape[1] - 1
     for i, n in enumerate(sizes):
         if n < width:  # copied row by row: a gather over the vocabulary would move every row and an index as large
-            logits[i, : n + 1] = logits[i, width - n :].clone()
-    return logits
+            scores[i, : n + 1] = scores[i, width - n :].clone()
+    return scores
 
 
-def verify_rows(steps: list[RowStep], logits: torch.Tensor) -> None:
+def verify_rows(steps: list[RowStep], scores: torch.Tensor, argmax: bool = False) -> None:
     """Phase 3: each row's bias and penalties and its guards adjust its logits, then the verifier of each row's kind
-    judges its drafts."""
-    device = logits.device
-    tokens = torch.zeros(len(steps), logits.shape[1] - 1, dtype=torch.long)
+    judges its drafts. With ``argmax`` the scores are the target's argmaxes (rows whose logits nothing reshapes)."""
+    device = scores.device
+    tokens = torch.zeros(len(steps), scores.shape[1] - 1, dtype=torch.long)
     parents = torch.full_like(tokens, -1)
     rows = []
     for i, step in enumerate(steps):
@@ -175,26 +180,29 @@ def verify_rows(steps: list[RowStep], logits: torch.Tensor) -> None:
         if n:
             tokens[i, :n] = proposal.tokens
             parents[i, :n] = proposal.links
-        column = logits[i, : n + 1]
-        process(column, row.tokens, row.prompt_length, proposal.tokens, proposal.links, row.config.sampling)
-        row.constraint.mask(column, proposal.tokens, proposal.links)
-        with _guarding(row):  # masks the row's logits in place
-            temperature = row.guards.adjust(row.tokens, proposal.tokens, column)
+        temperature = None
+        if not argmax:
+            column = scores[i, : n + 1]
+            process(column, row.tokens, row.prompt_length, proposal.tokens, proposal.links, row.config.sampling)
+            row.constraint.mask(column, proposal.tokens, proposal.links)
+            with _guarding(row):  # masks the row's logits in place
+                temperature = row.guards.adjust(row.tokens, proposal.tokens, column)
         kind, sampling, typical = Kind(row.rule, step.shape.tree), row.config.sampling, row.config.typical_acceptance
         uniforms = None if sampling.greedy else step.shape.uniforms(row, proposal, device)
         rows.append(RowDrafts(kind, n, sampling, typical, proposal.probs, temperature, uniforms))
     counts = torch.tensor([len(step.proposal) for step in steps]).to(device)
-    verdicts = judge(Drafts(tokens.to(device), parents.to(device), counts, logits, rows))
+    logits, choices = (None, scores) if argmax else (scores, None)
+    verdicts = judge(Drafts(tokens.to(device), parents.to(device), counts, logits, rows, choices))
     for step, (path, token) in zip(steps, verdicts, strict=True):
         step.path, step.next_token = path, token
 
 
 def commit(
-    target: RowBackend, step: RowStep, logits: torch.Tensor, hidden: torch.Tensor | None, target_s: float
+    target: RowBackend, step: RowStep, logits: torch.Tensor | None, hidden: torch.Tensor | None, target_s: float
 ) -> StepOutcome:
     """Phase 4: keep the row's accepted drafts in the cache and its tokens, then let the row observe the outcome.
-    ``logits``: the row's aligned logits; ``hidden``: its fed positions' hidden states, when a drafter of the batch
-    reads them."""
+    ``logits``: the row's aligned logits (None after an argmax step); ``hidden``: its fed positions' hidden states,
+    when a drafter of the batch reads them."""
     row, proposal, path = step.row, step.proposal, step.path
     columns = step.shape.keep(target, step)
     if step.plan.asked:  # a step without drafts leaves the drafter's state as it was
@@ -218,7 +226,7 @@ def commit(
         read_prompt=step.uncached > 1,
         anchored=step.plan.anchored,
         context_length=row.length,
-        logits=logits[columns],  # along the kept path
+        logits=None if logits is None else logits[columns],  # along the kept path
         new_tokens=new_tokens,
     )
     _observe(row, outcome)

@@ -118,6 +118,14 @@ class Backend(Described):
         ``last_features``, from the same forward.
         """
 
+    def forward_argmax(
+        self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None, features: bool = False
+    ) -> torch.Tensor:
+        """As :meth:`forward`, but each position's argmax (the first index of its largest logit), long [1, n or
+        ``last``], instead of its logits: all a greedy step needs where nothing reshapes them. By default the argmax of
+        ``forward``'s logits; a runtime that can find it without writing the logits overrides this."""
+        return self.forward(tokens, last, tree, features).max(dim=-1).indices
+
     @abstractmethod
     def truncate(self, length: int, branch: list[int] | None = None) -> None:
         """Keep only the first ``length`` cached positions; with ``branch`` (cached positions, increasing), the last
@@ -186,6 +194,18 @@ class RowBackend(Described):
         ``trees[i]``, if given and not None, makes the end of feed i a tree; ``features``: see Backend.forward.
         The logits are the caller's until the next forward: the step masks them in place (guards).
         """
+
+    def forward_argmax(
+        self,
+        row_ids: list[int],
+        feeds: list[torch.Tensor],
+        last: int,
+        trees: list[torch.Tensor | None] | None = None,
+        features: bool = False,
+    ) -> torch.Tensor:
+        """As :meth:`forward`, but each position's argmax (the first index of its largest logit), long
+        [len(row_ids), last], instead of its logits (see Backend.forward_argmax)."""
+        return self.forward(row_ids, feeds, last, trees, features).max(dim=-1).indices
 
     @abstractmethod
     def truncate(self, row_id: int, length: int, branch: list[int] | None = None) -> None:
@@ -275,16 +295,36 @@ class OneRow(RowBackend):
         trees: list[torch.Tensor | None] | None = None,
         features: bool = False,
     ) -> torch.Tensor:
+        return self._forward(self.backend.forward, feeds, last, trees, features)
+
+    def forward_argmax(
+        self,
+        row_ids: list[int],
+        feeds: list[torch.Tensor],
+        last: int,
+        trees: list[torch.Tensor | None] | None = None,
+        features: bool = False,
+    ) -> torch.Tensor:
+        return self._forward(self.backend.forward_argmax, feeds, last, trees, features)
+
+    def _forward(
+        self,
+        forward: Callable[..., torch.Tensor],
+        feeds: list[torch.Tensor],
+        last: int,
+        trees: list[torch.Tensor | None] | None,
+        features: bool,
+    ) -> torch.Tensor:
         (feed,) = feeds
         tree = trees[0] if trees else None
-        logits = self.backend.forward(feed[None], last=last, tree=tree, features=features)
+        scores = forward(feed[None], last=last, tree=tree, features=features)
         if features:
             if self.backend.last_features is None:
                 raise ConfigError(
                     f"{type(self.backend).__name__} declares hidden states but returned none: a bug in that backend"
                 )
             self.last_features = [self.backend.last_features[0]]
-        return logits
+        return scores
 
     def truncate(self, row_id: int, length: int, branch: list[int] | None = None) -> None:
         self.backend.truncate(length, branch)

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -37,9 +38,9 @@ class StepOutcome:
     read_prompt: bool  # the row's feed held more than its pending token: ``target_s`` was mostly the prompt's
     anchored: bool  # a guard made this a target-only step
     context_length: int  # tokens in the sequence after the step
-    logits: (
-        torch.Tensor
-    )  # the target's logits as verified (bias, penalties, guards) [accepted + 1, V] at the new tokens
+    # the target's logits as verified (bias, penalties, guards) [accepted + 1, V] at the new tokens; None after a step
+    # that needed only their argmax (Row.argmax_only: nothing read them)
+    logits: torch.Tensor | None
     new_tokens: torch.Tensor  # [accepted + 1]
 
     @property
@@ -50,6 +51,8 @@ class StepOutcome:
     def token_nll(self) -> torch.Tensor:
         """Negative log-likelihood of each new token under the target (computed only when asked: it reads the full
         vocabulary)."""
+        if self.logits is None:
+            raise ValueError("this step kept no logits: a k policy that reads them declares reads_logits")
         logp = torch.log_softmax(self.logits.float(), dim=-1)
         return -logp.gather(-1, self.new_tokens.to(logp.device)[:, None]).squeeze(-1).cpu()
 
@@ -74,12 +77,14 @@ class KPolicy(ABC):
     """Plans each step of one sequence (its draft length and, for rows that may draft trees, its shape) and learns
     from what each step did.
 
-    ``plan`` and ``observe`` are the whole contract, with one declared value: ``min_confidence``, which a drafter is
-    given when it begins a sequence, before any plan.
+    ``plan`` and ``observe`` are the whole contract, with two declared values: ``min_confidence``, which a drafter is
+    given when it begins a sequence, before any plan, and ``reads_logits``.
     """
 
     #: drafters with probabilities stop at the first token below this (0 = never); see the confidence policy
     min_confidence: float = 0.0
+    #: whether ``observe`` reads the target's logits (StepOutcome.logits); else a greedy step may skip them
+    reads_logits: ClassVar[bool] = False
 
     @abstractmethod
     def plan(self, context_length: int, trees: bool) -> KPlan:
@@ -146,6 +151,7 @@ class PerplexityK(KPolicy):
     hard_budget: int = 512
     window: int = 32
     min_confidence: float = 0.0
+    reads_logits: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self._nll: deque[float] = deque(maxlen=self.window)

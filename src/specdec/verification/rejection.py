@@ -99,14 +99,10 @@ def verify(
             temperature), or None.
         uniforms: what decides each position when sampling (see :class:`Uniforms`), or None: drawn with ``rng``.
     """
+    if sampling.greedy:
+        return verify_greedy(draft_tokens, draft_lengths, greedy(target_logits))
     k = draft_tokens.shape[1]
     in_range = torch.arange(k, device=target_logits.device)[None, :] < draft_lengths[:, None]
-    if sampling.greedy:
-        choice = greedy(target_logits)
-        ok = (draft_tokens == choice[:, :k]) & in_range
-        accepted = leading_true(ok)
-        return Verdict(accepted, choice.gather(1, accepted[:, None]).squeeze(1))
-
     p = to_probs(target_logits, sampling, temperature)
     if uniforms is None:
         uniforms = Uniforms.drawn((p.shape[0], k + 1), (p.shape[0], k), p.device, rng)
@@ -128,6 +124,15 @@ def verify(
         p_next = torch.where(rejected[:, None], residual_distribution(p_next, draft_probs[rows, at]), p_next)
     next_token = draw(p_next, uniform=uniforms.sample[rows, accepted])
     return Verdict(accepted, next_token)
+
+
+def verify_greedy(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor, choice: torch.Tensor) -> Verdict:
+    """Greedy verdicts for a batch of draft runs from the target's choices: ``choice`` [B, k + 1] its argmax at each
+    position (see ``verify`` for the others). A draft token is accepted while it is the target's choice."""
+    k = draft_tokens.shape[1]
+    in_range = torch.arange(k, device=choice.device)[None, :] < draft_lengths[:, None]
+    accepted = leading_true((draft_tokens == choice[:, :k]) & in_range)
+    return Verdict(accepted, choice.gather(1, accepted[:, None]).squeeze(1))
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -22,21 +22,21 @@ import torch
 
 from specdec.config import SamplingConfig
 from specdec.verification.rejection import Uniforms, Verdict, residual_distribution
-from specdec.verification.sampling import draw, greedy
+from specdec.verification.sampling import draw
 from specdec.verification.shaping import to_probs
 
 
 def verify_tree_greedy(
-    tokens: torch.Tensor, parents: torch.Tensor, counts: torch.Tensor, logits: torch.Tensor
+    tokens: torch.Tensor, parents: torch.Tensor, counts: torch.Tensor, choice: torch.Tensor
 ) -> Verdict:
     """Greedy verdicts for a batch of trees, vectorised over rows and nodes.
 
     Args:
         tokens: [B, n] node tokens (entries past a row's count are ignored); parents: [B, n] as in ``Proposal``.
-        counts: [B] nodes per row. logits: [B, n + 1, V], column j + 1 scoring node j's children.
+        counts: [B] nodes per row. choice: [B, n + 1] the target's argmax at each column (``sampling.greedy`` of its
+        logits), column j + 1 choosing among node j's children.
     """
     n = tokens.shape[1]
-    choice = greedy(logits)  # [B, n + 1]
     real = torch.arange(n, device=tokens.device)[None, :] < counts[:, None]
     parents = torch.where(real, parents, -1)
     if n > 1:  # distinct siblings, or two matching nodes could make two paths

@@ -14,7 +14,8 @@ from enum import Enum
 import torch
 
 from specdec.config import SamplingConfig, TypicalAcceptance
-from specdec.verification.rejection import Uniforms, verify
+from specdec.verification.rejection import Uniforms, verify, verify_greedy
+from specdec.verification.sampling import greedy
 from specdec.verification.tree import verify_tree_greedy, verify_tree_sampled
 from specdec.verification.typical import typical_verify
 
@@ -56,13 +57,24 @@ class RowDrafts:
 
 @dataclass(frozen=True)
 class Drafts:
-    """Every row's drafts and the target's logits, on the logits' device; row i's nodes are its first counts[i]."""
+    """Every row's drafts and what the target says of them, on its device; row i's nodes are its first counts[i].
+
+    The target's say is its logits, or (a batch of greedy rows whose logits nothing reshapes) only their argmaxes."""
 
     tokens: torch.Tensor  # [B, width]
     parents: torch.Tensor  # [B, width]: a tree's parents, a chain's i - 1
     counts: torch.Tensor  # [B]
-    logits: torch.Tensor  # [B, width + 1, V], column j of row i judging its draft j
+    logits: torch.Tensor | None  # [B, width + 1, V], column j of row i judging its draft j
     rows: list[RowDrafts]
+    choices: torch.Tensor | None = None  # [B, width + 1]: each column's argmax, where the target gave those alone
+
+    def __post_init__(self) -> None:
+        if (self.logits is None) == (self.choices is None):
+            raise ValueError("drafts are judged from the target's logits or from its argmaxes: one of the two")
+
+    def greedy(self, pick: slice | torch.Tensor) -> torch.Tensor:
+        """The target's choice at each column of the rows ``pick``: its argmax."""
+        return self.choices[pick] if self.choices is not None else greedy(self.logits[pick])
 
 
 #: A verifier judges the rows ``members`` of a batch, all of one kind: each one's accepted nodes (root first) and the
@@ -84,14 +96,14 @@ def judge(drafts: Drafts) -> list[tuple[list[int], int]]:
 
 def _greedy_chains(members: list[int], d: Drafts) -> list[tuple[list[int], int]]:
     """Exact greedy chains, all at once."""
-    pick = slice(None) if len(members) == len(d.rows) else torch.tensor(members).to(d.logits.device)
-    return verify(d.tokens[pick], d.counts[pick], d.logits[pick], None, d.rows[members[0]].sampling).per_row()
+    pick = slice(None) if len(members) == len(d.rows) else torch.tensor(members).to(d.tokens.device)
+    return verify_greedy(d.tokens[pick], d.counts[pick], d.greedy(pick)).per_row()
 
 
 def _greedy_trees(members: list[int], d: Drafts) -> list[tuple[list[int], int]]:
     """Exact greedy trees, all at once."""
-    pick = torch.tensor(members).to(d.logits.device)
-    return verify_tree_greedy(d.tokens[pick], d.parents[pick], d.counts[pick], d.logits[pick]).per_row()
+    pick = torch.tensor(members).to(d.tokens.device)
+    return verify_tree_greedy(d.tokens[pick], d.parents[pick], d.counts[pick], d.greedy(pick)).per_row()
 
 
 def _sampled_chains(members: list[int], d: Drafts) -> list[tuple[list[int], int]]:

@@ -279,6 +279,20 @@ def linear(x: torch.Tensor, weights: Packed) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weights.out_features)
 
 
+def linear_argmax(x: torch.Tensor, weights: PackedInt8) -> torch.Tensor:
+    """``linear(x, weights).max(-1).indices`` (the first index of each row's largest output), long [n] for x [n, in],
+    without writing the outputs: what a greedy step needs of the output head."""
+    if x.dim() != 2 or x.shape[-1] != weights.in_features:
+        raise ValueError(f"an int8 layer of {weights.in_features} inputs got activations of shape {tuple(x.shape)}")
+    rows = x.float().contiguous()
+    kernel = kernel_build.compiled() if rows.device.type == "cpu" else None
+    if kernel is None:
+        return linear(x, weights).max(dim=-1).indices
+    kernel_build.on_cpu(weights.packed)
+    product = weights.packed, weights.scale, weights.group_sums, weights.group, weights.out_features
+    return kernel_build.call(kernel.int8_linear_argmax, rows, *product)
+
+
 def choose_format(config, format: str) -> tuple[str, str | None]:
     """``format`` itself, or for ``auto`` the faster format on this machine for the model's shape and why."""
     if format != "auto":

@@ -233,11 +233,12 @@ class NativeModel:
         return logits, hidden[0] if hidden is not None else None
 
     def forward_parts(
-        self, parts: list[Part], last: list[int], features: bool = False
+        self, parts: list[Part], last: list[int], features: bool = False, argmax: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """One forward over several sequences' new tokens, each appended to its own cache: logits [sum(last), V], part
         i's last ``last[i]`` positions after part i - 1's, and with ``features`` each part's final hidden states
-        [n_i, H].
+        [n_i, H]. ``argmax``: instead of the logits, each of those positions' argmax [sum(last)] (the first index of
+        its largest logit), which the output head then computes without writing the logits.
 
         Every operation but attention works position by position (a position's numbers do not depend on the others
         in the forward), so the weights are read once for all parts and each part's logits are those it would get
@@ -300,13 +301,19 @@ class NativeModel:
         rows = read[0] if len(read) == 1 else torch.cat(read)
         if features:
             hidden = ops.rms_norm(x, self.final_norm, shape.eps)
-            logits = formats.linear(hidden[rows].contiguous(), self.head)
+            read = hidden[rows].contiguous()
         else:
             hidden = None
-            logits = formats.linear(ops.rms_norm(x[rows].contiguous(), self.final_norm, shape.eps), self.head)
-        if shape.softcap is not None:  # part by part: an element-wise kernel's bits may depend on where a run ends
-            capped = [torch.tanh(rows / shape.softcap) * shape.softcap for rows in logits.split(last)]
-            logits = capped[0] if len(capped) == 1 else torch.cat(capped)
+            read = ops.rms_norm(x[rows].contiguous(), self.final_norm, shape.eps)
+        if argmax and shape.softcap is None:
+            logits = formats.linear_argmax(read, self.head)
+        else:
+            logits = formats.linear(read, self.head)
+            if shape.softcap is not None:  # part by part: an element-wise kernel's bits may depend on where a run ends
+                capped = [torch.tanh(rows / shape.softcap) * shape.softcap for rows in logits.split(last)]
+                logits = capped[0] if len(capped) == 1 else torch.cat(capped)
+            if argmax:  # the capped logits' (tanh may round neighbours to one value: its first index then)
+                logits = logits.max(dim=-1).indices
         if hidden is None:
             return logits, None
         return logits, [hidden[end - n : end] for end, n in zip(ends, sizes, strict=True)]
@@ -367,9 +374,19 @@ class NativeBackend(Backend):
     def reset(self) -> None:
         self.cache.truncate(0)
 
-    @torch.inference_mode()
     def forward(
         self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None, features: bool = False
+    ) -> torch.Tensor:
+        return self._forward(tokens, last, tree, features, argmax=False)
+
+    def forward_argmax(
+        self, tokens: torch.Tensor, last: int | None = None, tree: torch.Tensor | None = None, features: bool = False
+    ) -> torch.Tensor:
+        return self._forward(tokens, last, tree, features, argmax=True)
+
+    @torch.inference_mode()
+    def _forward(
+        self, tokens: torch.Tensor, last: int | None, tree: torch.Tensor | None, features: bool, argmax: bool
     ) -> torch.Tensor:
         batch, n = tokens.shape
         if batch != 1:
@@ -379,9 +396,10 @@ class NativeBackend(Backend):
         if self.cache.length + n > self.max_context:
             raise ValueError(f"{self.cache.length + n} positions exceed the model's context of {self.max_context}")
         visible = None if tree is None else tree_mask(n, tree)
-        logits, hidden = self.model.forward(tokens[0].cpu(), self.cache, last or n, visible, features)
-        self.last_features = None if hidden is None else hidden[None]
-        return logits[None]
+        parts = [Part(tokens[0].cpu(), self.cache, visible)]
+        out, hidden = self.model.forward_parts(parts, [last or n], features, argmax)
+        self.last_features = None if hidden is None else hidden[0][None]
+        return out[None]
 
     def truncate(self, length: int, branch: list[int] | None = None) -> None:
         self.cache.truncate(length, branch)
@@ -410,7 +428,6 @@ class NativeRows(RowBackend):
         gone = set(row_ids)
         self.caches = [cache for i, cache in enumerate(self.caches) if i not in gone]
 
-    @torch.inference_mode()
     def forward(
         self,
         row_ids: list[int],
@@ -418,6 +435,28 @@ class NativeRows(RowBackend):
         last: int,
         trees: list[torch.Tensor | None] | None = None,
         features: bool = False,
+    ) -> torch.Tensor:
+        return self._forward(row_ids, feeds, last, trees, features, argmax=False)
+
+    def forward_argmax(
+        self,
+        row_ids: list[int],
+        feeds: list[torch.Tensor],
+        last: int,
+        trees: list[torch.Tensor | None] | None = None,
+        features: bool = False,
+    ) -> torch.Tensor:
+        return self._forward(row_ids, feeds, last, trees, features, argmax=True)
+
+    @torch.inference_mode()
+    def _forward(
+        self,
+        row_ids: list[int],
+        feeds: list[torch.Tensor],
+        last: int,
+        trees: list[torch.Tensor | None] | None,
+        features: bool,
+        argmax: bool,
     ) -> torch.Tensor:
         trees = trees or [None] * len(feeds)
         parts = []
@@ -430,13 +469,13 @@ class NativeRows(RowBackend):
                 )
             parts.append(Part(feed.cpu(), cache, None if tree is None else tree_mask(len(feed), tree)))
         counts = [min(last, len(feed)) for feed in feeds]
-        logits, hidden = self.model.forward_parts(parts, counts, features)
+        scores, hidden = self.model.forward_parts(parts, counts, features, argmax)
         self.last_features = hidden if hidden is not None else []
-        if all(count == last for count in counts):  # a view: the rows' logits already lie one after another
-            return logits.reshape(len(feeds), last, self.vocab_size)
-        out = logits.new_empty(len(feeds), last, self.vocab_size)  # right-aligned after zeroed padding
-        for i, (rows, count) in enumerate(zip(logits.split(counts), counts, strict=True)):
-            out[i, : last - count] = 0.0
+        width = () if argmax else (self.vocab_size,)  # argmax: one token per position
+        if all(count == last for count in counts):  # a view: the rows' scores already lie one after another
+            return scores.reshape(len(feeds), last, *width)
+        out = scores.new_zeros(len(feeds), last, *width)  # right-aligned after zeroed padding
+        for i, (rows, count) in enumerate(zip(scores.split(counts), counts, strict=True)):
             out[i, last - count :] = rows
         return out
 

@@ -6,13 +6,13 @@
 
 static const char* NON_FINITE = "NaN or infinite activations";
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor gsum,
-                          int64_t group) {
+static void check_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                       const torch::Tensor& gsum, int64_t group) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
                 "x: contiguous float32 [n, k]");
     TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kInt8 && packed.is_contiguous(),
                 "packed int8 weights");
-    const int64_t n = x.size(0), k = x.size(1), blocks = packed.size(0), outs = blocks * 16;
+    const int64_t k = x.size(1), outs = packed.size(0) * 16;
     TORCH_CHECK(packed.size(1) * 4 == k && packed.size(2) == 16 && packed.size(3) == 4,
                 "weights packed for another shape");
     TORCH_CHECK(group > 0 && group % 16 == 0 && k % group == 0,
@@ -21,6 +21,26 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
                 "one float32 scale per output");
     TORCH_CHECK(gsum.scalar_type() == torch::kInt32 && gsum.numel() == outs * (k / group) && gsum.is_contiguous(),
                 "int32 group sums");
+}
+
+torch::Tensor int8_linear_argmax(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor gsum,
+                                 int64_t group, int64_t valid) {
+    check_int8(x, packed, w_scale, gsum, group);
+    const int64_t n = x.size(0), k = x.size(1), blocks = packed.size(0);
+    TORCH_CHECK(valid > 0 && valid <= blocks * 16, "the outputs that count: 1 to the packed outputs");
+    auto index = torch::empty({n}, torch::kInt64);
+    pybind11::gil_scoped_release no_gil;
+    TORCH_CHECK(specdec::int8_linear_argmax(x.data_ptr<float>(), n, k, packed.data_ptr<int8_t>(),
+                                            w_scale.data_ptr<float>(), gsum.data_ptr<int32_t>(), group, blocks, valid,
+                                            index.data_ptr<int64_t>()),
+                NON_FINITE);
+    return index;
+}
+
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor gsum,
+                          int64_t group) {
+    check_int8(x, packed, w_scale, gsum, group);
+    const int64_t n = x.size(0), k = x.size(1), blocks = packed.size(0), outs = blocks * 16;
     auto y = torch::empty({n, outs}, torch::kFloat32);
     pybind11::gil_scoped_release no_gil;
     TORCH_CHECK(specdec::int8_linear(x.data_ptr<float>(), n, k, packed.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
@@ -138,6 +158,7 @@ bool tiles_in_use() { return specdec::tiles_in_use(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("int8_linear", &int8_linear, "x @ W.T with packed int8 weights");
+    m.def("int8_linear_argmax", &int8_linear_argmax, "the argmax of each row of x @ W.T, without the products");
     m.def("int4_linear", &int4_linear, "x @ W.T with packed int4 weights");
     m.def("attention", &attention, "attention over a paged KV cache");
     m.def("move_positions", &move_positions, "move a tree path's keys and values");

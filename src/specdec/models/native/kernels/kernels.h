@@ -14,6 +14,11 @@ constexpr int64_t INT4_GROUP = 32;  // inputs per step and minimum of an int4 la
 bool int8_linear(const float* x, int64_t n, int64_t k, const int8_t* packed, const float* scale, const int32_t* sums,
                  int64_t group, int64_t blocks, float* out);
 
+// The argmax of each row of int8_linear's output among its first `valid` outputs (the first index of the largest
+// value), without writing the outputs: index [n]. False if x holds NaN or infinity.
+bool int8_linear_argmax(const float* x, int64_t n, int64_t k, const int8_t* packed, const float* scale,
+                        const int32_t* sums, int64_t group, int64_t blocks, int64_t valid, int64_t* index);
+
 // Packed int4 weights: [blocks][k / 32][4 vectors][16 outputs][4 bytes] (low nibbles: one quad of inputs, high: the
 // next), float16 steps and minima [blocks][k / 32][16] (w = step u + minimum). out: [n][blocks * 16]. False if x
 // holds NaN or infinity.

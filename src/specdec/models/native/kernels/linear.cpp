@@ -1,5 +1,6 @@
 // Linear layers with packed int8 or int4 weights and int8 activations: exact integer products per group, then float32
 // steps in a fixed order. Each block of 16 outputs is read from memory once per call, whatever the number of rows.
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -95,6 +96,59 @@ static void tile(const uint8_t* q, const float* qs, const int8_t* wb, const int3
     for (int i = 0; i < N; ++i) v_storeu_ps(out + i * outs, v_mul_ps(total[i], scale));
 }
 
+// Where a block's 16 outputs for each row go: into the output matrix [n][outs], or (argmax) into a scratch of one
+// block per row, from which each row's running maximum is kept; per range of blocks, then merged, so that no logit is
+// written to memory. The maximum is the first index of the largest value, NaN counting as the largest (torch.max's),
+// whatever the split into ranges.
+struct Best {
+    float value = 0.f;
+    int64_t index = -1;
+    bool beaten_by(float v, int64_t i) const {
+        if (index < 0) return true;
+        if (std::isnan(value)) return std::isnan(v) && i < index;
+        return std::isnan(v) || v > value || (v == value && i < index);
+    }
+};
+
+struct Sink {
+    float* out = nullptr;  // the output matrix; nullptr: argmax
+    int64_t n, outs = 0, valid = 0;  // rows, the matrix's width; argmax: outputs that count (the rest is padding)
+    std::vector<Best> best;
+    std::mutex merging;
+    Sink(float* out, int64_t n, int64_t outs) : out(out), n(n), outs(outs) {}
+    Sink(int64_t n, int64_t valid) : n(n), valid(valid), best(n) {}
+
+    struct Range {  // one thread's blocks
+        Sink& sink;
+        std::vector<float> scratch;
+        std::vector<Best> mine;
+        explicit Range(Sink& s) : sink(s), scratch(s.out ? 0 : s.n * 16), mine(s.out ? 0 : s.n) {}
+        float* at(int64_t row, int64_t block) {
+            return sink.out ? sink.out + row * sink.outs + block * 16 : scratch.data() + row * 16;
+        }
+        int64_t stride() const { return sink.out ? sink.outs : 16; }
+        void done(int64_t block) {  // the block's outputs are in the scratch: each row's maximum so far
+            if (sink.out) return;
+            const int64_t count = std::min<int64_t>(16, sink.valid - block * 16);
+            for (int64_t i = 0; i < sink.n; ++i) {
+                // most blocks hold nothing above the row's best so far (NaN is not below it): passed over at once
+                const float* row = scratch.data() + i * 16;
+                if (count == 16 && mine[i].index >= 0 && !v_not_below(v_loadu_ps(row), v_set1_ps(mine[i].value)))
+                    continue;
+                for (int64_t j = 0; j < count; ++j) {
+                    if (mine[i].beaten_by(row[j], block * 16 + j)) mine[i] = Best{row[j], block * 16 + j};
+                }
+            }
+        }
+        ~Range() {
+            if (sink.out) return;
+            std::lock_guard<std::mutex> lock(sink.merging);
+            for (int64_t i = 0; i < sink.n; ++i)
+                if (mine[i].index >= 0 && sink.best[i].beaten_by(mine[i].value, mine[i].index)) sink.best[i] = mine[i];
+        }
+    };
+};
+
 #if defined(__AMX_INT8__)
 // AMX: the same int32 group sums from tile products (TDPBUSD, unsigned activations by signed weights, exact), then the
 // same float32 steps in the same order as tile<N>, so the bits do not change; only the integer products move from one
@@ -158,18 +212,20 @@ static void amx_block(const uint8_t* q, const float* qs, const int8_t* wb, const
 #undef AMX_GROUP
 
 static void amx_linear(const uint8_t* qp, const float* qsp, const int8_t* w, const int32_t* gs, const float* ws,
-                       float* out, int64_t n, int64_t k, int64_t group, int64_t blocks, int64_t outs) {
+                       Sink& sink, int64_t n, int64_t k, int64_t group, int64_t blocks) {
     const int64_t groups = k / group, full = n / 16 * 16;
     parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
         amx_configure((int)std::max<int64_t>(1, n - full));
+        Sink::Range range(sink);
         for (int64_t b = begin; b < end; ++b) {  // a block's weights stay in L1 for all the rows
             const int8_t* wb = w + b * 16 * k;
             for (int64_t r = 0; r < full; r += 16)
-                amx_block(qp + r * k, qsp + r * groups, wb, gs + b * groups * 16, ws + b * 16, out + r * outs + b * 16,
-                          16, false, k, group, outs);
+                amx_block(qp + r * k, qsp + r * groups, wb, gs + b * groups * 16, ws + b * 16, range.at(r, b), 16,
+                          false, k, group, range.stride());
             if (full < n)
                 amx_block(qp + full * k, qsp + full * groups, wb, gs + b * groups * 16, ws + b * 16,
-                          out + full * outs + b * 16, n - full, true, k, group, outs);
+                          range.at(full, b), n - full, true, k, group, range.stride());
+            range.done(b);
         }
         _tile_release();
     });
@@ -181,9 +237,8 @@ bool tiles_in_use() { return false; }
 #endif
 #define AMX_MIN_ROWS 2  // one row reads every weight for one product: VNNI keeps up with memory there
 
-bool int8_linear(const float* x, int64_t n, int64_t k, const int8_t* w, const float* ws, const int32_t* gs,
-                 int64_t group, int64_t blocks, float* out) {
-    const int64_t outs = blocks * 16;
+static bool int8_product(const float* x, int64_t n, int64_t k, const int8_t* w, const float* ws, const int32_t* gs,
+                         int64_t group, int64_t blocks, Sink& sink) {
     std::vector<uint8_t> q(n * k);
     std::vector<float> qs(n * (k / group));
     if (!quantize(x, n, k, group, q.data(), qs.data())) return false;
@@ -191,25 +246,41 @@ bool int8_linear(const float* x, int64_t n, int64_t k, const int8_t* w, const fl
     const float* qsp = qs.data();
 #if defined(__AMX_INT8__)
     if (n >= AMX_MIN_ROWS && group % 64 == 0 && amx_ready()) {
-        amx_linear(qp, qsp, w, gs, ws, out, n, k, group, blocks, outs);
+        amx_linear(qp, qsp, w, gs, ws, sink, n, k, group, blocks);
         return true;
     }
 #endif
     const int64_t groups = k / group;
     parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+        Sink::Range range(sink);
         for (int64_t b = begin; b < end; ++b) {
             for (int64_t r = 0; r < n; r += 12) {  // a block's weights stay in L1 for every 12 rows after the first
                 const int8_t* next = r == 0 && b + AHEAD < end ? w + (b + AHEAD) * 16 * k : nullptr;
                 auto args = std::make_tuple(qp + r * k, qsp + r * groups, w + b * 16 * k, gs + b * groups * 16,
-                                            ws + b * 16, out + r * outs + b * 16, k, group, outs, next);
+                                            ws + b * 16, range.at(r, b), k, group, range.stride(), next);
                 switch (std::min<int64_t>(12, n - r)) {
 #define CASE(N) case N: std::apply(tile<N>, args); break;
                     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
 #undef CASE
                 }
             }
+            range.done(b);
         }
     });
+    return true;
+}
+
+bool int8_linear(const float* x, int64_t n, int64_t k, const int8_t* w, const float* ws, const int32_t* gs,
+                 int64_t group, int64_t blocks, float* out) {
+    Sink sink(out, n, blocks * 16);
+    return int8_product(x, n, k, w, ws, gs, group, blocks, sink);
+}
+
+bool int8_linear_argmax(const float* x, int64_t n, int64_t k, const int8_t* w, const float* ws, const int32_t* gs,
+                        int64_t group, int64_t blocks, int64_t valid, int64_t* index) {
+    Sink sink(n, valid);
+    if (!int8_product(x, n, k, w, ws, gs, group, blocks, sink)) return false;
+    for (int64_t i = 0; i < n; ++i) index[i] = sink.best[i].index;
     return true;
 }
 
