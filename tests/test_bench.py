@@ -138,10 +138,10 @@ def test_greedy_check_catches_a_broken_engine(
 
     real_verify = verifiers.verify_greedy
 
-    def accept_everything(draft_tokens, draft_lengths, choice) -> Verdict:
-        verdict = real_verify(draft_tokens, draft_lengths, choice)
+    def accept_everything(draft_tokens, draft_lengths, argmax) -> Verdict:
+        verdict = real_verify(draft_tokens, draft_lengths, argmax)
         rows = torch.arange(draft_tokens.shape[0])
-        return Verdict(draft_lengths, choice[rows, draft_lengths] if draft_tokens.shape[1] else verdict.next_token)
+        return Verdict(draft_lengths, argmax[rows, draft_lengths] if draft_tokens.shape[1] else verdict.next_token)
 
     monkeypatch.setattr(verifiers, "verify_greedy", accept_everything)
     loose = _bench(tiny_folder, prompts, tmp_path / "loose", "--methods", "none,prompt-lookup")

@@ -191,8 +191,8 @@ def verify_rows(steps: list[RowStep], scores: torch.Tensor, argmax: bool = False
         uniforms = None if sampling.greedy else step.shape.uniforms(row, proposal, device)
         rows.append(RowDrafts(kind, n, sampling, typical, proposal.probs, temperature, uniforms))
     counts = torch.tensor([len(step.proposal) for step in steps]).to(device)
-    logits, choices = (None, scores) if argmax else (scores, None)
-    verdicts = judge(Drafts(tokens.to(device), parents.to(device), counts, logits, rows, choices))
+    logits, argmaxes = (None, scores) if argmax else (scores, None)
+    verdicts = judge(Drafts(tokens.to(device), parents.to(device), counts, logits, rows, argmaxes))
     for step, (path, token) in zip(steps, verdicts, strict=True):
         step.path, step.next_token = path, token
 

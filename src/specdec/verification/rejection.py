@@ -126,13 +126,13 @@ def verify(
     return Verdict(accepted, next_token)
 
 
-def verify_greedy(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor, choice: torch.Tensor) -> Verdict:
-    """Greedy verdicts for a batch of draft runs from the target's choices: ``choice`` [B, k + 1] its argmax at each
-    position (see ``verify`` for the others). A draft token is accepted while it is the target's choice."""
+def verify_greedy(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor, argmax: torch.Tensor) -> Verdict:
+    """Greedy verdicts for a batch of draft runs from the target's argmax [B, k + 1] at each position (see ``verify``
+    for the others). A draft token is accepted while it is the target's argmax."""
     k = draft_tokens.shape[1]
-    in_range = torch.arange(k, device=choice.device)[None, :] < draft_lengths[:, None]
-    accepted = leading_true((draft_tokens == choice[:, :k]) & in_range)
-    return Verdict(accepted, choice.gather(1, accepted[:, None]).squeeze(1))
+    in_range = torch.arange(k, device=argmax.device)[None, :] < draft_lengths[:, None]
+    accepted = leading_true((draft_tokens == argmax[:, :k]) & in_range)
+    return Verdict(accepted, argmax.gather(1, accepted[:, None]).squeeze(1))
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

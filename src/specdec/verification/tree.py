@@ -27,13 +27,13 @@ from specdec.verification.shaping import to_probs
 
 
 def verify_tree_greedy(
-    tokens: torch.Tensor, parents: torch.Tensor, counts: torch.Tensor, choice: torch.Tensor
+    tokens: torch.Tensor, parents: torch.Tensor, counts: torch.Tensor, argmax: torch.Tensor
 ) -> Verdict:
     """Greedy verdicts for a batch of trees, vectorised over rows and nodes.
 
     Args:
         tokens: [B, n] node tokens (entries past a row's count are ignored); parents: [B, n] as in ``Proposal``.
-        counts: [B] nodes per row. choice: [B, n + 1] the target's argmax at each column (``sampling.greedy`` of its
+        counts: [B] nodes per row. argmax: [B, n + 1] the target's argmax at each column (``sampling.greedy`` of its
         logits), column j + 1 choosing among node j's children.
     """
     n = tokens.shape[1]
@@ -46,7 +46,7 @@ def verify_tree_greedy(
             raise ValueError(
                 "a greedy tree has two siblings with the same token: a drafter must propose distinct siblings"
             )
-    match = (tokens == choice.gather(1, parents + 1)) & real  # the target would have chosen this node after its parent
+    match = (tokens == argmax.gather(1, parents + 1)) & real  # the target would have chosen this node after its parent
     on_path = match
     for _ in range(n):  # a node is on the path when it and every ancestor match: one more level per pass
         deeper = match & ((parents < 0) | on_path.gather(1, parents.clamp(min=0)))
@@ -56,7 +56,7 @@ def verify_tree_greedy(
     # Siblings are distinct, so the matching nodes form one path; parents come first, so its last node is the deepest.
     index = torch.arange(n, device=tokens.device).expand_as(on_path)
     last = torch.where(on_path, index, -1).max(dim=1).values if n else torch.full_like(counts, -1)
-    next_tokens = choice.gather(1, (last + 1)[:, None]).squeeze(1)
+    next_tokens = argmax.gather(1, (last + 1)[:, None]).squeeze(1)
     paths = [row.nonzero().squeeze(1).tolist() for row in on_path.cpu()]
     return Verdict(on_path.sum(dim=1), next_tokens, paths)
 

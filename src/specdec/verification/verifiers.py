@@ -66,15 +66,15 @@ class Drafts:
     counts: torch.Tensor  # [B]
     logits: torch.Tensor | None  # [B, width + 1, V], column j of row i judging its draft j
     rows: list[RowDrafts]
-    choices: torch.Tensor | None = None  # [B, width + 1]: each column's argmax, where the target gave those alone
+    argmaxes: torch.Tensor | None = None  # [B, width + 1]: each column's argmax, where the target gave those alone
 
     def __post_init__(self) -> None:
-        if (self.logits is None) == (self.choices is None):
+        if (self.logits is None) == (self.argmaxes is None):
             raise ValueError("drafts are judged from the target's logits or from its argmaxes: one of the two")
 
-    def greedy(self, pick: slice | torch.Tensor) -> torch.Tensor:
-        """The target's choice at each column of the rows ``pick``: its argmax."""
-        return self.choices[pick] if self.choices is not None else greedy(self.logits[pick])
+    def argmax(self, pick: slice | torch.Tensor) -> torch.Tensor:
+        """The target's argmax at each column of the rows ``pick``."""
+        return self.argmaxes[pick] if self.argmaxes is not None else greedy(self.logits[pick])
 
 
 #: A verifier judges the rows ``members`` of a batch, all of one kind: each one's accepted nodes (root first) and the
@@ -97,13 +97,13 @@ def judge(drafts: Drafts) -> list[tuple[list[int], int]]:
 def _greedy_chains(members: list[int], d: Drafts) -> list[tuple[list[int], int]]:
     """Exact greedy chains, all at once."""
     pick = slice(None) if len(members) == len(d.rows) else torch.tensor(members).to(d.tokens.device)
-    return verify_greedy(d.tokens[pick], d.counts[pick], d.greedy(pick)).per_row()
+    return verify_greedy(d.tokens[pick], d.counts[pick], d.argmax(pick)).per_row()
 
 
 def _greedy_trees(members: list[int], d: Drafts) -> list[tuple[list[int], int]]:
     """Exact greedy trees, all at once."""
     pick = torch.tensor(members).to(d.tokens.device)
-    return verify_tree_greedy(d.tokens[pick], d.parents[pick], d.counts[pick], d.greedy(pick)).per_row()
+    return verify_tree_greedy(d.tokens[pick], d.parents[pick], d.counts[pick], d.argmax(pick)).per_row()
 
 
 def _sampled_chains(members: list[int], d: Drafts) -> list[tuple[list[int], int]]:

@@ -37,6 +37,11 @@ class Packed(torch.nn.Module, abc.ABC):
     def product(self, kernel, rows: torch.Tensor) -> torch.Tensor:
         """``rows @ W.T`` [n, outputs padded to a block] by the compiled kernels."""
 
+    def argmax(self, kernel, rows: torch.Tensor) -> torch.Tensor:
+        """The first index of each row's largest output of ``product`` [n] (a format whose kernel finds it without
+        writing the outputs overrides this)."""
+        return self.product(kernel, rows)[:, : self.out_features].max(dim=-1).indices
+
     @abc.abstractmethod
     def reference(self, rows: torch.Tensor) -> torch.Tensor:
         """The kernel's numbers [n, out_features] from float64 products of the same integers (a test oracle; slow)."""
@@ -140,6 +145,9 @@ class PackedInt8(_Packer):
 
     def product(self, kernel, rows: torch.Tensor) -> torch.Tensor:
         return kernel.int8_linear(rows, self.packed, self.scale, self.group_sums, self.group)
+
+    def argmax(self, kernel, rows: torch.Tensor) -> torch.Tensor:
+        return kernel.int8_linear_argmax(rows, self.packed, self.scale, self.group_sums, self.group, self.out_features)
 
     def reference(self, rows: torch.Tensor) -> torch.Tensor:
         q, q_scale = quantize_rows(rows, self.group)
@@ -279,18 +287,17 @@ def linear(x: torch.Tensor, weights: Packed) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weights.out_features)
 
 
-def linear_argmax(x: torch.Tensor, weights: PackedInt8) -> torch.Tensor:
-    """``linear(x, weights).max(-1).indices`` (the first index of each row's largest output), long [n] for x [n, in],
-    without writing the outputs: what a greedy step needs of the output head."""
+def linear_argmax(x: torch.Tensor, weights: Packed) -> torch.Tensor:
+    """``linear(x, weights).max(-1).indices`` (the first index of each row's largest output), long [n] for x [n, in];
+    int8 finds it without writing the outputs: what a greedy step needs of the output head."""
     if x.dim() != 2 or x.shape[-1] != weights.in_features:
-        raise ValueError(f"an int8 layer of {weights.in_features} inputs got activations of shape {tuple(x.shape)}")
+        raise ValueError(f"a layer of {weights.in_features} inputs got activations of shape {tuple(x.shape)}")
     rows = x.float().contiguous()
     kernel = kernel_build.compiled() if rows.device.type == "cpu" else None
     if kernel is None:
         return linear(x, weights).max(dim=-1).indices
     kernel_build.on_cpu(weights.packed)
-    product = weights.packed, weights.scale, weights.group_sums, weights.group, weights.out_features
-    return kernel_build.call(kernel.int8_linear_argmax, rows, *product)
+    return kernel_build.call(weights.argmax, kernel, rows)
 
 
 def choose_format(config, format: str) -> tuple[str, str | None]:

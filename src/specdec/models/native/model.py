@@ -272,7 +272,7 @@ class NativeModel:
                 q = ops.rms_norm(q, norms["q_norm"], shape.eps)
                 k = ops.rms_norm(k, norms["k_norm"], shape.eps)
             cos, sin = rotary[shape.rotary[index]]
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = ops.rotate(q, cos, sin), ops.rotate(k, cos, sin)
             window = shape.windows[index]
             attended = [
                 ops.attention(
@@ -301,22 +301,22 @@ class NativeModel:
         rows = read[0] if len(read) == 1 else torch.cat(read)
         if features:
             hidden = ops.rms_norm(x, self.final_norm, shape.eps)
-            read = hidden[rows].contiguous()
+            head_in = hidden[rows].contiguous()
         else:
             hidden = None
-            read = ops.rms_norm(x[rows].contiguous(), self.final_norm, shape.eps)
+            head_in = ops.rms_norm(x[rows].contiguous(), self.final_norm, shape.eps)
         if argmax and shape.softcap is None:
-            logits = formats.linear_argmax(read, self.head)
+            out = formats.linear_argmax(head_in, self.head)
         else:
-            logits = formats.linear(read, self.head)
+            out = formats.linear(head_in, self.head)
             if shape.softcap is not None:  # part by part: an element-wise kernel's bits may depend on where a run ends
-                capped = [torch.tanh(rows / shape.softcap) * shape.softcap for rows in logits.split(last)]
-                logits = capped[0] if len(capped) == 1 else torch.cat(capped)
+                capped = [torch.tanh(part / shape.softcap) * shape.softcap for part in out.split(last)]
+                out = capped[0] if len(capped) == 1 else torch.cat(capped)
             if argmax:  # the capped logits' (tanh may round neighbours to one value: its first index then)
-                logits = logits.max(dim=-1).indices
+                out = out.max(dim=-1).indices
         if hidden is None:
-            return logits, None
-        return logits, [hidden[end - n : end] for end, n in zip(ends, sizes, strict=True)]
+            return out, None
+        return out, [hidden[end - n : end] for end, n in zip(ends, sizes, strict=True)]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The input embedding of ``tokens`` (float32, scaled as the model scales it)."""
@@ -474,8 +474,9 @@ class NativeRows(RowBackend):
         width = () if argmax else (self.vocab_size,)  # argmax: one token per position
         if all(count == last for count in counts):  # a view: the rows' scores already lie one after another
             return scores.reshape(len(feeds), last, *width)
-        out = scores.new_zeros(len(feeds), last, *width)  # right-aligned after zeroed padding
+        out = scores.new_empty(len(feeds), last, *width)  # right-aligned after zeroed padding
         for i, (rows, count) in enumerate(zip(scores.split(counts), counts, strict=True)):
+            out[i, : last - count] = 0
             out[i, last - count :] = rows
         return out
 
@@ -610,8 +611,3 @@ def _linear(x: torch.Tensor, weights: Packed, bias: torch.Tensor | None) -> torc
     """A packed linear layer plus its bias if it has one (an add per element: exact in any grouping)."""
     out = formats.linear(x, weights)
     return out if bias is None else out + bias
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin

@@ -58,6 +58,14 @@ def gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     return kernel_build.call(kernel.gated, gate_up.contiguous(), 1 if gelu else 0)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x [n, heads, dim] by cos and sin [n, 1, dim] (each position's): ``x * cos +
+    rotate_half(x) * sin``, bit for bit torch's formula (three IEEE operations per value), in one call."""
+    kernel = _compiled("rotary")
+    kernel_build.on_cpu(x)
+    return kernel_build.call(kernel.rope, x.contiguous(), cos, sin)
+
+
 def _compiled(what: str):
     kernel = kernel_build.compiled()
     if kernel is None:

@@ -141,6 +141,19 @@ torch::Tensor gated(torch::Tensor gate_up, int64_t kind) {
     return out;
 }
 
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(2) % 2 == 0,
+                "x: contiguous float32 [n, heads, dim], dim even");
+    const int64_t n = x.size(0), heads = x.size(1), dim = x.size(2);
+    for (const auto& t : {cos, sin})
+        TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == n * dim,
+                    "cos and sin: contiguous float32 [n, dim]");
+    auto out = torch::empty_like(x);
+    specdec::rope(x.data_ptr<float>(), n, heads, dim, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                  out.data_ptr<float>());
+    return out;
+}
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && w.scalar_type() == torch::kFloat32 &&
                     w.is_contiguous(),
@@ -158,11 +171,12 @@ bool tiles_in_use() { return specdec::tiles_in_use(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("int8_linear", &int8_linear, "x @ W.T with packed int8 weights");
-    m.def("int8_linear_argmax", &int8_linear_argmax, "the argmax of each row of x @ W.T, without the products");
+    m.def("int8_linear_argmax", &int8_linear_argmax, "the argmax of each row of x @ W.T, without writing the products");
     m.def("int4_linear", &int4_linear, "x @ W.T with packed int4 weights");
     m.def("attention", &attention, "attention over a paged KV cache");
     m.def("move_positions", &move_positions, "move a tree path's keys and values");
     m.def("rms_norm", &rms_norm, "RMS norm, each row alone");
+    m.def("rope", &rope, "rotary position embedding");
     m.def("gated", &gated, "act(gate) * up");
     m.def("tiles_in_use", &tiles_in_use, "whether AMX tiles run here");
 }

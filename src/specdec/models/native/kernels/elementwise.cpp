@@ -30,6 +30,22 @@ void gated(const float* xp, int64_t n, int64_t f, int64_t kind, float* op) {
     });
 }
 
+// Rotary embedding of x [n][heads][dim] by each position's cos and sin [n][dim]: x cos + rotate_half(x) sin, where
+// rotate_half(x) = (-x[half:], x[:half]); each value by the same three IEEE operations as torch's formula.
+void rope(const float* xp, int64_t n, int64_t heads, int64_t dim, const float* cp, const float* sp, float* op) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < n; ++i) {
+        const float* c = cp + i * dim;
+        const float* s = sp + i * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+            const float* x = xp + (i * heads + h) * dim;
+            float* o = op + (i * heads + h) * dim;
+            for (int64_t d = 0; d < half; ++d) o[d] = x[d] * c[d] + -x[d + half] * s[d];
+            for (int64_t d = half; d < dim; ++d) o[d] = x[d] * c[d] + x[d - half] * s[d];
+        }
+    }
+}
+
 // Each row alone, in one order (float32).
 void rms_norm(const float* xp, int64_t rows, int64_t dim, const float* wp, float eps, float* op) {
     for (int64_t r = 0; r < rows; ++r) {

@@ -128,6 +128,13 @@ static void elementwise() {
     for (auto& v : w) v = 1.f + uniform();
     rms_norm(x.data(), n, dim, w.data(), 1e-6f, y.data());
     emit(y.data(), y.size());
+    const int64_t heads = 2, half = 40;  // a head of 80: halves that are not a whole number of vectors
+    std::vector<float> q(n * heads * 2 * half), cs(n * 2 * half), sn(cs.size()), rotated(q.size());
+    for (auto& v : q) v = uniform() * 3.f;
+    for (auto& v : cs) v = uniform();
+    for (auto& v : sn) v = uniform();
+    rope(q.data(), n, heads, 2 * half, cs.data(), sn.data(), rotated.data());
+    emit(rotated.data(), rotated.size());
 }
 
 static int time_linear(const char* format, int64_t n, int64_t k, int64_t outputs, int64_t calls) {

@@ -111,24 +111,25 @@ struct Best {
 };
 
 struct Sink {
-    float* out = nullptr;  // the output matrix; nullptr: argmax
+    bool argmax;
+    float* out = nullptr;  // the output matrix (not argmax)
     int64_t n, outs = 0, valid = 0;  // rows, the matrix's width; argmax: outputs that count (the rest is padding)
     std::vector<Best> best;
     std::mutex merging;
-    Sink(float* out, int64_t n, int64_t outs) : out(out), n(n), outs(outs) {}
-    Sink(int64_t n, int64_t valid) : n(n), valid(valid), best(n) {}
+    Sink(float* out, int64_t n, int64_t outs) : argmax(false), out(out), n(n), outs(outs) {}
+    Sink(int64_t n, int64_t valid) : argmax(true), n(n), valid(valid), best(n) {}
 
-    struct Range {  // one thread's blocks
+    struct Range {  // one thread's blocks; merge() once they are done
         Sink& sink;
         std::vector<float> scratch;
         std::vector<Best> mine;
-        explicit Range(Sink& s) : sink(s), scratch(s.out ? 0 : s.n * 16), mine(s.out ? 0 : s.n) {}
+        explicit Range(Sink& s) : sink(s), scratch(s.argmax ? s.n * 16 : 0), mine(s.argmax ? s.n : 0) {}
         float* at(int64_t row, int64_t block) {
-            return sink.out ? sink.out + row * sink.outs + block * 16 : scratch.data() + row * 16;
+            return sink.argmax ? scratch.data() + row * 16 : sink.out + row * sink.outs + block * 16;
         }
-        int64_t stride() const { return sink.out ? sink.outs : 16; }
+        int64_t stride() const { return sink.argmax ? 16 : sink.outs; }
         void done(int64_t block) {  // the block's outputs are in the scratch: each row's maximum so far
-            if (sink.out) return;
+            if (!sink.argmax) return;
             const int64_t count = std::min<int64_t>(16, sink.valid - block * 16);
             for (int64_t i = 0; i < sink.n; ++i) {
                 // most blocks hold nothing above the row's best so far (NaN is not below it): passed over at once
@@ -140,8 +141,8 @@ struct Sink {
                 }
             }
         }
-        ~Range() {
-            if (sink.out) return;
+        void merge() {
+            if (!sink.argmax) return;
             std::lock_guard<std::mutex> lock(sink.merging);
             for (int64_t i = 0; i < sink.n; ++i)
                 if (mine[i].index >= 0 && sink.best[i].beaten_by(mine[i].value, mine[i].index)) sink.best[i] = mine[i];
@@ -227,6 +228,7 @@ static void amx_linear(const uint8_t* qp, const float* qsp, const int8_t* w, con
                           range.at(full, b), n - full, true, k, group, range.stride());
             range.done(b);
         }
+        range.merge();
         _tile_release();
     });
 }
@@ -266,6 +268,7 @@ static bool int8_product(const float* x, int64_t n, int64_t k, const int8_t* w, 
             }
             range.done(b);
         }
+        range.merge();
     });
     return true;
 }
