@@ -275,16 +275,20 @@ def linear(x: torch.Tensor, weights: Packed) -> torch.Tensor:
         raise ValueError(
             f"an {weights.format} layer of {weights.in_features} inputs got activations of width {x.shape[-1]}"
         )
-    rows = x.reshape(-1, weights.in_features).float().contiguous()
-    kernel = kernel_build.compiled() if rows.device.type == "cpu" else None
+    rows = x if x.dim() == 2 else x.reshape(-1, weights.in_features)
+    if rows.dtype != torch.float32 or not rows.is_contiguous():  # (a call per layer: the common case costs nothing)
+        rows = rows.float().contiguous()
+    kernel = kernel_build.compiled() if rows.is_cpu else None
     if kernel is not None:
         kernel_build.on_cpu(weights.packed)  # its other buffers live where it does
-        out = kernel_build.call(weights.product, kernel, rows)[:, : weights.out_features]
+        out = kernel_build.call(weights.product, kernel, rows)
+        if out.shape[1] != weights.out_features:  # the last block's padding
+            out = out[:, : weights.out_features]
     else:
         if not bool(torch.isfinite(rows).all()):
             raise ValueError(kernel_build.NON_FINITE)
         out = weights.reference(rows.cpu()).to(rows.device)
-    return out.reshape(*x.shape[:-1], weights.out_features)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weights.out_features)
 
 
 def linear_argmax(x: torch.Tensor, weights: Packed) -> torch.Tensor:

@@ -50,7 +50,7 @@ NON_FINITE = (
 
 
 def on_cpu(*tensors: torch.Tensor) -> None:
-    if any(t.device.type != "cpu" for t in tensors):
+    if not all(t.is_cpu for t in tensors):
         raise ValueError(
             "the native kernels compute on the CPU: pass CPU tensors (elsewhere use --runtime transformers)"
         )
