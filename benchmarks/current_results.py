@@ -335,6 +335,9 @@ COMMANDS_TEXT = """
   --llama-bench $LLAMA_BENCH_AVX2 --tokens 64 --acceptance 0.7
 2026-12-07-cpu-greedy-head.json
   python benchmarks/greedy_head.py --out ${J}2026-12-07-cpu-greedy-head.json
+2026-12-07-cpu-kernel-steps-intel-argmax.json
+  python benchmarks/kernel_steps.py --out ${J}2026-12-07-cpu-kernel-steps-intel-argmax.json --llama-bench $LLAMA_BENCH
+  --llama-bench-avx2 $LLAMA_BENCH_AVX2 --llama-bench-avx2-vnni $LLAMA_BENCH_AVX2_VNNI
 """
 VARIABLES = {
     "J": "benchmarks/results/",
