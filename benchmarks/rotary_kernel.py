@@ -23,11 +23,6 @@ from specdec.models.native import model as native_model
 from specdec.models.native import ops
 
 
-def torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
 class Ops:
     """The native model's view of ``ops`` with ``rotate`` switched."""
 
@@ -43,7 +38,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=61)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    ways = {"kernel": Ops(ops.rotate), "torch": Ops(torch_rotate)}
+    ways = {"kernel": Ops(ops.rotate), "torch": Ops(ops.rotate_reference)}
     try:
         for fmt in ("int8", "int4"):
             backend = open_target("gemma-3-270m", RuntimeConfig(backend="native", native_format=fmt)).backend

@@ -259,6 +259,10 @@ def test_kernels_refuse_bad_input_as_the_reference_does(monkeypatch: pytest.Monk
         ops.rms_norm(torch.randn(2, 16), torch.ones(0), 1e-6)
     with pytest.raises(ValueError, match="native kernel: cos and sin"):
         ops.rotate(torch.randn(2, 4, 16), torch.ones(2, 1, 8), torch.ones(2, 1, 8))
+    with pytest.raises(ValueError, match="native kernel: cos and sin"):
+        ops.rotate(torch.randn(2, 4, 16), torch.ones(2, 16), torch.ones(2, 16))  # the right count, not the shape
+    with pytest.raises(ValueError, match="compute on the CPU"):
+        ops.rotate(torch.randn(2, 4, 16), torch.empty(2, 1, 16, device="meta"), torch.ones(2, 1, 16))
 
 
 @pytest.mark.parametrize("dim", [256, 80, 64])  # 80: halves of 40, not a whole number of vectors
@@ -266,10 +270,12 @@ def test_the_rotary_kernel_gives_the_bits_of_torchs_formula(dim: int) -> None:
     generator = torch.Generator().manual_seed(dim)
     x = torch.randn(9, 4, dim, generator=generator) * 3
     cos, sin = torch.randn(2, 9, 1, dim, generator=generator)
-    half = dim // 2
-    expected = x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin  # transformers' rotate_half form
-    assert torch.equal(ops.rotate(x, cos, sin), expected)
-    assert torch.equal(ops.rotate(x[:, :1], cos, sin), expected[:, :1])  # a single KV head, as keys have
+    x[0, 0, :8], cos[1, 0, :8], sin[2, 0, :8] = 0.0, -0.0, 0.0  # signed zeros: the bits, not only the values
+    expected = ops.rotate_reference(x, cos, sin)
+    rotated = ops.rotate(x, cos, sin)
+    assert torch.equal(rotated.view(torch.int32), expected.view(torch.int32))
+    single = ops.rotate(x[:, :1], cos, sin)  # a single KV head, as keys have
+    assert torch.equal(single.view(torch.int32), expected[:, :1].contiguous().view(torch.int32))
 
 
 # an 8B Llama's: torch splits an activation over so many values across threads, at slice ends differently

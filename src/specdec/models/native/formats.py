@@ -296,8 +296,8 @@ def linear_argmax(x: torch.Tensor, weights: Packed) -> torch.Tensor:
     int8 finds it without writing the outputs: what a greedy step needs of the output head."""
     if x.dim() != 2 or x.shape[-1] != weights.in_features:
         raise ValueError(f"a layer of {weights.in_features} inputs got activations of shape {tuple(x.shape)}")
-    rows = x.float().contiguous()
-    kernel = kernel_build.compiled() if rows.device.type == "cpu" else None
+    rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    kernel = kernel_build.compiled() if rows.is_cpu else None
     if kernel is None:
         return linear(x, weights).max(dim=-1).indices
     kernel_build.on_cpu(weights.packed)

@@ -1,5 +1,6 @@
-"""The native runtime's kernels besides the linear layers: attention over the paged KV cache, row-wise RMS norms and
-the MLP's gated activation; each computes a position alone, so its bits do not depend on the positions beside it."""
+"""The native runtime's kernels besides the linear layers: attention over the paged KV cache, row-wise RMS norms, the
+rotary position embedding and the MLP's gated activation; each computes a position alone, so its bits do not depend
+on the positions beside it."""
 
 from __future__ import annotations
 
@@ -62,8 +63,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """Rotary position embedding of x [n, heads, dim] by cos and sin [n, 1, dim] (each position's): ``x * cos +
     rotate_half(x) * sin``, bit for bit torch's formula (three IEEE operations per value), in one call."""
     kernel = _compiled("rotary")
-    kernel_build.on_cpu(x)
+    kernel_build.on_cpu(x, cos, sin)
     return kernel_build.call(kernel.rope, x.contiguous(), cos, sin)
+
+
+def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rotate``'s numbers from torch's operations (transformers' rotate_half form): the test oracle, and the way a
+    benchmark compares against."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def _compiled(what: str):

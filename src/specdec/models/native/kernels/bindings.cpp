@@ -146,9 +146,11 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
                 "x: contiguous float32 [n, heads, dim], dim even");
     const int64_t n = x.size(0), heads = x.size(1), dim = x.size(2);
     for (const auto& t : {cos, sin})
-        TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == n * dim,
-                    "cos and sin: contiguous float32 [n, dim]");
+        TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == 3 && t.size(0) == n &&
+                        t.size(1) == 1 && t.size(2) == dim,
+                    "cos and sin: contiguous float32 [n, 1, dim]");
     auto out = torch::empty_like(x);
+    pybind11::gil_scoped_release no_gil;
     specdec::rope(x.data_ptr<float>(), n, heads, dim, cos.data_ptr<float>(), sin.data_ptr<float>(),
                   out.data_ptr<float>());
     return out;
