@@ -100,7 +100,7 @@ def test_the_serve_config_file_runs_with_serve_run(
     command = [shutil.which("serve"), "run", str(tmp_path / "serve.yaml"), "--address", ray_cluster]
     log = tmp_path / "serve-run.log"  # what `serve run` said, for a failure's message
     with log.open("w") as sink:  # the child keeps its own handle
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, preexec_fn=_ctrl_c_as_a_shell_has_it)
     url = f"http://127.0.0.1:{port}"
     stopped = True
     try:
@@ -117,6 +117,7 @@ def test_the_serve_config_file_runs_with_serve_run(
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 5
         assert 'specdec_generated_tokens_total{replica="' in httpx.get(f"{url}/metrics").text
     finally:
+        signals = _signal_state(process.pid)
         process.send_signal(signal.SIGINT)
         try:
             process.wait(120)
@@ -126,7 +127,23 @@ def test_the_serve_config_file_runs_with_serve_run(
             _shut_serve_down(ray_cluster)
             stopped = False
     said = log.read_text(errors="replace").splitlines()[-15:]
-    assert stopped, "`serve run` did not stop within 120 s of SIGINT; its last lines:\n" + "\n".join(said)
+    assert stopped, f"`serve run` did not stop within 120 s of SIGINT ({signals}); its last lines:\n" + "\n".join(said)
+
+
+def _ctrl_c_as_a_shell_has_it() -> None:
+    """SIGINT at its default and unblocked in the child: a disposition inherited from this test process (which
+    libraries loaded by earlier tests may have changed) must not decide whether `serve run` hears Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _signal_state(pid: int) -> str:
+    """The process's blocked, ignored and caught signal masks, for a failure's message."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "no /proc status"
+    return ", ".join(line.replace("\t", " ") for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
 
 
 def _shut_serve_down(address: str) -> None:

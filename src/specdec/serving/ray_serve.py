@@ -222,8 +222,7 @@ def serve_on_ray(spec: ReplicaSpec, ray_config: RayConfig, ready=lambda: None) -
     """
     ray, serve = require_ray()
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     ray.init(address=ray_config.address, include_dashboard=False, ignore_reinit_error=True)
     try:
         serve.start(http_options={"host": spec.serve.host, "port": spec.serve.port})
@@ -236,6 +235,8 @@ def serve_on_ray(spec: ReplicaSpec, ray_config: RayConfig, ready=lambda: None) -
     finally:
         serve.shutdown()
         ray.shutdown()
+        for sig, handler in previous.items():  # a caller that embeds this gets its own handlers back
+            signal.signal(sig, handler)
 
 
 def _replica_failure(serve) -> str:
