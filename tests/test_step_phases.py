@@ -18,7 +18,7 @@ from specdec.engine.step import (
     DraftPlan,
     Row,
     RowStep,
-    Timer,
+    Shape,
     commit,
     draft,
     plan,
@@ -157,9 +157,15 @@ def make_row(
 def drafted_step(row: Row, row_id: int = 0) -> RowStep:
     """The row's step after phase 1, its plan and proposal (its cache is taken to hold the prompt)."""
     step = RowStep(row=row, row_id=row_id, plan=plan(row, None, 64))
-    if step.plan.asked:
-        step.proposal, step.shape = draft(row, step.plan, Timer())
+    draft(step)
     return step
+
+
+def drafted(row: Row, draft_plan: DraftPlan) -> tuple[Proposal, Shape]:
+    """Phase 1's proposal and its shape under ``draft_plan``."""
+    step = RowStep(row=row, row_id=0, plan=draft_plan)
+    draft(step)
+    return step.proposal, step.shape
 
 
 # Phase 1: plan and draft.
@@ -178,7 +184,7 @@ def test_the_plan_is_the_choice_within_the_k_cap_and_the_room_left() -> None:
 
 def test_a_proposal_is_cut_to_the_choice_and_its_tokens_brought_to_the_host() -> None:
     row = make_row([5, 6, 7, 8, 9, 10], k=3)
-    proposal, shape = draft(row, DraftPlan(chosen=3, asked=3), Timer())
+    proposal, shape = drafted(row, DraftPlan(chosen=3, asked=3))
     assert proposal.tokens.tolist() == [5, 6, 7] and shape is CHAINS
     assert row.drafter.asked == [(3, 1)]
 
@@ -187,13 +193,13 @@ def test_a_scored_proposal_is_cut_where_its_policy_prices_nodes() -> None:
     """A scored chain too: the policy's price decides how many of its nodes the target judges."""
     scored = Proposal(torch.tensor([5, 6, 7, 8]), scores=torch.tensor([0.9, 0.8, 0.5, 0.1]))
     row = make_row(scored, k=4, policy=Pricing(4, keep=2))
-    proposal, _ = draft(row, plan(row, None, 64), Timer())
+    proposal, _ = drafted(row, plan(row, None, 64))
     assert proposal.tokens.tolist() == [5, 6]
 
 
 def test_a_chain_rows_unasked_tree_is_judged_as_a_tree() -> None:
     tree = Proposal(torch.tensor([5, 6]), parents=torch.tensor([-1, -1]))
-    _, shape = draft(make_row(tree), DraftPlan(chosen=2, asked=2), Timer())
+    _, shape = drafted(make_row(tree), DraftPlan(chosen=2, asked=2))
     assert shape is TREES
 
 

@@ -1,11 +1,15 @@
-"""The rows of the speculative step (engine/step.py): :class:`Row`, one sequence and what decides its steps;
-:class:`RowStep`, one row's step as the phases fill it in; :class:`DraftPlan`, how much it drafts; and the
-:class:`Shape` seam with the chain shape, :data:`CHAINS` (the tree shape builds on them in engine/trees.py)."""
+"""The rows of the speculative step (engine/step.py): :class:`Row`, one sequence and what decides its steps (and the
+row-level work the phases ask of it: admitting drafts, shaping the target's logits, observing an outcome);
+:class:`RowStep`, one row's step as the phases fill it in; :class:`DraftPlan`, how much it drafts; the step's clock,
+:class:`Timer`; and the :class:`Shape` seam with the chain shape, :data:`CHAINS` (the tree shape builds on them in
+engine/trees.py)."""
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -17,9 +21,30 @@ from specdec.engine.stats import DecodeStats
 from specdec.grammar import Constraint, NoConstraint
 from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
-from specdec.scheduling import KPlan, KPolicy, NodePrice
+from specdec.scheduling import KPlan, KPolicy, NodePrice, StepOutcome
 from specdec.seeds import ACCEPT, SAMPLE, Seeds
-from specdec.verification import Rule, Uniforms
+from specdec.verification import Kind, RowDrafts, Rule, Uniforms
+from specdec.verification.processors import process
+
+
+class Timer:
+    """Seconds spent inside ``with`` blocks (they add up): the step's one clock."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __enter__(self) -> Timer:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds so far, read inside the block."""
+        return self.seconds + time.perf_counter() - self._start
 
 
 @dataclass(frozen=True)
@@ -33,6 +58,13 @@ class DraftPlan:
     branches: int = 1  # the most children a draft node may have (1: a chain)
     anchored: bool = False  # a guard made this a target-only step
     price: NodePrice | None = None  # the policy's cut of a scored proposal (KPlan.price); None: cut to ``chosen``
+
+    def keeps(self, proposal: Proposal, elapsed: float) -> int:
+        """How many of ``proposal``'s nodes the row keeps: a scored one (a chain too) what the plan's price cuts it to,
+        where the plan prices nodes (``elapsed``: the seconds its drafting took so far); any other, ``chosen``."""
+        if proposal.scores is not None and self.price is not None:
+            return self.price(proposal.scores, proposal.links, elapsed, proposal.draft_steps)
+        return self.chosen
 
 
 class Shape(ABC):
@@ -133,6 +165,48 @@ class Row:
     def draft_settings(self) -> DraftSettings:
         return DraftSettings(self.config.sampling, self.seeds, self.policy.min_confidence, self.scope)
 
+    def admit(self, proposal: Proposal) -> Proposal:
+        """``proposal`` cut to the drafts that could be accepted: deterministic ones to what the guards allow, then to
+        what the grammar allows (a blocked or forbidden one would only be rejected); drawn ones stay (each is judged,
+        rejected where p = 0, and its residual drawn)."""
+        if proposal.probs is not None:
+            return proposal
+        with self.guarding():
+            proposal = proposal.cut(self.guards.trim(self.tokens, proposal.tokens))
+        return proposal.cut(self.constraint.allowed(proposal.tokens, proposal.links))
+
+    def shape_logits(self, logits: torch.Tensor, proposal: Proposal) -> torch.Tensor | None:
+        """Shape, in place, the target's ``logits`` [n + 1, V] at the proposal's positions as target-only decoding
+        would, each from its own context, drafts included: bias and penalties (verification/processors.py), the
+        grammar's mask, then the guards' adjustment; returns the guards' per-position temperatures, or None."""
+        process(logits, self.tokens, self.prompt_length, proposal.tokens, proposal.links, self.config.sampling)
+        self.constraint.mask(logits, proposal.tokens, proposal.links)
+        with self.guarding():
+            return self.guards.adjust(self.tokens, proposal.tokens, logits)
+
+    def extend(self, new_tokens: torch.Tensor) -> None:
+        """Append a step's new tokens (its grammar's state follows them)."""
+        self.tokens = torch.cat([self.tokens, new_tokens])
+        self.constraint.advance(new_tokens.tolist())
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """Its k policy, acceptance estimate, stats and guards learn what the step did; after an anchor step the
+        drafter starts over on the whole context."""
+        self.policy.observe(outcome)
+        self.acceptance.observe(outcome.depth, outcome.accepted)
+        self.stats.record_step(outcome, time.perf_counter() - self.started)
+        produced = len(outcome.new_tokens)
+        self.stats.events += self.guards.settle(self.stats.new_tokens - produced, outcome.accepted, outcome.anchored)
+        if outcome.anchored:
+            self.drafter.begin(self.draft_settings)
+
+    @contextmanager
+    def guarding(self) -> Iterator[None]:
+        """Count the time a guard hook takes in the row's stats."""
+        with Timer() as guarding:
+            yield
+        self.stats.guard_s += guarding.seconds
+
 
 @dataclass(kw_only=True)
 class RowStep:
@@ -147,3 +221,32 @@ class RowStep:
     uncached: int = 0  # tokens fed ahead of the drafts: the pending token, or the whole prompt at the first step
     path: list[int] = field(default_factory=list)  # accepted draft nodes, root first
     next_token: int = -1  # the target's token after them, recovered or bonus
+
+    def drafts(self, temperature: torch.Tensor | None, device: torch.device) -> RowDrafts:
+        """The row as its verifier reads it (``temperature``: the guards' per-position temperatures, or None)."""
+        row, proposal, sampling = self.row, self.proposal, self.row.config.sampling
+        uniforms = None if sampling.greedy else self.shape.uniforms(row, proposal, device)
+        kind = Kind(row.rule, self.shape.tree)
+        return RowDrafts(
+            kind, len(proposal), sampling, row.config.typical_acceptance, proposal.probs, temperature, uniforms
+        )
+
+    def outcome(self, new_tokens: torch.Tensor, logits: torch.Tensor | None, target_s: float) -> StepOutcome:
+        """What the step did, for the row's observers (``logits``: the target's along the kept path, or None)."""
+        proposal = self.proposal
+        return StepOutcome(
+            chosen=self.plan.chosen,
+            asked=self.plan.asked,
+            depth=proposal.depth,  # what a chain reaching as deep would have proposed: acceptance stays per position
+            nodes=len(proposal),
+            accepted=len(self.path),
+            branched=self.shape.tree,
+            draft_s=self.draft_s,
+            draft_steps=proposal.draft_steps,
+            target_s=target_s,
+            read_prompt=self.uncached > 1,
+            anchored=self.plan.anchored,
+            context_length=self.row.length,
+            logits=logits,
+            new_tokens=new_tokens,
+        )

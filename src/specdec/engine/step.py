@@ -29,20 +29,15 @@ Invariant between steps: the target's cache holds every token of a row but the p
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
 
-from specdec.drafters.base import Proposal
-from specdec.engine.rows import CHAINS, DraftPlan, Row, RowStep, Shape
+from specdec.engine.rows import CHAINS, DraftPlan, Row, RowStep, Shape, Timer
 from specdec.engine.trees import TREES
 from specdec.models.backend import RowBackend
 from specdec.scheduling import StepOutcome
-from specdec.verification import Drafts, Kind, RowDrafts, judge
-from specdec.verification.processors import process
+from specdec.verification import Drafts, judge
 
 __all__ = [
     "CHAINS",
@@ -60,41 +55,19 @@ __all__ = [
 ]
 
 
-class Timer:
-    """Seconds spent inside ``with`` blocks (they add up): the step's one clock."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._start = 0.0
-
-    def __enter__(self) -> Timer:
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.seconds += time.perf_counter() - self._start
-
-    @property
-    def elapsed(self) -> float:
-        """Seconds so far, read inside the block."""
-        return self.seconds + time.perf_counter() - self._start
-
-
 @torch.inference_mode()
 def speculative_step(
     target: RowBackend, row_ids: list[int], rows: list[Row], k_cap: int | None = None
 ) -> list[StepOutcome]:
     """Advance ``rows`` (held in ``target``'s rows ``row_ids``) by one speculative step; ``k_cap`` caps every row's
     k."""
-    steps = []
-    for row, row_id in zip(rows, row_ids, strict=True):
-        step = RowStep(row=row, row_id=row_id, plan=plan(row, k_cap, target.max_context))
-        if step.plan.asked:
-            with Timer() as drafting:
-                step.proposal, step.shape = draft(row, step.plan, drafting)
-            step.draft_s = drafting.seconds
-        steps.append(step)
-    argmax = all(step.row.argmax_only for step in steps)
+    steps = [
+        RowStep(row=row, row_id=i, plan=plan(row, k_cap, target.max_context))
+        for row, i in zip(rows, row_ids, strict=True)
+    ]
+    for step in steps:
+        draft(step)
+    argmax = all(step.row.argmax_only for step in steps)  # the target need not write logits
     with Timer() as judging:
         scores = score(target, steps, argmax)
         verify_rows(steps, scores, argmax)
@@ -119,26 +92,18 @@ def plan(row: Row, k_cap: int | None, max_context: int) -> DraftPlan:
     return row.shape.plan(row, chosen, room)
 
 
-def draft(row: Row, draft_plan: DraftPlan, drafting: Timer) -> tuple[Proposal, Shape]:
-    """Phase 1: the drafter's proposal, cut to what the row keeps, and its shape. A scored proposal (a chain too) is
-    cut to what its policy's plan prices where the plan prices nodes, others to the plan's k; deterministic tokens
-    then to what the guards allow. Its tokens on the host (the context lives there; probabilities stay where they are,
-    for the verifier)."""
-    proposal = row.drafter.propose(row.tokens, draft_plan.asked, draft_plan.branches)
-    price = draft_plan.price
-    if proposal.scores is not None and price is not None:
-        proposal = proposal.cut(price(proposal.scores, proposal.links, drafting.elapsed, proposal.draft_steps))
-    else:
-        proposal = proposal.cut(draft_plan.chosen)
-    if proposal.probs is None:  # a deterministic draft token that a guard blocks would only be rejected
-        with _guarding(row):
-            allowed = row.guards.trim(row.tokens, proposal.tokens)
-        proposal = proposal.cut(allowed)
-        # and so would one its grammar forbids (p = 0); a drawn draft is judged, rejected, and its residual drawn
-        proposal = proposal.cut(row.constraint.allowed(proposal.tokens, proposal.links))
-    # the drafts' shape whatever the row's: a chain row's drafter may draft a tree unasked (trees.py judges whether the
-    # row can take one)
-    return replace(proposal, tokens=proposal.tokens.cpu()), TREES.drafted(row, proposal)
+def draft(step: RowStep) -> None:
+    """Phase 1: the drafter's proposal (where the plan asks for one), cut to what the plan keeps and what the row can
+    accept, its tokens on the host (the context lives there; probabilities stay where they are, for the verifier),
+    and its shape: a chain row's drafter may draft a tree unasked (trees.py judges whether the row can take one)."""
+    row, asked = step.row, step.plan
+    if not asked.asked:
+        return
+    with Timer() as drafting:
+        proposal = row.drafter.propose(row.tokens, asked.asked, asked.branches)
+        proposal = row.admit(proposal.cut(asked.keeps(proposal, drafting.elapsed)))
+        step.proposal, step.shape = replace(proposal, tokens=proposal.tokens.cpu()), TREES.drafted(row, proposal)
+    step.draft_s = drafting.seconds
 
 
 def score(target: RowBackend, steps: list[RowStep], argmax: bool = False) -> torch.Tensor:
@@ -169,27 +134,17 @@ def _align(scores: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 
 
 def verify_rows(steps: list[RowStep], scores: torch.Tensor, argmax: bool = False) -> None:
-    """Phase 3: each row's bias and penalties and its guards adjust its logits, then the verifier of each row's kind
-    judges its drafts. With ``argmax`` the scores are the target's argmaxes (rows whose logits nothing reshapes)."""
-    device = scores.device
-    tokens = torch.zeros(len(steps), scores.shape[1] - 1, dtype=torch.long)
-    parents = torch.full_like(tokens, -1)
+    """Phase 3: each row shapes its logits (bias, penalties, grammar, guards: Row.shape_logits), then the verifier of
+    each row's kind judges its drafts. With ``argmax`` the scores are the target's argmaxes (rows whose logits nothing
+    reshapes)."""
+    device, width = scores.device, scores.shape[1] - 1
+    tokens, parents = torch.zeros(len(steps), width, dtype=torch.long), torch.full((len(steps), width), -1)
     rows = []
     for i, step in enumerate(steps):
-        row, proposal, n = step.row, step.proposal, len(step.proposal)
-        if n:
-            tokens[i, :n] = proposal.tokens
-            parents[i, :n] = proposal.links
-        temperature = None
-        if not argmax:
-            column = scores[i, : n + 1]
-            process(column, row.tokens, row.prompt_length, proposal.tokens, proposal.links, row.config.sampling)
-            row.constraint.mask(column, proposal.tokens, proposal.links)
-            with _guarding(row):  # masks the row's logits in place
-                temperature = row.guards.adjust(row.tokens, proposal.tokens, column)
-        kind, sampling, typical = Kind(row.rule, step.shape.tree), row.config.sampling, row.config.typical_acceptance
-        uniforms = None if sampling.greedy else step.shape.uniforms(row, proposal, device)
-        rows.append(RowDrafts(kind, n, sampling, typical, proposal.probs, temperature, uniforms))
+        n = len(step.proposal)
+        tokens[i, :n], parents[i, :n] = step.proposal.tokens, step.proposal.links
+        temperature = None if argmax else step.row.shape_logits(scores[i, : n + 1], step.proposal)
+        rows.append(step.drafts(temperature, device))
     counts = torch.tensor([len(step.proposal) for step in steps]).to(device)
     logits, argmaxes = (None, scores) if argmax else (scores, None)
     verdicts = judge(Drafts(tokens.to(device), parents.to(device), counts, logits, rows, argmaxes))
@@ -203,51 +158,15 @@ def commit(
     """Phase 4: keep the row's accepted drafts in the cache and its tokens, then let the row observe the outcome.
     ``logits``: the row's aligned logits (None after an argmax step); ``hidden``: its fed positions' hidden states,
     when a drafter of the batch reads them."""
-    row, proposal, path = step.row, step.proposal, step.path
+    row, path = step.row, step.path
     columns = step.shape.keep(target, step)
     if step.plan.asked:  # a step without drafts leaves the drafter's state as it was
         row.drafter.accept(len(path))
     if hidden is not None and row.drafter.capabilities.features:  # the positions kept: the fed context, the path
         kept = torch.cat([torch.arange(step.uncached), step.uncached + torch.tensor(path, dtype=torch.long)])
         row.drafter.observe_features(hidden[kept])
-    new_tokens = torch.cat([proposal.tokens[path], torch.tensor([step.next_token])])
-    row.tokens = torch.cat([row.tokens, new_tokens])
-    row.constraint.advance(new_tokens.tolist())
-    outcome = StepOutcome(
-        chosen=step.plan.chosen,
-        asked=step.plan.asked,
-        depth=proposal.depth,  # what a chain reaching as deep would have proposed: acceptance stays per position
-        nodes=len(proposal),
-        accepted=len(path),
-        branched=step.shape.tree,
-        draft_s=step.draft_s,
-        draft_steps=proposal.draft_steps,
-        target_s=target_s,
-        read_prompt=step.uncached > 1,
-        anchored=step.plan.anchored,
-        context_length=row.length,
-        logits=None if logits is None else logits[columns],  # along the kept path
-        new_tokens=new_tokens,
-    )
-    _observe(row, outcome)
+    new_tokens = torch.cat([step.proposal.tokens[path], torch.tensor([step.next_token])])
+    row.extend(new_tokens)
+    outcome = step.outcome(new_tokens, None if logits is None else logits[columns], target_s)  # along the kept path
+    row.observe(outcome)
     return outcome
-
-
-def _observe(row: Row, outcome: StepOutcome) -> None:
-    """The row's k policy, acceptance estimate, stats and guards learn what the step did; after an anchor step the
-    drafter starts over on the whole context."""
-    row.policy.observe(outcome)
-    row.acceptance.observe(outcome.depth, outcome.accepted)
-    row.stats.record_step(outcome, time.perf_counter() - row.started)
-    produced = len(outcome.new_tokens)
-    row.stats.events += row.guards.settle(row.stats.new_tokens - produced, outcome.accepted, outcome.anchored)
-    if outcome.anchored:
-        row.drafter.begin(row.draft_settings)
-
-
-@contextmanager
-def _guarding(row: Row) -> Iterator[None]:
-    """Count the time a guard hook takes in the row's stats."""
-    with Timer() as guarding:
-        yield
-    row.stats.guard_s += guarding.seconds
