@@ -7,6 +7,7 @@ residual draw and change the law)."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -322,6 +323,32 @@ def test_structured_output_through_the_openai_client(served) -> None:
     assert json_mode.choices[0].text == expected.text
     if expected.finish_reason == "eos":
         assert isinstance(json.loads(expected.text), dict)
+    # logprobs under a grammar: where it allows fewer tokens than asked for, only those are listed (never -inf,
+    # which JSON cannot carry), whole and streamed
+    scored = server.client.completions.create(
+        model=None, prompt=prompt, max_tokens=8, temperature=0, logprobs=5, extra_body={"grammar": gbnf}
+    )
+    assert scored.choices[0].text == got.choices[0].text[: len(scored.choices[0].text)]
+    tops = scored.choices[0].logprobs.top_logprobs
+    assert any(len(top) < 5 for top in tops) and all(math.isfinite(v) for top in tops for v in top.values())
+    stream = server.client.chat.completions.create(
+        model=server.client.models.list().data[0].id,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": Pet.model_json_schema()}},
+    )
+    entries = [
+        entry
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert entries and any(len(entry.top_logprobs) < 5 for entry in entries)
+    assert all(math.isfinite(alt.logprob) for entry in entries for alt in entry.top_logprobs)
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
     with pytest.raises(openai.BadRequestError) as refused:
         server.client.completions.create(model=None, prompt="hi", max_tokens=4, extra_body={"response_format": bad})

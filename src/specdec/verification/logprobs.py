@@ -19,12 +19,16 @@ class TokenLogprob:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[TokenLogprob]:
-    """Row i of ``logits`` [n, V] is the distribution ``tokens[i]`` was chosen from; ``top`` alternatives each."""
+    """Row i of ``logits`` [n, V] is the distribution ``tokens[i]`` was chosen from; at most ``top`` alternatives each,
+    those of probability above 0."""
     logp = torch.log_softmax(logits.float(), dim=-1).cpu()
     chosen = logp.gather(-1, tokens.cpu()[:, None]).squeeze(-1).tolist()
-    if top:
+    if top:  # a token of probability 0 (masked by a grammar or a guard) is no alternative: fewer may be listed
         values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
-        alternatives = [tuple(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(ids, values, strict=True)]
+        alternatives = [
+            tuple((t, v) for t, v in zip(i.tolist(), v.tolist(), strict=True) if v != float("-inf"))
+            for i, v in zip(ids, values, strict=True)
+        ]
     else:
         alternatives = [()] * len(chosen)
     return [TokenLogprob(int(t), float(p), a) for t, p, a in zip(tokens.tolist(), chosen, alternatives, strict=True)]
