@@ -149,9 +149,9 @@ def timed_masks() -> tuple[list[float], list[int]]:
     seconds, positions = [], []
     real = Constraint.mask
 
-    def mask(self, logits, drafts):
+    def mask(self, logits, drafts, links):
         start = time.perf_counter()
-        real(self, logits, drafts)
+        real(self, logits, drafts, links)
         seconds.append(time.perf_counter() - start)
         positions.append(logits.shape[0])
 

@@ -265,6 +265,32 @@ def test_kernels_refuse_bad_input_as_the_reference_does(monkeypatch: pytest.Monk
         ops.rotate(torch.randn(2, 4, 16), torch.empty(2, 1, 16, device="meta"), torch.ones(2, 1, 16))
 
 
+@pytest.mark.parametrize("width", [300, 288, 17])  # 300: a last word of 12 tokens; 17: within the first word
+def test_the_mask_kernel_forbids_what_the_packed_bits_forbid(width: int) -> None:
+    """A grammar's token mask by the kernel: -inf exactly where torch's unpacked mask has it, every other value left
+    as it was, on rows of a wider tensor (strided), with words of no, all and some tokens allowed."""
+    generator = torch.Generator().manual_seed(0)
+    words = (width + 31) // 32
+    bits = torch.randint(-(2**31), 2**31 - 1, (5, words + 1), dtype=torch.int32, generator=generator)
+    bits[1] = 0  # nothing allowed
+    bits[2] = -1  # everything allowed
+    bits[3, ::2] = 0
+    scores = torch.randn(5, 320, generator=generator)
+    expected = scores.clone()
+    ops.forbid_reference(expected[:, :310], bits, width)
+    ops.forbid(scores[:, :310], bits, width)
+    assert torch.equal(scores, expected)
+    assert (
+        torch.isinf(scores[1, :width]).all()
+        and torch.isfinite(scores[2]).all()
+        and torch.isfinite(scores[:, width:]).all()
+    )
+    with pytest.raises(ValueError, match="native kernel: width"):
+        ops.forbid(scores, bits, 32 * (words + 1) + 1)
+    with pytest.raises(ValueError, match="native kernel: bits"):
+        ops.forbid(scores, bits[:4], width)
+
+
 @pytest.mark.parametrize("dim", [256, 80, 64])  # 80: halves of 40, not a whole number of vectors
 def test_the_rotary_kernel_gives_the_bits_of_torchs_formula(dim: int) -> None:
     generator = torch.Generator().manual_seed(dim)

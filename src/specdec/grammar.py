@@ -27,6 +27,7 @@ import torch
 
 from specdec.config import Grammar
 from specdec.errors import ConfigError
+from specdec.models.native import kernel_build, ops
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -82,8 +83,7 @@ class Constraint:
                 else:
                     bitmask[j + 1] = bitmask[int(links[j]) + 1]
         width = min(self.vocab_size, logits.shape[1])
-        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :width].astype(bool)
-        logits[:, :width].masked_fill_(torch.from_numpy(~allowed).to(logits.device), float("-inf"))
+        _forbid(logits, torch.from_numpy(bitmask), width)
         logits[:, width:] = float("-inf")
 
     def _walk(self, drafts: torch.Tensor, links: torch.Tensor, count: int) -> Iterator[bool]:
@@ -115,6 +115,16 @@ class Constraint:
                 return
             if not self.matcher.consume_token(token):
                 raise RuntimeError(f"the grammar refused kept token {token}: {self.matcher.get_error()}")
+
+
+def _forbid(logits: torch.Tensor, bits: torch.Tensor, width: int) -> None:
+    """-inf, in place, where the packed mask ``bits`` forbids: by the native kernel where this process has loaded it
+    and the logits are float32 rows on the CPU (it skips the words that allow all 32 tokens and unpacks nothing), else
+    by torch."""
+    if kernel_build.loaded() is not None and logits.is_cpu and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        ops.forbid(logits, bits, width)
+    else:
+        ops.forbid_reference(logits, bits, width)
 
 
 class GrammarCompiler:

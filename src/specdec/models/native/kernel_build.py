@@ -167,6 +167,12 @@ def compiled():
     return selected().module
 
 
+def loaded():
+    """The compiled kernels where this process has already chosen its build (the native runtime has), else None: for
+    a helper that would rather take its torch path than start a build."""
+    return selected().module if selected.cache_info().currsize else None
+
+
 def build_name() -> str:
     """The kernels' build in use (its module's name: variant and build key, and whether the AMX build's tiles run),
     or the float64 reference where none runs."""

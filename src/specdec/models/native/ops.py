@@ -1,6 +1,6 @@
 """The native runtime's kernels besides the linear layers: attention over the paged KV cache, row-wise RMS norms, the
 rotary position embedding and the MLP's gated activation; each computes a position alone, so its bits do not depend
-on the positions beside it."""
+on the positions beside it. Also a grammar's packed token mask applied to logits (``forbid``)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,21 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     kernel = _compiled("rotary")
     kernel_build.on_cpu(x, cos, sin)
     return kernel_build.call(kernel.rope, x.contiguous(), cos, sin)
+
+
+def forbid(logits: torch.Tensor, bits: torch.Tensor, width: int) -> None:
+    """Set to -inf, in place, each ``logits[r, t]`` (t < ``width``) whose bit t of row r of ``bits`` is 0 (int32
+    words, bit t % 32 of word t // 32: a grammar's token mask); the other values are left as they are."""
+    kernel = _compiled("mask")
+    kernel_build.on_cpu(logits, bits)
+    kernel_build.call(kernel.forbid, logits, bits, width)
+
+
+def forbid_reference(logits: torch.Tensor, bits: torch.Tensor, width: int) -> None:
+    """``forbid`` by torch's operations: the test oracle, and the path where the kernels are not loaded."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :width].bool().to(logits.device)
+    logits[:, :width].masked_fill_(~allowed, float("-inf"))
 
 
 def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -156,6 +156,19 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
     return out;
 }
 
+void forbid(torch::Tensor logits, torch::Tensor bits, int64_t width) {
+    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1,
+                "logits: float32 [rows, V], each row contiguous");
+    TORCH_CHECK(bits.dim() == 2 && bits.scalar_type() == torch::kInt32 && bits.is_contiguous() &&
+                    bits.size(0) == logits.size(0),
+                "bits: contiguous int32 [rows, words], a row of words per row of logits");
+    TORCH_CHECK(width >= 0 && width <= logits.size(1) && width <= 32 * bits.size(1),
+                "width: at most the logits' columns and the mask's bits");
+    pybind11::gil_scoped_release no_gil;
+    specdec::forbid(logits.data_ptr<float>(), logits.size(0), logits.stride(0), width, bits.data_ptr<int32_t>(),
+                    bits.size(1));
+}
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && w.scalar_type() == torch::kFloat32 &&
                     w.is_contiguous(),
@@ -179,6 +192,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("move_positions", &move_positions, "move a tree path's keys and values");
     m.def("rms_norm", &rms_norm, "RMS norm, each row alone");
     m.def("rope", &rope, "rotary position embedding");
+    m.def("forbid", &forbid, "-inf where a packed bit mask forbids, in place");
     m.def("gated", &gated, "act(gate) * up");
     m.def("tiles_in_use", &tiles_in_use, "whether AMX tiles run here");
 }

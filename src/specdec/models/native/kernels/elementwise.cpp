@@ -46,6 +46,27 @@ void rope(const float* xp, int64_t n, int64_t heads, int64_t dim, const float* c
     }
 }
 
+// -inf at each of a row's first `width` logits [rows][stride] whose bit in the row's mask is 0 (bit t of word w: token
+// 32 w + t): a grammar's mask, without unpacking it. Words of all ones leave their 32 values; words of zeros fill them.
+void forbid(float* logits, int64_t rows, int64_t stride, int64_t width, const int32_t* bits, int64_t words) {
+    parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            float* row = logits + r * stride;
+            const int32_t* mask = bits + r * words;
+            for (int64_t w = 0; w * 32 < width; ++w) {
+                const int64_t base = w * 32, n = std::min<int64_t>(32, width - base);
+                uint32_t forbidden = ~(uint32_t)mask[w];
+                if (n < 32) forbidden &= (1u << n) - 1;
+                if (forbidden == 0xFFFFFFFFu) {
+                    for (int64_t t = 0; t < 32; ++t) row[base + t] = -INFINITY;
+                    continue;
+                }
+                for (; forbidden; forbidden &= forbidden - 1) row[base + __builtin_ctz(forbidden)] = -INFINITY;
+            }
+        }
+    });
+}
+
 // Each row alone, in one order (float32).
 void rms_norm(const float* xp, int64_t rows, int64_t dim, const float* wp, float eps, float* op) {
     for (int64_t r = 0; r < rows; ++r) {
