@@ -92,6 +92,23 @@ def test_batched_greedy_equals_each_prompt_alone(make_target, k_cap: str) -> Non
             assert sum(r.stats.draft_tokens_accepted for r in results) > 0
 
 
+def test_rows_with_one_prompt_share_its_reading() -> None:
+    """n answers to one prompt on the batched transformers backend: the prompt is read once (the others copy the
+    first row's cache) and each answer, greedy or sampled with its own seed, is the one it gets alone."""
+    from test_native import fed_lengths
+
+    target = loaded(tiny_llama(1))
+    gen = Generator(target, "prompt-lookup", GREEDY)
+    configs = [
+        replace(GREEDY, sampling=SamplingConfig(temperature=t), seed=seed) for t, seed in [(0, 0), (1, 1), (1, 2)]
+    ]
+    alone = [gen.generate(PROMPTS[3], config).token_ids for config in configs]
+    decoder = gen.batch_decoder(len(configs))
+    fed = fed_lengths(decoder.backend)
+    assert [r.token_ids for r in gen.generate_batch([PROMPTS[3]] * 3, configs, decoder=decoder)] == alone
+    assert fed[0] == [len(PROMPTS[3]) - 1] and all(max(rows) <= 1 + GREEDY.k for rows in fed[1:]), fed
+
+
 def test_rows_stop_on_their_own_terms() -> None:
     """Per-row max_new_tokens, stop strings and EOS; a finished row leaves while the others go on."""
     tokenizer = char_tokenizer()

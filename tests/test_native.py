@@ -3,12 +3,14 @@ speculation identical to its own target-only decoding, sampling exact, clear ref
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import char_tokenizer, loaded, tiny_gemma3, tiny_llama
 
 from specdec import Generator
-from specdec.config import PRESETS, RuntimeConfig
+from specdec.config import PRESETS, BatchConfig, GenerationConfig, RuntimeConfig, SamplingConfig
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend, open_target
 from specdec.models.native import FIRST_CAPACITY, NativeBackend, NativeModel, formats, kernel_build, ops, paged_cache
@@ -216,6 +218,46 @@ def test_the_server_batches_native_requests(tmp_path) -> None:
     finally:
         code, log = server.stop()
     assert code == 0, log
+
+
+def fed_lengths(backend) -> list[list[int]]:
+    """Record the tokens each row of each forward of ``backend`` is fed (logits or argmaxes asked alike)."""
+    fed: list[list[int]] = []
+    inside = []  # a forward_argmax that runs forward is one forward
+    for name in ("forward", "forward_argmax"):
+        real = getattr(backend, name)
+
+        def recorded(row_ids, feeds, *args, real=real, **kwargs):
+            if not inside:
+                fed.append([len(feed) for feed in feeds])
+            inside.append(True)
+            try:
+                return real(row_ids, feeds, *args, **kwargs)
+            finally:
+                inside.pop()
+
+        setattr(backend, name, recorded)
+    return fed
+
+
+def test_rows_with_one_prompt_read_it_once(tmp_path) -> None:
+    """n answers to one prompt (a server's n > 1): the first row's forward reads the prompt, the others copy its cache,
+    and every answer is bit for bit what it is alone, greedy or sampled with its own seed."""
+    tokenizer, model = char_tokenizer(), models()[1]["gemma3"]
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    gen = Generator(str(tmp_path / "tiny"), "prompt-lookup", runtime=NATIVE, batch=BatchConfig(k_cap="fixed"))
+    settings = [(0.0, None), (1.0, 1), (1.0, 2), (0.7, 3)]
+    fixed = GenerationConfig(k=4, k_policy="fixed", max_new_tokens=16, stop_on_eos=False)
+    configs = [replace(fixed, sampling=SamplingConfig(temperature=t), seed=seed) for t, seed in settings]
+    alone = [gen.generate(PROMPTS[0], config).token_ids for config in configs]
+    decoder = gen.batch_decoder(len(configs))
+    fed = fed_lengths(decoder.backend)
+    results = gen.generate_batch([PROMPTS[0]] * len(configs), configs, decoder=decoder)
+    assert [result.token_ids for result in results] == alone
+    prompt = len(gen.completion(PROMPTS[0], configs[0]).prompt_ids)
+    assert fed[0] == [prompt - 1]  # the first row alone reads the prompt but its last token
+    assert all(max(rows) <= 1 + 4 for rows in fed[1:]), fed  # then every row that token and its drafts at most
 
 
 def test_kernels_refuse_bad_input_as_the_reference_does(monkeypatch: pytest.MonkeyPatch) -> None:

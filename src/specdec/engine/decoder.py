@@ -160,6 +160,7 @@ class Decoder(Generic[S]):
         rows = list(self.rows.values())
         k_cap = self._k_cap(rows)
         row_ids = {row: i for i, row in enumerate(rows)}
+        self._share_prompts([row for row in rows if self.backend.cached_lengths[row_ids[row]] == 0], row_ids)
         joining = [row for row in rows if self.backend.cached_lengths[row_ids[row]] == 0]
         running = [row for row in rows if self.backend.cached_lengths[row_ids[row]] > 0]
         new: dict[Row, StepOutcome] = {}
@@ -188,6 +189,21 @@ class Decoder(Generic[S]):
                 self.leave(completion)
             updates.append(Update(completion, text, done))
         return updates
+
+    @torch.inference_mode()
+    def _share_prompts(self, joining: list[Row], row_ids: dict[Row, int]) -> None:
+        """Joining rows with one prompt (n answers to one request) read it once: the first's cache takes the prompt
+        but its last token in one forward, the others' copy it, and each then reads that token with its drafts. Not
+        rows whose drafter reads the target's hidden states (each would miss its prompt's)."""
+        if not self.backend.capabilities.copies_rows:
+            return
+        same: dict[tuple[int, ...], list[Row]] = {}
+        for row in joining:
+            if row.length > 1 and not row.drafter.capabilities.features:
+                same.setdefault(tuple(row.tokens.tolist()), []).append(row)
+        for first, *others in (rows for rows in same.values() if len(rows) > 1):
+            self.backend.forward_argmax([row_ids[first]], [first.tokens[:-1]], 1)
+            self.backend.copy_row(row_ids[first], [row_ids[row] for row in others])
 
     def _k_cap(self, rows: list[Row]) -> int | None:
         if self.window is None:

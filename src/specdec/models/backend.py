@@ -37,6 +37,8 @@ class BackendCapabilities:
     trees: bool = False
     features: bool = False  # a forward can also return the final hidden states (what an eagle head reads)
     max_rows: int | None = 1  # sequences one forward holds; None: as many as memory allows
+    # Rows can take another row's cached positions (RowBackend.copy_row): sequences with one prompt read it once.
+    copies_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,11 @@ class RowBackend(Described):
     def truncate(self, row_id: int, length: int, branch: list[int] | None = None) -> None:
         """Keep only the first ``length`` cached positions of row ``row_id`` (``branch``: see Backend.truncate)."""
 
+    def copy_row(self, source: int, targets: list[int]) -> None:
+        """Give each row of ``targets`` (empty rows) row ``source``'s cached positions, where the capabilities say
+        ``copies_rows``."""
+        raise NotImplementedError(f"{type(self).__name__} does not copy rows (its capabilities say copies_rows=False)")
+
     def kv_bytes(self) -> int:
         """Bytes the rows' KV caches hold now (0 where the runtime does not say)."""
         return 0
@@ -268,7 +275,7 @@ class OneRow(RowBackend):
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.info = replace(backend.info, capabilities=replace(backend.capabilities, max_rows=1))
+        self.info = replace(backend.info, capabilities=replace(backend.capabilities, max_rows=1, copies_rows=False))
         self.last_features: list[torch.Tensor] = []
         self._rows = 0
 

@@ -107,7 +107,7 @@ class BatchedTransformersBackend(RowBackend):
             getattr(config, "sliding_window", None) if "sliding_attention" in kinds else None
         )
         self.layer_kinds = kinds
-        capabilities = BackendCapabilities(trees=True, features=True, max_rows=None)
+        capabilities = BackendCapabilities(trees=True, features=True, max_rows=None, copies_rows=True)
         self.info = transformers_info(model, capabilities, runtime="batched|")
         self.mask_dtype = model.get_input_embeddings().weight.dtype
         self.cache = RowCache()
@@ -142,6 +142,13 @@ class BatchedTransformersBackend(RowBackend):
             for buffer in self.cache.keys + self.cache.values:
                 keep_branch(buffer[row_id], 1, length, branch)
         self.cached_lengths[row_id] = length
+
+    @torch.inference_mode()
+    def copy_row(self, source: int, targets: list[int]) -> None:
+        for buffer in self.cache.keys + self.cache.values:
+            buffer[targets] = buffer[source].clone()
+        for target in targets:
+            self.cached_lengths[target] = self.cached_lengths[source]
 
     def kv_bytes(self) -> int:
         return sum(buffer.nbytes for buffer in self.cache.keys + self.cache.values)

@@ -483,6 +483,11 @@ class NativeRows(RowBackend):
     def truncate(self, row_id: int, length: int, branch: list[int] | None = None) -> None:
         self.caches[row_id].truncate(length, branch)
 
+    @torch.inference_mode()
+    def copy_row(self, source: int, targets: list[int]) -> None:
+        for target in targets:
+            self.caches[target] = self.caches[source].copy()
+
     def kv_bytes(self) -> int:
         return sum(cache.nbytes for cache in self.caches)
 
@@ -502,7 +507,7 @@ def native_info(model: NativeModel, cache_dtype: str, runtime: str = "") -> Mode
         f"{kernel_build.build_name()}|cpu",
         vocab_size=model.vocab_size,
         max_context=model.shape.max_context,
-        capabilities=BackendCapabilities(trees=True, features=True, max_rows=None),
+        capabilities=BackendCapabilities(trees=True, features=True, max_rows=None, copies_rows=True),
     )
 
 

@@ -53,6 +53,18 @@ class PagedCache:
                     page = pages[index] = torch.empty(size, dtype=getattr(torch, self.dtype))
                     self.tables[layer, index] = page.data_ptr()
 
+    def copy(self) -> PagedCache:
+        """A cache of its own holding the same positions (each held page copied)."""
+        twin = PagedCache(self.windows, self.kv_heads, self.head_dim, self.dtype)
+        twin.length, twin._swept = self.length, self._swept
+        twin.tables = torch.zeros_like(self.tables)
+        for layer, pages in enumerate(self.pages):
+            for index, page in enumerate(pages):
+                twin.pages[layer].append(None if page is None else page.clone())
+                if page is not None:
+                    twin.tables[layer, index] = twin.pages[layer][index].data_ptr()
+        return twin
+
     def truncate(self, length: int, branch: list[int] | None = None) -> None:
         """Keep the first ``length`` positions; with ``branch`` (ascending cache indices, a tree's accepted path) the
         last len(branch) of them are the states at those indices."""
