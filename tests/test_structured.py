@@ -32,6 +32,7 @@ from specdec.errors import ConfigError
 from specdec.grammar import GrammarCompiler
 from specdec.models import TransformersBackend
 from specdec.models.loading import materialize, resolve
+from specdec.serving.protocol import STRIPPED, ChatRequest
 from specdec.verification import to_probs
 from specdec.verification.processors import process
 
@@ -435,3 +436,116 @@ def test_tool_calls_round_trip_through_the_openai_client(served) -> None:
             model=None, messages=messages, tools=tools, tool_choice={"type": "function", "function": {"name": "fly"}}
         )
     assert refused.value.body["param"] == "tool_choice"
+
+
+def _strict_payload(**fields) -> dict:
+    """A chat request's fields offering get_weather as the openai client's pydantic_function_tool makes it (strict),
+    and a function that is not strict."""
+    import openai
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        city: Literal["Paris", "Rome"]
+        days: Literal[1, 2, 3]
+
+    tools = [
+        openai.pydantic_function_tool(Weather, name="get_weather", description="The weather in a city"),
+        {
+            "type": "function",
+            "function": {"name": "noop", "parameters": {"type": "object", "additionalProperties": False}},
+        },
+    ]
+    messages = [{"role": "user", "content": "Weather in Rome for 2 days?"}]
+    return {"messages": messages, "tools": tools} | fields
+
+
+def _keeps_its_schema(request: ChatRequest, call: dict) -> bool:
+    """Whether ``call`` (a tool_calls entry) names an offered function and its arguments validate against its
+    parameters."""
+    import jsonschema
+
+    (function,) = [t.function for t in request.tools or () if t.function.name == call["function"]["name"]]
+    arguments = json.loads(call["function"]["arguments"])
+    return not list(jsonschema.Draft202012Validator(function.parameters).iter_errors(arguments))
+
+
+def test_strict_functions_under_auto_allow_text_or_a_call_that_keeps_its_schema() -> None:
+    """With tool_choice auto and a strict function, the grammar takes text (which tool_call reads as words) or a call
+    (bare or in tags) whose arguments keep its schema; text that tool_call would read as a call is no text; without a
+    strict function, or with tool_choice none, nothing is constrained."""
+    request = ChatRequest.model_validate(_strict_payload())
+    grammar = request.structure()
+    assert grammar is not None and grammar.kind == "lark"
+    matcher = GrammarCompiler(smol_tokenizer(), frozenset({2})).constraint(grammar).matcher
+
+    def allowed(text: str) -> bool:
+        ids = smol_tokenizer().encode(text)
+        consumed = matcher.try_consume_tokens(ids)
+        complete = consumed == len(ids) and matcher.is_accepting()
+        matcher.rollback(consumed)
+        return complete
+
+    texts = ["Sure, let me check.", "", "It is {sunny} in Rome", "a <tool_call>"]
+    calls = [
+        '{"name":"get_weather","arguments":{"city":"Rome","days":2}}',
+        ' <tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","days":1}}\n</tool_call>',
+        '\n{"name":"noop","arguments":{}}',
+    ]
+    broken = [
+        '{"name":"get_weather","arguments":{"city":"Oslo","days":2}}',  # not in the enum
+        '{"name":"get_weather","arguments":{"city":"Rome"}}',  # a required argument missing
+        '<tool_call>{"name":"noop","arguments":{"x":1}}</tool_call>',  # a property the schema forbids
+        '\u3000{"name":"fly","arguments":{}}',  # no such function, after a space str.strip() removes
+        "{not a call",
+        "<tool_call> hello",
+        '{"name":"noop","arguments":{}}\n',  # the call ends the answer
+    ]
+    for text in texts:
+        assert allowed(text) and request.tool_call(text) is None, text
+    for text in calls:
+        made = request.tool_call(text)
+        assert allowed(text) and made is not None and _keeps_its_schema(request, made), text
+    for text in broken:
+        assert not allowed(text), text
+    # the text lexeme's leading space is exactly what str.strip() removes
+    listed = {c for low, high in STRIPPED for c in range(low, high + 1)}
+    assert listed == {c for c in range(0x110000) if chr(c).isspace()}
+    loose = _strict_payload()
+    loose["tools"][0]["function"]["strict"] = False
+    assert ChatRequest.model_validate(loose).structure() is None
+    assert ChatRequest.model_validate(_strict_payload(tool_choice="none")).structure() is None
+
+
+def test_strict_functions_under_auto_through_the_openai_client(served, smol_folder: Path) -> None:
+    """Through the server (drafting by prompt lookup), a strict function with tool_choice auto: the answer is text,
+    or a call whose arguments keep the schema (a logit_bias toward "{" makes the tiny model call), each what
+    target-only decoding gives for the same request, whole and streamed; with a response format it is a 400 naming
+    tools."""
+    import openai
+
+    server, _ = served
+    none = Generator(str(smol_folder), "none", GenerationConfig(k=4, k_policy="fixed"), RuntimeConfig("auto"))
+    opening = smol_tokenizer().convert_tokens_to_ids(["{", '{"'])
+    for bias in (None, {str(token): 100 for token in opening}):
+        sent = _strict_payload(max_tokens=40, temperature=0) | ({"logit_bias": bias} if bias else {})
+        request = ChatRequest.model_validate(sent)
+        got = server.client.chat.completions.create(model=None, **sent)
+        messages = [m.for_template(i) for i, m in enumerate(request.messages)]
+        expected = none.generate(none.chat_ids(messages, request.offered), request.generation_config(none.config, 40))
+        made = request.tool_call(expected.text)
+        answer = got.choices[0]
+        if made is None:
+            assert answer.message.tool_calls is None and answer.message.content == expected.text
+            continue
+        (call,) = answer.message.tool_calls
+        assert answer.finish_reason == "tool_calls" and call.function.model_dump() == made["function"]
+        assert _keeps_its_schema(request, made)
+        chunks = list(server.client.chat.completions.create(model=None, stream=True, **sent))
+        (delta,) = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
+        assert delta[0].function.model_dump() == made["function"]
+    assert bias is not None and made is not None  # the biased request made a call
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client.chat.completions.create(
+            model=None, max_tokens=4, response_format={"type": "json_object"}, **_strict_payload()
+        )
+    assert refused.value.body["param"] == "tools" and "strict" in refused.value.body["message"]

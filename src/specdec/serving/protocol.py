@@ -39,6 +39,7 @@ from specdec.config import (
     TypicalAcceptance,
 )
 from specdec.engine import GenerationResult, TokenLogprob
+from specdec.grammar import COMPACT
 from specdec.seeds import choice_seed
 
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait before retrying
@@ -360,6 +361,8 @@ class FunctionSpec(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    # True: a call's arguments keep ``parameters``, under every tool_choice: required or a named function constrains
+    # the answer to a call, auto with a strict function to text or a call (ChatRequest.structure)
     strict: bool | None = None
 
 
@@ -384,7 +387,8 @@ class ChatRequest(OpenAIRequest):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # taken; an answer calls one function
+    # taken; an answer makes at most one call, which OpenAI's default (true) permits: true allows several, not requires
+    parallel_tool_calls: bool | None = None
 
     def unsupported(self) -> None:
         super().unsupported()
@@ -399,6 +403,15 @@ class ChatRequest(OpenAIRequest):
             raise APIError(400, "'tool_choice' needs tools", param="tool_choice")
         if self.calls_forced and (self.response_format is not None or self.grammar is not None):
             raise APIError(400, "a forced tool call and a response format exclude each other", param="tool_choice")
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        if self.strict_auto and (formatted or self.grammar is not None):
+            raise APIError(
+                400,
+                "a strict function under tool_choice auto holds the answer to text or a call, which a response format "
+                "or grammar would contradict: drop the response format, force the call with tool_choice, or set the "
+                "functions' strict false",
+                param="tools",
+            )
 
     @property
     def offered(self) -> list[dict] | None:
@@ -412,10 +425,22 @@ class ChatRequest(OpenAIRequest):
         """The answer must be a call: tool_choice "required" or a named function."""
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
+    @property
+    def strict_auto(self) -> bool:
+        """tool_choice auto (or unset) with a strict function offered: the answer is held to text or a call whose
+        arguments keep its function's schema."""
+        return self.tool_choice in (None, "auto") and any(tool.function.strict for tool in self.tools or ())
+
     def structure(self) -> Grammar | None:
+        if self.strict_auto:
+            return Grammar("lark", text_or_call(self._calls(None)))
         if not self.calls_forced:
             return super().structure()
         named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        return Grammar("json_schema", json.dumps(self._calls(named)))
+
+    def _calls(self, named: str | None) -> dict:
+        """The JSON schema of a call (its function's name and arguments) to the function ``named``, or to any."""
         calls = [
             {
                 "type": "object",
@@ -426,11 +451,12 @@ class ChatRequest(OpenAIRequest):
             for tool in self.tools or ()
             if named in (None, tool.function.name)
         ]
-        return Grammar("json_schema", json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls}))
+        return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
     def tool_call(self, text: str) -> dict | None:
         """The call ``text`` makes (a JSON object naming an offered function and its arguments, bare or inside
-        <tool_call> tags), as OpenAI's tool_calls entry; None for an answer in words."""
+        <tool_call> tags), as OpenAI's tool_calls entry; None for an answer in words. text_or_call's grammar is
+        written to this reading: change both together."""
         if self.offered is None:
             return None
         body = text.strip().removeprefix("<tool_call>").removesuffix("</tool_call>").strip()
@@ -454,6 +480,47 @@ class ChatRequest(OpenAIRequest):
     @property
     def token_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+# The characters str.strip() removes (str.isspace()), as inclusive code point ranges: text whose first other
+# characters are "{" or "<tool_call>" is read as a call by ChatRequest.tool_call.
+STRIPPED = (
+    (0x09, 0x0D),
+    (0x1C, 0x20),
+    (0x85, 0x85),
+    (0xA0, 0xA0),
+    (0x1680, 0x1680),
+    (0x2000, 0x200A),
+    (0x2028, 0x2029),
+    (0x202F, 0x202F),
+    (0x205F, 0x205F),
+    (0x3000, 0x3000),
+)
+
+
+def text_or_call(call: dict) -> str:
+    """A Lark grammar (llguidance's) for an answer that is either text that ChatRequest.tool_call reads as words, or a
+    call that keeps the JSON schema ``call``: compact JSON, bare or in <tool_call> tags (a newline inside each tag
+    allowed), after any whitespace, ending the answer (whitespace after it would change nothing, and a weak model fills
+    its budget with it).
+
+    The text lexeme excludes every text whose first characters after stripped whitespace are "{" or "<tool_call>"
+    (tool_call may read such text as a call, so it must be one that keeps the schema): no text parses as a call. The
+    whitespace before a tag belongs to the tag's own lexeme: llguidance's lexer looks one byte ahead, so a separate
+    whitespace lexeme would have ended before the text lexeme died at the tag's ">"."""
+    stripped = "".join(f"\\x{{{low:x}}}" + (f"-\\x{{{high:x}}}" if high > low else "") for low, high in STRIPPED)
+    schema = call | {"x-guidance": COMPACT}
+    return "\n".join(
+        (
+            "start: TEXT | call",
+            f"TEXT: /(?s:.*)/ & ~/[{stripped}]*(\\{{|<tool_call>)(?s:.*)/",
+            "call: OPEN body CLOSE | SPACE? body",
+            f"body: %json {json.dumps(schema)}",
+            r"SPACE: /[ \t\n\r]+/",
+            r"OPEN: /[ \t\n\r]*<tool_call>\n?/",
+            r"CLOSE: /\n?<\/tool_call>/",
+        )
+    )
 
 
 FINISH = {"length": "length", "context": "length", "eos": "stop", "stop": "stop"}
