@@ -839,6 +839,12 @@ def test_admission_fills_free_slots_before_refusing(folder: Path) -> None:
             batcher.submit(Job(generator.completion("abc"), loop))
         with pytest.raises(QueueFullError, match="at most 4 running and 2 waiting"):
             batcher.submit(Job(generator.completion("abc"), loop))
+        # a request's answers are queued together or not at all (they then join one step and read their prompt once)
+        batcher.waiting.clear()
+        batcher.submit(*(Job(generator.completion("abc"), loop) for _ in range(5)))
+        with pytest.raises(QueueFullError):
+            batcher.submit(*(Job(generator.completion("abc"), loop) for _ in range(2)))
+        assert len(batcher.waiting) == 5
     finally:
         loop.close()
 

@@ -108,9 +108,11 @@ def create_app(
         streaming = False
         try:
             if body.max_tokens != 0:
-                for i, (prompt, choice) in enumerate(asked):
-                    submitted = await _submit(body, prompt, "prompt", body.max_tokens, request, f"{rid}-{i}", choice)
-                    jobs[i] = submitted[0]
+                for p, prompt in enumerate(body.prompts):
+                    ids = [f"{rid}-{p * body.n + choice}" for choice in range(body.n)]
+                    jobs[p * body.n : (p + 1) * body.n] = await _submit(
+                        body, prompt, "prompt", body.max_tokens, request, ids
+                    )
             if body.stream:
                 choices, prompt_tokens = [], 0
                 for i, (prompt, choice) in enumerate(asked):
@@ -203,9 +205,8 @@ def create_app(
         jobs: list[Job] = []
         streaming = False
         try:  # the answers (n of them), each its own sequence and seed, decoded in the same batch
-            for choice in range(body.n):
-                submitted = await _submit(body, ids, "messages", body.token_budget, request, f"{rid}-{choice}", choice)
-                jobs.append(submitted[0])
+            rids = [f"{rid}-{choice}" for choice in range(body.n)]
+            jobs += await _submit(body, ids, "messages", body.token_budget, request, rids)
             if body.stream:
                 choices = [
                     _Choice(
@@ -281,14 +282,16 @@ def create_app(
         field: str,
         budget: int | None,
         request: Request,
-        rid: str,
-        choice: int = 0,
-    ) -> tuple[Job, int]:
+        rids: list[str],
+    ) -> list[Job]:
+        """The request's answers to ``prompt`` (choice i under request id ``rids[i]``), encoded once and submitted
+        together: they join the batch at one step, where the decoder reads their prompt once."""
         max_tokens = budget or config.default_max_tokens
         try:
-            settings = body.generation_config(generator.config, max_tokens, choice)
+            every = [body.generation_config(generator.config, max_tokens, choice) for choice in range(len(rids))]
         except SpecDecError as exc:  # a sampling, guard or acceptance setting
             raise api.APIError(400, str(exc)) from None
+        settings = every[0]
         try:
             generator.check_sampling(settings.sampling)
         except SpecDecError as exc:
@@ -309,10 +312,15 @@ def create_app(
                 param=field,
                 code="context_length_exceeded",
             )
-        completion.scope = config.scope(bearer_key(request.headers.get("authorization", "")))
-        job = Job(completion, asyncio.get_running_loop(), request_id=rid)
+        others = await asyncio.to_thread(lambda: [generator.completion(completion.prompt_ids, c) for c in every[1:]])
+        completions = [completion, *others]
+        scope, loop = config.scope(bearer_key(request.headers.get("authorization", ""))), asyncio.get_running_loop()
+        jobs = []
+        for answer, rid in zip(completions, rids, strict=True):
+            answer.scope = scope
+            jobs.append(Job(answer, loop, request_id=rid))
         try:
-            batcher.submit(job)
+            batcher.submit(*jobs)
         except QueueFullError as exc:
             raise api.APIError(
                 429, f"the server is at capacity ({exc}): retry shortly", kind="rate_limit_error", code="queue_full"
@@ -332,7 +340,7 @@ def create_app(
                 f"not enough memory for this request now ({exc}): retry shortly or ask for fewer max_tokens",
                 code="insufficient_memory",
             ) from None
-        return job, used
+        return jobs
 
     return app
 

@@ -122,7 +122,8 @@ class Batcher:
         """Whether the engine thread runs (it ends only on stop(), or if a bug escapes its error handling)."""
         return self._thread.is_alive()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queue ``jobs`` (one request's answers) together: all are taken, or none (the error says why)."""
         with self._wake:
             if not self._accepting:
                 raise ShuttingDownError("the server is shutting down")
@@ -130,13 +131,20 @@ class Batcher:
                 raise ShuttingDownError("the server's engine thread has stopped")
             # Free batch slots count as room: the engine thread admits waiting jobs only between steps, so a burst
             # arriving during one step queues up even while slots are free.
-            if len(self.active) + len(self.waiting) >= self.max_batch + self.max_queue:
+            if len(self.active) + len(self.waiting) + len(jobs) > self.max_batch + self.max_queue:
                 raise QueueFullError(
                     f"{len(self.active)} requests are running and {len(self.waiting)} waiting "
                     f"(at most {self.max_batch} running and {self.max_queue} waiting)"
                 )
-            self._check_memory(job)
-            self.waiting.append(job)
+            taken = len(self.waiting)
+            try:
+                for job in jobs:  # each checked beside those queued before it
+                    self._check_memory(job)
+                    self.waiting.append(job)
+            except MemoryFullError:
+                while len(self.waiting) > taken:
+                    self.waiting.pop()
+                raise
             self.metrics.queue_depth.set(len(self.waiting))
             self._wake.notify()
 
