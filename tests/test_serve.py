@@ -179,6 +179,14 @@ def test_logprobs_echo_and_prompt_lists(server: Server, local: Generator, folder
     assert all(isinstance(t, dict) and len(t) == 1 for t in top[1:])  # what the harness's greedy check reads
     only = server.http.post("/v1/completions", json=body | {"max_tokens": 0, "prompt": PROMPTS[1]}).json()
     assert only["choices"][0]["text"] == PROMPTS[1] and only["usage"]["completion_tokens"] == 0
+    # scoring only, a prompt of several 64-position chunks: Generator.score's numbers, the first null
+    long = " ".join(PROMPTS) * 2
+    scored = server.http.post("/v1/completions", json=body | {"max_tokens": 0, "prompt": long, "logprobs": 2}).json()
+    reported, scores = scored["choices"][0]["logprobs"], local.score(long, 2)
+    assert len(scores) > 2 * 64 and scored["choices"][0]["text"] == long
+    assert reported["token_logprobs"] == [None] + [s.logprob for s in scores[1:]]
+    assert reported["top_logprobs"][0] is None
+    assert [list(top.values()) for top in reported["top_logprobs"][1:]] == [[p for _, p in s.top] for s in scores[1:]]
 
     pair = server.client.completions.create(model=model, prompt=PROMPTS[:2], max_tokens=8, temperature=0)
     assert [c.index for c in pair.choices] == [0, 1]
@@ -196,6 +204,10 @@ def test_logprobs_echo_and_prompt_lists(server: Server, local: Generator, folder
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.top_logprobs[0].logprob >= c.logprob for c in content)  # greedy: the likeliest, or tied with it
+    # at every position the numbers target-only decoding reports (bit for bit: both on native)
+    target_only = alone.generate(alone.chat_ids(chat_request["messages"]), max_new_tokens=8, logprobs=2).logprobs
+    assert [c.logprob for c in content] == [e.logprob for e in target_only]
+    assert [[t.logprob for t in c.top_logprobs] for c in content] == [[p for _, p in e.top] for e in target_only]
 
     streamed = merged_completion_stream(server, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=2)
     assert streamed[0] == (got.choices[0].text, got.choices[0].logprobs.model_dump())
@@ -423,6 +435,8 @@ def test_disconnect_cancels_and_frees_capacity(server: Server) -> None:
         ({"prompt": "hi", "temperature": -1}, 400, "temperature", "greater than or equal to 0"),
         ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 0"),
         ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "set echo to score the prompt"),
+        ({"prompt": "hi", "best_of": 2}, 400, "best_of", "'best_of' is not supported"),
+        ({"prompt": "hi", "suffix": " the end"}, 400, "suffix", "'suffix' is not supported"),
         ({"prompt": "hi", "colour": "red"}, 400, "colour", "Unrecognized request argument"),
         ({"prompt": "hi", "n": 65}, 400, "n", "less than or equal to 64"),
         ({"prompt": ["a", "b"], "n": 40, "max_tokens": 5}, 400, "n", "at most 64 in all"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -274,12 +275,14 @@ def test_the_cli_takes_a_schema_and_reports_logprobs(smol_folder: Path, tmp_path
 
 @pytest.fixture(scope="module")
 def served(smol_folder: Path):
-    """`specdec serve` on the tiny SmolLM2-tokenizer model, drafting by prompt lookup; and the same model and drafter
-    in this process."""
+    """`specdec serve` on the tiny SmolLM2-tokenizer model, drafting by prompt lookup in trees of up to 3 branches
+    (a grammar masks each node after its own path); and the same model and drafter in this process, drafting chains
+    (greedy output is the target's either way)."""
     from test_serve import Server
 
     folder = smol_folder
-    server = Server(str(folder), "--draft", "prompt-lookup", "--k", "4", "--k-policy", "fixed", "--k-cap", "fixed")
+    fixed = ("--k", "4", "--k-policy", "fixed", "--k-cap", "fixed")
+    server = Server(str(folder), "--draft", "prompt-lookup", *fixed, "--branches", "3")
     local = Generator(str(folder), "prompt-lookup", GenerationConfig(k=4, k_policy="fixed"), RuntimeConfig("auto"))
     yield server, local
     server.stop()
@@ -549,3 +552,85 @@ def test_strict_functions_under_auto_through_the_openai_client(served, smol_fold
             model=None, max_tokens=4, response_format={"type": "json_object"}, **_strict_payload()
         )
     assert refused.value.body["param"] == "tools" and "strict" in refused.value.body["message"]
+
+
+def test_grammar_requests_on_a_tree_server_equal_target_only(served, smol_folder: Path) -> None:
+    """A grammar keeps the server's trees (guards still turn them off), and grammar requests answered together in
+    one batch of tree rows give target-only's greedy text: GBNF, JSON mode, a JSON schema, a forced tool call."""
+    from specdec.serving.protocol import ChatRequest, CompletionRequest
+
+    server, _ = served
+    defaults = GenerationConfig(branches=3)
+    gbnf = 'root ::= "[" [0-9] ("," [0-9])* "]"'
+    request = CompletionRequest.model_validate({"prompt": "x", "grammar": gbnf})
+    assert request.generation_config(defaults, 8).branches == 3
+    guarded = CompletionRequest.model_validate({"prompt": "x", "grammar": gbnf, "guards": {"repetition": True}})
+    assert guarded.generation_config(defaults, 8).branches == 1
+
+    alone = Generator(str(smol_folder), "none", GenerationConfig(k_policy="fixed"), RuntimeConfig("auto"))
+    prompt = "Numbers: [4,5,6] and [7,8] and [4,5,6]. More: "
+    schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}, "required": ["kind"]}
+    formats = [
+        ({"grammar": gbnf}, Grammar("gbnf", gbnf)),
+        ({"response_format": {"type": "json_object"}}, Grammar("json")),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}},
+            Grammar("json_schema", json.dumps(schema)),
+        ),
+    ]
+    messages = [{"role": "user", "content": "Weather in Rome for 2 days? " * 3}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"enum": [1, 2, 3]}},
+                    "required": ["city", "days"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
+    forced = ChatRequest.model_validate({"messages": messages, "tools": tools, "tool_choice": "required"})
+
+    def ask(i: int) -> str:
+        if i < len(formats):
+            body = {"model": None, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+            return server.client.completions.create(**body, extra_body=formats[i][0]).choices[0].text
+        called = server.client.chat.completions.create(
+            model=None, messages=messages, tools=tools, tool_choice="required", max_tokens=40, temperature=0
+        )
+        return called.choices[0].message.tool_calls[0].function.arguments
+
+    expected = [alone.generate(prompt, max_new_tokens=24, grammar=grammar).text for _, grammar in formats]
+    call = alone.generate(alone.chat_ids(messages, forced.offered), max_new_tokens=40, grammar=forced.structure())
+    expected.append(json.dumps(json.loads(call.text)["arguments"]))
+    with ThreadPoolExecutor(len(expected)) as pool:
+        assert list(pool.map(ask, range(len(expected)))) == expected
+
+
+def test_tool_choice_none_and_auto_answer_in_words(served) -> None:
+    """tool_choice "none" shows the model no tools and answers in words; "auto" (explicit, or left out) shows them and
+    leaves the answer unconstrained: here text, not a call. Each is the library's greedy text for the same prompt."""
+    from specdec.serving.protocol import ChatRequest
+
+    server, local = served
+    messages = [{"role": "user", "content": "Say hello."}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "greet", "parameters": {"type": "object", "properties": {"who": {"type": "string"}}}},
+        }
+    ]
+    shown = ChatRequest.model_validate({"messages": messages, "tools": tools}).offered
+    plain, with_tools = local.chat_ids(messages), local.chat_ids(messages, shown)
+    assert plain != with_tools  # the template shows the tools
+    for choice, prompt in (("none", plain), ("auto", with_tools), (None, with_tools)):
+        extra = {} if choice is None else {"tool_choice": choice}
+        got = server.client.chat.completions.create(
+            model=None, messages=messages, tools=tools, max_tokens=12, temperature=0, **extra
+        ).choices[0]
+        assert got.message.tool_calls is None and got.finish_reason in ("stop", "length"), choice
+        assert got.message.content == local.generate(prompt, max_new_tokens=12).text, choice

@@ -3,7 +3,7 @@
 Requests are validated here so that a bad field gets a 400 naming it, in the
 shape OpenAI clients parse ({"error": {"message", "type", "param", "code"}}).
 Fields OpenAI defines that change what is generated and that specdec does
-not implement (best_of, suffix; n > 1, logprobs or echo while streaming) are refused
+not implement (best_of > 1, suffix, content parts other than text) are refused
 by name rather than ignored. Two specdec extensions take the library's own
 settings: ``guards`` (GuardConfig's fields) and ``typical_acceptance``
 (TypicalAcceptance's fields; LOSSY), each an object whose omitted fields keep the library's defaults.
@@ -196,8 +196,8 @@ class OpenAIRequest(_Strict):
             logit_bias=self.bias_pairs(),
         )
         grammar = self.structure()
-        # Trees do not combine with guards, typical acceptance or a grammar.
-        plain = self.guards is None and self.typical_acceptance is None and grammar is None
+        # Trees do not combine with guards or typical acceptance; a grammar masks each tree node after its own path.
+        plain = self.guards is None and self.typical_acceptance is None
         return GenerationConfig(
             k=defaults.k,
             k_policy=defaults.k_policy,
