@@ -338,6 +338,10 @@ COMMANDS_TEXT = """
 2026-12-07-cpu-kernel-steps-intel-argmax.json
   python benchmarks/kernel_steps.py --out ${J}2026-12-07-cpu-kernel-steps-intel-argmax.json --llama-bench $LLAMA_BENCH
   --llama-bench-avx2 $LLAMA_BENCH_AVX2 --llama-bench-avx2-vnni $LLAMA_BENCH_AVX2_VNNI
+2026-12-07-cpu-native-vs-llama-server-64-t0
+  specdec bench-serve --clients 1,8 --duration 30 --max-tokens 64 --temperature 0 --llama-server $LLAMA_SERVER_AVX512
+2026-12-07-cpu-grammar-mask.json
+  python benchmarks/grammar_mask.py --repeats 1 --out ${J}2026-12-07-cpu-grammar-mask.json
 """
 VARIABLES = {
     "J": "benchmarks/results/",
@@ -351,6 +355,8 @@ VARIABLES = {
     "LLAMA_BENCH_AVX2_VNNI": "vendor/llama.cpp/build-avxvnni/bin/llama-bench",
     # the same AVX2 build's server
     "LLAMA_SERVER_AVX2": "vendor/llama.cpp/build-avx2/bin/llama-server",
+    # the AVX-512 build's server (LLAMA_BENCH's flags)
+    "LLAMA_SERVER_AVX512": "vendor/llama.cpp/build-avx512/bin/llama-server",
     "SUFFIX": "specdec bench --methods none,prompt-lookup,prompt-lookup+tree,suffix,suffix+tree --k 8 "
     "--k-policy cost-model --max-new-tokens 64 --backend native",
     "NATIVE": "specdec bench --k-policy cost-model --max-new-tokens 64 --backend native",

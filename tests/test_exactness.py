@@ -362,14 +362,14 @@ class JitteryClock:
 
 
 def test_a_seed_reproduces_output_under_the_default_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    import specdec.engine.step as step
+    import specdec.engine.rows as rows  # the step's clock (Timer)
 
     assert GenerationConfig().k_policy == "cost-model"
     target = tiny_llama(0, layers=8)  # costlier than its one-layer draft, so the cost model drafts
     settings = dict(max_new_tokens=30, temperature=1.0, seed=11, stop_on_eos=False)
     runs, batched = [], []
     for clock in range(3):
-        monkeypatch.setattr(step, "time", JitteryClock(clock))
+        monkeypatch.setattr(rows, "time", JitteryClock(clock))
         # A batch's dynamic k_cap follows the load (other rows, memory): a seed reproduces a batched row under the
         # fixed k_cap.
         gen = Generator(

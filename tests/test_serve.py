@@ -859,6 +859,18 @@ def test_admission_fills_free_slots_before_refusing(folder: Path) -> None:
         with pytest.raises(QueueFullError):
             batcher.submit(*(Job(generator.completion("abc"), loop) for _ in range(2)))
         assert len(batcher.waiting) == 5
+        batcher.waiting.clear()
+        checked = []
+
+        def failing(job: Job) -> None:  # the second job's check fails, with any error
+            checked.append(job)
+            if len(checked) == 2:
+                raise RuntimeError("a bug")
+
+        batcher._check_memory = failing  # noqa: SLF001
+        with pytest.raises(RuntimeError, match="a bug"):
+            batcher.submit(*(Job(generator.completion("abc"), loop) for _ in range(3)))
+        assert not batcher.waiting  # the first job did not stay queued without its reader
     finally:
         loop.close()
 

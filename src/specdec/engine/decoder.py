@@ -201,9 +201,15 @@ class Decoder(Generic[S]):
         for row in joining:
             if row.length > 1 and not row.drafter.capabilities.features:
                 same.setdefault(tuple(row.tokens.tolist()), []).append(row)
-        for first, *others in (rows for rows in same.values() if len(rows) > 1):
-            self.backend.forward_argmax([row_ids[first]], [first.tokens[:-1]], 1)
-            self.backend.copy_row(row_ids[first], [row_ids[row] for row in others])
+        sharing = {rows[0]: rows for rows in same.values() if len(rows) > 1}
+        for firsts in _by_length(list(sharing)):  # the prompts read as joining rows' are: grouped by length
+            start = time.perf_counter()
+            self.backend.forward_argmax([row_ids[row] for row in firsts], [row.tokens[:-1] for row in firsts], 1)
+            seconds = time.perf_counter() - start
+            for first in firsts:
+                self.backend.copy_row(row_ids[first], [row_ids[row] for row in sharing[first][1:]])
+                for row in sharing[first]:  # the prompt's reading counts in each row's prefill
+                    row.stats.prefill_s += seconds
 
     def _k_cap(self, rows: list[Row]) -> int | None:
         if self.window is None:

@@ -218,7 +218,9 @@ class RowStep:
     proposal: Proposal = field(default_factory=Proposal.empty)
     shape: Shape = CHAINS  # the shape of its drafts
     draft_s: float = 0.0
-    uncached: int = 0  # tokens fed ahead of the drafts: the pending token, or the whole prompt at the first step
+    # tokens fed ahead of the drafts: the pending token, or at the first step the prompt (its last token where the
+    # decoder read the rest for rows that share it)
+    uncached: int = 0
     path: list[int] = field(default_factory=list)  # accepted draft nodes, root first
     next_token: int = -1  # the target's token after them, recovered or bonus
 

@@ -15,7 +15,8 @@ class DecodeStats:
     steps: int = 0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
-    prefill_s: float = 0.0  # the first target forward, which also reads the prompt
+    # the first target forward, which also reads the prompt (and the forward that read it for rows that share one)
+    prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0  # target forwards and verification after the first step
     wall_s: float = 0.0
@@ -66,7 +67,7 @@ class DecodeStats:
         self.wall_s = wall_s
         if self.steps == 1:
             self.ttft_s = wall_s
-            self.prefill_s = outcome.target_s
+            self.prefill_s += outcome.target_s
         else:
             self.verify_s += outcome.target_s
 

@@ -6,10 +6,10 @@ One step, for rows of any number (batch 1 is a batch: one sequence decodes on a
 1. **draft**: each row's :class:`DraftPlan` (its k policy's plan, capped by the batch's k_cap and the row's limits:
    a step yields the accepted drafts plus one target token, never past max_new_tokens or the context; nothing on a
    guard's anchor step), then its drafter's proposal, cut to what the row keeps;
-2. **score**: each row is fed the tokens its cache lacks (the whole prompt at its first step, afterwards the pending
-   token, the last one produced) followed by its drafts, all rows in ONE target forward, which returns each
-   position's logits, or only its argmax where every row is greedy and nothing reshapes its logits
-   (``Row.argmax_only``: the target then need not write them);
+2. **score**: each row is fed the tokens its cache lacks (the prompt at its first step, or its last token where rows
+   that share a prompt had it read for them; afterwards the pending token, the last one produced) followed by its
+   drafts, all rows in ONE target forward, which returns each position's logits, or only its argmax where every row
+   is greedy and nothing reshapes its logits (``Row.argmax_only``: the target then need not write them);
 3. **verify**: each row's logits are processed (bias and penalties, verification/processors.py, then its grammar's
    mask, grammar.py: each position from its own context, drafts included), its guards adjust them, then the verifier
    of its kind judges the drafts (verification/verifiers.py). A sampled row's uniforms are keyed by position
@@ -96,12 +96,12 @@ def draft(step: RowStep) -> None:
     """Phase 1: the drafter's proposal (where the plan asks for one), cut to what the plan keeps and what the row can
     accept, its tokens on the host (the context lives there; probabilities stay where they are, for the verifier),
     and its shape: a chain row's drafter may draft a tree unasked (trees.py judges whether the row can take one)."""
-    row, asked = step.row, step.plan
-    if not asked.asked:
+    row, planned = step.row, step.plan
+    if not planned.asked:
         return
     with Timer() as drafting:
-        proposal = row.drafter.propose(row.tokens, asked.asked, asked.branches)
-        proposal = row.admit(proposal.cut(asked.keeps(proposal, drafting.elapsed)))
+        proposal = row.drafter.propose(row.tokens, planned.asked, planned.branches)
+        proposal = row.admit(proposal.cut(planned.keeps(proposal, drafting.elapsed)))
         step.proposal, step.shape = replace(proposal, tokens=proposal.tokens.cpu()), TREES.drafted(row, proposal)
     step.draft_s = drafting.seconds
 

@@ -145,8 +145,9 @@ class BatchedTransformersBackend(RowBackend):
 
     @torch.inference_mode()
     def copy_row(self, source: int, targets: list[int]) -> None:
+        length = self.cached_lengths[source]
         for buffer in self.cache.keys + self.cache.values:
-            buffer[targets] = buffer[source].clone()
+            buffer[targets, :, :length] = buffer[source, :, :length].clone()
         for target in targets:
             self.cached_lengths[target] = self.cached_lengths[source]
 

@@ -287,6 +287,13 @@ def create_app(
         """The request's answers to ``prompt`` (choice i under request id ``rids[i]``), encoded once and submitted
         together: they join the batch at one step, where the decoder reads their prompt once."""
         max_tokens = budget or config.default_max_tokens
+        if len(rids) > config.max_batch + config.max_queue:  # a request the server could never take at once
+            raise api.APIError(
+                400,
+                f"{len(rids)} answers to one prompt exceed what this server takes at once ({config.max_batch} running "
+                f"and {config.max_queue} waiting): ask for fewer with n",
+                param="n",
+            )
         try:
             every = [body.generation_config(generator.config, max_tokens, choice) for choice in range(len(rids))]
         except SpecDecError as exc:  # a sampling, guard or acceptance setting
@@ -312,7 +319,10 @@ def create_app(
                 param=field,
                 code="context_length_exceeded",
             )
-        others = await asyncio.to_thread(lambda: [generator.completion(completion.prompt_ids, c) for c in every[1:]])
+        others: list = []
+        if every[1:]:  # the other answers' sequences, from the ids already encoded
+            ids = completion.prompt_ids
+            others = await _encode(lambda settings: [generator.completion(ids, s) for s in settings], every[1:], field)
         completions = [completion, *others]
         scope, loop = config.scope(bearer_key(request.headers.get("authorization", ""))), asyncio.get_running_loop()
         jobs = []

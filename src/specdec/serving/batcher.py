@@ -141,7 +141,7 @@ class Batcher:
                 for job in jobs:  # each checked beside those queued before it
                     self._check_memory(job)
                     self.waiting.append(job)
-            except MemoryFullError:
+            except BaseException:  # none of the request's jobs stays queued without its reader
                 while len(self.waiting) > taken:
                     self.waiting.pop()
                 raise

@@ -236,7 +236,8 @@ def serve_on_ray(spec: ReplicaSpec, ray_config: RayConfig, ready=lambda: None) -
         serve.shutdown()
         ray.shutdown()
         for sig, handler in previous.items():  # a caller that embeds this gets its own handlers back
-            signal.signal(sig, handler)
+            if handler is not None:  # None: installed outside Python, nothing to put back from here
+                signal.signal(sig, handler)
 
 
 def _replica_failure(serve) -> str:

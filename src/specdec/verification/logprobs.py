@@ -26,8 +26,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list
     if top:  # a token of probability 0 (masked by a grammar or a guard) is no alternative: fewer may be listed
         values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
         alternatives = [
-            tuple((t, v) for t, v in zip(i.tolist(), v.tolist(), strict=True) if v != float("-inf"))
-            for i, v in zip(ids, values, strict=True)
+            tuple((t, p) for t, p in zip(row_ids.tolist(), row.tolist(), strict=True) if p != float("-inf"))
+            for row_ids, row in zip(ids, values, strict=True)
         ]
     else:
         alternatives = [()] * len(chosen)

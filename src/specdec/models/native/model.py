@@ -413,7 +413,7 @@ class NativeRows(RowBackend):
     def __init__(self, model: NativeModel, cache_dtype: str | None = None) -> None:
         self.model = model
         self.cache_dtype = new_cache(model, cache_dtype).dtype
-        self.info = native_info(model, self.cache_dtype, runtime="rows|")
+        self.info = native_info(model, self.cache_dtype, runtime="rows|", copies_rows=True)
         self.caches: list[PagedCache] = []
         self.last_features: list[torch.Tensor] = []
 
@@ -498,7 +498,7 @@ class NativeRows(RowBackend):
         return page * sum(min(pages, window // paged_cache.PAGE + 3) if window else pages for window in shape.windows)
 
 
-def native_info(model: NativeModel, cache_dtype: str, runtime: str = "") -> ModelInfo:
+def native_info(model: NativeModel, cache_dtype: str, runtime: str = "", copies_rows: bool = False) -> ModelInfo:
     """The record of a native model on a runtime named ``runtime`` (a prefix of its name). Its name: what decides its
     speed apart from threads (its weights and format, the KV cache's type, the kernels' build, chosen once a
     process)."""
@@ -507,7 +507,7 @@ def native_info(model: NativeModel, cache_dtype: str, runtime: str = "") -> Mode
         f"{kernel_build.build_name()}|cpu",
         vocab_size=model.vocab_size,
         max_context=model.shape.max_context,
-        capabilities=BackendCapabilities(trees=True, features=True, max_rows=None, copies_rows=True),
+        capabilities=BackendCapabilities(trees=True, features=True, max_rows=None, copies_rows=copies_rows),
     )
 
 

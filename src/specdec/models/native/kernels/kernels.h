@@ -57,8 +57,10 @@ void move_positions(const Pages& pages, const int64_t* sources, int64_t m, int64
 // act(gate) * up for rows [n][2f] (gate first): SiLU (kind 0) or GELU's tanh form (kind 1). out: [n][f].
 void gated(const float* gate_up, int64_t n, int64_t f, int64_t kind, float* out);
 
-// x cos + rotate_half(x) sin for x [n][heads][dim] (dim even), cos and sin [n][dim]: rotary position embedding.
+// -inf where a grammar's packed token mask (bit t % 32 of word t / 32) forbids, in each row's first `width` logits.
 void forbid(float* logits, int64_t rows, int64_t stride, int64_t width, const int32_t* bits, int64_t words);
+
+// x cos + rotate_half(x) sin for x [n][heads][dim] (dim even), cos and sin [n][dim]: rotary position embedding.
 void rope(const float* x, int64_t n, int64_t heads, int64_t dim, const float* cos, const float* sin, float* out);
 
 // x * rsqrt(mean(x^2) + eps) * w per row of dim values (dim a multiple of 16).
