@@ -11,7 +11,7 @@ from conftest import loaded, perturbed, tiny_llama
 from test_distribution import MIN_PVALUE, _check, _config
 from typer.testing import CliRunner
 
-import specdec.engine.step as step_module
+import specdec.engine.rows as rows_module  # where the step shapes each row's logits (Row.shape_logits)
 from specdec import GenerationConfig, Generator, SamplingConfig
 from specdec.bench.lossless import STEP_CASES, TargetLaw
 from specdec.cli.main import app
@@ -167,12 +167,12 @@ def test_sampled_output_with_penalties_follows_the_processed_law() -> None:
 @pytest.mark.slow
 def test_penalties_that_ignore_the_drafts_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: every position processed from the context without the drafts before it breaks the law."""
-    real = step_module.process
+    real = rows_module.process
 
     def without_drafts(logits, context, prompt_length, drafts, links, sampling) -> None:
         real(logits, context, prompt_length, drafts[:0], links[:0], sampling)
 
-    monkeypatch.setattr(step_module, "process", without_drafts)
+    monkeypatch.setattr(rows_module, "process", without_drafts)
     try:
         pvalue = _sampled_law_pvalue()
     except AssertionError as caught:  # a token the processed law gives no chance (min-p, top-p): caught outright
