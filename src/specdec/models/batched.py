@@ -149,7 +149,7 @@ class BatchedTransformersBackend(RowBackend):
         for buffer in self.cache.keys + self.cache.values:
             buffer[targets, :, :length] = buffer[source, :, :length].clone()
         for target in targets:
-            self.cached_lengths[target] = self.cached_lengths[source]
+            self.cached_lengths[target] = length
 
     def kv_bytes(self) -> int:
         return sum(buffer.nbytes for buffer in self.cache.keys + self.cache.values)

@@ -59,10 +59,10 @@ class PagedCache:
         twin.length, twin._swept = self.length, self._swept
         twin.tables = torch.zeros_like(self.tables)
         for layer, pages in enumerate(self.pages):
-            for index, page in enumerate(pages):
-                twin.pages[layer].append(None if page is None else page.clone())
+            twin.pages[layer] = [None if page is None else page.clone() for page in pages]
+            for index, page in enumerate(twin.pages[layer]):
                 if page is not None:
-                    twin.tables[layer, index] = twin.pages[layer][index].data_ptr()
+                    twin.tables[layer, index] = page.data_ptr()
         return twin
 
     def truncate(self, length: int, branch: list[int] | None = None) -> None:
