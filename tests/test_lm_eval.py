@@ -110,24 +110,43 @@ def _evaluate(server: Server, model_folder: Path, tasks: Path, out: Path) -> tup
     return scores, responses
 
 
+PROBE = "moon red dog moon red dog"
+
+
+def _probe(server: Server) -> list[float]:
+    """The logprobs of a fixed prompt's tokens as the server scores it (echo, as the harness asks)."""
+    model = server.client.models.list().data[0].id
+    answer = server.client.completions.create(
+        model=model, prompt=PROBE, max_tokens=1, echo=True, logprobs=1, temperature=0
+    )
+    return answer.choices[0].logprobs.token_logprobs[1:]
+
+
 @pytest.mark.slow
 def test_lm_eval_harness_scores_what_target_only_serving_scores(folder: Path, tmp_path: Path) -> None:  # noqa: F811
     """Both tasks run to completion against the speculating server, and their scores and every document's
-    responses (loglikelihoods, greedy completions) equal those against the same server with --draft none."""
+    responses (loglikelihoods, greedy completions) equal those against the same server with --draft none. A probe
+    prompt scored before and after each run shows whether a difference is the server's state or its start."""
     tasks = _tasks(tmp_path)
-    got = {}
+    got, probes, runtimes = {}, {}, {}
     for name, args in [("speculating", SPECULATING), ("target-only", ("--draft", "none"))]:
         server = Server(str(folder), *args, key=KEY)
         try:
+            before = _probe(server)
             got[name] = _evaluate(server, folder, tasks, tmp_path / name)
+            probes[name] = (before, _probe(server))
             if name == "speculating":  # the generate-until task ran speculation: drafts judged, some accepted
                 assert server.metric("specdec_draft_tokens_accepted_total") > 0
             assert server.metric("specdec_requests_total", endpoint="/v1/completions", status="400") == 0
         finally:
-            server.stop()
+            _, log = server.stop()
+            runtimes[name] = [line for line in log.splitlines() if line.startswith("runtime:")]
+    said = f"runtimes: {runtimes}; probe scores (before, after): {probes}"
+    assert all(before == after for before, after in probes.values()), f"a server's scores changed as it ran: {said}"
+    assert probes["speculating"] == probes["target-only"], f"the two servers score differently from the start: {said}"
     (scores, responses), (expected_scores, expected_responses) = got["speculating"], got["target-only"]
     assert set(scores) == {"specdec_choice", "specdec_repeat"}
     assert len(responses["specdec_choice"]) == 30 and len(responses["specdec_repeat"]) == 24
-    assert responses == expected_responses
+    assert responses == expected_responses, said
     assert scores == expected_scores
     print(json.dumps(scores, indent=1))

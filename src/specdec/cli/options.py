@@ -188,9 +188,9 @@ def status(message: str):
 
 
 def announce_runtime(target: ModelTarget) -> None:
-    """One line on stderr: the runtime the target runs on; for one of specdec's packed formats (native), its format and
-    its perplexity against float32 as stored once measured (`specdec doctor --target`), else the command that measures
-    it. Nothing is measured here."""
+    """One line on stderr: the runtime the target runs on; for one of specdec's packed formats (native), its format, its
+    kernels' build and its perplexity against float32 as stored once measured (`specdec doctor --target`), else the
+    command that measures it. Nothing is measured here."""
     packed = target.backend.packed_weights()
     if packed is None:
         fallback = f" (native does not run here: {target.fallback})" if target.fallback else ""
@@ -200,7 +200,11 @@ def announce_runtime(target: ModelTarget) -> None:
 
     if target.chosen:
         err.print(target.chosen, style="dim", soft_wrap=True)
-    fmt = f"{packed.format} weights, int8 activations"
+    from specdec.models.native import kernel_build
+
+    kernels = kernel_build.selected().name
+    layers = f"{kernels} kernels" if kernels else "float64 reference layers (no kernels build here)"
+    fmt = f"{packed.format} weights, int8 activations, {layers}"
     if (stored := stored_check(target.backend.identity)) is not None:
         figure = describe(stored)
     elif packed.count > CHECK_MAX_WEIGHTS:

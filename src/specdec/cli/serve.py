@@ -19,6 +19,7 @@ from specdec.cli.options import (
     KPolicyOpt,
     NativeFormatOpt,
     ProfileOpt,
+    announce_runtime,
     config_from,
     default,
     err,
@@ -274,6 +275,7 @@ def _serve_locally(
     server.check_drafter(draft)
     with status(f"loading {target}" + (f" and {draft}" if draft != "none" else "")):
         opened = open_target(target, runtime)
+        announce_runtime(opened)
         drafter, history = server_drafter(draft, opened, server)
         server.check_drafter(draft, "suffix" if history is not None else str(drafter))
         generator = Generator(opened, drafter, generation, runtime, batch=batch)
