@@ -114,7 +114,8 @@ PROBE = "moon red dog moon red dog"
 
 
 def _probe(server: Server) -> list[float]:
-    """The logprobs of a fixed prompt's tokens as the server scores it (echo, as the harness asks)."""
+    """The logprobs of a fixed prompt's tokens as the server scores it: echo, logprobs 1, max_tokens 1, temperature 0,
+    like the harness's loglikelihood requests (as text, not token ids)."""
     model = server.client.models.list().data[0].id
     answer = server.client.completions.create(
         model=model, prompt=PROBE, max_tokens=1, echo=True, logprobs=1, temperature=0
@@ -140,7 +141,7 @@ def test_lm_eval_harness_scores_what_target_only_serving_scores(folder: Path, tm
             assert server.metric("specdec_requests_total", endpoint="/v1/completions", status="400") == 0
         finally:
             _, log = server.stop()
-            runtimes[name] = [line for line in log.splitlines() if line.startswith("runtime:")]
+            runtimes[name] = [line for line in log.splitlines() if "runtime: " in line]
     said = f"runtimes: {runtimes}; probe scores (before, after): {probes}"
     assert all(before == after for before, after in probes.values()), f"a server's scores changed as it ran: {said}"
     assert probes["speculating"] == probes["target-only"], f"the two servers score differently from the start: {said}"
@@ -148,5 +149,5 @@ def test_lm_eval_harness_scores_what_target_only_serving_scores(folder: Path, tm
     assert set(scores) == {"specdec_choice", "specdec_repeat"}
     assert len(responses["specdec_choice"]) == 30 and len(responses["specdec_repeat"]) == 24
     assert responses == expected_responses, said
-    assert scores == expected_scores
+    assert scores == expected_scores, said
     print(json.dumps(scores, indent=1))

@@ -3,6 +3,10 @@ speculation identical to its own target-only decoding, sampling exact, clear ref
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -117,6 +121,28 @@ def test_the_other_families_follow_transformers(family: str) -> None:
     cosines = torch.nn.functional.cosine_similarity(got, reference, dim=-1)
     assert float(cosines.mean()) > 0.99 and float(cosines.min()) > 0.9, cosines
     assert (got.argmax(-1) == reference.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3-rope"])
+def test_rotary_rows_keep_their_bits_as_threads_grow_the_table(family: str) -> None:
+    """A position's cos and sin are computed once in the model's life: the rows built with the model keep their bits as
+    the table grows, threads that grow it at once all read the same rows, and the rows grown equal transformers'."""
+    model = models()[1][family]
+    native = NativeModel.from_module(model)
+    first = native._cos_sin("", torch.arange(FIRST_CAPACITY))
+    positions = torch.arange(3 * FIRST_CAPACITY)
+    barrier = threading.Barrier(4)
+
+    def grow() -> tuple[torch.Tensor, torch.Tensor]:
+        barrier.wait()
+        return native._cos_sin("", positions)
+
+    with ThreadPoolExecutor(4) as pool:
+        grown = [future.result() for future in [pool.submit(grow) for _ in range(4)]]
+    cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions[None])
+    for got_cos, got_sin in grown:
+        assert torch.equal(got_cos[:FIRST_CAPACITY], first[0]) and torch.equal(got_sin[:FIRST_CAPACITY], first[1])
+        assert torch.equal(got_cos[:, 0], cos[0]) and torch.equal(got_sin[:, 0], sin[0])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -406,3 +432,33 @@ def test_rotary_embeddings_the_native_backend_does_not_compute_are_refused_by_na
     )
     with pytest.raises(ConfigError, match="rotates whole heads, not a share of 0.5"):
         native_model._shape(partial)
+
+
+RACE = """
+import sys, threading, torch
+from specdec.models.threads import start_torch_threads
+if sys.argv[1] == "started":
+    start_torch_threads()
+inverse = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+angles = torch.arange(256, dtype=torch.float32)[:, None] * inverse[None]
+angles = torch.cat([angles, angles], dim=1)
+got, meet = [None, None], threading.Barrier(2)
+def run(i):
+    meet.wait()
+    got[i] = (angles.cos(), angles.exp(), angles.tanh())
+threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+expected = (angles.cos(), angles.exp(), angles.tanh())
+print(all(torch.equal(a, b) for results in got for a, b in zip(results, expected)))
+"""
+
+
+@pytest.mark.slow
+def test_threads_that_first_compute_at_once_agree_once_torchs_threads_are_started() -> None:
+    """Two threads' first parallel torch operations, started at once in a fresh process (a server's engine and request
+    threads at its first request), give the results a later call gives, once `start_torch_threads` (run by
+    open_target) has run; a process per try, since only a process's first parallel operations race."""
+    for _ in range(12):
+        run = subprocess.run([sys.executable, "-c", RACE, "started"], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and run.stdout.strip() == "True", run.stdout + run.stderr[-2000:]

@@ -202,8 +202,9 @@ def announce_runtime(target: ModelTarget) -> None:
         err.print(target.chosen, style="dim", soft_wrap=True)
     from specdec.models.native import kernel_build
 
-    kernels = kernel_build.selected().name
-    layers = f"{kernels} kernels" if kernels else "float64 reference layers (no kernels build here)"
+    selection = kernel_build.selected()  # chosen when the target opened: nothing is built here
+    tiles = "" if selection.name != "amx" or selection.module.tiles_in_use() else " (no tiles)"
+    layers = f"{selection.name}{tiles} kernels" if selection.module else "float64 reference layers"
     fmt = f"{packed.format} weights, int8 activations, {layers}"
     if (stored := stored_check(target.backend.identity)) is not None:
         figure = describe(stored)

@@ -16,6 +16,7 @@ perplexity against float32 is measured in the benchmarks).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -115,7 +116,10 @@ class NativeModel:
         self.vocab_size = head.out_features
         self.format = format  # of the layers' weights; the output head is always int8
         self._inverse = inverse  # per rotary table: inverse frequencies and the cos/sin scale
-        self._rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # each table's rows are computed once, here (in the loading thread) and as the text grows, never again: a
+        # position's cos and sin keep their bits for the model's life, whichever thread first reaches it
+        self._growing = threading.Lock()
+        self._rotary = {name: _rotary_rows(0, FIRST_CAPACITY, *self._inverse[name]) for name in self._inverse}
 
     @classmethod
     def convert(
@@ -325,14 +329,22 @@ class NativeModel:
     def _cos_sin(self, name: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary cos and sin [n, 1, head_dim] for ``positions``, from a table grown as the cache grows (as transformers
         computes them: float32 angles, position times inverse frequency, then cos and sin times the type's scale)."""
-        table = self._rotary.get(name)
-        if table is None or table[0].shape[0] <= int(positions.max()):
-            size = max(FIRST_CAPACITY, 2 * (int(positions.max()) + 1))
-            inverse, scale = self._inverse[name]
-            angles = torch.arange(size, dtype=torch.float32)[:, None] * inverse[None]
-            angles = torch.cat([angles, angles], dim=1)
-            table = self._rotary[name] = (angles.cos() * scale, angles.sin() * scale)
-        return table[0][positions, None], table[1][positions, None]
+        wanted = int(positions.max()) + 1
+        if self._rotary[name][0].shape[0] < wanted:
+            with self._growing:  # one thread computes the new rows; the rows already there are kept as they are
+                cos, sin = self._rotary[name]
+                if cos.shape[0] < wanted:
+                    more = _rotary_rows(cos.shape[0], max(2 * cos.shape[0], 2 * wanted), *self._inverse[name])
+                    self._rotary[name] = (torch.cat([cos, more[0]]), torch.cat([sin, more[1]]))
+        cos, sin = self._rotary[name]
+        return cos[positions, None], sin[positions, None]
+
+
+def _rotary_rows(start: int, end: int, inverse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary cos and sin rows for positions start .. end - 1 (float32 angles, position times inverse frequency)."""
+    angles = torch.arange(start, end, dtype=torch.float32)[:, None] * inverse[None]
+    angles = torch.cat([angles, angles], dim=1)
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def new_cache(model: NativeModel, dtype: str | None = None) -> PagedCache:
