@@ -436,9 +436,9 @@ def test_rotary_embeddings_the_native_backend_does_not_compute_are_refused_by_na
 
 RACE = """
 import sys, threading, torch
-from specdec.models.threads import start_torch_threads
-if sys.argv[1] == "started":
-    start_torch_threads()
+from specdec.models.threads import settle_torch_functions
+if sys.argv[1] == "settled":
+    settle_torch_functions()
 inverse = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
 angles = torch.arange(256, dtype=torch.float32)[:, None] * inverse[None]
 angles = torch.cat([angles, angles], dim=1)
@@ -455,10 +455,10 @@ print(all(torch.equal(a, b) for results in got for a, b in zip(results, expected
 
 
 @pytest.mark.slow
-def test_threads_that_first_compute_at_once_agree_once_torchs_threads_are_started() -> None:
-    """Two threads' first parallel torch operations, started at once in a fresh process (a server's engine and request
-    threads at its first request), give the results a later call gives, once `start_torch_threads` (run by
-    open_target) has run; a process per try, since only a process's first parallel operations race."""
+def test_threads_that_first_compute_at_once_agree_once_torchs_mkl_functions_are_settled() -> None:
+    """Two threads' first calls of cos, exp and tanh, at once in a fresh process (a server's engine and request threads
+    at its first request), give the results a later call gives, once `settle_torch_functions` (run by open_target and
+    the native model) has run; a process per try, since only a function's first call in a process can go wrong."""
     for _ in range(12):
-        run = subprocess.run([sys.executable, "-c", RACE, "started"], capture_output=True, text=True, timeout=120)
+        run = subprocess.run([sys.executable, "-c", RACE, "settled"], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and run.stdout.strip() == "True", run.stdout + run.stderr[-2000:]

@@ -15,7 +15,7 @@ from specdec.models.backend import Backend
 from specdec.models.loading import LoadedModel, first_line, load_model
 from specdec.models.precision import apply_plan
 from specdec.models.registry import ALIASES, resolve
-from specdec.models.threads import start_torch_threads
+from specdec.models.threads import settle_torch_functions
 from specdec.models.transformers_backend import TransformersBackend
 
 
@@ -55,7 +55,7 @@ def _opened(model: Target, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
 @open_target.register(str)
 @open_target.register(LoadedModel)
 def _open(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
-    start_torch_threads()
+    settle_torch_functions()
     if runtime.backend == "llama.cpp":
         from specdec.models.llamacpp import LlamaCppBackend
 
