@@ -435,30 +435,30 @@ def test_rotary_embeddings_the_native_backend_does_not_compute_are_refused_by_na
 
 
 RACE = """
-import sys, threading, torch
-from specdec.models.threads import settle_torch_functions
-if sys.argv[1] == "settled":
-    settle_torch_functions()
-inverse = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
-angles = torch.arange(256, dtype=torch.float32)[:, None] * inverse[None]
-angles = torch.cat([angles, angles], dim=1)
-got, meet = [None, None], threading.Barrier(2)
+import threading, torch
+from specdec.models.mkl import MKL_FUNCTIONS, settle_mkl_functions
+settle_mkl_functions()
+inputs = [torch.linspace(0.01, 0.99, 8192, dtype=dtype) for dtype in (torch.float32, torch.float64)]
+def results():
+    return [function(x) for x in inputs for function in MKL_FUNCTIONS]
+got, meet = [None] * 4, threading.Barrier(4)
 def run(i):
     meet.wait()
-    got[i] = (angles.cos(), angles.exp(), angles.tanh())
-threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    got[i] = results()
+threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
 [t.start() for t in threads]
 [t.join() for t in threads]
-expected = (angles.cos(), angles.exp(), angles.tanh())
-print(all(torch.equal(a, b) for results in got for a, b in zip(results, expected)))
+expected = results()
+print(all(torch.equal(a, b) for each in got for a, b in zip(each, expected, strict=True)))
 """
 
 
 @pytest.mark.slow
-def test_threads_that_first_compute_at_once_agree_once_torchs_mkl_functions_are_settled() -> None:
-    """Two threads' first calls of cos, exp and tanh, at once in a fresh process (a server's engine and request threads
-    at its first request), give the results a later call gives, once `settle_torch_functions` (run by open_target and
-    the native model) has run; a process per try, since only a function's first call in a process can go wrong."""
+def test_threads_that_first_call_mkl_functions_at_once_agree_once_they_are_settled() -> None:
+    """Four threads' first calls of every MKL-backed function (float32 and float64) at once, in a fresh process (a
+    server's engine and request threads at its first request), give what a later call gives once
+    `settle_mkl_functions` (run by open_target, load_model and the native model) has run; a process per try, since only
+    a function's first call in a process can go wrong."""
     for _ in range(12):
-        run = subprocess.run([sys.executable, "-c", RACE, "settled"], capture_output=True, text=True, timeout=120)
+        run = subprocess.run([sys.executable, "-c", RACE], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and run.stdout.strip() == "True", run.stdout + run.stderr[-2000:]

@@ -26,6 +26,7 @@ from specdec.config import DTYPES
 from specdec.errors import ConfigError, ModelNotFoundError
 from specdec.models.backend import with_threads
 from specdec.models.file_headers import check_gguf, check_gguf_model, safetensors_header
+from specdec.models.mkl import settle_mkl_functions
 from specdec.models.precision import precision_of
 from specdec.models.registry import (
     ALIASES,
@@ -62,6 +63,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
     """Load a model by name (alias, folder, .gguf file or hub id) in eval mode."""
+    settle_mkl_functions()
     torch_dtype = parse_dtype(dtype)
     source = resolve(name)
     folder = materialize(source)

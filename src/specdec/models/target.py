@@ -13,9 +13,9 @@ from specdec.config import RuntimeConfig
 from specdec.errors import ConfigError, ModelNotFoundError
 from specdec.models.backend import Backend
 from specdec.models.loading import LoadedModel, first_line, load_model
+from specdec.models.mkl import settle_mkl_functions
 from specdec.models.precision import apply_plan
 from specdec.models.registry import ALIASES, resolve
-from specdec.models.threads import settle_torch_functions
 from specdec.models.transformers_backend import TransformersBackend
 
 
@@ -55,7 +55,7 @@ def _opened(model: Target, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
 @open_target.register(str)
 @open_target.register(LoadedModel)
 def _open(model: str | LoadedModel, runtime: RuntimeConfig = RuntimeConfig()) -> Target:
-    settle_torch_functions()
+    settle_mkl_functions()
     if runtime.backend == "llama.cpp":
         from specdec.models.llamacpp import LlamaCppBackend
 

@@ -35,10 +35,10 @@ from specdec.models.backend import (
     tree_mask,
     tree_positions,
 )
+from specdec.models.mkl import settle_mkl_functions
 from specdec.models.native import formats, kernel_build, ops, paged_cache
 from specdec.models.native.formats import FORMATS, Packed, PackedInt8
 from specdec.models.native.paged_cache import PagedCache
-from specdec.models.threads import settle_torch_functions
 
 log = logging.getLogger("specdec")
 FAMILIES = ("gemma3_text", "llama", "mistral", "qwen2", "qwen3")
@@ -120,7 +120,7 @@ class NativeModel:
         # each table's rows are computed once, here (in the loading thread) and as the text grows, never again: a
         # position's cos and sin keep their bits for the model's life, whichever thread first reaches it
         self._growing = threading.Lock()
-        settle_torch_functions()  # cos and sin: their first calls must not be the table's, split among threads
+        settle_mkl_functions()  # cos and sin: their first calls must not be the table's, split among threads
         self._rotary = {name: _rotary_rows(0, FIRST_CAPACITY, *self._inverse[name]) for name in self._inverse}
 
     @classmethod
