@@ -202,10 +202,7 @@ def announce_runtime(target: ModelTarget) -> None:
         err.print(target.chosen, style="dim", soft_wrap=True)
     from specdec.models.native import kernel_build
 
-    selection = kernel_build.selected()  # chosen when the target opened: nothing is built here
-    tiles = "" if selection.name != "amx" or selection.module.tiles_in_use() else " (no tiles)"
-    layers = f"{selection.name}{tiles} kernels" if selection.module else "float64 reference layers"
-    fmt = f"{packed.format} weights, int8 activations, {layers}"
+    fmt = f"{packed.format} weights, int8 activations, {kernel_build.build_label()} kernels"  # chosen when it opened
     if (stored := stored_check(target.backend.identity)) is not None:
         figure = describe(stored)
     elif packed.count > CHECK_MAX_WEIGHTS:

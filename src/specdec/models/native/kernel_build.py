@@ -176,11 +176,19 @@ def loaded():
 def build_name() -> str:
     """The kernels' build in use (its module's name: variant and build key, and whether the AMX build's tiles run),
     or the float64 reference where none runs."""
-    module = compiled()
-    if module is None:
-        return "float64 reference"
-    amx = module.__name__.startswith(module_name("amx").rsplit("_", 1)[0] + "_")
-    return module.__name__ + ("" if not amx or module.tiles_in_use() else " (no tiles)")
+    selection = selected()
+    return "float64 reference" if selection.module is None else selection.module.__name__ + _tiles_note(selection)
+
+
+def build_label() -> str:
+    """The kernels' build in use in a few words: its variant (and whether the AMX build's tiles run), or the float64
+    reference where none runs."""
+    selection = selected()
+    return "float64 reference" if selection.module is None else selection.name + _tiles_note(selection)
+
+
+def _tiles_note(selection: Selection) -> str:
+    return "" if selection.name != "amx" or selection.module.tiles_in_use() else " (no tiles)"
 
 
 def kernels_problem() -> str | None:
