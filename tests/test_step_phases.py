@@ -21,7 +21,6 @@ from specdec.engine.step import (
     Shape,
     commit,
     draft,
-    plan,
     score,
     speculative_step,
     verify_rows,
@@ -156,7 +155,7 @@ def make_row(
 
 def drafted_step(row: Row, row_id: int = 0) -> RowStep:
     """The row's step after phase 1, its plan and proposal (its cache is taken to hold the prompt)."""
-    step = RowStep(row=row, row_id=row_id, plan=plan(row, None, 64))
+    step = RowStep(row=row, row_id=row_id, plan=row.plan(None, 64))
     draft(step)
     return step
 
@@ -172,14 +171,14 @@ def drafted(row: Row, draft_plan: DraftPlan) -> tuple[Proposal, Shape]:
 
 
 def test_the_plan_is_the_choice_within_the_k_cap_and_the_room_left() -> None:
-    assert plan(make_row(k=4), None, 64) == DraftPlan(chosen=4, asked=4)
-    assert plan(make_row(k=4), 2, 64) == DraftPlan(chosen=4, asked=2)  # the batch's k_cap caps it
-    assert plan(make_row(k=4, max_new_tokens=3), None, 64) == DraftPlan(chosen=4, asked=2)  # one token is the target's
-    assert plan(make_row(k=4), None, len(PROMPT) + 1) == DraftPlan(chosen=4)  # the context is full but for that one
-    assert plan(make_row(k=4), 0, 64) == DraftPlan(chosen=4)
+    assert make_row(k=4).plan(None, 64) == DraftPlan(chosen=4, asked=4)
+    assert make_row(k=4).plan(2, 64) == DraftPlan(chosen=4, asked=2)  # the batch's k_cap caps it
+    assert make_row(k=4, max_new_tokens=3).plan(None, 64) == DraftPlan(chosen=4, asked=2)  # one token is the target's
+    assert make_row(k=4).plan(None, len(PROMPT) + 1) == DraftPlan(chosen=4)  # the context is full but for that one
+    assert make_row(k=4).plan(0, 64) == DraftPlan(chosen=4)
     row = make_row(k=4)
     row.guards = Anchoring()
-    assert plan(row, None, 64) == DraftPlan(chosen=4, anchored=True)
+    assert row.plan(None, 64) == DraftPlan(chosen=4, anchored=True)
 
 
 def test_a_proposal_is_cut_to_the_choice_and_its_tokens_brought_to_the_host() -> None:
@@ -193,7 +192,7 @@ def test_a_scored_proposal_is_cut_where_its_policy_prices_nodes() -> None:
     """A scored chain too: the policy's price decides how many of its nodes the target judges."""
     scored = Proposal(torch.tensor([5, 6, 7, 8]), scores=torch.tensor([0.9, 0.8, 0.5, 0.1]))
     row = make_row(scored, k=4, policy=Pricing(4, keep=2))
-    proposal, _ = drafted(row, plan(row, None, 64))
+    proposal, _ = drafted(row, row.plan(None, 64))
     assert proposal.tokens.tolist() == [5, 6]
 
 
@@ -369,16 +368,16 @@ TREE = Proposal(torch.tensor([5, 6, 7, 8]), parents=torch.tensor([-1, -1, 1, 1])
 
 
 def test_a_tree_row_plans_a_tree_and_a_priced_one_asks_for_k() -> None:
-    assert plan(make_row(TREE, k=4, branches=3), None, 64) == DraftPlan(chosen=4, asked=4, branches=3)
+    assert make_row(TREE, k=4, branches=3).plan(None, 64) == DraftPlan(chosen=4, asked=4, branches=3)
     pricing = Pricing(2, keep=3)
     priced = make_row(TREE, k=6, branches=3, policy=pricing)
-    assert plan(priced, None, 64) == DraftPlan(chosen=2, asked=6, branches=3, price=pricing.price)
+    assert priced.plan(None, 64) == DraftPlan(chosen=2, asked=6, branches=3, price=pricing.price)
 
     class ChainsOnly(FixedK):
         def plan(self, context_length: int, trees: bool) -> KPlan:
             return KPlan(self.k)
 
-    assert plan(make_row(TREE, k=4, branches=3, policy=ChainsOnly(4)), None, 64) == DraftPlan(chosen=4, asked=4)
+    assert make_row(TREE, k=4, branches=3, policy=ChainsOnly(4)).plan(None, 64) == DraftPlan(chosen=4, asked=4)
 
 
 def test_a_tree_step_is_scored_judged_and_kept_along_its_path() -> None:

@@ -23,7 +23,7 @@ from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
 from specdec.scheduling import KPlan, KPolicy, NodePrice, StepOutcome
 from specdec.seeds import ACCEPT, SAMPLE, Seeds
-from specdec.verification import Kind, RowDrafts, Rule, Uniforms
+from specdec.verification import Drafts, Kind, RowDrafts, Rule, Uniforms
 from specdec.verification.processors import process
 
 
@@ -162,8 +162,27 @@ class Row:
         )
 
     @property
+    def reads_features(self) -> bool:
+        """Whether its drafter reads the target's hidden states (the target then returns them)."""
+        return self.drafter.capabilities.features
+
+    @property
     def draft_settings(self) -> DraftSettings:
         return DraftSettings(self.config.sampling, self.seeds, self.policy.min_confidence, self.scope)
+
+    def plan(self, k_cap: int | None, max_context: int) -> DraftPlan:
+        """How much it drafts this step: its k policy's plan within the batch's ``k_cap`` and the room it has left (a
+        step yields the accepted drafts plus one target token, never past max_new_tokens or the context), nothing on
+        a guard's anchor step; its shape sizes the draft within them. The policy is asked for a tree only where the row
+        drafts trees and drafts this step."""
+        anchored = self.guards.anchor_due(self.stats.new_tokens)
+        room = min(self.config.max_new_tokens - self.stats.new_tokens, max_context - self.length) - 1
+        room = room if k_cap is None else min(room, k_cap)
+        drafts = not anchored and room > 0
+        chosen = self.policy.plan(self.length, trees=drafts and self.shape.tree)
+        if not drafts:
+            return DraftPlan(chosen.k, anchored=anchored)
+        return self.shape.plan(self, chosen, room)
 
     def admit(self, proposal: Proposal) -> Proposal:
         """``proposal`` cut to the drafts that could be accepted: deterministic ones to what the guards allow, then to
@@ -224,6 +243,23 @@ class RowStep:
     path: list[int] = field(default_factory=list)  # accepted draft nodes, root first
     next_token: int = -1  # the target's token after them, recovered or bonus
 
+    def feed(self, cached: int) -> torch.Tensor:
+        """What the target reads for this row, its cache holding ``cached`` tokens: the row's uncached tokens, then its
+        drafts."""
+        uncached = self.row.tokens[cached:]
+        self.uncached = len(uncached)
+        return torch.cat([uncached, self.proposal.tokens])
+
+    def teach_drafter(self, hidden: torch.Tensor | None) -> None:
+        """The drafter learns how many of its drafts were accepted (a step without drafts leaves its state as it was)
+        and, where it reads them, the target's states at the positions kept (``hidden``: the fed positions')."""
+        drafter = self.row.drafter
+        if self.plan.asked:
+            drafter.accept(len(self.path))
+        if hidden is not None and drafter.capabilities.features:  # the fed context, then the accepted path
+            kept = torch.cat([torch.arange(self.uncached), self.uncached + torch.tensor(self.path, dtype=torch.long)])
+            drafter.observe_features(hidden[kept])
+
     def drafts(self, temperature: torch.Tensor | None, device: torch.device) -> RowDrafts:
         """The row as its verifier reads it (``temperature``: the guards' per-position temperatures, or None)."""
         row, proposal, sampling = self.row, self.proposal, self.row.config.sampling
@@ -252,3 +288,30 @@ class RowStep:
             logits=logits,
             new_tokens=new_tokens,
         )
+
+
+def align(scores: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Shift each row's logits (or argmaxes) left, in place, by what it drafted less than the widest (feeds end in
+    their drafts), so that column j of row i judges its draft j; columns past a row's drafts are left as they were
+    (nobody reads them)."""
+    width = scores.shape[1] - 1
+    for i, n in enumerate(sizes):
+        if n < width:  # copied row by row: a gather over the vocabulary would move every row and an index as large
+            scores[i, : n + 1] = scores[i, width - n :].clone()
+    return scores
+
+
+def gather_drafts(steps: list[RowStep], scores: torch.Tensor, argmax: bool) -> Drafts:
+    """The batch as the verifiers read it, each row's logits shaped first (Row.shape_logits: bias, penalties, grammar,
+    guards); with ``argmax`` the scores are the target's argmaxes, which nothing reshapes."""
+    device, width = scores.device, scores.shape[1] - 1
+    tokens, parents = torch.zeros(len(steps), width, dtype=torch.long), torch.full((len(steps), width), -1)
+    rows = []
+    for i, step in enumerate(steps):
+        n = len(step.proposal)
+        tokens[i, :n], parents[i, :n] = step.proposal.tokens, step.proposal.links
+        temperature = None if argmax else step.row.shape_logits(scores[i, : n + 1], step.proposal)
+        rows.append(step.drafts(temperature, device))
+    counts = torch.tensor([len(step.proposal) for step in steps]).to(device)
+    logits, argmaxes = (None, scores) if argmax else (scores, None)
+    return Drafts(tokens.to(device), parents.to(device), counts, logits, rows, argmaxes)
