@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import closing
 from typing import TYPE_CHECKING
@@ -37,7 +36,6 @@ ANY_OBJECT = {"type": "object"}  # what JSON mode asks for: one JSON object
 # JSON without whitespace between tokens (as json.dumps with separators (",", ":")) unless a schema says otherwise in
 # llguidance's "x-guidance" key: a weak model would otherwise fill its budget with whitespace, which JSON allows.
 COMPACT = {"whitespace_flexible": False}
-COMPILED_KEPT = 64  # compiled grammars a GrammarCompiler keeps, the most recently used
 
 
 class NoConstraint:
@@ -130,36 +128,20 @@ def _forbid(logits: torch.Tensor, bits: torch.Tensor, width: int) -> None:
 
 
 class GrammarCompiler:
-    """Builds constraints for one tokenizer; the tokenizer's table for llguidance is made once, on first use, and each
-    grammar is compiled once into a matcher that fresh sequences copy (the last :data:`COMPILED_KEPT` grammars are
-    kept: a server sees the same schema again and again)."""
+    """Builds constraints for one tokenizer; the tokenizer's table for llguidance is made once, on first use."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, eos_ids: frozenset[int]) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self._table = None
         self._lock = threading.Lock()
-        self._compiled: OrderedDict[Grammar, llguidance.LLMatcher] = OrderedDict()
 
     def constraint(self, grammar: Grammar | None) -> Constraint | NoConstraint:
-        """A fresh sequence's constraint for ``grammar``; ConfigError naming what is wrong with one that does not
-        compile."""
+        """A fresh sequence's constraint for ``grammar``, compiled once (a matcher of its own: no state is shared
+        between sequences); ConfigError naming what is wrong with one that does not compile."""
         if grammar is None:
             return NoConstraint()
         table = self._tokenizer_table()
-        with self._lock:
-            compiled = self._compiled.pop(grammar, None)
-        if compiled is None:
-            compiled = self._compile(grammar, table)
-        with self._lock:
-            self._compiled[grammar] = compiled
-            while len(self._compiled) > COMPILED_KEPT:
-                self._compiled.popitem(last=False)
-        return Constraint(compiled.deep_copy(), table.vocab_size)
-
-    @staticmethod
-    def _compile(grammar: Grammar, table) -> llguidance.LLMatcher:
-        """A matcher at the start of ``grammar`` (only ever copied: it consumes nothing)."""
         kind, source = grammar.kind, grammar.source
         if kind in ("json", "json_schema"):
             kind, source = "json_schema", _compact_schema(source)
@@ -167,10 +149,10 @@ class GrammarCompiler:
             matcher = llguidance.LLMatcher(table, llguidance.grammar_from(kind, source))
         except ValueError as exc:
             raise ConfigError(f"the {grammar.kind} grammar does not compile: {exc}") from None
-        if matcher.is_error():
-            problem = matcher.get_error().strip().splitlines()[0]
+        if matcher.is_error():  # the matcher holds what validating the grammar would have said
+            problem = (matcher.get_error().strip().splitlines() or ["no reason given"])[0]
             raise ConfigError(f"the {grammar.kind} grammar does not compile: {problem}")
-        return matcher
+        return Constraint(matcher, table.vocab_size)
 
     def _tokenizer_table(self):
         if self.tokenizer is None:
