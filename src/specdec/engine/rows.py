@@ -1,8 +1,9 @@
 """The rows of the speculative step (engine/step.py): :class:`Row`, one sequence and what decides its steps (and the
-row-level work the phases ask of it: admitting drafts, shaping the target's logits, observing an outcome);
-:class:`RowStep`, one row's step as the phases fill it in; :class:`DraftPlan`, how much it drafts; the step's clock,
-:class:`Timer`; and the :class:`Shape` seam with the chain shape, :data:`CHAINS` (the tree shape builds on them in
-engine/trees.py)."""
+row-level work the phases ask of it: planning, admitting drafts, shaping the target's logits, growing, observing an
+outcome); :class:`RowStep`, one row's step as the phases fill it in (what it feeds the target, what its drafter
+learns); :class:`DraftPlan`, how much it drafts; the batch's alignment (:func:`align`) and its drafts as the verifiers
+read them (:func:`gather_drafts`); the step's clock, :class:`Timer`; and the :class:`Shape` seam with the chain shape,
+:data:`CHAINS` (the tree shape builds on them in engine/trees.py)."""
 
 from __future__ import annotations
 
