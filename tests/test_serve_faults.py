@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
 
 from specdec import GenerationConfig, Generator
+from specdec.errors import ConfigError
 from specdec.serving import app as app_module
 from specdec.serving import server as server_module
 from specdec.serving.app import create_app
@@ -177,6 +178,12 @@ def _tiny_generator() -> Generator:
 
 def _tiny_app(config: ServeConfig = ServeConfig()):
     return create_app(_tiny_generator(), config)
+
+
+def test_the_library_app_refuses_suffix_settings_without_a_suffix_drafter() -> None:
+    """The serve rules hold for create_app called from Python, not only for the command line."""
+    with pytest.raises(ConfigError, match="add --draft suffix"):
+        _tiny_app(ServeConfig(suffix_max_tokens=1000))
 
 
 # bugs outside the model's step: handing out text, retiring a finished row

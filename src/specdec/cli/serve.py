@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -34,6 +34,9 @@ from specdec.config import DEFAULT_DRAFT, BatchConfig, GenerationConfig, Runtime
 from specdec.errors import ConfigError
 from specdec.models import DEFAULT_TARGET
 from specdec.serving.config import RayConfig, ServeConfig
+
+if TYPE_CHECKING:
+    from specdec.serving.ray_serve import ReplicaSpec
 
 # The options serve alone has; each parameter named as the field of ServeConfig or RayConfig it sets.
 ServeTarget = Annotated[
@@ -253,7 +256,9 @@ def serve(
         )
     batch = BatchConfig(k_cap=k_cap)
     if ray:
-        _serve_on_ray(target, draft, generation, runtime, batch, server, config_from(RayConfig, context))
+        from specdec.serving.ray_serve import ReplicaSpec
+
+        _serve_on_ray(ReplicaSpec(target, draft, generation, runtime, batch, server), config_from(RayConfig, context))
     else:
         _serve_locally(target, draft, generation, runtime, batch, server)
 
@@ -291,24 +296,14 @@ def _serve_locally(
     run_server(generator, server, history)
 
 
-def _serve_on_ray(
-    target: str,
-    draft: str,
-    generation: GenerationConfig,
-    runtime: RuntimeConfig,
-    batch: BatchConfig,
-    server: ServeConfig,
-    ray_config: RayConfig,
-) -> None:
+def _serve_on_ray(spec: ReplicaSpec, ray_config: RayConfig) -> None:
     """Replicas of the server on Ray Serve behind one ingress, until SIGINT or SIGTERM."""
-    from specdec.serving.ray_serve import ReplicaSpec, require_ray, serve_on_ray
+    from specdec.serving.ray_serve import require_ray, serve_on_ray
 
-    spec = ReplicaSpec(target, draft, generation, runtime, batch, server)
     require_ray()
-    err.print(f"starting {ray_config.replicas} replica(s) of '{target}' with draft '{draft}' on Ray Serve")
-    serve_on_ray(
-        spec, ray_config, ready=lambda: err.print(f"serving on http://{server.host}:{server.port}/v1 (Ray Serve)")
-    )
+    err.print(f"starting {ray_config.replicas} replica(s) of '{spec.target}' with draft '{spec.draft}' on Ray Serve")
+    address = f"http://{spec.serve.host}:{spec.serve.port}/v1"
+    serve_on_ray(spec, ray_config, ready=lambda: err.print(f"serving on {address} (Ray Serve)"))
 
 
 def given_k_cap(context: typer.Context, k_cap: str, former: str | None) -> str:

@@ -47,7 +47,9 @@ def create_app(
 ) -> FastAPI:
     """An app serving ``generator``'s target under its name; the engine thread (app.state.batcher) runs while the app's
     lifespan does. ``history``: the suffix drafter's store, reported in /metrics and saved to ``config.suffix_cache``
-    while the app runs (every ``config.suffix_save_every_s``) and when it stops."""
+    while the app runs (every ``config.suffix_save_every_s``) and when it stops; ConfigError where ``config`` sets the
+    suffix drafter's history and ``generator`` drafts otherwise."""
+    config.check_drafter("suffix" if history is not None else generator.draft_name)
     metrics = Metrics()
     batcher = Batcher(generator, config.max_batch, config.max_queue, metrics)
     scoring = asyncio.Semaphore(1)  # prompts scored for echo: one forward at a time beside the engine thread
