@@ -18,7 +18,7 @@ from specdec.engine import Decoder
 from specdec.errors import ConfigError
 from specdec.models import TransformersBackend
 from specdec.models.batched import BatchedTransformersBackend
-from specdec.scheduling import BatchCostCurve, CostCurve, LoadWindow
+from specdec.scheduling import BatchCostCurve, CostCurve, DynamicKCap
 
 PROMPTS = [
     [1, 5, 9, 5, 9, 5, 9, 12],
@@ -251,7 +251,7 @@ def test_batch_cost_curve_interpolates_and_extends() -> None:
 
 def test_dynamic_window_follows_load_and_memory() -> None:
     memory = [0.5]
-    window = LoadWindow(_compute_bound(), memory_threshold=0.8, memory=lambda: memory[0])
+    window = DynamicKCap(_compute_bound(), memory_threshold=0.8, memory=lambda: memory[0])
     small, large = window.choose([0.8], 0.0, max_k=8), window.choose([0.8] * 32, 0.0, max_k=8)
     assert small > 0 and large == 0  # verification is cheap for one row and not for 32: speculation turns off
     assert window.choose([0.8] * 2, 0.0, max_k=8) > 0  # and back on when the load falls
@@ -271,7 +271,7 @@ def test_window_caps_each_rows_own_policy() -> None:
     # Verifying more than 3 tokens per row is dear; forwards are priced in seconds so that drafting time is negligible.
     steep = CostCurve({1: 1.0, 2: 1.1, 3: 1.2, 5: 100.0, 9: 200.0})
     decoder = Decoder(
-        BatchedTransformersBackend(target.model), LoadWindow(BatchCostCurve({1: steep}), memory=lambda: 0.0)
+        BatchedTransformersBackend(target.model), DynamicKCap(BatchCostCurve({1: steep}), memory=lambda: 0.0)
     )
     runs = [gen.completion(p) for p in PROMPTS]
     for run in runs:
@@ -313,7 +313,7 @@ def test_a_drafting_cost_measured_under_load_does_not_turn_speculation_off_for_g
     # Verifying 2 tokens costs 10% more than 1: drafting pays while it costs well under a millisecond a token.
     cheap = CostCurve({1: 0.010, 2: 0.011, 3: 0.012, 5: 0.014, 9: 0.020})
     decoder = Decoder(
-        BatchedTransformersBackend(target.model), LoadWindow(BatchCostCurve({1: cheap}), memory=lambda: 0.0)
+        BatchedTransformersBackend(target.model), DynamicKCap(BatchCostCurve({1: cheap}), memory=lambda: 0.0)
     )
     gen.admit(decoder, gen.completion(PROMPTS[0]))
     while decoder.rows:

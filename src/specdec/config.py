@@ -255,7 +255,7 @@ class BatchConfig:
     """How the batched engine caps each step's k for every row (the batch's k_cap).
 
     ``dynamic`` caps every row's k by the load (batch size, acceptance, memory;
-    scheduling/window.py's LoadWindow); ``fixed`` leaves each row's k policy alone.
+    scheduling/k_cap.py's DynamicKCap); ``fixed`` leaves each row's k policy alone.
     """
 
     k_cap: str = "dynamic"

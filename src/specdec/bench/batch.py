@@ -2,7 +2,7 @@
 
 For each batch size B, B prompts of the set (taken in turn from each category) are decoded together
 by batched target-only decoding, by speculation under the fixed k_cap (every
-row drafts k each step) and under the dynamic k_cap (scheduling/window.py),
+row drafts k each step) and under the dynamic k_cap (scheduling/k_cap.py),
 and, as the baseline batching must beat, one request at a time. All methods
 run in one process on the same machine; figures are ratios within the run.
 """

@@ -29,7 +29,7 @@ from specdec.errors import ConfigError, ContextLengthError
 from specdec.grammar import Constraint, NoConstraint
 from specdec.guards import Guards, NoGuards
 from specdec.models.backend import RowBackend
-from specdec.scheduling import KPolicy, LoadWindow, StepOutcome
+from specdec.scheduling import DynamicKCap, KPolicy, StepOutcome
 from specdec.seeds import Seeds
 from specdec.verification.logprobs import TokenLogprob, token_logprobs
 
@@ -90,13 +90,13 @@ class Update(Generic[S]):
 class Decoder(Generic[S]):
     """Completions (sinks) decoded together on one :class:`RowBackend`, joining and leaving between steps.
 
-    ``window`` (optional) chooses the batch's k_cap each step from the load (it caps every row's k); without it
+    ``k_cap`` (optional) chooses the batch's k_cap each step from the load (it caps every row's k); without it
     each row drafts what its own policy chooses.
     """
 
-    def __init__(self, backend: RowBackend, window: LoadWindow | None = None) -> None:
+    def __init__(self, backend: RowBackend, k_cap: DynamicKCap | None = None) -> None:
         self.backend = backend
-        self.window = window
+        self.k_cap = k_cap
         self.rows: dict[S, Row] = {}  # in the backend's row order
         self.reports: deque[StepReport] = deque(maxlen=REPORTS_KEPT)
         self._draft_s_per_token = 0.0
@@ -212,10 +212,10 @@ class Decoder(Generic[S]):
                     row.stats.prefill_s += seconds
 
     def _k_cap(self, rows: list[Row]) -> int | None:
-        if self.window is None:
+        if self.k_cap is None:
             return None
         max_k = max(row.config.k for row in rows)
-        return self.window.choose([row.acceptance.value for row in rows], self._draft_s_per_token, max_k)
+        return self.k_cap.choose([row.acceptance.value for row in rows], self._draft_s_per_token, max_k)
 
 
 def _by_length(rows: list[Row]) -> list[list[Row]]:

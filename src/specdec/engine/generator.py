@@ -33,7 +33,7 @@ from specdec.models import DEFAULT_TARGET, Backend, LoadedModel, Target, open_ta
 from specdec.models.backend import TREES_UNSUPPORTED
 from specdec.profile import Profile, ProfileWarning, load_profile
 from specdec.quality import SentenceEmbedder
-from specdec.scheduling import CostCurve, KPolicy, LoadWindow, WayRates, build_k_policy, memory_in_use
+from specdec.scheduling import CostCurve, DynamicKCap, KPolicy, WayRates, build_k_policy, memory_in_use
 from specdec.verification.logprobs import TokenLogprob, token_logprobs
 from specdec.verification.processors import check_vocabulary
 
@@ -341,7 +341,7 @@ class Generator:
             return Decoder(rows)
         memory = partial(memory_in_use, rows.device)
         costs = self.measured.batch(rows, max_rows)
-        return Decoder(rows, LoadWindow(costs, self.batch.memory_threshold, memory))
+        return Decoder(rows, DynamicKCap(costs, self.batch.memory_threshold, memory))
 
     def admit(self, decoder: Decoder[Completion], completion: Completion) -> None:
         """Add ``completion`` to a batch ``decoder`` with a forked drafter and a fresh k policy."""

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from specdec.acceptance import AcceptanceEstimate
 from specdec.config import K_POLICIES
 from specdec.errors import ConfigError
+from specdec.scheduling.k_cap import BatchCostCurve, DynamicKCap, memory_in_use
 from specdec.scheduling.k_policy import (
     ConfidenceK,
     CostCurve,
@@ -21,7 +22,6 @@ from specdec.scheduling.k_policy import (
     WayRates,
     expected_tokens,
 )
-from specdec.scheduling.window import BatchCostCurve, LoadWindow, memory_in_use
 
 
 def build_k_policy(
@@ -66,7 +66,7 @@ __all__ = [
     "K_POLICIES",
     "AcceptanceEstimate",
     "BatchCostCurve",
-    "LoadWindow",
+    "DynamicKCap",
     "expected_tokens",
     "memory_in_use",
     "ConfidenceK",

@@ -27,7 +27,7 @@ class StepOutcome:
     """What one step did for one row: the record its k policy, stats and acceptance estimate read."""
 
     chosen: int  # the k policy's choice
-    asked: int  # draft tokens asked of the drafter: the choice within the window and the row's limits (0: none)
+    asked: int  # draft tokens asked of the drafter: the choice within the batch's k_cap and the row's limits (0: none)
     depth: int  # nodes on the draft's longest path (a chain's length): what acceptance is judged against
     nodes: int  # draft nodes the target scored (a tree's all; a chain's ``depth``)
     accepted: int  # of those, how many it accepted (a path from the root)

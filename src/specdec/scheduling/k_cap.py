@@ -54,7 +54,7 @@ def memory_in_use(device: torch.device) -> float:
     return resident / (resident + psutil.virtual_memory().available)
 
 
-class LoadWindow:
+class DynamicKCap:
     """Caps every row's k for the coming step from batch size, memory in use and acceptance rates."""
 
     def __init__(
@@ -75,7 +75,7 @@ class LoadWindow:
         return tokens / (self.costs(len(acceptances), k + 1) + len(acceptances) * k * draft_s_per_token)
 
     def choose(self, acceptances: list[float], draft_s_per_token: float, max_k: int) -> int:
-        """The window, at most ``max_k``, for a step over rows with these acceptance estimates (0 = no speculation)."""
+        """The k_cap, at most ``max_k``, for a step over rows with these acceptance estimates (0 = no speculation)."""
         if not acceptances or self.memory() > self.memory_threshold:
             return 0
         return max(range(max_k + 1), key=lambda k: self.expected_rate(k, acceptances, draft_s_per_token))
