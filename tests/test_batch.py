@@ -249,19 +249,19 @@ def test_batch_cost_curve_interpolates_and_extends() -> None:
     assert curve(32, 1) == pytest.approx(curve(16, 1) * 2)
 
 
-def test_dynamic_window_follows_load_and_memory() -> None:
+def test_the_dynamic_k_cap_follows_load_and_memory() -> None:
     memory = [0.5]
-    window = DynamicKCap(_compute_bound(), memory_threshold=0.8, memory=lambda: memory[0])
-    small, large = window.choose([0.8], 0.0, max_k=8), window.choose([0.8] * 32, 0.0, max_k=8)
+    k_cap = DynamicKCap(_compute_bound(), memory_threshold=0.8, memory=lambda: memory[0])
+    small, large = k_cap.choose([0.8], 0.0, max_k=8), k_cap.choose([0.8] * 32, 0.0, max_k=8)
     assert small > 0 and large == 0  # verification is cheap for one row and not for 32: speculation turns off
-    assert window.choose([0.8] * 2, 0.0, max_k=8) > 0  # and back on when the load falls
-    assert window.choose([0.05], 0.0, max_k=8) == 0  # drafts that are never accepted are not worth verifying
-    assert window.choose([0.8], 0.0, max_k=2) <= 2
+    assert k_cap.choose([0.8] * 2, 0.0, max_k=8) > 0  # and back on when the load falls
+    assert k_cap.choose([0.05], 0.0, max_k=8) == 0  # drafts that are never accepted are not worth verifying
+    assert k_cap.choose([0.8], 0.0, max_k=2) <= 2
     memory[0] = 0.9
-    assert window.choose([0.8], 0.0, max_k=8) == 0  # over the memory threshold
+    assert k_cap.choose([0.8], 0.0, max_k=8) == 0  # over the memory threshold
 
 
-def test_window_caps_each_rows_own_policy() -> None:
+def test_the_k_cap_caps_each_rows_own_policy() -> None:
     target = loaded(tiny_llama(0))
     gen = Generator(
         target,

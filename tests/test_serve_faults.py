@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
 
 from specdec import GenerationConfig, Generator
+from specdec.drafters import SuffixDrafter, SuffixStore
 from specdec.errors import ConfigError
 from specdec.serving import app as app_module
 from specdec.serving import server as server_module
@@ -180,10 +182,18 @@ def _tiny_app(config: ServeConfig = ServeConfig()):
     return create_app(_tiny_generator(), config)
 
 
-def test_the_library_app_refuses_suffix_settings_without_a_suffix_drafter() -> None:
-    """The serve rules hold for create_app called from Python, not only for the command line."""
-    with pytest.raises(ConfigError, match="add --draft suffix"):
-        _tiny_app(ServeConfig(suffix_max_tokens=1000))
+def test_the_library_app_refuses_history_settings_without_a_history(tmp_path: Path) -> None:
+    """The serve rules hold for create_app called from Python: settings that size or keep a suffix history need the
+    history; the scope, which applies to every request, needs none."""
+    for config in (ServeConfig(suffix_max_tokens=1000), ServeConfig(suffix_cache=str(tmp_path / "history"))):
+        with pytest.raises(ConfigError, match="create_app was given none: pass history"):
+            _tiny_app(config)
+    tokenizer = char_tokenizer()
+    target = loaded(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)
+    store = SuffixStore()
+    app = create_app(Generator(target, SuffixDrafter(store)), ServeConfig(suffix_scope="request"))
+    assert app.state.batcher is not None
+    assert create_app(Generator(target, SuffixDrafter(store)), ServeConfig(suffix_max_tokens=1000), store) is not None
 
 
 # bugs outside the model's step: handing out text, retiring a finished row

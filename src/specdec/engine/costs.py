@@ -185,7 +185,7 @@ def machine_batch_cost_curve(backend: RowBackend, rows: tuple[int, ...] = BATCH_
 
 
 class MachineCosts:
-    """What one Generator's k policies and batch window price steps by on this machine: the target's forward cost
+    """What one Generator's k policies and batch k_cap price steps by on this machine: the target's forward cost
     curve, a tree's overhead, a draft step's seconds and the batched forward's cost, each measured on first use (once,
     whichever thread asks first, on a copy of the model or rows of its own so no run's cache is disturbed), then kept
     in memory and, where plausible, on disk."""

@@ -158,7 +158,7 @@ class Decoder(Generic[S]):
             return []
         start = time.perf_counter()
         rows = list(self.rows.values())
-        k_cap = self._k_cap(rows)
+        k_cap = self._cap_for(rows)
         row_ids = {row: i for i, row in enumerate(rows)}
         self._share_prompts([row for row in rows if self.backend.cached_lengths[row_ids[row]] == 0], row_ids)
         joining = [row for row in rows if self.backend.cached_lengths[row_ids[row]] == 0]
@@ -211,7 +211,7 @@ class Decoder(Generic[S]):
                 for row in sharing[first]:  # the prompt's reading counts in each row's prefill
                     row.stats.prefill_s += seconds
 
-    def _k_cap(self, rows: list[Row]) -> int | None:
+    def _cap_for(self, rows: list[Row]) -> int | None:
         if self.k_cap is None:
             return None
         max_k = max(row.config.k for row in rows)

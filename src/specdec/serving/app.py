@@ -28,10 +28,10 @@ from starlette.exceptions import HTTPException
 
 from specdec.drafters import SuffixStore
 from specdec.engine import GenerationResult, Generator
-from specdec.errors import ContextLengthError, SpecDecError
+from specdec.errors import ConfigError, ContextLengthError, SpecDecError
 from specdec.serving import protocol as api
 from specdec.serving.batcher import Batcher, Job, MemoryFullError, QueueFullError, ShuttingDownError
-from specdec.serving.config import ServeConfig, host_name
+from specdec.serving.config import SUFFIX_OPTIONS, ServeConfig, host_name
 from specdec.serving.metrics import Metrics
 from specdec.serving.suffix import HistoryKeeper
 
@@ -47,9 +47,14 @@ def create_app(
 ) -> FastAPI:
     """An app serving ``generator``'s target under its name; the engine thread (app.state.batcher) runs while the app's
     lifespan does. ``history``: the suffix drafter's store, reported in /metrics and saved to ``config.suffix_cache``
-    while the app runs (every ``config.suffix_save_every_s``) and when it stops; ConfigError where ``config`` sets the
-    suffix drafter's history and ``generator`` drafts otherwise."""
-    config.check_drafter("suffix" if history is not None else generator.draft_name)
+    while the app runs (every ``config.suffix_save_every_s``) and when it stops; ConfigError where ``config`` sizes or
+    keeps a suffix history and none is given."""
+    kept = [name for name in config.suffix_settings if name != SUFFIX_OPTIONS["suffix_scope"]]
+    if kept and history is None:
+        raise ConfigError(
+            f"{', '.join(kept)} size(s) or keep(s) the suffix drafter's history, and create_app was given none: pass "
+            "history (the SuffixStore the generator's SuffixDrafter drafts from), or leave them at their defaults"
+        )
     metrics = Metrics()
     batcher = Batcher(generator, config.max_batch, config.max_queue, metrics)
     scoring = asyncio.Semaphore(1)  # prompts scored for echo: one forward at a time beside the engine thread
